@@ -1,0 +1,136 @@
+"""Rotary position maths on plain tensors: frequencies, rotation by arbitrary positions, bands.
+
+Conventions follow TransformerLens 3 exactly (so integer positions reproduce the model bit for bit):
+`freq_b = base ** (b / (rotary_dim/2))` is the inverse angular frequency of band b, the angle at
+position p is `p / freq_b`, and band b pairs dims (b, b + rotary_dim/2) ("half-split", GPT-NeoX,
+Llama) or (2b, 2b+1) ("adjacent", GPT-J). Angles are computed in float32 (float64 for float64
+models) and cast, as TL does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import einops
+import torch
+from jaxtyping import Float
+
+
+@dataclass(frozen=True)
+class RotarySpec:
+    """How one attention layer rotates: dims rotated, base, pairing, and per-band frequency scale.
+
+    `freq_scale` multiplies each band's inverse frequency (TL's `rotary_scaling_factor` is a scalar
+    case); `None` means 1. `removed` bands get no rotation (cos=1, sin=0), p-RoPE style.
+    """
+
+    rotary_dim: int
+    base: float
+    adjacent: bool = False
+    freq_scale: tuple[float, ...] | None = None
+    removed: frozenset[int] = frozenset()
+
+    @property
+    def n_bands(self) -> int:
+        return self.rotary_dim // 2
+
+
+def inv_freq_table(spec: RotarySpec, dtype: torch.dtype = torch.float32) -> Float[torch.Tensor, "band"]:
+    """`freq_b` per band (angle = position / freq_b), in TL's precision for `dtype`."""
+    hp = torch.float64 if dtype == torch.float64 else torch.float32
+    dim = torch.arange(spec.n_bands, dtype=hp)
+    freq = spec.base ** (dim / (spec.rotary_dim / 2))
+    if spec.freq_scale is not None:
+        freq = freq * torch.tensor(spec.freq_scale, dtype=hp)
+    return freq
+
+
+def angular_frequency(spec: RotarySpec) -> list[float]:
+    """Radians per token for each band (band 0 is the fastest)."""
+    return [1.0 / float(f) for f in inv_freq_table(spec, torch.float64)]
+
+
+def wavelength(spec: RotarySpec) -> list[float]:
+    """Wavelength in tokens for each band: 2*pi / angular frequency."""
+    return [2 * math.pi / w for w in angular_frequency(spec)]
+
+
+def band_dims(spec: RotarySpec, band: int) -> tuple[int, int]:
+    """The two head dims that band `band` rotates together."""
+    if spec.adjacent:
+        return 2 * band, 2 * band + 1
+    return band, band + spec.n_bands
+
+
+def band_of_dim(spec: RotarySpec) -> torch.Tensor:
+    """Band index of each of the rotary dims, `[rotary_dim]`."""
+    b = torch.arange(spec.n_bands)
+    return einops.repeat(b, "d -> (d 2)") if spec.adjacent else einops.repeat(b, "d -> (2 d)")
+
+
+def sin_cos(
+    positions: Float[torch.Tensor, "*shape"], spec: RotarySpec, dtype: torch.dtype
+) -> tuple[Float[torch.Tensor, "*shape rotary_dim"], Float[torch.Tensor, "*shape rotary_dim"]]:
+    """sin and cos tables for arbitrary (float) positions, laid out like TL's `rotary_sin/cos`."""
+    hp = torch.float64 if dtype == torch.float64 else torch.float32
+    freq = inv_freq_table(spec, dtype).to(positions.device)
+    freq = einops.repeat(freq, "d -> (d 2)") if spec.adjacent else einops.repeat(freq, "d -> (2 d)")
+    angles = positions.to(hp)[..., None] / freq
+    sin, cos = torch.sin(angles).to(dtype), torch.cos(angles).to(dtype)
+    if spec.removed:
+        gone = torch.zeros(spec.rotary_dim, dtype=torch.bool, device=positions.device)
+        for b in spec.removed:
+            gone[list(band_dims(spec, b))] = True
+        sin = torch.where(gone, torch.zeros_like(sin), sin)
+        cos = torch.where(gone, torch.ones_like(cos), cos)
+    return sin, cos
+
+
+def rotate_half(x: Float[torch.Tensor, "... rotary_dim"], adjacent: bool) -> Float[torch.Tensor, "... rotary_dim"]:
+    """Map each pair (a, b) to (-b, a), the 90-degree turn RoPE adds with weight sin."""
+    out = x.clone()
+    if adjacent:
+        out[..., ::2] = -x[..., 1::2]
+        out[..., 1::2] = x[..., ::2]
+    else:
+        n = x.size(-1) // 2
+        out[..., :n] = -x[..., n:]
+        out[..., n:] = x[..., :n]
+    return out
+
+
+def rotate(
+    x: Float[torch.Tensor, "batch pos head_index d_head"],
+    positions: Float[torch.Tensor, "pos"] | Float[torch.Tensor, "batch pos"],
+    spec: RotarySpec,
+) -> Float[torch.Tensor, "batch pos head_index d_head"]:
+    """Rotate the first `rotary_dim` dims of each head vector to the given positions (floats allowed).
+
+    Dims past `rotary_dim` pass through unchanged (partial rotary).
+    """
+    if positions.dim() == 1:
+        positions = positions[None, :]
+    if positions.shape[-1] != x.shape[1]:
+        raise ValueError(f"{positions.shape[-1]} positions for a sequence of {x.shape[1]} tokens")
+    sin, cos = sin_cos(positions.to(x.device), spec, x.dtype)
+    x_rot, x_pass = x[..., : spec.rotary_dim], x[..., spec.rotary_dim:]
+    out = x_rot * cos[:, :, None, :] + rotate_half(x_rot, spec.adjacent) * sin[:, :, None, :]
+    return torch.cat([out, x_pass], dim=-1)
+
+
+def band_scores(
+    q_rot: Float[torch.Tensor, "batch query_pos head_index d_head"],
+    k_rot: Float[torch.Tensor, "batch key_pos head_index d_head"],
+    spec: RotarySpec,
+    scale: float,
+) -> Float[torch.Tensor, "batch head_index band query_pos key_pos"]:
+    """Per-band partial dot products of rotated q and k, divided by `scale`.
+
+    Summed over bands, plus the unrotated remainder (`d_head > rotary_dim`), they give the score.
+    Key heads must already be expanded to query heads (GQA).
+    """
+    b = band_of_dim(spec).to(q_rot.device)
+    onehot = torch.nn.functional.one_hot(b, spec.n_bands).to(q_rot.dtype)  # [rotary_dim, band]
+    qb = einops.einsum(q_rot[..., : spec.rotary_dim], onehot, "b q h d, d n -> b q h n d")
+    return einops.einsum(qb, k_rot[..., : spec.rotary_dim], "b q h n d, b k h d -> b h n q k") / scale

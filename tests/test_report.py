@@ -1,0 +1,234 @@
+"""Unit tests for posprobe.report (offline HTML) and posprobe.results (atomic save)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from html.parser import HTMLParser
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+import pytest
+from plotly.offline import get_plotlyjs
+
+from posprobe import report as report_mod
+from posprobe import results as results_mod
+from posprobe.report import Section, render_html, write_html_atomic
+from posprobe.results import Result, environment_meta
+
+PLOTLYJS = get_plotlyjs()
+
+
+class _Tags(HTMLParser):
+    """Collect start tags; <script>/<style> bodies are CDATA, so JS string
+    literals inside the inlined plotly.js are NOT mistaken for tags."""
+
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.tags: list[tuple[str, dict]] = []
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append((tag, dict(attrs)))
+
+
+def _tags(html: str) -> list[tuple[str, dict]]:
+    p = _Tags()
+    p.feed(html)
+    p.close()
+    return p.tags
+
+
+def _figs(n: int = 2) -> list[go.Figure]:
+    out = []
+    for i in range(n):
+        f = go.Figure(go.Scatter(x=[0, 1, 2], y=[i, i + 1, i * 2], error_y=dict(array=[0.1, 0.2, 0.1])))
+        f.update_layout(title=f"fig {i}")
+        out.append(f)
+    return out
+
+
+def _df() -> pd.DataFrame:
+    return pd.DataFrame(
+        {
+            "layer": np.repeat([0, 1], 3),
+            "position": np.tile([0, 1, 2], 2),
+            "metric": ["loss"] * 6,
+            "value": np.linspace(0.0, 1.0, 6),
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def page() -> str:
+    sections = [
+        Section("Intro <b>", html="<p>hello</p>"),
+        Section("Plots", figures=_figs(2), table=_df()),
+        Section("More", figures=_figs(1)),
+    ]
+    meta = {"model": "gpt2<script>", "versions": {"torch": "2.3"}, "n": 3}
+    return render_html("My <title> & co", sections, meta=meta)
+
+
+def _outside_bundle(html: str) -> str:
+    assert html.count(PLOTLYJS) == 1
+    return html.replace(PLOTLYJS, "")
+
+
+def test_no_external_urls(page):
+    for tag, attrs in _tags(page):
+        for attr in ("src", "href", "data", "action", "poster"):
+            val = (attrs.get(attr) or "").strip().lower()
+            assert not val.startswith(("http:", "https:", "//")), (tag, attr, val)
+    # plotly.js itself contains URL string literals (e.g. its logo link,
+    # map-tile URLs) that are never fetched for our traces; everything WE emit
+    # must be URL-free.
+    rest = _outside_bundle(page).lower()
+    for needle in ('src="http', "src='http", 'href="http', "href='http", "http://", "https://", "@import"):
+        assert needle not in rest, needle
+    assert "mathjax" not in rest
+    assert "cdn.plot.ly" not in rest
+
+
+def test_plotlyjs_inlined_once_in_head(page):
+    assert page.count(PLOTLYJS) == 1
+    head_end = page.index("</head>")
+    assert page.index(PLOTLYJS) < head_end
+    scripts = [a for t, a in _tags(page) if t == "script"]
+    assert all("src" not in a for a in scripts)
+    assert len(scripts) == 1 + 3  # the bundle + one newPlot call per figure
+    assert page.lstrip().lower().startswith("<!doctype html>")
+    assert '<meta charset="utf-8">' in page
+
+
+def test_one_div_per_figure(page):
+    divs = [a for t, a in _tags(page) if t == "div" and "plotly-graph-div" in (a.get("class") or "")]
+    assert [d["id"] for d in divs] == ["posprobe-fig-0", "posprobe-fig-1", "posprobe-fig-2"]
+    for i in range(3):
+        assert len(re.findall(rf'Plotly\.newPlot\(\s*"posprobe-fig-{i}"', page)) == 1
+
+
+def test_table_and_escaping(page):
+    assert 'class="dataframe pp-table"' in page
+    assert "<title>My &lt;title&gt; &amp; co</title>" in page
+    assert "<h2>Intro &lt;b&gt;</h2>" in page
+    assert "<p>hello</p>" in page  # Section.html is trusted, inserted verbatim
+    assert "gpt2&lt;script&gt;" in page and "gpt2<script>" not in page
+    assert "torch=2.3" in page
+
+
+def test_render_without_figures_or_meta():
+    html = render_html("t", [Section("only text", html="x")])
+    assert html.count(PLOTLYJS) == 1
+    assert "plotly-graph-div" not in html and "<footer>" not in html
+
+
+def test_write_html_atomic(tmp_path, monkeypatch):
+    p = tmp_path / "r.html"
+    write_html_atomic(p, "<p>é</p>")
+    assert p.read_text(encoding="utf-8") == "<p>é</p>"
+    assert os.listdir(tmp_path) == ["r.html"]
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(report_mod.os, "replace", boom)
+    with pytest.raises(OSError):
+        write_html_atomic(p, "new")
+    assert p.read_text(encoding="utf-8") == "<p>é</p>"
+    assert os.listdir(tmp_path) == ["r.html"]
+
+
+# ------------------------------------------------------------------ Result.save
+
+
+def _snapshot(d: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
+
+
+def test_save_writes_all_files(tmp_path):
+    meta = {"model": "gpt2", "seed": 0, "layers": [0, 1], "env": environment_meta()}
+    res = Result(_df(), meta)
+    paths = res.save(tmp_path / "out", name="loss", figures=_figs(2), title="Loss", summary_html="<p>sum</p>")
+    assert set(paths) == {"parquet", "csv", "meta", "report"}
+    assert sorted(os.listdir(tmp_path / "out")) == ["loss.csv", "loss.parquet", "meta.json", "report.html"]
+    for p in paths.values():
+        assert p.is_file() and p.stat().st_size > 0
+    pd.testing.assert_frame_equal(pd.read_parquet(paths["parquet"]), res.df)
+    pd.testing.assert_frame_equal(pd.read_csv(paths["csv"]), res.df)
+    html = paths["report"].read_text(encoding="utf-8")
+    assert html.count(PLOTLYJS) == 1 and html.count('class="plotly-graph-div"') == 2
+    assert "<p>sum</p>" in html and "<title>Loss</title>" in html
+
+
+def test_meta_json_roundtrip(tmp_path):
+    meta = {"z": 1, "a": {"y": [1, 2.5, None], "b": "x"}, "flag": True, "path": Path("/tmp/x")}
+    res = Result(_df(), meta)
+    paths = res.save(tmp_path, name="r")
+    text = paths["meta"].read_text(encoding="utf-8")
+    loaded = json.loads(text)
+    assert loaded == {**meta, "path": "/tmp/x"}  # default=str for non-JSON types
+    assert list(loaded) == sorted(loaded)  # sorted keys
+    # numpy scalars/arrays become plain JSON numbers/lists
+    Result(_df(), {"x": np.float64(0.5), "arr": np.arange(3)}).save(tmp_path, name="r")
+    assert json.loads(paths["meta"].read_text()) == {"arr": [0, 1, 2], "x": 0.5}
+    back = Result.load(tmp_path, name="r")
+    pd.testing.assert_frame_equal(back.df, res.df)
+
+
+class _ExplodingFigure(go.Figure):
+    def to_html(self, *a, **k):
+        raise RuntimeError("figure rendering failed")
+
+
+@pytest.mark.parametrize("where", ["figure", "parquet", "commit"])
+def test_save_is_atomic(tmp_path, monkeypatch, where):
+    out = tmp_path / "out"
+    Result(_df(), {"run": 1}).save(out, name="r")  # previous good state
+    (out / "keep.txt").write_text("mine")
+    before = _snapshot(out)
+
+    df, figs = _df(), _figs(1)
+    if where == "figure":
+        figs = [*figs, _ExplodingFigure()]
+    elif where == "parquet":
+        df = df.assign(bad=[1, "a", 2.0, None, b"x", object()])  # pyarrow cannot convert
+    else:  # fail on the 3rd rename, after two targets were already replaced
+        real, calls = os.replace, []
+
+        def flaky(src, dst):
+            calls.append(dst)
+            if len(calls) == 3:
+                raise OSError("simulated crash mid-commit")
+            return real(src, dst)
+
+        monkeypatch.setattr(results_mod.os, "replace", flaky)
+
+    with pytest.raises(Exception):
+        Result(df, {"run": 2}).save(out, name="r", figures=figs)
+    assert _snapshot(out) == before  # no new/temp files, old files untouched
+
+
+def test_save_failure_into_new_dir_leaves_nothing(tmp_path):
+    out = tmp_path / "fresh"
+    with pytest.raises(RuntimeError):
+        Result(_df(), {}).save(out, name="r", figures=[_ExplodingFigure()])
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("name", ["", ".hidden", "a/b", "a\\b"])
+def test_save_rejects_bad_names(tmp_path, name):
+    with pytest.raises(ValueError):
+        Result(_df(), {}).save(tmp_path, name=name)
+    assert os.listdir(tmp_path) == []
+
+
+def test_environment_meta():
+    env = environment_meta()
+    keys = {"python", "torch", "transformer_lens", "transformers", "numpy", "pandas", "posprobe", "platform", "timestamp_utc"}
+    assert keys <= set(env)
+    assert env["numpy"] == np.__version__ and env["pandas"] == pd.__version__
+    assert env["timestamp_utc"].endswith("+00:00")
+    json.dumps(env)

@@ -1,0 +1,141 @@
+"""Open a generated report in REAL headless Chromium, networking off.
+
+Needs Debian's chromium (`apt-get install -y chromium chromium-driver`).
+Missing Chromium => skip locally, but FAIL when $CI is set.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # robust to tests/__init__.py or not
+import browser_util  # noqa: E402
+from browser_util import load_page, require_chromium  # noqa: E402
+
+from posprobe.results import Result, environment_meta  # noqa: E402
+
+# JS run in the page: per plotly div, what actually got drawn.
+_PROBE = """(() => {
+  const figs = {};
+  for (const d of document.querySelectorAll('div.plotly-graph-div')) {
+    figs[d.id] = {
+      main_svg: d.querySelectorAll('svg.main-svg').length,
+      container: !!d.querySelector('.plot-container'),
+      traces: (d._fullData || []).length,
+      error_bars: d.querySelectorAll('g.errorbar').length,
+      line_paths: d.querySelectorAll('.scatterlayer path.js-line').length,
+      heatmap_images: d.querySelectorAll('.heatmaplayer image').length,
+      bars: d.querySelectorAll('.barlayer .point path').length,
+    };
+  }
+  return {plotly: typeof Plotly === 'undefined' ? null : Plotly.version, figs};
+})()"""
+
+
+def _all_drawn(n: int):
+    def ok(v) -> bool:
+        figs = (v or {}).get("figs") or {}
+        return len(figs) == n and all(f["main_svg"] > 0 and f["container"] for f in figs.values())
+
+    return ok
+
+
+def _figures() -> list[go.Figure]:
+    pos = np.arange(16)
+    rng = np.random.default_rng(0)
+    mean = np.exp(-pos / 6.0)
+    line = go.Figure(
+        go.Scatter(x=pos, y=mean, mode="lines+markers", error_y=dict(type="data", array=0.05 + 0.02 * rng.random(16)))
+    )
+    line.update_layout(title="Loss by position (± s.e.)", xaxis_title="position", yaxis_title="loss")
+    heat = go.Figure(go.Heatmap(z=rng.random((12, 16)), x=pos, y=[f"L{i}" for i in range(12)], colorscale="Viridis"))
+    heat.update_layout(title="Attention to BOS by layer × position")
+    bar = go.Figure(go.Bar(x=[f"head {i}" for i in range(8)], y=rng.random(8)))
+    bar.update_layout(title="Per-head score")
+    return [line, heat, bar]
+
+
+@pytest.mark.browser
+def test_report_renders_offline_in_chromium(tmp_path):
+    require_chromium()
+    df = pd.DataFrame({"position": np.arange(16), "value": np.linspace(0, 1, 16), "metric": "loss"})
+    meta = {"model": "toy", **environment_meta()}
+    paths = Result(df, meta).save(
+        tmp_path, name="demo", figures=_figures(), title="Browser smoke test", summary_html="<p>three figures</p>"
+    )
+    rep = load_page(paths["report"], _PROBE, until=_all_drawn(3), timeout=60)
+
+    assert rep.errors == [], f"console errors: {rep.errors}"
+    assert rep.ok, f"not every figure rendered: {rep.value}"
+    assert rep.value["plotly"], "plotly.js did not load"
+    figs = rep.value["figs"]
+    assert sorted(figs) == ["posprobe-fig-0", "posprobe-fig-1", "posprobe-fig-2"]
+    line, heat, bar = (figs[f"posprobe-fig-{i}"] for i in range(3))
+    assert all(f["traces"] == 1 for f in figs.values()), figs
+    assert line["line_paths"] >= 1 and line["error_bars"] == 16, line
+    assert heat["heatmap_images"] >= 1, heat
+    assert bar["bars"] == 8, bar
+
+
+# ---- negative controls: prove the harness CAN fail ---------------------------
+
+
+@pytest.mark.browser
+def test_detects_uncaught_exception(tmp_path):
+    page = tmp_path / "broken.html"
+    page.write_text('<!DOCTYPE html><html><body><p id="p">x</p><script>throw new Error("boom")</script></body></html>')
+    rep = load_page(page, "document.getElementById('p') !== null")
+    assert rep.ok
+    assert any("boom" in e for e in rep.errors), rep.errors
+
+
+@pytest.mark.browser
+def test_detects_console_error(tmp_path):
+    page = tmp_path / "console.html"
+    page.write_text('<!DOCTYPE html><html><body><script>console.error("kaboom", 42)</script></body></html>')
+    rep = load_page(page)
+    assert any("kaboom 42" in e for e in rep.errors), rep.errors
+
+
+@pytest.mark.browser
+def test_network_is_off(tmp_path):
+    # a CDN-hosted plotly must NOT load; the failed fetch must surface as an error
+    page = tmp_path / "cdn.html"
+    page.write_text(
+        '<!DOCTYPE html><html><head><script src="https://cdn.plot.ly/plotly-2.35.2.min.js"></script></head>'
+        '<body><div id="d"></div><script>window.done = true; Plotly.newPlot("d", [{y: [1, 2]}]);</script></body></html>'
+    )
+    rep = load_page(page, "window.done === true && typeof Plotly === 'undefined'")
+    assert rep.ok, rep.value
+    assert any("cdn.plot.ly" in e or "ERR_" in e for e in rep.errors), rep.errors
+    assert any("Plotly is not defined" in e for e in rep.errors), rep.errors
+
+
+@pytest.mark.browser
+def test_missing_figure_is_detected(tmp_path):
+    # a plotly div whose newPlot never runs must fail the rendered-check
+    page = tmp_path / "empty.html"
+    page.write_text('<!DOCTYPE html><html><body><div id="f" class="plotly-graph-div"></div></body></html>')
+    rep = load_page(page, _PROBE, until=_all_drawn(1), timeout=3)
+    assert not rep.ok and rep.value["figs"]["f"]["main_svg"] == 0
+
+
+# ---- the skip/fail policy itself (no browser needed) -------------------------
+
+
+@pytest.mark.parametrize("ci, expect", [(None, "skip"), ("", "skip"), ("true", "fail"), ("1", "fail")])
+def test_missing_chromium_policy(monkeypatch, ci, expect):
+    monkeypatch.setattr(browser_util, "find_chromium", lambda: None)
+    if ci is None:
+        monkeypatch.delenv("CI", raising=False)
+    else:
+        monkeypatch.setenv("CI", ci)
+    exc = pytest.skip.Exception if expect == "skip" else pytest.fail.Exception
+    with pytest.raises(exc, match="apt-get install -y chromium"):
+        require_chromium()
