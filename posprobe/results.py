@@ -118,54 +118,17 @@ class Result:
         removed and already-renamed files are rolled back.  Returns the paths
         keyed ``parquet``, ``csv``, ``meta``, ``report``.
         """
-        if not name or name.startswith(".") or any(c in name for c in "/\\\0"):
-            raise ValueError(f"invalid result name: {name!r}")
-        out = Path(out_dir)
-        created = not out.exists()
-        out.mkdir(parents=True, exist_ok=True)
-        targets = {
-            "parquet": out / f"{name}.parquet",
-            "csv": out / f"{name}.csv",
-            "meta": out / "meta.json",
-            "report": out / "report.html",
-        }
-        temps: dict[str, str] = {}
-
-        def stage(key: str, write: Callable[[str], None]) -> None:
-            fd, tmp = _mkstemp_for(targets[key])
-            os.close(fd)
-            temps[key] = tmp  # registered before writing, so cleanup sees partials
-            write(tmp)
-            _fsync_path(tmp)
-
-        try:
-            sections = []
-            if summary_html:
-                sections.append(Section("Summary", html=summary_html))
-            if figures:
-                sections.append(Section("Figures", figures=list(figures)))
-            n = len(self.df)
-            heading = f"Data ({n} rows)" if n <= PREVIEW_ROWS else f"Data (first {PREVIEW_ROWS} of {n} rows)"
-            sections.append(Section(heading, table=self.df.head(PREVIEW_ROWS)))
-            html = render_html(title or name, sections, meta=self.meta)
-            meta_json = json.dumps(self.meta, sort_keys=True, indent=2, default=_json_default)
-
-            stage("parquet", lambda p: self.df.to_parquet(p))
-            stage("csv", lambda p: self.df.to_csv(p, index=not _has_trivial_index(self.df)))
-            stage("meta", lambda p: Path(p).write_text(meta_json + "\n", encoding="utf-8"))
-            stage("report", lambda p: Path(p).write_text(html, encoding="utf-8"))
-            _commit(temps, targets)
-        except BaseException:
-            for tmp in temps.values():
-                Path(tmp).unlink(missing_ok=True)
-            if created:
-                try:
-                    out.rmdir()  # only succeeds if we left it empty
-                except OSError:
-                    pass
-            raise
-        _fsync_path(out)  # persist the renames
-        return targets
+        sections = []
+        if summary_html:
+            sections.append(Section("Summary", html=summary_html))
+        if figures:
+            sections.append(Section("Figures", figures=list(figures)))
+        n = len(self.df)
+        heading = f"Data ({n} rows)" if n <= PREVIEW_ROWS else f"Data (first {PREVIEW_ROWS} of {n} rows)"
+        sections.append(Section(heading, table=self.df.head(PREVIEW_ROWS)))
+        paths = save_bundle(out_dir, {name: self.df}, self.meta, lambda: render_html(title or name, sections, meta=self.meta))
+        return {"parquet": paths[f"{name}.parquet"], "csv": paths[f"{name}.csv"], "meta": paths["meta"],
+                "report": paths["report"]}
 
     @classmethod
     def load(cls, out_dir: str | os.PathLike, *, name: str) -> "Result":
@@ -174,3 +137,60 @@ class Result:
         df = pd.read_parquet(out / f"{name}.parquet")
         meta = json.loads((out / "meta.json").read_text(encoding="utf-8"))
         return cls(df=df, meta=meta)
+
+
+def save_bundle(
+    out_dir: str | os.PathLike,
+    tables: dict[str, pd.DataFrame],
+    meta: dict,
+    html: Callable[[], str] | str | None,
+) -> dict[str, Path]:
+    """Write each table as ``<name>.parquet`` and ``<name>.csv``, plus ``meta.json`` and ``report.html``.
+
+    All-or-nothing: every payload is built and staged as a hidden temp file in ``out_dir`` first,
+    then renamed into place; on any error temps are removed and renamed files rolled back.
+    Returns paths keyed ``<name>.parquet``, ``<name>.csv``, ``meta``, ``report``.
+    """
+    for name in tables:
+        if not name or name.startswith(".") or any(c in name for c in "/\\\0"):
+            raise ValueError(f"invalid result name: {name!r}")
+    out = Path(out_dir)
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    targets: dict[str, Path] = {}
+    for name in tables:
+        targets[f"{name}.parquet"] = out / f"{name}.parquet"
+        targets[f"{name}.csv"] = out / f"{name}.csv"
+    targets["meta"] = out / "meta.json"
+    if html is not None:
+        targets["report"] = out / "report.html"
+    temps: dict[str, str] = {}
+
+    def stage(key: str, write: Callable[[str], None]) -> None:
+        fd, tmp = _mkstemp_for(targets[key])
+        os.close(fd)
+        temps[key] = tmp  # registered before writing, so cleanup sees partials
+        write(tmp)
+        _fsync_path(tmp)
+
+    try:
+        page = html() if callable(html) else html
+        meta_json = json.dumps(meta, sort_keys=True, indent=2, default=_json_default)
+        for name, df in tables.items():
+            stage(f"{name}.parquet", lambda p, df=df: df.to_parquet(p))
+            stage(f"{name}.csv", lambda p, df=df: df.to_csv(p, index=not _has_trivial_index(df)))
+        stage("meta", lambda p: Path(p).write_text(meta_json + "\n", encoding="utf-8"))
+        if page is not None:
+            stage("report", lambda p: Path(p).write_text(page, encoding="utf-8"))
+        _commit(temps, targets)
+    except BaseException:
+        for tmp in temps.values():
+            Path(tmp).unlink(missing_ok=True)
+        if created:
+            try:
+                out.rmdir()  # only succeeds if we left it empty
+            except OSError:
+                pass
+        raise
+    _fsync_path(out)  # persist the renames
+    return targets
