@@ -64,6 +64,8 @@ def load_model(
         from posprobe.tiny import build_tiny
 
         model = build_tiny(source.name, seed=seed, dtype=dt, device=device)
+        if process_weights:
+            model.process_weights_(fold_ln=True, center_writing_weights=True, center_unembed=True)
     elif source.kind == "hub":
         model = _load_hub(source, device=device, dtype=dt, n_ctx=n_ctx, process=process_weights, n_devices=n_devices)
     else:
@@ -161,6 +163,8 @@ def _load_folder(folder: Path, source: Source, *, device: str, dtype: torch.dtyp
     hf_cfg = read_hf_config(folder)
     arch = (hf_cfg.get("architectures") or [""])[0]
     is_bert = arch.startswith("Bert")
+    if is_bert and process:
+        raise ModelLoadError("process_weights=True is not supported for BERT encoders (post-LN blocks cannot be folded)")
     tl_name = _tl_name_for(folder, hf_cfg)
     hf = _hf_auto(folder, dtype)
     tokenizer = AutoTokenizer.from_pretrained(folder)
