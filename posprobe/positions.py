@@ -191,9 +191,17 @@ class _RopeControl:
                 if not bool(rows.any()):
                     continue
                 k_rot = rotate(k_all, v.k_pos[..., :total], self.specs[layer])
+                if rows.dim() == 1:
+                    # Only the selected query rows: one view per query stays O(n^2) per view, not O(n^3).
+                    idx = rows.nonzero()[:, 0]
+                    alt = attention_scores(self.model, layer, q_rot[:, idx], k_rot).to(scores.dtype)
+                    part = out[:, :, idx]
+                    out = out.clone() if out is scores else out
+                    # Masked entries keep the model's own fill value (-inf), whatever the view says.
+                    out[:, :, idx] = torch.where(torch.isfinite(scores[:, :, idx]), alt, part)
+                    continue
                 alt = attention_scores(self.model, layer, q_rot, k_rot)
-                sel = rows.reshape((-1, 1, n_q, 1) if rows.dim() == 2 else (1, 1, n_q, 1))
-                # Masked entries keep the model's own fill value (-inf), whatever the view says.
+                sel = rows.reshape(-1, 1, n_q, 1)
                 out = torch.where(sel & torch.isfinite(scores), alt.to(scores.dtype), out)
             return out
 

@@ -1,0 +1,47 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Key squishing an instruction (SmolLM2-135M-Instruct)
+#
+# The instruction sits in the user turn of the chat template. We move its **key** positions to 0 and
+# compare two views: *global* (every query, the instruction's own tokens included, sees the squished
+# keys) and *cache* (the instruction reads itself normally; later tokens see its cached keys at 0).
+# "Effect kept" = (log p(ref | variant) - log p(ref | no instruction)) /
+# (log p(ref | instruction) - log p(ref | no instruction)), summed over the reference tokens.
+
+# %%
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import plotly.express as px
+
+from posprobe.models import load_model
+from posprobe.squish import squish_report, squish_run
+
+model = load_model("smollm2")
+
+# %%
+df, meta = squish_run(model, "Always answer in French.", "What is the capital of Italy?", max_new_tokens=8,
+                      variant=("global", "cache"), to=0.0, reference="La capitale de l'Italie est Rome.")
+for run, text in meta["continuations"].items():
+    print(f"{run:>9}: {text!r}")
+for v, kept in meta["effect_kept"].items():
+    print(f"effect kept ({v}): {kept:.3f}")
+
+# %%
+mass = df[df.metric == "attn_mass"]
+px.line(mass, x="layer", y="value", color="variant", title="Attention mass from generated tokens onto the instruction")
+
+# %%
+paths = squish_report(df, meta, "key_squishing")
+print(paths["report"])
