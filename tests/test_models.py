@@ -203,3 +203,10 @@ def test_gemma3_local_global_bases_qk_norm_and_position_control():
         assert torch.equal(model(toks), logits)
     with rope_positions(model, shifted_plan(toks.shape[1], 300)):
         assert (model(toks) - logits).abs().max() <= 1e-3
+
+
+def test_public_api_names_resolve():
+    import posprobe
+
+    missing = [n for n in posprobe.__all__ if getattr(posprobe, n, None) is None]
+    assert missing == []
