@@ -17,7 +17,7 @@ def download_blimp() -> Path:
     if out.is_dir() and any(out.glob("*.jsonl")):
         return out
     if hub_offline():
-        raise DataError(f"BLiMP cannot be downloaded: the Hugging Face hub is unreachable. Pass --blimp DIR with the "
+        raise DataError("BLiMP cannot be downloaded: the Hugging Face hub is unreachable. Pass --blimp DIR with the "
                         "official .jsonl files (github.com/alexwarstadt/blimp, data/), or omit --blimp to use "
                         "posprobe's built-in template pairs.")
     import pandas as pd

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
-from jaxtyping import Float, Int
+from jaxtyping import Int
 from tqdm.auto import tqdm
 
 from posprobe.hooks import hook_name, hooked

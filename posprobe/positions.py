@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, Mapping, Sequence
 
 import torch
-from jaxtyping import Float, Int
+from jaxtyping import Int
 
 from posprobe.facts import model_facts, require_learned, require_rotary
 from posprobe.hooks import attention_scores, hook_name, hooked, layer_rotary_spec, pos_embed_hook, pre_rotation

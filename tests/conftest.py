@@ -91,3 +91,19 @@ def _no_grad_and_no_leftover_hooks(request):
 
             model = request.getfixturevalue(name)
             assert live_hook_count(model) == 0, f"hooks left on {name} after {request.node.name}"
+
+
+def run_notebook(name: str, workdir: Path, timeout: int = 600) -> tuple[str, list[dict]]:
+    """Execute analyses/<name>.py (jupytext percent format) headless in `workdir`.
+
+    Returns (all printed text, all outputs); any error output fails the test.
+    """
+    import jupytext
+    from nbclient import NotebookClient
+
+    nb = jupytext.read(Path(__file__).resolve().parents[1] / "analyses" / f"{name}.py")
+    NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(workdir)}}).execute()
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+    errors = [o for o in outputs if o.get("output_type") == "error"]
+    assert not errors, errors
+    return "".join(o.get("text", "") for o in outputs), outputs

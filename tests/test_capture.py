@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from posprobe.capture import RunningMean, batches, capture, mean_by_position, stream
-from posprobe.hooks import hook_name, hooked
+from posprobe.hooks import hooked
 
 
 def test_capture_matches_run_with_cache_and_runs_only_requested_hooks(tiny_rope):

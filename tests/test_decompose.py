@@ -214,11 +214,7 @@ def test_cli_writes_report_and_refuses_bad_input(tmp_path, capsys):
 
 
 def test_notebook_executes(tmp_path):
-    import jupytext
-    import nbclient
+    from conftest import run_notebook
 
-    nb = jupytext.read(ROOT / "analyses" / "score_decomposition.py")
-    nbclient.NotebookClient(nb, timeout=120, kernel_name="python3",
-                            resources={"metadata": {"path": str(tmp_path)}}).execute()
-    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    text, _ = run_notebook("score_decomposition", tmp_path, timeout=300)
     assert "max |terms - scores|" in text

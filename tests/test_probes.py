@@ -282,13 +282,9 @@ def test_minilm_probe_and_wpos_geometry(minilm):
 
 
 def test_notebook_runs(tmp_path):
-    jupytext = pytest.importorskip("jupytext")
-    from nbclient import NotebookClient
+    from conftest import run_notebook
 
-    nb = jupytext.read(ROOT / "analyses" / "position_probes.py")
-    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
-    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
-    assert not [o for o in outputs if o.get("output_type") == "error"]
+    _, outputs = run_notebook("position_probes", tmp_path, timeout=300)
     assert any("text/html" in o.get("data", {}) for o in outputs)
 
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from conftest import shared_data
-from posprobe.data import DataError, MinimalPair, builtin_pairs
-from posprobe.scoring import HFScorer, TLScorer
+from posprobe.data import DataError, builtin_pairs
+from posprobe.scoring import TLScorer
 from posprobe.shift import ShiftConfig, ShiftError, place, summarise
 from posprobe.shift_run import run_shift_test
 
@@ -155,11 +155,7 @@ def test_cli_report_renders_offline_in_chromium(tmp_path):
 
 
 def test_notebook_executes(tmp_path):
-    import jupytext
-    import nbclient
+    from conftest import run_notebook
 
-    nb = jupytext.read(ROOT / "analyses" / "shift_test.py")
-    nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
-                            resources={"metadata": {"path": str(tmp_path)}}).execute()
-    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    text, _ = run_notebook("shift_test", tmp_path, timeout=300)
     assert "McNemar" in text

