@@ -46,6 +46,12 @@ _EXPORTS = {
     "key_squish": "posprobe.surgery",
     "preset_plan": "posprobe.surgery",
     "squish_run": "posprobe.squish",
+    "frequency_usage": "posprobe.frequency",
+    "FrequencyUsage": "posprobe.frequency",
+    "band_ablation": "posprobe.frequency_ablation",
+    "BandAblation": "posprobe.frequency_ablation",
+    "p_sweep": "posprobe.frequency_ablation",
+    "head_ablations": "posprobe.frequency_ablation",
     "builtin_pairs": "posprobe.data",
 }
 
