@@ -133,17 +133,16 @@ def score_pairs(scorer: Any, tokenizer: Any, pairs: Sequence[MinimalPair], cfg: 
     sents = sorted({s for p in pairs for s in (p.good, p.bad)})
     ids = {s: tokenizer(s, add_special_tokens=False).input_ids for s in sents}
     skip = 0 if prefix else 1  # without a prefix the first token has nothing to be predicted from
-    items = [place(prefix, ids[s], k, cfg.prefix_position) for k in ks for s in sents]
-    # Identical (ids, positions) are scored once: duplicates across pairs are common in BLiMP.
-    unique = list(dict.fromkeys(items))
-    lps = scorer.token_logprobs(unique, batch_size=cfg.batch_size, progress=cfg.progress, desc="sentences")
-    total = {it: float(lp[max(len(prefix) - 1, 0):].sum()) if prefix else float(lp.sum()) for it, lp in zip(unique, lps)}
+    first = max(len(prefix) - 1, 0)  # the prefix is context, not part of the sentence's score
+    at_k = [(k, p) for k in ks for p in pairs]
+    items = [(place(prefix, ids[p.good], k, cfg.prefix_position), place(prefix, ids[p.bad], k, cfg.prefix_position))
+             for k, p in at_k]
+    # Pair-aware scoring: the shared start of a pair is computed once, identical sentences once.
+    lps = scorer.pair_logprobs(items, batch_size=cfg.batch_size, progress=cfg.progress, desc="pairs")
     rows = []
-    for k in ks:
-        logp = {s: total[place(prefix, ids[s], k, cfg.prefix_position)] for s in sents}
-        for p in pairs:
-            rows.append((p.paradigm, p.field, p.phenomenon, p.pair_id, k, logp[p.good], logp[p.bad],
-                         len(ids[p.good]) - skip, len(ids[p.bad]) - skip))
+    for (k, p), (lp_good, lp_bad) in zip(at_k, lps):
+        rows.append((p.paradigm, p.field, p.phenomenon, p.pair_id, k, float(lp_good[first:].sum()),
+                     float(lp_bad[first:].sum()), len(ids[p.good]) - skip, len(ids[p.bad]) - skip))
     df = pd.DataFrame(rows, columns=["paradigm", "field", "phenomenon", "pair_id", "k", "logp_good", "logp_bad",
                                      "n_tokens_good", "n_tokens_bad"])
     df["margin"] = df.logp_good - df.logp_bad

@@ -20,6 +20,7 @@ from jaxtyping import Bool
 
 from posprobe.facts import model_facts, require_rotary
 from posprobe.hooks import hook_name, hooked, layer_rotary_spec
+from posprobe.presets_help import PRESET_HELP  # torch-free, so `posprobe --help` stays fast
 from posprobe.positions import KeyView, PositionError, PositionPlan, rope_positions, shifted_plan
 from posprobe.rope import RotarySpec, wavelength
 
@@ -253,9 +254,6 @@ def _kv(spec: str) -> tuple[str, dict[str, float]]:
     return name.strip().lower(), args
 
 
-PRESET_HELP = ("none | shift:k=K | pi:scale=S | ntk:scale=S | yarn:scale=S,original=L[,beta_fast=32,beta_slow=1] | "
-               "self-extend:group=G,window=W | rerope:window=W | streaming:sink=S,window=W | "
-               "p-rope:p=P | drop:lowest=A,highest=B")
 
 
 def preset_plan(spec: str, model: Any, n: int) -> PositionPlan:

@@ -24,7 +24,8 @@ FAST = dict(n_bootstrap=100, progress=False)
 
 
 def test_k_past_context_raises_before_scoring_and_names_longest(tiny_ape, monkeypatch):
-    monkeypatch.setattr(TLScorer, "token_logprobs", lambda *a, **k: pytest.fail("scored before checking"))
+    for method in ("token_logprobs", "pair_logprobs"):
+        monkeypatch.setattr(TLScorer, method, lambda *a, **k: pytest.fail("scored before checking"))
     with pytest.raises(ShiftError, match=r"k=250 plus the longest sentence \(\d+ tokens.*largest allowed k is \d+"):
         run_shift_test(tiny_ape, PAIRS, config=ShiftConfig(ks=(250,), **FAST))
 

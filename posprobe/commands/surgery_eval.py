@@ -9,7 +9,7 @@ HELP = "Loss (nats/token) vs position on a text under each position/frequency pr
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from posprobe.cli import add_model_arguments
-    from posprobe.surgery import PRESET_HELP
+    from posprobe.presets_help import PRESET_HELP
 
     add_model_arguments(p)
     p.add_argument("--preset", action="append", required=True, help=f"repeatable; {PRESET_HELP}")
