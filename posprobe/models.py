@@ -168,15 +168,13 @@ def _load_folder(folder: Path, source: Source, *, device: str, dtype: torch.dtyp
     tl_name = _tl_name_for(folder, hf_cfg)
     hf = _hf_auto(folder, dtype)
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    cfg_kwargs: dict[str, Any] = {}
     if is_bert:
         # TL dispatches on BertForMaskedLM for every BERT variant.
         hf.config.architectures = ["BertForMaskedLM"]
     try:
         cfg = _bert_config(hf_cfg, dtype=dtype, device=device, n_ctx=n_ctx) if is_bert else loading.get_pretrained_model_config(
-            tl_name if tl_name != str(folder) else str(folder),
+            tl_name,
             fold_ln=process and not is_bert, device=device, n_devices=n_devices, dtype=dtype, n_ctx=n_ctx,
-            **cfg_kwargs,
         )
     except Exception as e:  # noqa: BLE001
         raise ModelLoadError(f"TransformerLens does not support the architecture of {folder} ({arch}): {e}") from e

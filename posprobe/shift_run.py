@@ -9,7 +9,7 @@ import pandas as pd
 import torch
 
 from posprobe.data import BUILTIN_SOURCE, MinimalPair, pairs_fingerprint
-from posprobe.shift import (ShiftConfig, ShiftError, ShiftResult, check_context, check_pairs, config_meta, place,
+from posprobe.shift import (ShiftConfig, ShiftError, ShiftResult, check_context, check_pairs, config_meta,
                             ppl_by_k, prefix_ids, score_pairs, score_text, summarise)
 
 
@@ -180,4 +180,4 @@ def encoder_drift(model: Any, sentences: Sequence[str], ks: Sequence[int], cfg: 
     return pd.DataFrame(rows, columns=["k", "layer", "unit", "cosine_to_k0"])
 
 
-__all__ = ["run_shift_test", "prepare", "encoder_drift", "place"]
+__all__ = ["run_shift_test", "prepare", "encoder_drift"]
