@@ -25,8 +25,8 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import plotly.express as px
 
-from posprobe.models import load_model
-from posprobe.squish import squish_report, squish_run
+from posprobe.backend.loading import load_model
+from posprobe.analyses.squish import squish_report, squish_run
 
 model = load_model("smollm2")
 

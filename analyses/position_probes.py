@@ -24,9 +24,9 @@
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-from posprobe.geometry import geometry_figures, residual_geometry, wpos_geometry
-from posprobe.models import load_model
-from posprobe.probes import BUILTIN_TEXT, ProbeConfig, position_probes, probe_figures, summarize, text_rows
+from posprobe.analyses.geometry import geometry_figures, residual_geometry, wpos_geometry
+from posprobe.backend.loading import load_model
+from posprobe.analyses.probes import BUILTIN_TEXT, ProbeConfig, position_probes, probe_figures, summarize, text_rows
 
 MODEL = os.environ.get("POSPROBE_MODEL", "tiny-ape")
 model = load_model(MODEL)

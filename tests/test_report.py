@@ -1,4 +1,4 @@
-"""Unit tests for posprobe.report (offline HTML) and posprobe.results (atomic save)."""
+"""Unit tests for posprobe.report.html (offline HTML) and posprobe.report.result (atomic save)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ import plotly.graph_objects as go
 import pytest
 from plotly.offline import get_plotlyjs
 
-from posprobe import report as report_mod
-from posprobe import results as results_mod
-from posprobe.report import Section, render_html, write_html_atomic
-from posprobe.results import Result, environment_meta
+from posprobe.report import html as report_mod
+from posprobe.report import result as results_mod
+from posprobe.report.html import Section, render_html, write_html_atomic
+from posprobe.report.result import Result, environment_meta
 
 PLOTLYJS = get_plotlyjs()
 

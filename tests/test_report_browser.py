@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # robust to tests/__in
 import browser_util  # noqa: E402
 from browser_util import load_page, require_chromium  # noqa: E402
 
-from posprobe.results import Result, environment_meta  # noqa: E402
+from posprobe.report.result import Result, environment_meta  # noqa: E402
 
 # JS run in the page: per plotly div, what actually got drawn.
 _PROBE = """(() => {

@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from posprobe.facts import WrongModelKind
-from posprobe.hooks import hook_name, hooked, live_hook_count
-from posprobe.positions import KeyView, PositionError, PositionPlan, learned_positions, rope_positions, shifted_plan
-from posprobe.rope import RotarySpec, band_scores, rotate, wavelength
+from posprobe.backend.facts import WrongModelKind
+from posprobe.backend.hooks import hook_name, hooked, live_hook_count
+from posprobe.core.positions import KeyView, PositionError, PositionPlan, learned_positions, rope_positions, shifted_plan
+from posprobe.core.rope import RotarySpec, band_scores, rotate, wavelength
 
 TEXT = "The quick brown fox jumps over the lazy dog near the river bank."
 

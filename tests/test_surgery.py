@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from posprobe import surgery as S
-from posprobe.capture import capture
-from posprobe.facts import WrongModelKind
-from posprobe.generate import continuation_logprob, generate, logits_under
-from posprobe.positions import PositionError, PositionPlan
-from posprobe.rope import RotarySpec
+from posprobe.core import surgery as S
+from posprobe.core.capture import capture
+from posprobe.backend.facts import WrongModelKind
+from posprobe.core.generation import continuation_logprob, generate, logits_under
+from posprobe.core.positions import PositionError, PositionPlan
+from posprobe.core.rope import RotarySpec
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -232,7 +232,7 @@ def test_learned_absolute_model_is_refused(tiny_ape):
         logits_under(tiny_ape, toks, PositionPlan.default(6))
     with pytest.raises(WrongModelKind):
         S.ntk_aware(tiny_ape, 6, 2.0)
-    from posprobe.squish import squish_run
+    from posprobe.analyses.squish import squish_run
 
     with pytest.raises(WrongModelKind):
         squish_run(tiny_ape, "Be brief.", "Hi", max_new_tokens=2)

@@ -1,0 +1,1 @@
+"""One module per analysis: a frozen config, a run function, a result of tidy tables + meta."""

@@ -1,0 +1,221 @@
+"""Geometry of position representations: learned W_pos, or the positional part of the residual stream.
+
+For a [pos, d_model] matrix P (rows = positions): PCA (explained variance, component scores by
+position), the cosine-similarity matrix between positions, the norm by position, and a sinusoid fit
+of each leading component's score (period from an FFT peak refined by least squares, with R^2).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+import pandas as pd
+import torch
+from jaxtyping import Float, Int
+
+from posprobe.backend.facts import WrongModelKind, model_facts, require_learned
+from posprobe.report.result import Result, environment_meta
+
+
+def pca(P: np.ndarray, n_components: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(explained variance ratio [k], component scores [pos, k], directions [k, d_model]) of centred P.
+
+    Signs are fixed so that each direction's largest-magnitude loading is positive (reproducible)."""
+    X = np.asarray(P, dtype=np.float64)
+    X = X - X.mean(0)
+    U, S, Vt = np.linalg.svd(X, full_matrices=False)
+    k = min(n_components, len(S))
+    flip = np.sign(Vt[np.arange(k), np.abs(Vt[:k]).argmax(1)])
+    total = (S**2).sum()
+    ratio = (S[:k] ** 2) / total if total > 0 else np.zeros(k)
+    return ratio, U[:, :k] * S[:k] * flip, Vt[:k] * flip[:, None]
+
+
+def cosine_matrix(P: np.ndarray, center: bool = False) -> np.ndarray:
+    """[pos, pos] cosine similarity between rows of P (optionally after removing the mean row)."""
+    X = np.asarray(P, dtype=np.float64)
+    if center:
+        X = X - X.mean(0)
+    n = np.linalg.norm(X, axis=1, keepdims=True)
+    X = X / np.where(n == 0, 1, n)
+    return X @ X.T
+
+
+def fit_sinusoid(y: np.ndarray, t: np.ndarray | None = None, *, max_period: float | None = None) -> dict[str, float]:
+    """Least-squares fit y ~ a cos(2 pi t / T) + b sin(2 pi t / T) + c.
+
+    The period T (in positions) starts at the peak of the zero-padded FFT of the centred signal and
+    is refined by a bounded 1-D search (a, b, c are linear given T). Periods up to `max_period`
+    (default 4 x the span, so a monotonic half-wave is still a sinusoid) are searched. Returns
+    period, amplitude, phase (radians), offset, r2."""
+    from scipy.optimize import minimize_scalar
+
+    y = np.asarray(y, dtype=np.float64)
+    t = np.arange(len(y), dtype=np.float64) if t is None else np.asarray(t, dtype=np.float64)
+    if len(y) < 4 or len(t) != len(y):
+        raise ValueError("fit_sinusoid needs at least 4 points and one t per y")
+    span = t.max() - t.min() + 1
+    max_period = 4 * span if max_period is None else max_period
+    ss_tot = float(((y - y.mean()) ** 2).sum())
+
+    def solve(freq: float) -> tuple[float, np.ndarray]:
+        A = np.stack([np.cos(2 * np.pi * freq * t), np.sin(2 * np.pi * freq * t), np.ones_like(t)], 1)
+        coef, *_ = np.linalg.lstsq(A, y, rcond=None)
+        return float(((A @ coef - y) ** 2).sum()), coef
+
+    # Assumes roughly even spacing for the FFT start; the least-squares refinement does not.
+    n_fft = 8 * int(2 ** np.ceil(np.log2(len(y))))
+    step = float(np.median(np.diff(np.sort(t)))) if len(t) > 1 else 1.0
+    spec = np.abs(np.fft.rfft(y - y.mean(), n=n_fft))
+    freqs = np.fft.rfftfreq(n_fft, d=step)
+    f_lo, f_hi = 1.0 / max_period, 0.5 / step
+    ok = (freqs >= f_lo) & (freqs <= f_hi)
+    f0 = float(freqs[ok][spec[ok].argmax()]) if ok.any() else f_lo
+    df = 1.0 / (n_fft * step)
+    # Refine near the FFT peak, then keep the best of that and a coarse log-grid (FFT peaks of short
+    # windows are biased toward low frequencies for slow components).
+    cands = [f0] + list(np.geomspace(f_lo, f_hi, 64))
+    best = min(cands, key=lambda f: solve(f)[0])
+    lo, hi = max(f_lo, best - 2 * df), min(f_hi, best + 2 * df)
+    if hi > lo:
+        r = minimize_scalar(lambda f: solve(f)[0], bounds=(lo, hi), method="bounded", options={"xatol": 1e-10})
+        if r.fun <= solve(best)[0]:
+            best = float(r.x)
+    sse, (a, b, c) = solve(best)
+    return dict(period=1.0 / best, amplitude=float(np.hypot(a, b)), phase=float(np.arctan2(-b, a)),
+                offset=float(c), r2=1.0 - sse / ss_tot if ss_tot > 0 else float("nan"))
+
+
+def matrix_geometry(P: Float[torch.Tensor, "pos d_model"] | np.ndarray, *, n_components: int = 6,
+                    max_cos_pos: int = 256, positions: np.ndarray | None = None) -> pd.DataFrame:
+    """Tidy geometry of a position matrix: quantity, k, pos, pos2, value.
+
+    quantity: explained_variance (k; fraction), pc_score (k, pos; units of P), norm (pos), cosine
+    (pos, pos2; first `max_cos_pos` positions, uncentred), sin_period (k; positions), sin_r2 (k),
+    sin_amplitude (k), sin_phase (k; radians), mean_norm (-; norm of the mean row)."""
+    X = P.detach().double().cpu().numpy() if isinstance(P, torch.Tensor) else np.asarray(P, dtype=np.float64)
+    pos = np.arange(len(X)) if positions is None else np.asarray(positions)
+    ratio, scores, _ = pca(X, n_components)
+    parts = [pd.DataFrame(dict(quantity="explained_variance", k=np.arange(len(ratio)), value=ratio))]
+    k_idx, p_idx = np.meshgrid(np.arange(scores.shape[1]), pos, indexing="ij")
+    parts.append(pd.DataFrame(dict(quantity="pc_score", k=k_idx.ravel(), pos=p_idx.ravel(), value=scores.T.ravel())))
+    parts.append(pd.DataFrame(dict(quantity="norm", pos=pos, value=np.linalg.norm(X, axis=1))))
+    parts.append(pd.DataFrame(dict(quantity="mean_norm", value=[float(np.linalg.norm(X.mean(0)))])))
+    m = min(max_cos_pos, len(X))
+    a, b = np.meshgrid(pos[:m], pos[:m], indexing="ij")
+    parts.append(pd.DataFrame(dict(quantity="cosine", pos=a.ravel(), pos2=b.ravel(), value=cosine_matrix(X[:m]).ravel())))
+    for k in range(scores.shape[1]):
+        fit = fit_sinusoid(scores[:, k], pos)
+        parts += [pd.DataFrame(dict(quantity=f"sin_{q}", k=[k], value=[fit[q]])) for q in ("period", "r2", "amplitude", "phase")]
+    df = pd.concat(parts, ignore_index=True)
+    for c in ("k", "pos", "pos2"):
+        df[c] = df[c].astype("Int64")
+    return df[["quantity", "k", "pos", "pos2", "value"]]
+
+
+def wpos_geometry(model: Any, *, n_components: int = 6, max_pos: int | None = None, max_cos_pos: int = 256) -> Result:
+    """Geometry of the learned position embedding W_pos (first `max_pos` rows; all by default).
+
+    Raises WrongModelKind for models without W_pos (RoPE, NoPE, ...): use `residual_geometry` there.
+    Result df columns: model, source ("W_pos"), layer (NA), quantity, k, pos, pos2, value."""
+    facts = model_facts(model)
+    try:
+        require_learned(facts, "W_pos geometry")
+    except WrongModelKind as e:
+        raise WrongModelKind(f"{e}. Use the residual-stream view instead: residual_geometry(model, token_rows, "
+                             "layer) or `posprobe geometry MODEL --text PATH`") from None
+    W = model.W_pos[: max_pos or facts.n_ctx]
+    df = matrix_geometry(W, n_components=n_components, max_cos_pos=max_cos_pos)
+    df.insert(0, "layer", pd.array([pd.NA] * len(df), dtype="Int64"))
+    df.insert(0, "source", "W_pos")
+    df.insert(0, "model", facts.name)
+    meta = dict(analysis="wpos_geometry", model=facts.summary(), n_pos=int(W.shape[0]), n_components=n_components,
+                environment=environment_meta())
+    return Result(df, meta)
+
+
+@torch.no_grad()
+def position_means(model: Any, token_rows: Sequence[Sequence[int]] | torch.Tensor, layers: Sequence[int],
+                   point: str = "resid_pre", *, batch_size: int = 8, progress: bool = True) -> dict[int, torch.Tensor]:
+    """{layer: float64 [pos, d_model]} mean of `point` at each position over the token rows (streamed)."""
+    from posprobe.core.capture import batches, mean_by_position, stream
+
+    rows = torch.as_tensor(token_rows) if not isinstance(token_rows, torch.Tensor) else token_rows
+    if rows.dim() != 2:
+        raise ValueError("token_rows must be equal-length rows of token ids")
+    n_layers = model.cfg.n_layers
+    if not layers or any(not 0 <= l < n_layers for l in layers):
+        raise ValueError(f"layers must be a non-empty subset of 0..{n_layers - 1}, got {list(layers)}")
+    if rows.shape[1] > model.cfg.n_ctx:
+        raise ValueError(f"Rows of {rows.shape[1]} tokens exceed the model's context of {model.cfg.n_ctx}")
+    (state,) = stream(model, batches(rows, batch_size), [mean_by_position(point, layers)],
+                      total=-(-rows.shape[0] // batch_size), progress=progress, desc="position means")
+    return {l: state[l].mean for l in layers}
+
+
+def residual_geometry(model: Any, token_rows: Sequence[Sequence[int]] | Int[torch.Tensor, "batch pos"],
+                      layer: int | Sequence[int], *, point: str = "resid_pre", n_components: int = 6,
+                      skip_first: int = 0, max_cos_pos: int = 256, batch_size: int = 8,
+                      progress: bool = True) -> Result:
+    """Geometry of the positional part of the residual stream: the mean of `point` at each position
+    over the token rows (content averages out; what is left depends on position only), for each layer.
+
+    `skip_first` drops leading positions (e.g. BOS / attention-sink rows whose huge norm dominates PCA).
+    Result df columns: model, source ("<point> mean"), layer, quantity, k, pos, pos2, value."""
+    facts = model_facts(model)
+    layers = [layer] if isinstance(layer, int) else list(layer)
+    means = position_means(model, token_rows, layers, point, batch_size=batch_size, progress=progress)
+    n_pos = next(iter(means.values())).shape[0]
+    if not 0 <= skip_first <= n_pos - 4:
+        raise ValueError(f"skip_first must leave at least 4 positions of {n_pos}, got {skip_first}")
+    frames = []
+    for l in layers:
+        df = matrix_geometry(means[l][skip_first:], n_components=n_components, max_cos_pos=max_cos_pos,
+                             positions=np.arange(skip_first, n_pos))
+        df.insert(0, "layer", l)
+        frames.append(df)
+    df = pd.concat(frames, ignore_index=True)
+    df["layer"] = df["layer"].astype("Int64")
+    df.insert(0, "source", f"{point} mean")
+    df.insert(0, "model", facts.name)
+    meta = dict(analysis="residual_geometry", model=facts.summary(), point=point, layers=layers,
+                n_rows=len(token_rows), n_pos=n_pos, skip_first=skip_first, n_components=n_components,
+                environment=environment_meta())
+    return Result(df, meta)
+
+
+def geometry_figures(df: pd.DataFrame) -> list:
+    """Plotly figures per (source, layer): 3-D PCA trajectory coloured by position, PCs vs position,
+    cosine map, norm by position, explained variance."""
+    import plotly.graph_objects as go
+
+    figs = []
+    for (source, layer), g in df.groupby(["source", df["layer"].fillna(-1)], sort=False):
+        tag = source if layer == -1 else f"{source}, layer {layer}"
+        sc = g[g.quantity == "pc_score"].pivot(index="pos", columns="k", values="value")
+        ev = g[g.quantity == "explained_variance"].set_index("k")["value"]
+        if sc.shape[1] >= 3:
+            fig = go.Figure(go.Scatter3d(x=sc[0], y=sc[1], z=sc[2], mode="lines+markers", text=sc.index,
+                                         marker=dict(size=3, color=sc.index, colorscale="Viridis", showscale=True,
+                                                     colorbar=dict(title="pos"))))
+            fig.update_layout(title=f"PCA trajectory ({tag})", scene=dict(
+                xaxis_title=f"PC1 ({ev[0]:.0%})", yaxis_title=f"PC2 ({ev[1]:.0%})", zaxis_title=f"PC3 ({ev[2]:.0%})"))
+            figs.append(fig)
+        if sc.shape[1] >= 2:
+            figs.append(go.Figure(go.Scatter(x=sc[0], y=sc[1], mode="lines+markers", text=sc.index, marker=dict(
+                color=sc.index, colorscale="Viridis", showscale=True, colorbar=dict(title="pos")))).update_layout(
+                title=f"PC1 vs PC2 ({tag})", xaxis_title="PC1", yaxis_title="PC2"))
+        per = g[g.quantity == "sin_period"].set_index("k")["value"]
+        r2 = g[g.quantity == "sin_r2"].set_index("k")["value"]
+        fig = go.Figure([go.Scatter(x=sc.index, y=sc[k], mode="lines",
+                                    name=f"PC{k + 1} ({ev[k]:.0%}; period {per[k]:.1f}, R² {r2[k]:.2f})") for k in sc.columns])
+        figs.append(fig.update_layout(title=f"Principal components vs position ({tag})", xaxis_title="position"))
+        cos = g[g.quantity == "cosine"].pivot(index="pos", columns="pos2", values="value")
+        figs.append(go.Figure(go.Heatmap(z=cos.values, x=cos.columns, y=cos.index, colorscale="RdBu", zmid=0))
+                    .update_layout(title=f"Cosine similarity between positions ({tag})", xaxis_title="position",
+                                   yaxis_title="position", yaxis_autorange="reversed"))
+        nm = g[g.quantity == "norm"]
+        figs.append(go.Figure(go.Scatter(x=nm.pos, y=nm.value, mode="lines")).update_layout(
+            title=f"Norm by position ({tag})", xaxis_title="position", yaxis_title="L2 norm"))
+    return figs

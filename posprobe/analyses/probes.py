@@ -1,0 +1,336 @@
+"""Linear position probes: how much absolute position each layer's residual stream carries.
+
+Per (residual point, layer): ridge regression to the absolute position (MAE in positions) and a
+linear classifier (ridge one-vs-rest or logistic) over equal-width position buckets (accuracy). Folds are grouped by
+token row (sentence/window), so no row ever has tokens on both sides of a split. A control probe
+is trained on positions shuffled *within each row* (same label distribution per row, no link
+between a vector and its position); a chance baseline predicts the training mean / majority bucket.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import pandas as pd
+import torch
+from jaxtyping import Int
+from tqdm.auto import tqdm
+
+from posprobe.core.capture import Reducer, batches, stream
+from posprobe.report.result import Result, environment_meta
+
+POINTS = ("resid_pre", "resid_mid", "resid_post")
+
+BUILTIN_TEXT = """\
+The old lighthouse stood at the end of a narrow spit of land, and for more than a century its lamp had \
+turned every night without fail. The keepers who lived there kept careful logs of the weather, the ships \
+that passed, and the birds that rested on the gallery during the autumn storms. When the light was finally \
+automated, the last keeper packed his books into a wooden crate and walked back along the shore to the \
+village, where he opened a small shop that sold maps, rope and tea.
+Children from the school would visit him on Fridays. He showed them how to read a chart, how to find the \
+north star on a clear evening, and how to tie a knot that would hold a boat in a rising tide. Most of them \
+forgot the knots within a week, but a few remembered the stories about the winter when the ice closed the \
+harbour and the supply ship could not reach the island for forty days.
+In spring the fishing boats went out before dawn and came back in the early afternoon, their decks covered \
+in nets and silver fish. The market on the square opened at noon. Farmers brought eggs, cheese and early \
+vegetables, and a baker from the next town sold bread that was still warm. Visitors often asked why the \
+village had no hotel; the answer was always the same: nobody had ever thought it needed one.
+Scientists later came to study the currents near the spit. They placed small instruments on the sea floor \
+and measured the temperature and the salt every hour for three years. Their report showed that the water \
+had grown warmer, slowly but steadily, and that the fish the boats depended on were moving north. The \
+village council met many times to discuss what could be done, and in the end it decided to plant sea grass \
+along the bay and to limit the number of boats allowed out each season.
+Today the lighthouse is a museum. Its rooms hold the keepers' logs, a brass telescope, photographs of \
+wrecks and rescues, and the wooden crate, now empty, in which the last keeper carried his books home.
+"""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProbeConfig:
+    """Settings for `position_probes` (frozen, keyword-only: a typo raises).
+
+    `classifier`: "ridge" (one-vs-rest least squares on +-1 targets, shares the regression's solve;
+    fast) or "logistic" (multinomial logistic regression with inverse regularisation `C`; slower).
+    The ridge penalty (on standardised features) is picked from `alphas` per outer fold by an inner
+    GroupKFold over the training rows (`inner_splits`), separately for MAE and for accuracy.
+    `max_tokens` bounds memory: that many (row, pos) tokens are drawn once (seeded) and the same
+    tokens are used at every layer, so layers are comparable. `memory_mb` bounds the captured
+    activations held at once; more layers than fit are captured in further passes over the corpus.
+    """
+
+    points: tuple[str, ...] = POINTS
+    layers: tuple[int, ...] | None = None
+    n_buckets: int = 8
+    n_splits: int = 4
+    alphas: tuple[float, ...] = (0.1, 1.0, 10.0, 100.0, 1e3, 1e4, 1e5)
+    inner_splits: int = 3
+    classifier: str = "ridge"
+    C: float = 1.0
+    max_tokens: int = 2000
+    skip_first: int = 0
+    batch_size: int = 8
+    memory_mb: float = 256.0
+    seed: int = 0
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.classifier not in ("ridge", "logistic"):
+            raise ValueError(f"classifier must be 'ridge' or 'logistic', got {self.classifier!r}")
+        bad = [p for p in self.points if p not in POINTS]
+        if bad or not self.points:
+            raise ValueError(f"Unknown or no residual points {bad}; choose from {POINTS}")
+        if (self.n_splits < 2 or self.inner_splits < 2 or self.max_tokens < self.n_splits
+                or min(self.alphas, default=0) <= 0 or self.batch_size < 1):
+            raise ValueError("Need n_splits >= 2, inner_splits >= 2, max_tokens >= n_splits, alphas > 0, batch_size >= 1")
+
+
+def text_rows(model: Any, text: str, window: int = 64, max_windows: int | None = None) -> list[list[int]]:
+    """Token rows of exactly `window` ids: the text's tokens cut into windows, each row starting with the
+    model's BOS/CLS token when its tokenizer has one (so position 0 is what the model usually sees)."""
+    from posprobe.data import token_windows
+
+    tok = model.tokenizer
+    first = tok.bos_token_id if tok.bos_token_id is not None else getattr(tok, "cls_token_id", None)
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    body = window - (first is not None)
+    return [([first] if first is not None else []) + w for w in token_windows(ids, body, max_windows=max_windows)]
+
+
+def position_buckets(positions: np.ndarray, n_pos: int, n_buckets: int) -> np.ndarray:
+    """Equal-width bucket index (0..n_buckets-1) of each position in 0..n_pos-1."""
+    if not 1 < n_buckets <= n_pos:
+        raise ValueError(f"n_buckets must be in 2..{n_pos} (sequence length), got {n_buckets}")
+    return (np.asarray(positions) * n_buckets) // n_pos
+
+
+def group_folds(groups: np.ndarray, n_splits: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(train_idx, test_idx) pairs from GroupKFold: every group (token row) is wholly on one side."""
+    from sklearn.model_selection import GroupKFold
+
+    n_groups = len(np.unique(groups))
+    if n_groups < n_splits or n_splits < 2:
+        raise ValueError(f"Need at least n_splits={n_splits} >= 2 token rows for grouped folds, got {n_groups}")
+    dummy = np.zeros((len(groups), 1))
+    return list(GroupKFold(n_splits=n_splits).split(dummy, groups=groups))
+
+
+def shuffle_within_groups(labels: np.ndarray, groups: np.ndarray, seed: int) -> np.ndarray:
+    """Labels permuted at random inside each group (seeded): per-row label distribution is kept."""
+    rng = np.random.default_rng(seed)
+    out = labels.copy()
+    for g in np.unique(groups):
+        idx = np.flatnonzero(groups == g)
+        out[idx] = labels[rng.permutation(idx)]
+    return out
+
+
+def sample_tokens(n_rows: int, n_pos: int, max_tokens: int, seed: int, skip_first: int = 0) -> np.ndarray:
+    """Sorted flat indices (row * n_pos + pos) of at most `max_tokens` tokens, drawn without replacement."""
+    if not 0 <= skip_first < n_pos:
+        raise ValueError(f"skip_first must be in 0..{n_pos - 1}, got {skip_first}")
+    flat = (np.arange(n_rows)[:, None] * n_pos + np.arange(skip_first, n_pos)[None]).ravel()
+    if len(flat) > max_tokens:
+        flat = np.random.default_rng(seed).choice(flat, size=max_tokens, replace=False)
+    return np.sort(flat)
+
+
+def _layer_chunks(keys: list[tuple[str, int]], n_tok: int, d_model: int, memory_mb: float) -> Iterator[list]:
+    per_key = n_tok * d_model * 4 / 2**20
+    size = max(1, int(memory_mb // max(per_key, 1e-9)))
+    for i in range(0, len(keys), size):
+        yield keys[i : i + size]
+
+
+def collect_residuals(
+    model: Any, rows: Int[torch.Tensor, "batch pos"], keys: Sequence[tuple[str, int]], flat_idx: np.ndarray,
+    *, batch_size: int, progress: bool,
+) -> dict[tuple[str, int], np.ndarray]:
+    """{(point, layer): float32 [n_tokens, d_model]} at the sampled flat token indices, one streamed pass.
+
+    Only the sampled tokens of each batch are kept, so memory is len(keys) x n_tokens x d_model."""
+    n_pos = rows.shape[1]
+    out: dict[tuple[str, int], list[np.ndarray]] = {k: [] for k in keys}
+    offset = {"row": 0}
+    layer_points: dict[int, list[str]] = {}
+    for p, l in keys:
+        layer_points.setdefault(l, []).append(p)
+
+    def fn(point: str, layer: int, x: torch.Tensor, state: dict) -> None:
+        if (point, layer) not in out:
+            return
+        r0 = offset["row"]
+        lo, hi = r0 * n_pos, (r0 + x.shape[0]) * n_pos
+        sel = flat_idx[(flat_idx >= lo) & (flat_idx < hi)] - lo
+        out[(point, layer)].append(x.reshape(-1, x.shape[-1])[torch.as_tensor(sel)].float().cpu().numpy())
+
+    reducers = [Reducer(sorted(set(layer_points[l])), [l], fn) for l in layer_points]
+
+    def counted() -> Iterator[torch.Tensor]:
+        for b in batches(rows, batch_size):
+            yield b
+            offset["row"] += b.shape[0]
+
+    stream(model, counted(), reducers, total=-(-rows.shape[0] // batch_size), progress=progress, desc="capture")
+    return {k: np.concatenate(v) for k, v in out.items()}
+
+
+def ridge_path(xtr: np.ndarray, Ytr: np.ndarray, xte: np.ndarray, alphas: Sequence[float]) -> np.ndarray:
+    """Ridge predictions (with intercept) for every penalty at once: [n_alpha, n_test, n_targets].
+
+    One eigendecomposition of the smaller Gram matrix of the centred training data serves all
+    penalties (primal X^T X when n >= d, dual X X^T otherwise)."""
+    mx, my = xtr.mean(0), Ytr.mean(0)
+    X, Y, T = xtr - mx, Ytr - my, xte - mx
+    if X.shape[0] >= X.shape[1]:
+        lam, V = np.linalg.eigh(X.T @ X)
+        left, right = T @ V, V.T @ (X.T @ Y)
+    else:
+        lam, U = np.linalg.eigh(X @ X.T)
+        left, right = (T @ X.T) @ U, U.T @ Y
+    lam = np.clip(lam, 0, None)
+    return np.stack([left @ (right / (lam + a)[:, None]) + my for a in alphas])
+
+
+def _scores(pred: np.ndarray, y: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    # Per penalty: MAE of the position column, accuracy of the argmax over the bucket columns.
+    return np.abs(pred[..., 0] - y).mean(-1), (pred[..., 1:].argmax(-1) == b).mean(-1)
+
+
+def _fit_fold(X: np.ndarray, y: np.ndarray, b: np.ndarray, groups: np.ndarray, tr: np.ndarray, te: np.ndarray,
+              cfg: ProbeConfig) -> dict[str, float]:
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.preprocessing import StandardScaler
+
+    # Targets: the position and the +-1 bucket indicators (what RidgeClassifier fits), one solve.
+    Y = np.column_stack([y, 2.0 * (b[:, None] == np.arange(cfg.n_buckets)[None]) - 1.0])
+    # Penalty chosen on training rows only, by an inner split that is grouped by row as well.
+    inner_mae, inner_acc = np.zeros(len(cfg.alphas)), np.zeros(len(cfg.alphas))
+    for itr, ite in group_folds(groups[tr], min(cfg.inner_splits, len(np.unique(groups[tr])))):
+        itr, ite = tr[itr], tr[ite]
+        sc = StandardScaler().fit(X[itr])
+        m, a = _scores(ridge_path(sc.transform(X[itr]), Y[itr], sc.transform(X[ite]), cfg.alphas), y[ite], b[ite])
+        inner_mae, inner_acc = inner_mae + m, inner_acc + a
+    a_mae, a_acc = cfg.alphas[int(inner_mae.argmin())], cfg.alphas[int(inner_acc.argmax())]
+    sc = StandardScaler().fit(X[tr])
+    xtr, xte = sc.transform(X[tr]), sc.transform(X[te])
+    mae, acc = _scores(ridge_path(xtr, Y[tr], xte, [a_mae, a_acc]), y[te], b[te])
+    out = {"mae": float(mae[0]), "accuracy": float(acc[1]), "alpha_mae": a_mae, "alpha_accuracy": a_acc}
+    if cfg.classifier == "logistic":
+        clf = LogisticRegression(C=cfg.C, max_iter=300, random_state=cfg.seed).fit(xtr, b[tr])
+        out.update(accuracy=float((clf.predict(xte) == b[te]).mean()), alpha_accuracy=float("nan"))
+    return out
+
+
+def _chance(y: np.ndarray, b: np.ndarray, tr: np.ndarray, te: np.ndarray) -> dict[str, float]:
+    # Predict-the-training-mean MAE and majority-bucket accuracy: what a probe with no signal scores.
+    counts = np.bincount(b[tr])
+    return {"mae": float(np.abs(y[te] - y[tr].mean()).mean()), "accuracy": float((b[te] == counts.argmax()).mean())}
+
+
+def probe_scores(X: np.ndarray, positions: np.ndarray, groups: np.ndarray, n_pos: int,
+                 cfg: ProbeConfig) -> pd.DataFrame:
+    """Per-fold scores of the real probe, the within-row shuffled control and the chance baseline.
+
+    Columns: term ("probe" | "control" | "chance"), fold, metric ("mae" in positions | "accuracy"), value,
+    alpha (the ridge penalty picked for that metric by the inner grouped split; NaN for chance)."""
+    buckets = position_buckets(positions, n_pos, cfg.n_buckets)
+    order = shuffle_within_groups(np.arange(len(positions)), groups, cfg.seed + 1)
+    rows = []
+    for fold, (tr, te) in enumerate(group_folds(groups, cfg.n_splits)):
+        real = _fit_fold(X, positions, buckets, groups, tr, te, cfg)
+        # Control: the training labels are shuffled within each row; the test labels stay true.
+        ys, bs = positions.copy(), buckets.copy()
+        ys[tr], bs[tr] = positions[order][tr], buckets[order][tr]
+        ctrl = _fit_fold(X, ys, bs, groups, tr, te, cfg)
+        for term, res in (("probe", real), ("control", ctrl), ("chance", _chance(positions, buckets, tr, te))):
+            rows += [dict(term=term, fold=fold, metric=m, value=res[m], alpha=res.get(f"alpha_{m}", float("nan")))
+                     for m in ("mae", "accuracy")]
+    return pd.DataFrame(rows)
+
+
+def position_probes(model: Any, token_rows: Sequence[Sequence[int]] | torch.Tensor,
+                    config: ProbeConfig | None = None) -> Result:
+    """Probe absolute position from the residual stream at every (point, layer).
+
+    Returns a Result whose df has one row per model, point, layer, term (probe/control/chance), fold,
+    metric (mae: mean absolute error in positions; accuracy: fraction of held-out tokens in the right
+    bucket), value. Folds group by token row; `summarize(result.df)` gives mean and std over folds.
+    """
+    from posprobe.backend.facts import model_facts
+
+    cfg = config or ProbeConfig()
+    facts = model_facts(model)
+    rows = torch.as_tensor(token_rows) if not isinstance(token_rows, torch.Tensor) else token_rows
+    if rows.dim() != 2:
+        raise ValueError("token_rows must be equal-length rows of token ids")
+    n_rows, n_pos = rows.shape
+    if n_pos > facts.n_ctx:
+        raise ValueError(f"Rows of {n_pos} tokens exceed the model's context of {facts.n_ctx}")
+    layers = list(range(facts.n_layers)) if cfg.layers is None else list(cfg.layers)
+    if not layers or any(not 0 <= l < facts.n_layers for l in layers):
+        raise ValueError(f"layers must be a non-empty subset of 0..{facts.n_layers - 1}, got {cfg.layers}")
+    position_buckets(np.arange(n_pos), n_pos - cfg.skip_first, cfg.n_buckets)  # validates n_buckets
+    if n_rows - -(-n_rows // cfg.n_splits) < 2:
+        # Every outer training set needs two rows for the grouped inner split that picks the penalty.
+        raise ValueError(f"Too few token rows ({n_rows}) for n_splits={cfg.n_splits}: each training fold needs >= 2 rows")
+    flat = sample_tokens(n_rows, n_pos, cfg.max_tokens, cfg.seed, cfg.skip_first)
+    positions, groups = flat % n_pos, flat // n_pos
+    keys = [(p, l) for l in layers for p in cfg.points]
+    from threadpoolctl import threadpool_limits
+
+    frames = []
+    chunks = list(_layer_chunks(keys, len(flat), facts.d_model, cfg.memory_mb))
+    bar = tqdm(total=len(keys), desc="probes", unit="probe", disable=not cfg.progress)
+    for chunk in chunks:
+        acts = collect_residuals(model, rows, chunk, flat, batch_size=cfg.batch_size, progress=cfg.progress)
+        for key in chunk:
+            # Positions are shifted so skipped leading tokens do not distort the buckets.
+            # Single-threaded BLAS: these matrices are small, and threaded OpenBLAS on a busy machine
+            # was measured 100x slower (spin-waiting threads).
+            with threadpool_limits(1):
+                df = probe_scores(acts.pop(key), positions - cfg.skip_first, groups, n_pos - cfg.skip_first, cfg)
+            df.insert(0, "layer", key[1])
+            df.insert(0, "point", key[0])
+            frames.append(df)
+            bar.update(1)
+    bar.close()
+    df = pd.concat(frames, ignore_index=True)
+    df.insert(0, "model", facts.name)
+    meta = dict(analysis="position_probes", model=facts.summary(), n_rows=n_rows, n_pos=n_pos,
+                n_tokens=len(flat), config={k: getattr(cfg, k) for k in cfg.__dataclass_fields__},
+                control="training positions shuffled within each token row (test labels true)",
+                folds="GroupKFold by token row", environment=environment_meta())
+    return Result(df, meta)
+
+
+def summarize(df: pd.DataFrame) -> pd.DataFrame:
+    """Mean and std over folds per (model, point, layer, term, metric), plus the fold count."""
+    keys = ["model", "point", "layer", "term", "metric"]
+    g = df.groupby(keys, sort=False)["value"]
+    return pd.concat([g.mean().rename("mean"), g.std(ddof=0).rename("std"), g.size().rename("n_folds")],
+                     axis=1).reset_index()
+
+
+def probe_figures(df: pd.DataFrame) -> list:
+    """Plotly figures from a probe df: MAE and accuracy by layer (probe, control, chance; bars = fold std)."""
+    import plotly.graph_objects as go
+
+    s = summarize(df)
+    order = {p: i for i, p in enumerate(POINTS)}
+    s = s.assign(x=s.layer + s.point.map(order).fillna(0) / len(POINTS)).sort_values("x")
+    figs = []
+    for metric, title in (("mae", "Held-out MAE (positions)"), ("accuracy", "Held-out bucket accuracy")):
+        fig = go.Figure()
+        sub = s[s.metric == metric]
+        # Chance depends only on the labels, identical for every point: one trace is enough.
+        sub = sub[(sub.term != "chance") | (sub.point == sub.point.iloc[0])]
+        for (point, term), g in sub.groupby(["point", "term"], sort=False):
+            fig.add_trace(go.Scatter(x=g.x, y=g["mean"], error_y=dict(type="data", array=g["std"]),
+                                     mode="lines+markers", name="chance" if term == "chance" else f"{term} ({point})",
+                                     line=dict(dash={"probe": "solid", "control": "dash"}.get(term, "dot"))))
+        fig.update_layout(title=f"{title} by layer (resid_pre at L, resid_mid at L+1/3, resid_post at L+2/3)",
+                          xaxis_title="layer", yaxis_title=metric)
+        figs.append(fig)
+    return figs

@@ -1,0 +1,383 @@
+"""Shift-by-k test (Sinha et al. 2022): start every sentence at position k, with no prior context,
+and measure minimal-pair acceptability and perplexity against k = 0.
+
+For RoPE models the same shift moves queries and keys together, so the scores must not change:
+the result is an invariance control, and its measured deviation is reported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal, Sequence
+
+import numpy as np
+import pandas as pd
+import torch
+
+from posprobe.data import BUILTIN_SOURCE, DataError, MinimalPair, pairs_fingerprint
+from posprobe.core.scoring import Positioned
+
+PrefixKind = Literal["auto", "bos", "eot", "none"]
+
+
+class ShiftError(ValueError):
+    """A shift test that cannot run as asked (k past the context, negative k, no data)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShiftConfig:
+    """Options of the shift test. `ks` always gains 0 (the baseline).
+
+    prefix: what precedes each sentence: "bos" (tokenizer's BOS), "eot" (end-of-text token), "none"
+    (first token then unscored), or "auto" (see `default_prefix`). prefix_position: "with-sentence"
+    (the prefix moves to k with the sentence) or "zero" (prefix stays at position 0).
+    """
+
+    ks: tuple[int, ...] = (0, 100)
+    prefix: PrefixKind = "auto"
+    prefix_position: Literal["with-sentence", "zero"] = "with-sentence"
+    batch_size: int = 32
+    n_bootstrap: int = 1000
+    seed: int = 0
+    window: int = 64
+    max_windows: int = 32
+    allow_beyond_context: bool = False
+    progress: bool = True
+
+    def all_ks(self) -> list[int]:
+        """Sorted distinct k values including the baseline 0."""
+        bad = [k for k in self.ks if int(k) != k or k < 0]
+        if bad:
+            raise ShiftError(f"k must be a whole number >= 0; got {bad}")
+        return sorted({0, *map(int, self.ks)})
+
+
+@dataclass
+class ShiftResult:
+    """Tidy tables of a shift test plus metadata.
+
+    pairs: one row per (k, pair) with log-probs in nats. summary: accuracy with bootstrap CI, mean
+    margin, flips and McNemar p vs k=0, per k and level (overall/field/paradigm). tokens: per-token
+    loss of the text windows (nats) by k and position inside the window. drift: encoders only.
+    """
+
+    pairs: pd.DataFrame
+    summary: pd.DataFrame
+    tokens: pd.DataFrame
+    drift: pd.DataFrame
+    meta: dict = field(default_factory=dict)
+
+    def tables(self) -> dict[str, pd.DataFrame]:
+        """The non-empty tables by file name stem."""
+        t = {"shift_pairs": self.pairs, "shift_summary": self.summary, "shift_tokens": self.tokens,
+             "shift_drift": self.drift}
+        return {k: v for k, v in t.items() if len(v)}
+
+
+def default_prefix(tokenizer: Any) -> tuple[str, list[int]]:
+    """The documented default: the token that separated documents in pre-training.
+
+    "<|endoftext|>" when the vocabulary has it (GPT-2, SmolLM2, Pythia: their BOS may be a chat
+    marker such as SmolLM2's <|im_start|>, which reads as a turn start, not a text start), else the
+    tokenizer's BOS (Llama <s>, Gemma <bos>), else nothing.
+    """
+    vocab = tokenizer.get_vocab()
+    if "<|endoftext|>" in vocab:
+        return "eot", [vocab["<|endoftext|>"]]
+    if tokenizer.bos_token_id is not None:
+        return "bos", [tokenizer.bos_token_id]
+    return "none", []
+
+
+def prefix_ids(tokenizer: Any, kind: PrefixKind) -> tuple[str, list[int]]:
+    """Resolve a prefix option to (kind, token ids)."""
+    if kind == "auto":
+        return default_prefix(tokenizer)
+    if kind == "none":
+        return "none", []
+    if kind == "bos":
+        if tokenizer.bos_token_id is None:
+            raise ShiftError("This tokenizer has no BOS token; use --prefix eot or none")
+        return "bos", [tokenizer.bos_token_id]
+    eot = tokenizer.get_vocab().get("<|endoftext|>", tokenizer.eos_token_id)
+    if eot is None:
+        raise ShiftError("This tokenizer has no end-of-text token; use --prefix bos or none")
+    return "eot", [eot]
+
+
+def place(prefix: list[int], sent: list[int], k: int, prefix_position: str) -> Positioned:
+    """Token ids and positions: the sentence starts at k (+ prefix length), the prefix at k or 0."""
+    p, n = len(prefix), len(sent)
+    if prefix_position == "zero":
+        pos = list(range(p)) + list(range(k + p, k + p + n))
+    else:
+        pos = list(range(k, k + p + n))
+    return Positioned(tuple(prefix + sent), tuple(pos))
+
+
+def check_context(lengths: Sequence[int], texts: Sequence[str], ks: Sequence[int], n_ctx: int, what: str) -> None:
+    """Raise ShiftError before any scoring if k + the longest item passes the context length."""
+    if not lengths:
+        raise ShiftError(f"Empty input: no {what} to score")
+    i = int(np.argmax(lengths))
+    longest, kmax = lengths[i], max(ks)
+    if kmax + longest > n_ctx:
+        raise ShiftError(
+            f"k={kmax} plus the longest {what} ({longest} tokens incl. prefix: {texts[i][:80]!r}) exceeds the "
+            f"model's context of {n_ctx} positions; the largest allowed k is {n_ctx - longest}"
+        )
+
+
+def score_pairs(scorer: Any, tokenizer: Any, pairs: Sequence[MinimalPair], cfg: ShiftConfig, prefix: list[int],
+                ks: Sequence[int]) -> pd.DataFrame:
+    """Log-prob (nats) of every good and bad sentence at every k; one row per (k, pair)."""
+    sents = sorted({s for p in pairs for s in (p.good, p.bad)})
+    ids = {s: tokenizer(s, add_special_tokens=False).input_ids for s in sents}
+    skip = 0 if prefix else 1  # without a prefix the first token has nothing to be predicted from
+    first = max(len(prefix) - 1, 0)  # the prefix is context, not part of the sentence's score
+    at_k = [(k, p) for k in ks for p in pairs]
+    items = [(place(prefix, ids[p.good], k, cfg.prefix_position), place(prefix, ids[p.bad], k, cfg.prefix_position))
+             for k, p in at_k]
+    # Pair-aware scoring: the shared start of a pair is computed once, identical sentences once.
+    lps = scorer.pair_logprobs(items, batch_size=cfg.batch_size, progress=cfg.progress, desc="pairs")
+    rows = []
+    for (k, p), (lp_good, lp_bad) in zip(at_k, lps):
+        rows.append((p.paradigm, p.field, p.phenomenon, p.pair_id, k, float(lp_good[first:].sum()),
+                     float(lp_bad[first:].sum()), len(ids[p.good]) - skip, len(ids[p.bad]) - skip))
+    df = pd.DataFrame(rows, columns=["paradigm", "field", "phenomenon", "pair_id", "k", "logp_good", "logp_bad",
+                                     "n_tokens_good", "n_tokens_bad"])
+    df["margin"] = df.logp_good - df.logp_bad
+    df["correct"] = df.margin > 0
+    return df
+
+
+def summarise(pairs: pd.DataFrame, *, n_boot: int, seed: int) -> pd.DataFrame:
+    """Accuracy (with percentile bootstrap 95% CI), mean margin, flips and exact McNemar p vs k=0."""
+    from posprobe.core.stats import bootstrap_ci, mcnemar_exact
+
+    base = pairs[pairs.k == 0].set_index(["paradigm", "pair_id"])
+    rows = []
+    levels = [("overall", None), ("field", "field"), ("paradigm", "paradigm")]
+    for k, at_k in pairs.groupby("k", sort=True):
+        at_k = at_k.set_index(["paradigm", "pair_id"])
+        was = base.loc[at_k.index, "correct"].to_numpy()
+        at_k = at_k.assign(was=was)
+        for level, col in levels:
+            groups = [("all", at_k)] if col is None else list(at_k.groupby(col, sort=True))
+            for name, g in groups:
+                c, w = g.correct.to_numpy(), g.was.to_numpy()
+                to_wrong, to_right = int((w & ~c).sum()), int((~w & c).sum())
+                lo, hi = bootstrap_ci(c, n_boot=n_boot, seed=seed)
+                rows.append(dict(k=k, level=level, group=name, n_pairs=len(g), accuracy=float(c.mean()), ci_low=lo,
+                                 ci_high=hi, mean_margin=float(g.margin.mean()), delta_accuracy=float(c.mean() - w.mean()),
+                                 flips=to_wrong + to_right, flips_to_wrong=to_wrong, flips_to_correct=to_right,
+                                 mcnemar_p=mcnemar_exact(to_wrong, to_right)))
+    return pd.DataFrame(rows)
+
+
+def score_text(scorer: Any, tokenizer: Any, text: str, cfg: ShiftConfig, prefix: list[int], ks: Sequence[int]) -> pd.DataFrame:
+    """Per-token loss (nats) of fixed windows of `text` at every k, by position inside the window."""
+    from posprobe.data import token_windows
+
+    # Tokenise only as much text as the windows need.
+    chars = cfg.window * cfg.max_windows * 12
+    ids = tokenizer(text[:chars], add_special_tokens=False).input_ids
+    windows = token_windows(ids, cfg.window, max_windows=cfg.max_windows)
+    items = [place(prefix, w, k, cfg.prefix_position) for k in ks for w in windows]
+    lps = scorer.token_logprobs(items, batch_size=cfg.batch_size, progress=cfg.progress, desc="text windows")
+    rows = []
+    first = len(prefix) - 1 if prefix else 0
+    for j, (item, lp) in enumerate(zip(items, lps)):
+        k, w = ks[j // len(windows)], j % len(windows)
+        own = lp[first:].numpy()
+        start = 0 if prefix else 1
+        rows += [(k, w, start + t, -float(v)) for t, v in enumerate(own)]
+    return pd.DataFrame(rows, columns=["k", "window", "window_pos", "loss"])
+
+
+def ppl_by_k(tokens: pd.DataFrame) -> pd.DataFrame:
+    """Mean loss and perplexity per k."""
+    g = tokens.groupby("k").loss.mean().rename("mean_loss").reset_index()
+    g["perplexity"] = np.exp(g.mean_loss)
+    return g
+
+
+def config_meta(cfg: ShiftConfig) -> dict:
+    """The config as a JSON-able dict."""
+    d = asdict(cfg)
+    d["ks"] = cfg.all_ks()
+    return d
+
+
+def check_pairs(pairs: Sequence[MinimalPair]) -> None:
+    """Raise DataError for an empty pair list (nothing to score)."""
+    if not pairs:
+        raise DataError("Empty input: no minimal pairs to score")
+
+
+@dataclass
+class Prepared:
+    """A model ready for the shift test: its scorer (None for encoders) and positional facts."""
+
+    name: str
+    scorer: Any
+    tokenizer: Any
+    positional_kind: str
+    n_ctx: int
+    is_encoder: bool
+    backend: str
+    tl_model: Any = None
+
+
+def _hf_kind(config: Any) -> str:
+    d = config.to_dict()
+    if d.get("model_type") in ("bloom", "mpt"):
+        return "alibi"
+    if any(key in d for key in ("rope_theta", "rope_parameters", "rotary_dim", "rotary_pct", "rope_scaling")):
+        return "rotary"
+    return "learned_absolute"
+
+
+def prepare(model: Any, *, backend: str = "auto", device: str = "cpu", dtype: str = "float32",
+            n_ctx: int | None = None) -> Prepared:
+    """Pick the scoring backend: HF with native position_ids when weights are on disk, else TL hooks."""
+    from posprobe.core.scoring import HFScorer, TLScorer
+    from posprobe.backend.sources import read_hf_config, resolve
+
+    if backend not in ("auto", "hf", "tl"):
+        raise ShiftError(f"backend must be auto, hf or tl; got {backend!r}")
+    if isinstance(model, str):
+        src = resolve(model)
+        if src.kind == "hf-dir" and backend != "tl":
+            from posprobe.backend.loading import hf_folder, load_hf_model
+
+            arch = (read_hf_config(hf_folder(src)).get("architectures") or [""])[0]
+            if not arch.startswith("Bert"):
+                hf, tok = load_hf_model(model, dtype=dtype, device=device)
+                ctx = getattr(hf.config, "max_position_embeddings", None) or getattr(hf.config, "n_positions")
+                return Prepared(src.name, HFScorer(hf, tok), tok, _hf_kind(hf.config), min(ctx, n_ctx or ctx), False, "hf")
+        elif backend == "hf":
+            raise ShiftError(f"{model} has no Hugging Face weights on disk; use backend 'tl'")
+    from posprobe.backend.facts import model_facts
+    from posprobe.backend.loading import load_model
+
+    tl = load_model(model, device=device, dtype=dtype, n_ctx=n_ctx)
+    f = model_facts(tl)
+    scorer = None if (f.is_encoder or not f.has_lm_head) else TLScorer(tl)
+    return Prepared(f.name, scorer, tl.tokenizer, f.positional_kind, f.n_ctx, f.is_encoder, "tl", tl)
+
+
+def run_shift_test(
+    model: Any,
+    pairs: Sequence[MinimalPair] | None = None,
+    *,
+    text: str | None = None,
+    config: ShiftConfig | None = None,
+    data_source: str | None = None,
+    backend: str = "auto",
+    device: str = "cpu",
+    dtype: str = "float32",
+) -> ShiftResult:
+    """Shift test of `model` (spec or TL object) on minimal pairs and/or text; returns a ShiftResult.
+
+    Without pairs or text, the built-in template pairs are used. All checks (k past the context,
+    empty data, negative k) happen before any scoring.
+    """
+    from posprobe.data import builtin_pairs
+
+    cfg = config or ShiftConfig()
+    ks = cfg.all_ks()
+    if pairs is None and text is None:
+        pairs, data_source = builtin_pairs(seed=cfg.seed, max_pairs=50), BUILTIN_SOURCE
+    if pairs is not None:
+        check_pairs(pairs)
+    prep = prepare(model, backend=backend, device=device, dtype=dtype)
+    if prep.positional_kind not in ("learned_absolute", "rotary"):
+        raise ShiftError(f"The shift test needs learned or rotary positions; {prep.name} uses {prep.positional_kind}")
+    kind, prefix = prefix_ids(prep.tokenizer, cfg.prefix) if not prep.is_encoder else ("cls-sep", [])
+    limit = prep.n_ctx if (prep.positional_kind == "learned_absolute" or not cfg.allow_beyond_context) else 10**12
+    if pairs is not None:
+        sents = sorted({s for p in pairs for s in (p.good, p.bad)})
+        extra = 2 if prep.is_encoder else len(prefix)
+        lengths = [len(prep.tokenizer(s, add_special_tokens=False).input_ids) + extra for s in sents]
+        check_context(lengths, sents, ks, limit, "sentence")
+    if text is not None:
+        if not text.strip():
+            raise ShiftError("Empty input: the text is empty")
+        check_context([cfg.window + len(prefix)], ["text window"], ks, limit, "text window")
+    empty = pd.DataFrame()
+    pair_df, summary, tokens, drift = empty, empty, empty, empty
+    if prep.is_encoder:
+        drift = encoder_drift(prep.tl_model, [p.good for p in pairs] if pairs else [text[:2000]], ks, cfg)
+    else:
+        if pairs is not None:
+            pair_df = score_pairs(prep.scorer, prep.tokenizer, pairs, cfg, prefix, ks)
+            summary = summarise(pair_df, n_boot=cfg.n_bootstrap, seed=cfg.seed)
+        if text is not None:
+            tokens = score_text(prep.scorer, prep.tokenizer, text, cfg, prefix, ks)
+    for df in (pair_df, tokens, drift):
+        if len(df):
+            df.insert(0, "model", prep.name)
+    from posprobe.report.result import environment_meta
+
+    meta = dict(
+        analysis="shift-test", model=prep.name, positional_kind=prep.positional_kind, n_ctx=prep.n_ctx,
+        backend=prep.backend, config=config_meta(cfg), prefix=dict(kind=kind, ids=prefix,
+        tokens=prep.tokenizer.convert_ids_to_tokens(prefix) if prefix else [], position=cfg.prefix_position),
+        data=dict(source=data_source or ("custom pairs" if pairs is not None else None),
+                  n_pairs=len(pairs) if pairs is not None else 0,
+                  fingerprint=pairs_fingerprint(pairs) if pairs is not None else None,
+                  builtin=data_source == BUILTIN_SOURCE),
+        environment=environment_meta(),
+    )
+    if len(pair_df):
+        base = pair_df[pair_df.k == 0].set_index(["paradigm", "pair_id"])
+        dev = {int(k): float((g.set_index(["paradigm", "pair_id"])[["logp_good", "logp_bad"]] - base[["logp_good", "logp_bad"]]).abs().max().max())
+               for k, g in pair_df.groupby("k")}
+        meta["max_abs_logp_change_vs_k0"] = dev
+    if len(tokens):
+        meta["perplexity"] = ppl_by_k(tokens).to_dict("records")
+    if prep.positional_kind == "rotary":
+        meta["note"] = ("RoPE model: the shift moves queries and keys together, so scores depend only on relative "
+                        "positions and must not change with k. This run is an invariance control; "
+                        "max_abs_logp_change_vs_k0 is the measured deviation (float rounding).")
+    return ShiftResult(pair_df, summary, tokens, drift, meta)
+
+
+@torch.inference_mode()
+def encoder_drift(model: Any, sentences: Sequence[str], ks: Sequence[int], cfg: ShiftConfig) -> pd.DataFrame:
+    """Cosine similarity of each layer's token representations (and the mean-pooled sentence vector)
+    at shift k to the same at k = 0, averaged over tokens/sentences. For encoders without an LM head."""
+    from posprobe.backend.hooks import hooked
+    from posprobe.core.positions import learned_positions
+
+    tok = model.tokenizer
+    enc = [tok(s).input_ids for s in sentences]
+    n_layers = model.cfg.n_layers
+    names = ["embed.ln.hook_normalized"] + [f"blocks.{l}.hook_normalized_resid_post" for l in range(n_layers)]
+    reps: dict[int, list[list[torch.Tensor]]] = {}
+    for k in ks:
+        out: list[list[torch.Tensor]] = [[] for _ in names]
+        for start in range(0, len(enc), cfg.batch_size):
+            chunk = enc[start : start + cfg.batch_size]
+            n = max(map(len, chunk))
+            ids = torch.zeros((len(chunk), n), dtype=torch.long)
+            mask = torch.zeros((len(chunk), n), dtype=torch.long)
+            for r, e in enumerate(chunk):
+                ids[r, : len(e)], mask[r, : len(e)] = torch.tensor(e), 1
+            got: dict[str, torch.Tensor] = {}
+            hooks = [(nm, lambda x, hook, nm=nm: got.__setitem__(nm, x.detach())) for nm in names]
+            with hooked(model, hooks), learned_positions(model, torch.arange(n) + k):
+                model(ids, one_zero_attention_mask=mask)
+            for i, nm in enumerate(names):
+                out[i] += [got[nm][r, : len(e)] for r, e in enumerate(chunk)]
+        reps[k] = out
+    rows = []
+    for k in ks:
+        for i, label in enumerate(["embeddings"] + [str(l) for l in range(n_layers)]):
+            cos = torch.cat([torch.cosine_similarity(a, b, dim=-1) for a, b in zip(reps[k][i], reps[0][i])])
+            rows.append((k, label, "token", float(cos.mean())))
+        pooled = torch.stack([torch.cosine_similarity(a.mean(0), b.mean(0), dim=0) for a, b in zip(reps[k][-1], reps[0][-1])])
+        rows.append((k, "pooled", "sentence", float(pooled.mean())))
+    return pd.DataFrame(rows, columns=["k", "layer", "unit", "cosine_to_k0"])
+

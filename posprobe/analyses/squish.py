@@ -1,0 +1,200 @@
+"""Key squishing of an instruction span (baseline vs squished generation) and loss-vs-position under presets.
+
+Tidy outputs: columns model, variant (cache | global | baseline | no-instruction), metric, layer,
+query_pos, value. Attention mass is a fraction of attention (0..1, mean over heads), losses in nats
+per token, KL in nats.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import pandas as pd
+import torch
+from jaxtyping import Int
+from tqdm.auto import tqdm
+
+from posprobe.core.capture import capture
+from posprobe.backend.facts import model_facts, require_rotary
+from posprobe.core.generation import Generation, continuation_logprob, generate, logits_under, token_logprobs
+from posprobe.core.positions import PositionPlan
+from posprobe.core.surgery import apply_plan, key_squish, preset_plan
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """Prompt tokens and the [start, end) token span of the instruction inside them."""
+
+    tokens: Int[torch.Tensor, "pos"]
+    span: tuple[int, int]
+    text: str
+
+
+def _render(model: Any, user: str, chat: bool | None) -> str:
+    tok = model.tokenizer
+    if bool(getattr(tok, "chat_template", None)) if chat is None else chat:
+        # The template already starts with the BOS-like token; never prepend another.
+        return tok.apply_chat_template([{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True)
+    bos = tok.bos_token if getattr(model.cfg, "default_prepend_bos", False) and tok.bos_token else ""
+    return bos + user
+
+
+def build_prompt(model: Any, instruction: str, prompt: str, *, chat: bool | None = None) -> Prompt:
+    """Instruction + prompt as one user turn (chat template when the tokenizer has one), with the instruction span.
+
+    Without a template: BOS (if the model prepends one) + instruction + newline + prompt.
+    """
+    if not instruction.strip():
+        raise ValueError("empty instruction")
+    user = f"{instruction}\n{prompt}"
+    text = _render(model, user, chat)
+    enc = model.tokenizer(text, return_offsets_mapping=True, add_special_tokens=False)
+    start = text.index(user)
+    lo, hi = start, start + len(instruction)
+    idx = [i for i, (a, b) in enumerate(enc["offset_mapping"]) if a < hi and b > lo]
+    if not idx:
+        raise ValueError("could not locate the instruction's tokens in the prompt")
+    return Prompt(torch.tensor(enc["input_ids"]), (idx[0], idx[-1] + 1), text)
+
+
+def span_attention(model: Any, tokens: torch.Tensor, span: tuple[int, int], first_query: int,
+                   plan: PositionPlan | None) -> list[float]:
+    """Per layer: attention mass (mean over heads and over query rows >= first_query) onto keys in span."""
+    layers = range(model.cfg.n_layers)
+    with apply_plan(model, plan) if plan is not None else nullcontext():
+        pats = capture(model, tokens[None], ["pattern"], layers=list(layers))
+    return [float(pats[("pattern", l)][0, :, first_query:, span[0]:span[1]].sum(-1).mean()) for l in layers]
+
+
+def _decode(model: Any, ids: torch.Tensor) -> str:
+    return model.tokenizer.decode(ids.tolist(), skip_special_tokens=True)
+
+
+@torch.no_grad()
+def squish_run(model: Any, instruction: str, prompt: str, *, to: float | None = 0.0,
+               range_: tuple[float, float] | None = None, query_start: float | None = None,
+               variant: str | Sequence[str] = "cache", max_new_tokens: int = 16, reference: str | None = None,
+               temperature: float = 0.0, top_k: int | None = None, seed: int = 0, chat: bool | None = None
+               ) -> tuple[pd.DataFrame, dict]:
+    """Generate with and without key squishing of the instruction span; return (tidy DataFrame, meta).
+
+    `variant`: "cache", "global" or both (the baseline is computed once). Metrics: "attn_mass" per
+    layer (generated queries onto the span, each run on its own output); "kl" per query_pos:
+    KL(baseline || squished) of next-token distributions, teacher-forced on the baseline's output;
+    with `reference`: "ref_nll" (mean nats per token) for baseline, each variant and the prompt
+    without the instruction, and "effect_kept" = (lp_variant - lp_none) / (lp_base - lp_none) on
+    summed log-probs (1 = instruction's effect intact, 0 = as if absent).
+    """
+    require_rotary(model_facts(model), "Key squishing")
+    variants = (variant,) if isinstance(variant, str) else tuple(variant)
+    p = build_prompt(model, instruction, prompt, chat=chat)
+    n = len(p.tokens)
+    plans = {v: key_squish(n, p.span, to=to, range_=range_, query_start=query_start, variant=v) for v in variants}
+    eos = getattr(model.tokenizer, "eos_token_id", None)
+    runs: dict[str, Generation] = {}
+    for v, pl in tqdm([("baseline", None), *plans.items()], desc="generate", leave=False):
+        runs[v] = generate(model, p.tokens, max_new_tokens=max_new_tokens, plan=pl, temperature=temperature,
+                           top_k=top_k, seed=seed, stop_token=eos)
+    name = model.cfg.model_name
+    rows = []
+    for v, g in runs.items():
+        full = None if g.plan is None else g.plan.extended(g.tokens.shape[1])
+        for l, mass in enumerate(span_attention(model, g.tokens[0], p.span, n, full)):
+            rows.append(dict(model=name, variant=v, metric="attn_mass", layer=l, query_pos=-1, value=mass))
+    seq = runs["baseline"].tokens
+    lp_base = torch.log_softmax(logits_under(model, seq).float(), -1)
+    for v, pl in plans.items():
+        lp_sq = torch.log_softmax(logits_under(model, seq, pl.extended(seq.shape[1])).float(), -1)
+        kl = (lp_base.exp() * (lp_base - lp_sq)).sum(-1)[0]
+        for q in range(n - 1, seq.shape[1]):
+            rows.append(dict(model=name, variant=v, metric="kl", layer=-1, query_pos=q, value=float(kl[q])))
+    meta: dict[str, Any] = {
+        "analysis": "squish", "model": name, "variant": variants[0] if len(variants) == 1 else list(variants),
+        "instruction": instruction, "prompt": prompt, "prompt_text": p.text, "span": list(p.span),
+        "n_prompt_tokens": n, "plan": {v: pl.label for v, pl in plans.items()},
+        "plan_meta": {v: dict(pl.meta) for v, pl in plans.items()}, "max_new_tokens": max_new_tokens,
+        "temperature": temperature, "top_k": top_k, "seed": seed,
+        "continuations": {v: _decode(model, g.new_tokens[0]) for v, g in runs.items()},
+    }
+    if reference is not None:
+        ref = torch.tensor(model.tokenizer(reference, add_special_tokens=False)["input_ids"])
+        lps = {"baseline": continuation_logprob(model, p.tokens, ref),
+               "no-instruction": continuation_logprob(model, build_prompt_without(model, prompt, chat=chat), ref)}
+        lps.update({v: continuation_logprob(model, p.tokens, ref, pl) for v, pl in plans.items()})
+        for v, lp in lps.items():
+            rows.append(dict(model=name, variant=v, metric="ref_nll", layer=-1, query_pos=-1, value=float(-lp.mean())))
+        s = {v: float(lp.sum()) for v, lp in lps.items()}
+        denom = s["baseline"] - s["no-instruction"]
+        kept = {v: (s[v] - s["no-instruction"]) / denom if denom != 0 else float("nan") for v in variants}
+        for v, k in kept.items():
+            rows.append(dict(model=name, variant=v, metric="effect_kept", layer=-1, query_pos=-1, value=k))
+        meta.update(reference=reference, ref_logprob_sum=s, effect_kept=kept)
+    return pd.DataFrame(rows), meta
+
+
+def build_prompt_without(model: Any, prompt: str, *, chat: bool | None = None) -> Int[torch.Tensor, "pos"]:
+    """The same prompt with no instruction (the control for the instruction's effect)."""
+    return torch.tensor(model.tokenizer(_render(model, prompt, chat), add_special_tokens=False)["input_ids"])
+
+
+@torch.no_grad()
+def loss_by_position(model: Any, windows: Sequence[Sequence[int]], presets: Sequence[str]) -> pd.DataFrame:
+    """NLL (nats) of token t+1 at every query_pos t of each window under each preset; tidy long table."""
+    require_rotary(model_facts(model), "Surgery evaluation")
+    rows = []
+    name = model.cfg.model_name
+    todo = [(w, s) for w in range(len(windows)) for s in presets]
+    for w, spec in tqdm(todo, desc="surgery-eval"):
+        ids = torch.as_tensor(windows[w])[None]
+        plan = preset_plan(spec, model, ids.shape[1])
+        nll = -token_logprobs(logits_under(model, ids, plan), ids)[0]
+        for t, v in enumerate(nll.tolist()):
+            rows.append(dict(model=name, preset=spec, variant=plan.meta.get("variant", "global"), window=w,
+                             query_pos=t, term="nll", value=v))
+    return pd.DataFrame(rows)
+
+
+def squish_report(df: pd.DataFrame, meta: dict, out_dir: str) -> dict:
+    """Write squish.parquet/.csv, meta.json and report.html (continuations, attention mass, KL); returns paths."""
+    import html
+
+    import plotly.express as px
+
+    from posprobe.report.result import Result, environment_meta
+
+    mass = df[df.metric == "attn_mass"]
+    figs = [px.line(mass, x="layer", y="value", color="variant", markers=True,
+                    title="Attention mass from generated tokens onto the instruction span",
+                    labels={"value": "fraction of attention (mean over heads)"})]
+    kl = df[df.metric == "kl"]
+    figs.append(px.bar(kl, x="query_pos", y="value", color="variant", barmode="group",
+                       title="KL(baseline || squished) per query position (teacher-forced on the baseline output)",
+                       labels={"value": "KL (nats)"}))
+    rows = "".join(f"<tr><td>{html.escape(v)}</td><td><pre>{html.escape(t)}</pre></td></tr>"
+                   for v, t in meta["continuations"].items())
+    plans = ", ".join(f"{html.escape(v)}: <code>{html.escape(lab)}</code>" for v, lab in meta["plan"].items())
+    summary = (f"<p>Variant(s): <b>{html.escape(', '.join(meta['plan']))}</b>; plans {plans}; "
+               f"instruction tokens {meta['span'][0]}..{meta['span'][1] - 1} of {meta['n_prompt_tokens']}.</p>"
+               f"<table><tr><th>run</th><th>continuation</th></tr>{rows}</table>")
+    for v, k in meta.get("effect_kept", {}).items():
+        summary += f"<p>Fraction of the instruction's effect on the reference kept ({html.escape(v)}): {k:.3f}</p>"
+    res = Result(df, {**meta, "environment": environment_meta()})
+    title = f"Key squishing ({', '.join(meta['plan'])}) — {meta['model']}"
+    return res.save(out_dir, name="squish", figures=figs, title=title, summary_html=summary)
+
+
+def surgery_eval_report(df: pd.DataFrame, meta: dict, model: Any, out_dir: str) -> dict:
+    """Write surgery_eval.parquet/.csv, meta.json and report.html (mean loss vs position per preset)."""
+    import plotly.express as px
+
+    from posprobe.report.result import Result, environment_meta
+
+    curve = df.groupby(["preset", "query_pos"], sort=False).value.mean().reset_index()
+    fig = px.line(curve, x="query_pos", y="value", color="preset", title="Loss vs position (mean over windows)",
+                  labels={"value": "NLL (nats/token)"})
+    table = df.groupby("preset", sort=False).value.mean().to_frame("mean NLL (nats/token)").to_html()
+    full = {**meta, "analysis": "surgery-eval", "model": model_facts(model).summary(), "environment": environment_meta()}
+    return Result(df, full).save(out_dir, name="surgery_eval", figures=[fig], title="Surgery evaluation",
+                                 summary_html=table)

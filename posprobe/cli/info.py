@@ -1,0 +1,28 @@
+from __future__ import annotations
+
+import argparse
+import json
+
+HELP = "Print a model's positional facts (kind, context, rotary dims/bases, heads, GQA)."
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from posprobe.cli import add_model_arguments
+
+    add_model_arguments(p)
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def run(args: argparse.Namespace) -> int:
+    from posprobe.backend.facts import model_facts
+    from posprobe.backend.loading import load_model
+
+    model = load_model(args.model, device=args.device, dtype=args.dtype, n_ctx=args.n_ctx)
+    facts = model_facts(model).summary()
+    if args.json:
+        print(json.dumps(facts, indent=2, default=str))
+    else:
+        width = max(map(len, facts))
+        for k, v in facts.items():
+            print(f"{k:<{width}}  {v}")
+    return 0

@@ -1,0 +1,75 @@
+"""Command-line entry point. Subcommands live in posprobe/cli/<name>.py and import heavy
+libraries (torch, TransformerLens) only inside `run`, so `posprobe --help` is instant."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from typing import Sequence
+
+# Subcommand name -> module under posprobe.cli (each has HELP, add_arguments(p), run(args) -> int).
+SUBCOMMANDS = {
+    "info": "info",
+    "shift-test": "shift",
+    "freq-report": "freq_report",
+    "squish": "squish",
+    "surgery-eval": "surgery_eval",
+    "decompose": "decompose",
+    "probe": "probe",
+    "geometry": "geometry",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full argparse tree (cheap: command modules defer their heavy imports)."""
+    parser = argparse.ArgumentParser(
+        prog="posprobe",
+        description="Mechanistic analysis of positional behaviour in trained transformers.",
+    )
+    parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, module in SUBCOMMANDS.items():
+        try:
+            mod = importlib.import_module(f"posprobe.cli.{module}")
+        except ModuleNotFoundError as e:
+            if e.name != f"posprobe.cli.{module}":
+                raise
+            continue  # a subcommand not built in this checkout
+        p = sub.add_parser(name, help=mod.HELP, description=mod.HELP)
+        mod.add_arguments(p)
+        p.set_defaults(_run=mod.run)
+    return parser
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """MODEL plus the loading options every model-taking subcommand shares."""
+    p.add_argument("model", help="TL model name, HF folder, .gguf file, packaged alias (smollm2, gemma3-270m, "
+                                 "minilm) or built-in random spec (tiny-ape, tiny-rope)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, mps (default: cpu)")
+    p.add_argument("--dtype", default="float32", choices=["float64", "float32", "bfloat16", "float16"])
+    p.add_argument("--n-ctx", type=int, default=None, help="cap the context length (bounds buffers)")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the process exit code (2 for user errors, with one clear message)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 0
+    try:
+        return int(args._run(args) or 0)
+    except KeyboardInterrupt:
+        print("posprobe: interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, RuntimeError, NotImplementedError, OSError) as e:
+        if args.debug or os.environ.get("POSPROBE_DEBUG"):
+            raise
+        print(f"posprobe {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,1 +1,0 @@
-"""One module per CLI subcommand: HELP, add_arguments(parser), run(args) -> exit code."""

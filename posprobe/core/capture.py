@@ -1,0 +1,181 @@
+"""Targeted capture (only the hooks an analysis needs) and streaming reducers over a token stream."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import torch
+from jaxtyping import Int
+from tqdm.auto import tqdm
+
+from posprobe.backend.hooks import hook_name, hooked
+
+
+def _heads(x: torch.Tensor, point: str, heads: Sequence[int] | None) -> torch.Tensor:
+    if heads is None:
+        return x
+    idx = torch.as_tensor(list(heads), device=x.device)
+    if point in ("scores", "pattern"):
+        return x.index_select(1, idx)  # [batch, head_index, query_pos, key_pos]
+    if point in ("q", "k", "v", "rot_q", "rot_k", "z"):
+        return x.index_select(2, idx)  # [batch, pos, head_index, d_head]
+    return x
+
+
+def _stop_layer(model: Any, layers: Sequence[int]) -> dict[str, int]:
+    # Later layers cannot affect earlier activations, so a decoder need not run them.
+    if type(model).__name__ == "HookedTransformer" and max(layers) + 1 < model.cfg.n_layers:
+        return {"stop_at_layer": max(layers) + 1}
+    return {}
+
+
+@torch.no_grad()
+def capture(
+    model: Any,
+    tokens: Int[torch.Tensor, "batch pos"],
+    points: Sequence[str],
+    layers: Sequence[int] | None = None,
+    heads: Sequence[int] | None = None,
+) -> dict[tuple[str, int], torch.Tensor]:
+    """Run one forward pass with hooks only at `points` x `layers`; return {(point, layer): tensor}.
+
+    Tensors keep TL's layouts (`batch pos head_index d_head`, `batch head_index query_pos key_pos`,
+    `batch pos d_model`), restricted to `heads` where the point has a head axis. Layers after the
+    last requested one are not run (decoders). Hooks are removed on exit, also on error.
+    """
+    layers = list(range(model.cfg.n_layers)) if layers is None else list(layers)
+    if not layers or not points:
+        raise ValueError("Nothing to capture: give at least one point and one layer")
+    bad = [l for l in layers if not 0 <= l < model.cfg.n_layers]
+    if bad:
+        raise ValueError(f"Layers {bad} out of range for a {model.cfg.n_layers}-layer model")
+    out: dict[tuple[str, int], torch.Tensor] = {}
+
+    def make(point: str, layer: int) -> Callable:
+        def hook(x: torch.Tensor, hook: Any) -> torch.Tensor:
+            out[(point, layer)] = _heads(x.detach(), point, heads)
+            return x
+
+        return hook
+
+    hooks = [(hook_name(p, l), make(p, l)) for p in points for l in layers]
+    with hooked(model, hooks):
+        model(tokens, **_stop_layer(model, layers))
+    return out
+
+
+@dataclass
+class RunningMean:
+    """Streaming mean and variance (Chan et al. parallel update) of a tensor over a leading axis.
+
+    `update(x)` takes `[n, *shape]` samples; `mean`, `var` and `count` have `shape`. float64 inside,
+    so long corpora do not lose precision.
+    """
+
+    count: torch.Tensor | None = None
+    mean: torch.Tensor | None = None
+    m2: torch.Tensor | None = None
+
+    def update(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> None:
+        x = x.detach().to(torch.float64)
+        w = torch.ones(x.shape[:1] + (1,) * (x.dim() - 1), dtype=torch.float64, device=x.device) if weight is None \
+            else weight.to(torch.float64).reshape(x.shape[:1] + (1,) * (x.dim() - 1))
+        n_b = w.sum(0)
+        if float(n_b.sum()) == 0:
+            return
+        mean_b = (w * x).sum(0) / n_b.clamp_min(1e-300)
+        m2_b = (w * (x - mean_b) ** 2).sum(0)
+        n_b = n_b.expand_as(mean_b).clone()
+        if self.count is None:
+            self.count, self.mean, self.m2 = n_b, mean_b, m2_b
+            return
+        n = self.count + n_b
+        delta = mean_b - self.mean
+        safe = n.clamp_min(1e-300)
+        self.mean = self.mean + delta * n_b / safe
+        self.m2 = self.m2 + m2_b + delta**2 * self.count * n_b / safe
+        self.count = n
+
+    @property
+    def var(self) -> torch.Tensor:
+        assert self.count is not None and self.m2 is not None, "no data seen"
+        return self.m2 / self.count.clamp_min(1)
+
+
+@dataclass
+class Reducer:
+    """A streaming statistic: which (point, layer) hooks it reads and what it does with each batch.
+
+    `fn(point, layer, tensor, state)` folds one batch's activation into `state` (a dict it owns).
+    """
+
+    points: Sequence[str]
+    layers: Sequence[int]
+    fn: Callable[[str, int, torch.Tensor, dict], None]
+    state: dict = field(default_factory=dict)
+
+
+def batches(token_rows: Sequence[Sequence[int]] | torch.Tensor, batch_size: int) -> Iterator[torch.Tensor]:
+    """Equal-length token rows as `[batch, pos]` tensors of at most `batch_size` rows."""
+    rows = torch.as_tensor(token_rows) if not isinstance(token_rows, torch.Tensor) else token_rows
+    if rows.dim() != 2 or rows.shape[0] == 0:
+        raise ValueError("Need a non-empty 2-D set of equal-length token rows")
+    for i in range(0, rows.shape[0], batch_size):
+        yield rows[i : i + batch_size]
+
+
+@torch.no_grad()
+def stream(
+    model: Any,
+    token_batches: Iterable[torch.Tensor],
+    reducers: Sequence[Reducer],
+    *,
+    total: int | None = None,
+    progress: bool = True,
+    desc: str = "batches",
+    context: Callable[[], Any] | None = None,
+) -> list[dict]:
+    """Feed every batch through the model once, letting each reducer fold its hooks' activations.
+
+    Memory stays bounded by one batch's activations plus the reducers' states. `context`, if given,
+    is entered around each forward (e.g. a position plan). Returns each reducer's state.
+    """
+    needed = sorted({(p, l) for r in reducers for p in r.points for l in r.layers}, key=lambda x: (x[1], x[0]))
+    if not needed:
+        raise ValueError("No reducer asks for any activation")
+    layers = [l for _, l in needed]
+
+    def make(point: str, layer: int) -> Callable:
+        readers = [r for r in reducers if point in r.points and layer in r.layers]
+
+        def hook(x: torch.Tensor, hook: Any) -> torch.Tensor:
+            for r in readers:
+                r.fn(point, layer, x.detach(), r.state)
+            return x
+
+        return hook
+
+    hooks = [(hook_name(p, l), make(p, l)) for p, l in needed]
+    seen = 0
+    with hooked(model, hooks), tqdm(total=total, desc=desc, unit="batch", disable=not progress) as bar:
+        for toks in token_batches:
+            if context is not None:
+                with context():
+                    model(toks, **_stop_layer(model, layers))
+            else:
+                model(toks, **_stop_layer(model, layers))
+            seen += 1
+            bar.update(1)
+    if seen == 0:
+        raise ValueError("Empty input: no token batches to stream")
+    return [r.state for r in reducers]
+
+
+def mean_by_position(point: str, layers: Sequence[int]) -> Reducer:
+    """Reducer: running mean/var of `point` at each position, per layer (`state[layer]` RunningMean)."""
+
+    def fn(p: str, layer: int, x: torch.Tensor, state: dict) -> None:
+        state.setdefault(layer, RunningMean()).update(x)
+
+    return Reducer([point], list(layers), fn)

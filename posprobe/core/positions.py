@@ -1,0 +1,244 @@
+"""Position control: arbitrary position ids for learned embeddings, separate q/k positions for RoPE.
+
+Both are context managers that attach hooks for the block and always remove them.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterator, Mapping, Sequence
+
+import torch
+from jaxtyping import Int
+
+from posprobe.backend.facts import model_facts, require_learned, require_rotary
+from posprobe.backend.hooks import attention_scores, hook_name, hooked, layer_rotary_spec, pos_embed_hook, pre_rotation
+from posprobe.core.rope import RotarySpec, rotate
+
+
+class PositionError(ValueError):
+    """Positions that cannot be applied (past the context, wrong length, negative)."""
+
+
+def _as_tensor(x: Any, dtype: torch.dtype) -> torch.Tensor:
+    return x.to(dtype) if isinstance(x, torch.Tensor) else torch.as_tensor(x, dtype=dtype)
+
+
+def check_learned_positions(model: Any, position_ids: torch.Tensor) -> None:
+    """Raise PositionError unless every id indexes a row of W_pos (0 <= id < n_ctx)."""
+    n_ctx = model.cfg.n_ctx
+    if position_ids.numel() == 0:
+        raise PositionError("No positions given (empty input)")
+    lo, hi = int(position_ids.min()), int(position_ids.max())
+    if lo < 0:
+        raise PositionError(f"Position ids must be >= 0; got {lo}")
+    if hi >= n_ctx:
+        raise PositionError(
+            f"Position id {hi} is past the model's context: {model.cfg.model_name} has n_ctx={n_ctx} "
+            f"learned positions (ids 0..{n_ctx - 1})"
+        )
+
+
+@contextmanager
+def learned_positions(model: Any, position_ids: Int[torch.Tensor, "pos"] | Int[torch.Tensor, "batch pos"]) -> Iterator[Any]:
+    """Within the block, token t of every forward gets the learned embedding W_pos[position_ids[t]].
+
+    Checked against n_ctx before any forward pass. A shift by k is `arange(L) + k`.
+    """
+    require_learned(model_facts(model), "Setting learned position ids")
+    ids = _as_tensor(position_ids, torch.long)
+    check_learned_positions(model, ids)
+    W_pos = model.W_pos
+
+    def hook(pos_embed: torch.Tensor, hook: Any) -> torch.Tensor:
+        n = pos_embed.shape[1]
+        if ids.shape[-1] != n:
+            raise PositionError(f"{ids.shape[-1]} position ids given for a sequence of {n} tokens")
+        out = W_pos[ids.to(W_pos.device)]
+        return out.expand(pos_embed.shape[0], -1, -1) if out.dim() == 2 else out
+
+    with hooked(model, [(pos_embed_hook(model), hook)]):
+        yield model
+
+
+@dataclass(frozen=True)
+class KeyView:
+    """Queries where `queries` is True see every key at `k_pos` instead of the plan's k_pos."""
+
+    queries: torch.Tensor
+    k_pos: torch.Tensor
+    name: str = "local"
+
+
+@dataclass(frozen=True)
+class PositionPlan:
+    """Per token: the position its query is rotated to and the position its key is rotated to.
+
+    Floats allowed; shapes `[pos]` or `[batch, pos]`. `views` let a key's position depend on which
+    query looks at it (e.g. a span seen normally by itself, squished by later tokens). `layers`
+    limits the plan to some layers (None: all). `rotary` overrides a layer's rotation (new base,
+    per-band scale, removed bands). `label` names the plan in outputs.
+    """
+
+    q_pos: torch.Tensor
+    k_pos: torch.Tensor
+    views: tuple[KeyView, ...] = ()
+    layers: frozenset[int] | None = None
+    rotary: Mapping[int, RotarySpec] | None = None
+    label: str = "custom"
+    meta: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        q, k = _as_tensor(self.q_pos, torch.float64), _as_tensor(self.k_pos, torch.float64)
+        if q.shape != k.shape:
+            raise PositionError(f"q_pos has shape {tuple(q.shape)} but k_pos has {tuple(k.shape)}")
+        object.__setattr__(self, "q_pos", q)
+        object.__setattr__(self, "k_pos", k)
+        for v in self.views:
+            if v.queries.shape[-1] != len(self) or v.k_pos.shape[-1] != len(self):
+                raise PositionError(f"view {v.name!r} covers {v.k_pos.shape[-1]} tokens, plan has {len(self)}")
+
+    def __len__(self) -> int:
+        return int(self.q_pos.shape[-1])
+
+    @classmethod
+    def default(cls, n: int, label: str = "default") -> "PositionPlan":
+        """Every token's query and key at its own index: the model's unmodified positions."""
+        p = torch.arange(n, dtype=torch.float64)
+        return cls(p, p.clone(), label=label)
+
+    def extended(self, n: int) -> "PositionPlan":
+        """The plan for `n` tokens: new tokens continue after the last query position, q = k, step 1."""
+        extra = n - len(self)
+        if extra <= 0:
+            return self
+        start = self.q_pos[..., -1:] + 1
+        steps = torch.arange(extra, dtype=torch.float64)
+        new = start + steps
+        views = tuple(
+            KeyView(torch.cat([v.queries, torch.zeros(v.queries.shape[:-1] + (extra,), dtype=torch.bool)], -1),
+                    torch.cat([v.k_pos, new.expand(v.k_pos.shape[:-1] + (extra,))], -1), v.name)
+            for v in self.views
+        )
+        return replace(self, q_pos=torch.cat([self.q_pos, new], -1), k_pos=torch.cat([self.k_pos, new], -1), views=views)
+
+
+class _RopeControl:
+    """Hook state: pre-rotation q/k per layer, so a KV cache (keys stored unrotated) works too."""
+
+    def __init__(self, model: Any, plan: PositionPlan):
+        self.model, self.plan = model, plan
+        self.q_new: dict[int, torch.Tensor] = {}
+        self.k_new: dict[int, torch.Tensor] = {}
+        self.k_all: dict[int, torch.Tensor] = {}
+        self.q_buf: dict[int, torch.Tensor] = {}
+        self.specs = {l: (plan.rotary or {}).get(l) or layer_rotary_spec(model, l) for l in range(model.cfg.n_layers)}
+
+    def _positions(self, pos: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        if stop > len(self.plan):
+            raise PositionError(
+                f"The position plan covers {len(self.plan)} tokens but the sequence has {stop}; "
+                "build the plan for the full length (PositionPlan.extended)"
+            )
+        return pos[..., start:stop]
+
+    def stash(self, layer: int, which: str):
+        def hook(x: torch.Tensor, hook: Any) -> torch.Tensor:
+            (self.q_new if which == "q" else self.k_new)[layer] = pre_rotation(self.model, layer, x, which)
+            return x
+
+        return hook
+
+    def rot_q(self, layer: int):
+        # TL rotates q before k, but q's offset is only known once k shows how long the cache is:
+        # hand TL a buffer now and fill it in the rot_k hook, before the scores are computed.
+        def hook(q_rot: torch.Tensor, hook: Any) -> torch.Tensor:
+            buf = torch.empty_like(q_rot)
+            self.q_buf[layer] = buf
+            return buf
+
+        return hook
+
+    def rot_k(self, layer: int):
+        def hook(k_rot: torch.Tensor, hook: Any) -> torch.Tensor:
+            new = self.k_new.pop(layer)
+            total = k_rot.shape[1]
+            if total == new.shape[1]:
+                k_all = new
+            else:
+                k_all = torch.cat([self.k_all[layer], new], dim=1)
+                if k_all.shape[1] != total:
+                    raise RuntimeError("KV-cache length out of step with posprobe's key record; restart the cache")
+            self.k_all[layer] = k_all
+            q = self.q_new.pop(layer)
+            off = total - q.shape[1]
+            spec = self.specs[layer]
+            self.q_buf[layer].copy_(rotate(q, self._positions(self.plan.q_pos, off, total), spec))
+            return rotate(k_all, self._positions(self.plan.k_pos, 0, total), spec)
+
+        return hook
+
+    def views(self, layer: int):
+        def hook(scores: torch.Tensor, hook: Any) -> torch.Tensor:
+            q_rot = self.q_buf.pop(layer)
+            k_all = self.k_all[layer]
+            total, n_q = k_all.shape[1], q_rot.shape[1]
+            off = total - n_q
+            out = scores
+            for v in self.plan.views:
+                rows = v.queries[..., off:total].to(scores.device)
+                if not bool(rows.any()):
+                    continue
+                k_rot = rotate(k_all, v.k_pos[..., :total], self.specs[layer])
+                if rows.dim() == 1:
+                    # Only the selected query rows: one view per query stays O(n^2) per view, not O(n^3).
+                    idx = rows.nonzero()[:, 0]
+                    alt = attention_scores(self.model, layer, q_rot[:, idx], k_rot).to(scores.dtype)
+                    part = out[:, :, idx]
+                    out = out.clone() if out is scores else out
+                    # Masked entries keep the model's own fill value (-inf), whatever the view says.
+                    out[:, :, idx] = torch.where(torch.isfinite(scores[:, :, idx]), alt, part)
+                    continue
+                alt = attention_scores(self.model, layer, q_rot, k_rot)
+                sel = rows.reshape(-1, 1, n_q, 1)
+                out = torch.where(sel & torch.isfinite(scores), alt.to(scores.dtype), out)
+            return out
+
+        return hook
+
+    def hooks(self) -> list[tuple[str, Any]]:
+        layers = self.plan.layers if self.plan.layers is not None else range(self.model.cfg.n_layers)
+        hs: list[tuple[str, Any]] = []
+        for l in layers:
+            hs += [(hook_name("q", l), self.stash(l, "q")), (hook_name("k", l), self.stash(l, "k")),
+                   (hook_name("rot_k", l), self.rot_k(l)), (hook_name("rot_q", l), self.rot_q(l))]
+            if self.plan.views:
+                hs.append((hook_name("scores", l), self.views(l)))
+        return hs
+
+
+@contextmanager
+def rope_positions(model: Any, plan: PositionPlan | None = None, *, q_pos: Sequence[float] | torch.Tensor | None = None,
+                   k_pos: Sequence[float] | torch.Tensor | None = None) -> Iterator[PositionPlan]:
+    """Within the block, rotate queries and keys of a RoPE model to the plan's positions.
+
+    Give a PositionPlan, or `q_pos` and `k_pos` directly. Works with TL's KV cache (generation):
+    the plan must cover the full length (see `PositionPlan.extended`). Yields the plan in force.
+    """
+    require_rotary(model_facts(model), "Query/key position control")
+    if plan is None:
+        if q_pos is None or k_pos is None:
+            raise PositionError("Give a PositionPlan or both q_pos and k_pos")
+        plan = PositionPlan(_as_tensor(q_pos, torch.float64), _as_tensor(k_pos, torch.float64))
+    if plan.layers is not None and not all(0 <= l < model.cfg.n_layers for l in plan.layers):
+        raise PositionError(f"Plan names layers {sorted(plan.layers)}; the model has {model.cfg.n_layers}")
+    control = _RopeControl(model, plan)
+    with hooked(model, control.hooks()):
+        yield plan
+
+
+def shifted_plan(n: int, k: float, *, q_only: bool = False) -> PositionPlan:
+    """Positions k..k+n-1 for queries and keys (or queries only): the shift test's RoPE plan."""
+    base = torch.arange(n, dtype=torch.float64)
+    return PositionPlan(base + k, base if q_only else base + k, label=f"shift{'-q' if q_only else ''}:{k:g}")

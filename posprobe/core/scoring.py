@@ -1,0 +1,280 @@
+"""Per-token log-probabilities of token sequences at chosen position ids, fast and exact.
+
+Two backends compute the same numbers: `HFScorer` passes `position_ids` straight to a Hugging Face
+model (no hooks, the fast path), `TLScorer` drives a TransformerLens model through posprobe's
+position control. Sequences are sorted by length, right-padded (harmless for causal models: pads
+sit after every scored token) and the vocabulary projection is applied only to the rows that
+predict a scored token.
+
+`pair_logprobs` scores minimal pairs: the two sentences of a pair usually share their first tokens
+(same ids at the same positions), so `HFScorer` packs a pair into one row, shared prefix once, then
+both continuations, with a custom attention mask that hides the first continuation from the second
+(a two-branch tree). Each shared token is computed, and projected to the vocabulary, once.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+from jaxtyping import Float
+from tqdm.auto import tqdm
+
+
+@dataclass(frozen=True)
+class Positioned:
+    """Token ids and the position id of each token (same length)."""
+
+    ids: tuple[int, ...]
+    positions: tuple[int, ...]
+
+
+@dataclass
+class _Row:
+    """One row of a batch: a single sequence, or two sharing their first `shared` tokens (a tree)."""
+
+    ids: list[int]
+    pos: list[int]
+    members: list[tuple[int, list[int]]]  # (output index, row index of each of its tokens)
+    shared: int = 0  # tokens visible to both branches; the second branch starts at len(first member)
+
+
+def shared_prefix(a: Positioned, b: Positioned) -> int:
+    """Number of leading tokens with equal id and position, leaving each sequence at least one own token."""
+    n = 0
+    for x, y, px, py in zip(a.ids, b.ids, a.positions, b.positions):
+        if x != y or px != py:
+            break
+        n += 1
+    return min(n, len(a.ids) - 1, len(b.ids) - 1)
+
+
+def _single(i: int, item: Positioned) -> _Row:
+    return _Row(list(item.ids), list(item.positions), [(i, list(range(len(item.ids))))])
+
+
+def _tree(i: int, a: Positioned, j: int, b: Positioned) -> _Row:
+    p, la = shared_prefix(a, b), len(a.ids)
+    ids = list(a.ids) + list(b.ids[p:])
+    pos = list(a.positions) + list(b.positions[p:])
+    b_index = list(range(p)) + list(range(la, la + len(b.ids) - p))
+    return _Row(ids, pos, [(i, list(range(la))), (j, b_index)], shared=p)
+
+
+def _length_batches(rows: Sequence[_Row], batch_size: int) -> Iterator[list[int]]:
+    # Longest first: the first batch shows the peak memory at once, and padding stays minimal. A batch
+    # holds one start position, so an unshifted batch stays unshifted (TL then runs without hooks).
+    order = sorted(range(len(rows)), key=lambda i: (rows[i].pos[0], -len(rows[i].ids)))
+    batch: list[int] = []
+    for i in order:
+        if batch and (len(batch) == batch_size or rows[batch[0]].pos[0] != rows[i].pos[0]):
+            yield batch
+            batch = []
+        batch.append(i)
+    if batch:
+        yield batch
+
+
+def _pad(rows: Sequence[_Row], idx: list[int], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    n = max(len(rows[i].ids) for i in idx)
+    ids = torch.full((len(idx), n), pad_id, dtype=torch.long)
+    pos = torch.zeros((len(idx), n), dtype=torch.long)
+    lengths = []
+    for r, i in enumerate(idx):
+        m = len(rows[i].ids)
+        ids[r, :m] = torch.tensor(rows[i].ids)
+        pos[r, :m] = torch.tensor(rows[i].pos)
+        # Pads continue the row's positions so the position id stays within a valid range.
+        if n > m:
+            pos[r, m:] = max(rows[i].pos) + 1 + torch.arange(n - m)
+        lengths.append(m)
+    return ids, pos, lengths
+
+
+def _tree_mask(rows: Sequence[_Row], idx: list[int], n: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive [batch, 1, query_pos, key_pos] mask: causal, and a tree's second branch cannot see the first."""
+    allowed = torch.ones(n, n, dtype=torch.bool).tril()[None].repeat(len(idx), 1, 1)
+    for r, i in enumerate(idx):
+        row = rows[i]
+        if len(row.members) == 2:
+            start_b = len(row.members[0][1])
+            allowed[r, start_b:, row.shared:start_b] = False
+    mask = torch.zeros(allowed.shape, dtype=dtype)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[:, None]
+
+
+class _Scorer:
+    """Shared batching logic; subclasses implement `_hidden_and_head`."""
+
+    pad_id: int = 0
+
+    def _hidden_and_head(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None
+                         ) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+        raise NotImplementedError
+
+    @torch.inference_mode()
+    def token_logprobs(self, items: Sequence[Positioned], *, batch_size: int = 32, progress: bool = False,
+                       desc: str = "scoring") -> list[Float[torch.Tensor, "pos_minus_1"]]:
+        """For each sequence, log p(token t+1 | tokens <= t) in nats for t = 0..len-2 (float64 tensors)."""
+        if not items:
+            raise ValueError("Empty input: nothing to score")
+        _check(items)
+        return self._score_rows([_single(i, it) for i, it in enumerate(items)], len(items), batch_size, progress, desc)
+
+    @torch.inference_mode()
+    def pair_logprobs(self, pairs: Sequence[tuple[Positioned, Positioned]], *, batch_size: int = 32,
+                      progress: bool = False, desc: str = "pairs"
+                      ) -> list[tuple[Float[torch.Tensor, "pos_minus_1"], Float[torch.Tensor, "pos_minus_1"]]]:
+        """Per-token log-probs (nats, float64) of both sequences of each pair, as `token_logprobs` returns them.
+
+        Equal to scoring the two sequences separately (to float noise); the shared prefix of a pair is
+        computed once where the backend allows it. `batch_size` counts sequences.
+        """
+        if not pairs:
+            raise ValueError("Empty input: nothing to score")
+        flat = [it for pair in pairs for it in pair]
+        if len(flat) != 2 * len(pairs):
+            raise ValueError("Each pair must hold exactly two Positioned sequences")
+        _check(flat)
+        # Identical sequences (frequent across BLiMP pairs) are scored once.
+        first: dict[Positioned, int] = {}
+        for it in flat:
+            first.setdefault(it, len(first))
+        uniq = list(first)
+        rows: list[_Row] = []
+        done: set[int] = set()
+        for a, b in pairs:
+            i, j = first[a], first[b]
+            if i in done and j in done:
+                continue
+            tree = None if (i == j or i in done or j in done) else self._tree_row(i, uniq[i], j, uniq[j])
+            if tree is None:
+                rows += [_single(x, uniq[x]) for x in dict.fromkeys((i, j)) if x not in done]
+            else:
+                rows.append(tree)
+            done.update((i, j))
+        # A tree row holds ~1.4 sequences' tokens; count rows so a batch holds about batch_size sequences.
+        trees = any(len(r.members) == 2 for r in rows)
+        lps = self._score_rows(rows, len(uniq), max(1, batch_size // 2) if trees else batch_size, progress, desc)
+        return [(lps[first[a]], lps[first[b]]) for a, b in pairs]
+
+    def _tree_row(self, i: int, a: Positioned, j: int, b: Positioned) -> _Row | None:
+        """A shared-prefix row for the pair, or None where this backend scores them separately."""
+        return None
+
+    def _score_rows(self, rows: list[_Row], n_out: int, batch_size: int, progress: bool, desc: str) -> list[torch.Tensor]:
+        out: list[torch.Tensor | None] = [None] * n_out
+        batches = list(_length_batches(rows, batch_size))
+        for idx in tqdm(batches, desc=desc, unit="batch", disable=not progress):
+            ids, pos, lengths = _pad(rows, idx, self.pad_id)
+            n = ids.shape[1]
+            mask = _tree_mask(rows, idx, n, self.dtype) if any(len(rows[i].members) == 2 for i in idx) else None
+            hidden, head = self._hidden_and_head(ids.to(self.device), pos.to(self.device),
+                                                 None if mask is None else mask.to(self.device))
+            # Each scored token is predicted from the row index of the member's previous token;
+            # shared prefix tokens give the same (source, target) twice and are projected once.
+            src, tgt, spans = [], [], []
+            for r, i in enumerate(idx):
+                for o, where in rows[i].members:
+                    spans.append((o, len(src)))
+                    src += [r * n + w for w in where[:-1]]
+                    tgt += [rows[i].ids[w] for w in where[1:]]
+            uniq_src, inverse = torch.unique(torch.tensor(src, dtype=torch.long), return_inverse=True)
+            logits = head(hidden.reshape(-1, hidden.shape[-1])[uniq_src.to(hidden.device)])
+            if logits.dtype in (torch.float16, torch.bfloat16):
+                logits = logits.float()  # log-softmax in at least single precision
+            lse = torch.logsumexp(logits, -1)
+            inv = inverse.to(logits.device)
+            lp = (logits[inv, torch.tensor(tgt, device=logits.device)] - lse[inv]).double().cpu()
+            ends = [s for _, s in spans[1:]] + [len(src)]
+            for (o, s), e in zip(spans, ends):
+                out[o] = lp[s:e]
+        return out  # type: ignore[return-value]
+
+
+def _check(items: Sequence[Positioned]) -> None:
+    for it in items:
+        if len(it.ids) != len(it.positions) or not it.ids:
+            raise ValueError(f"Each sequence needs >= 1 token and one position per token; got {len(it.ids)} ids, "
+                             f"{len(it.positions)} positions")
+
+
+class HFScorer(_Scorer):
+    """Hugging Face causal LM; position ids passed natively (GPT-2, Llama, Gemma, Qwen, ...)."""
+
+    def __init__(self, model: Any, tokenizer: Any):
+        self.model, self.tokenizer = model, tokenizer
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.head = model.get_output_embeddings()
+        self.softcap = getattr(model.config, "final_logit_softcapping", None)
+        # A custom mask replaces HF's sliding-window mask, which only equals it while rows fit the window.
+        self.window = getattr(model.config, "sliding_window", None)
+
+    def _tree_row(self, i: int, a: Positioned, j: int, b: Positioned) -> _Row | None:
+        row = _tree(i, a, j, b)
+        if self.window and len(row.ids) > self.window:
+            return None
+        return row
+
+    def _hidden_and_head(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None):
+        if mask is None:
+            # An all-ones mask rather than None: HF may read a jump in position ids (prefix at 0,
+            # sentence at k) as the start of a packed sequence; all-ones still takes SDPA's is_causal path.
+            mask = torch.ones(ids.shape, dtype=torch.long, device=ids.device)
+        hidden = self.model.base_model(input_ids=ids, position_ids=pos, attention_mask=mask,
+                                       use_cache=False).last_hidden_state
+
+        def head(h: torch.Tensor) -> torch.Tensor:
+            logits = self.head(h)
+            if self.softcap:
+                logits = torch.tanh(logits / self.softcap) * self.softcap
+            return logits
+
+        return hidden, head
+
+
+class TLScorer(_Scorer):
+    """TransformerLens model; positions applied with posprobe's learned / RoPE position control."""
+
+    def __init__(self, model: Any):
+        from posprobe.backend.facts import model_facts
+
+        self.model = model
+        self.device = model.cfg.device
+        self.dtype = model.cfg.dtype
+        self.facts = model_facts(model)
+        tok = model.tokenizer
+        self.pad_id = (tok.pad_token_id if tok is not None and tok.pad_token_id is not None else 0)
+        if self.facts.positional_kind not in ("learned_absolute", "rotary"):
+            raise NotImplementedError(f"Scoring at chosen positions needs learned or rotary positions, not {self.facts.positional_kind}")
+
+    def _position_context(self, pos: torch.Tensor):
+        from posprobe.core.positions import PositionPlan, learned_positions, rope_positions
+
+        default = torch.arange(pos.shape[1], device=pos.device)[None].expand_as(pos)
+        if torch.equal(pos, default):
+            return nullcontext()  # unshifted: leave the model untouched
+        if self.facts.positional_kind == "learned_absolute":
+            return learned_positions(self.model, pos)
+        p = pos.to(torch.float64)
+        return rope_positions(self.model, PositionPlan(p, p.clone(), label="scoring"))
+
+    def _hidden_and_head(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None):
+        assert mask is None, "TLScorer scores single sequences only"
+        with self._position_context(pos):
+            # Stopping after the last block returns the residual stream, so the vocabulary
+            # projection can be applied to real tokens only.
+            resid = self.model(ids, stop_at_layer=self.model.cfg.n_layers)
+        final = self.model.ln_final(resid)
+        cap = getattr(self.model.cfg, "output_logits_soft_cap", -1.0)
+
+        def head(h: torch.Tensor) -> torch.Tensor:
+            logits = self.model.unembed(h[:, None, :])[:, 0]
+            return torch.tanh(logits / cap) * cap if cap and cap > 0 else logits
+
+        return final, head

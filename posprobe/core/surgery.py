@@ -1,0 +1,282 @@
+"""Query/key rotation surgery presets: each returns a PositionPlan (positions, views, rotary overrides).
+
+Positions are in tokens (floats allowed); `n` is the sequence length the plan covers (generation
+extends it with `PositionPlan.extended`). Relative-position rules that depend on the query
+(Self-Extend, ReRoPE, StreamingLLM) are exact per (query, key) pair through one KeyView per query
+(a full forward costs O(n) extra score computations per layer; a decode step costs one).
+`apply_plan` is `rope_positions` plus the two things a plan cannot express as positions: YaRN's
+attention temperature and StreamingLLM's evicted keys (both read from `plan.meta`).
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from dataclasses import replace
+from typing import Any, Callable, Iterator
+
+import torch
+from jaxtyping import Bool
+
+from posprobe.backend.facts import model_facts, require_rotary
+from posprobe.backend.hooks import hook_name, hooked, layer_rotary_spec
+from posprobe.core.presets_help import PRESET_HELP  # torch-free, so `posprobe --help` stays fast
+from posprobe.core.positions import KeyView, PositionError, PositionPlan, rope_positions, shifted_plan
+from posprobe.core.rope import RotarySpec, wavelength
+
+VARIANTS = ("cache", "global")
+
+
+def _arange(n: int) -> torch.Tensor:
+    if n < 1:
+        raise PositionError(f"A plan needs at least one token; got n={n}")
+    return torch.arange(n, dtype=torch.float64)
+
+
+def shift(n: int, k: float, *, q_only: bool = False) -> PositionPlan:
+    """q = k = i + k for token i (queries only with `q_only`). A common shift leaves a RoPE model unchanged."""
+    _arange(n)
+    return shifted_plan(n, k, q_only=q_only)
+
+
+def key_squish(n: int, span: tuple[int, int], *, to: float | None = 0.0, range_: tuple[float, float] | None = None,
+               query_start: float | None = None, variant: str = "cache") -> PositionPlan:
+    """Keys of tokens `span = (a, b)` (b exclusive) squished; other tokens keep or move their positions.
+
+    Span key j gets `to` (all the same), or with `range_ = (lo, hi)` (which wins over `to`) the linear map
+    `lo + (j - a) * (hi - lo) / (b - a - 1)`. Tokens before the span keep q = k = i. Tokens after it
+    get q = k = query_start + (i - b) (default query_start = b: unchanged). Span queries stay at i.
+    variant "global": every query, the span's own tokens included, sees the squished span keys.
+    variant "cache": span queries see every key at its normal position (a KeyView), so the span
+    reads itself unmodified, as if it had been encoded first and then its cached keys re-positioned.
+    """
+    a, b = span
+    if not 0 <= a < b <= n:
+        raise PositionError(f"span {span} must satisfy 0 <= start < end <= {n} (the plan length)")
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}; got {variant!r}")
+    if range_ is None and to is None:
+        raise ValueError("give `to` (one position) or `range_` (lo, hi) for the squished span keys")
+    pos = _arange(n)
+    if range_ is not None:
+        lo, hi = map(float, range_)
+        frac = torch.arange(b - a, dtype=torch.float64) / max(b - a - 1, 1)
+        squished = lo + frac * (hi - lo)
+        how = f"range[{lo:g},{hi:g}]"
+    else:
+        squished = torch.full((b - a,), float(to), dtype=torch.float64)
+        how = f"to {float(to):g}"
+    start = float(b if query_start is None else query_start)
+    q = pos.clone()
+    q[b:] = start + (pos[b:] - b)
+    k = q.clone()
+    k[a:b] = squished
+    views: tuple[KeyView, ...] = ()
+    if variant == "cache":
+        rows = torch.zeros(n, dtype=torch.bool)
+        rows[a:b] = True
+        views = (KeyView(rows, q.clone(), name="span-sees-itself"),)
+    meta = {"preset": "key_squish", "variant": variant, "span": [a, b], "squish": how, "query_start": start}
+    return PositionPlan(q, k, views=views, label=f"squish-{variant}:{how}", meta=meta)
+
+
+def position_interpolation(n: int, scale: float) -> PositionPlan:
+    """Position Interpolation (Chen et al. 2023): q = k = i / s."""
+    if scale <= 0:
+        raise ValueError(f"scale must be > 0; got {scale}")
+    p = _arange(n) / scale
+    return PositionPlan(p, p.clone(), label=f"pi:{scale:g}", meta={"preset": "pi", "scale": scale})
+
+
+def _specs(model: Any) -> dict[int, RotarySpec]:
+    require_rotary(model_facts(model), "Frequency surgery")
+    return {l: layer_rotary_spec(model, l) for l in range(model.cfg.n_layers)}
+
+
+def ntk_aware(model: Any, n: int, scale: float) -> PositionPlan:
+    """NTK-aware scaling (bloc97 2023): base' = base * s ** (d / (d - 2)), d = rotary_dim; positions unchanged."""
+    if scale <= 0:
+        raise ValueError(f"scale must be > 0; got {scale}")
+    rot = {l: replace(s, base=s.base * scale ** (s.rotary_dim / (s.rotary_dim - 2))) for l, s in _specs(model).items()}
+    plan = PositionPlan.default(n, label=f"ntk:{scale:g}")
+    return replace(plan, rotary=rot, meta={"preset": "ntk", "scale": scale})
+
+
+def yarn_factors(spec: RotarySpec, scale: float, original_ctx: int, beta_fast: float = 32.0,
+                 beta_slow: float = 1.0) -> tuple[float, ...]:
+    """YaRN (Peng et al. 2023) per-band multipliers of TL's inverse frequency (angle = pos / freq).
+
+    r_b = L / wavelength_b; ramp g = 0 if r < beta_slow, 1 if r > beta_fast, else linear between;
+    new angular frequency theta_b' = ((1 - g) / s + g) * theta_b, so the multiplier is 1 / ((1 - g)/s + g).
+    """
+    out = []
+    for lam in wavelength(replace(spec, freq_scale=None, removed=frozenset())):
+        r = original_ctx / lam
+        g = 0.0 if r < beta_slow else 1.0 if r > beta_fast else (r - beta_slow) / (beta_fast - beta_slow)
+        out.append(1.0 / ((1.0 - g) / scale + g))
+    return tuple(out)
+
+
+def yarn(model: Any, n: int, scale: float, original_ctx: int, *, beta_fast: float = 32.0,
+         beta_slow: float = 1.0) -> PositionPlan:
+    """YaRN: per-band interpolation (`yarn_factors`) plus attention temperature sqrt(1/t) = 0.1 ln(s) + 1.
+
+    The temperature multiplies q and k by m = 0.1 ln(s) + 1 (as HF scales cos/sin), i.e. the
+    pre-softmax scores by m**2; `apply_plan` applies it to hook_attn_scores, which equals scaling q
+    by m**2 for models without attention soft-capping. Stored as meta["score_scale"].
+    """
+    if scale <= 0:
+        raise ValueError(f"scale must be > 0; got {scale}")
+    rot = {}
+    for l, s in _specs(model).items():
+        base = s.freq_scale or (1.0,) * s.n_bands
+        f = yarn_factors(s, scale, original_ctx, beta_fast, beta_slow)
+        rot[l] = replace(s, freq_scale=tuple(x * y for x, y in zip(base, f)))
+    m = 0.1 * math.log(scale) + 1.0 if scale > 1 else 1.0
+    meta = {"preset": "yarn", "scale": scale, "original_ctx": original_ctx, "beta_fast": beta_fast,
+            "beta_slow": beta_slow, "score_scale": m * m}
+    return replace(PositionPlan.default(n, label=f"yarn:{scale:g}"), rotary=rot, meta=meta)
+
+
+def drop_frequencies(model: Any, n: int, *, lowest: int = 0, highest: int = 0) -> PositionPlan:
+    """Remove the `lowest` slowest and `highest` fastest bands (cos 1, sin 0) in every layer (p-RoPE style).
+
+    Band 0 is the fastest (TL ordering), so lowest = the last `lowest` bands.
+    """
+    rot = {}
+    for l, s in _specs(model).items():
+        if lowest < 0 or highest < 0 or lowest + highest > s.n_bands:
+            raise ValueError(f"cannot drop {lowest} + {highest} of {s.n_bands} bands")
+        gone = set(range(highest)) | set(range(s.n_bands - lowest, s.n_bands))
+        rot[l] = replace(s, removed=frozenset(s.removed | gone))
+    meta = {"preset": "drop_frequencies", "lowest": lowest, "highest": highest}
+    return replace(PositionPlan.default(n, label=f"drop:low{lowest},high{highest}"), rotary=rot, meta=meta)
+
+
+def p_rope(model: Any, n: int, p: float) -> PositionPlan:
+    """p-RoPE (Barbero et al. 2024): keep the fraction p fastest bands, remove the round((1-p) * bands) slowest."""
+    if not 0 <= p <= 1:
+        raise ValueError(f"p must be in [0, 1]; got {p}")
+    bands = model.cfg.rotary_dim // 2
+    plan = drop_frequencies(model, n, lowest=round((1 - p) * bands))
+    return replace(plan, label=f"p-rope:{p:g}", meta={**plan.meta, "preset": "p_rope", "p": p})
+
+
+def per_query_plan(n: int, rel: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], label: str,
+                   meta: dict, first: int) -> PositionPlan:
+    """Queries i >= first see key j at relative position rel(i, j) (q at i, key at i - rel); one KeyView per query."""
+    pos = _arange(n)
+    views = []
+    for i in range(first, n):
+        rows = torch.zeros(n, dtype=torch.bool)
+        rows[i] = True
+        views.append(KeyView(rows, float(i) - rel(torch.tensor(float(i), dtype=torch.float64), pos), name=f"q{i}"))
+    return PositionPlan(pos, pos.clone(), views=tuple(views), label=label, meta=meta)
+
+
+def self_extend(n: int, group: int, window: int) -> PositionPlan:
+    """Self-Extend (Jin et al. 2024): rel = i - j if i - j < W else i//G - j//G + W - W//G (the shift meets at W)."""
+    if group < 1 or window < 1:
+        raise ValueError(f"group and window must be >= 1; got {group}, {window}")
+
+    def rel(i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+        d = i - j
+        grouped = torch.div(i, group, rounding_mode="floor") - torch.div(j, group, rounding_mode="floor") \
+            + window - window // group
+        return torch.where(d < window, d, grouped)
+
+    meta = {"preset": "self_extend", "group": group, "window": window}
+    return per_query_plan(n, rel, f"self-extend:G{group},W{window}", meta, first=window)
+
+
+def rerope(n: int, window: int) -> PositionPlan:
+    """ReRoPE (Su 2023): relative positions clipped, rel = min(i - j, w)."""
+    if window < 1:
+        raise ValueError(f"window must be >= 1; got {window}")
+    return per_query_plan(n, lambda i, j: torch.clamp(i - j, max=float(window)), f"rerope:{window}",
+                          {"preset": "rerope", "window": window}, first=window + 1)
+
+
+def streaming(n: int, sink: int, window: int) -> PositionPlan:
+    """StreamingLLM (Xiao et al. 2023): query i keeps the `sink` first keys and the last `window` keys (itself incl.).
+
+    Positions are cache slots: sinks 0..S-1, recent key j at S + j - (i - W + 1), query at S + W - 1, so
+    recent keys keep rel = i - j and sink j gets rel = S + W - 1 - j. Evicted keys (S <= j <= i - W)
+    are masked by `apply_plan` (meta["keep"] = [sink, window]).
+    """
+    if sink < 0 or window < 1:
+        raise ValueError(f"need sink >= 0 and window >= 1; got {sink}, {window}")
+
+    def rel(i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+        return torch.where(j < sink, sink + window - 1 - j, i - j)
+
+    meta = {"preset": "streaming", "sink": sink, "window": window, "keep": [sink, window]}
+    return per_query_plan(n, rel, f"streaming:S{sink},W{window}", meta, first=sink + window)
+
+
+def evicted(i: torch.Tensor, j: torch.Tensor, sink: int, window: int) -> Bool[torch.Tensor, "query_pos key_pos"]:
+    """True where StreamingLLM has dropped key j from query i's cache: sink <= j <= i - window."""
+    return (j[None, :] >= sink) & (j[None, :] <= i[:, None] - window)
+
+
+@contextmanager
+def apply_plan(model: Any, plan: PositionPlan) -> Iterator[PositionPlan]:
+    """`rope_positions(model, plan)` plus meta["score_scale"] (YaRN temperature) and meta["keep"] (eviction)."""
+    scale = float(plan.meta.get("score_scale", 1.0))
+    keep = plan.meta.get("keep")
+    with rope_positions(model, plan):
+        if scale == 1.0 and keep is None:
+            yield plan
+            return
+
+        def hook(scores: torch.Tensor, hook: Any) -> torch.Tensor:
+            out = scores * scale if scale != 1.0 else scores
+            if keep is not None:
+                n_q, total = scores.shape[-2], scores.shape[-1]
+                i = torch.arange(total - n_q, total, device=scores.device)
+                gone = evicted(i, torch.arange(total, device=scores.device), int(keep[0]), int(keep[1]))
+                out = out.masked_fill(gone, float("-inf"))
+            return out
+
+        layers = plan.layers if plan.layers is not None else range(model.cfg.n_layers)
+        with hooked(model, [(hook_name("scores", l), hook) for l in layers]):
+            yield plan
+
+
+def _kv(spec: str) -> tuple[str, dict[str, float]]:
+    name, _, rest = spec.partition(":")
+    args = {}
+    for part in filter(None, rest.split(",")):
+        k, eq, v = part.partition("=")
+        if not eq:
+            raise ValueError(f"preset argument {part!r} in {spec!r} must look like key=value")
+        args[k.strip().replace("-", "_")] = float(v)
+    return name.strip().lower(), args
+
+
+
+
+def preset_plan(spec: str, model: Any, n: int) -> PositionPlan:
+    """Build a preset from a CLI-style spec such as "yarn:scale=4,original=64" (see PRESET_HELP)."""
+    name, a = _kv(spec)
+    i = lambda key: int(a[key])  # noqa: E731
+    try:
+        builders: dict[str, Callable[[], PositionPlan]] = {
+            "none": lambda: PositionPlan.default(n, label="none"),
+            "shift": lambda: shift(n, a["k"]),
+            "pi": lambda: position_interpolation(n, a["scale"]),
+            "ntk": lambda: ntk_aware(model, n, a["scale"]),
+            "yarn": lambda: yarn(model, n, a["scale"], i("original"), beta_fast=a.get("beta_fast", 32.0),
+                                 beta_slow=a.get("beta_slow", 1.0)),
+            "self-extend": lambda: self_extend(n, i("group"), i("window")),
+            "rerope": lambda: rerope(n, i("window")),
+            "streaming": lambda: streaming(n, i("sink"), i("window")),
+            "p-rope": lambda: p_rope(model, n, a["p"]),
+            "drop": lambda: drop_frequencies(model, n, lowest=int(a.get("lowest", 0)), highest=int(a.get("highest", 0))),
+        }
+        if name not in builders:
+            raise ValueError(f"unknown preset {name!r}; presets: {PRESET_HELP}")
+        plan = builders[name]()
+    except KeyError as e:
+        raise ValueError(f"preset {spec!r} needs argument {e.args[0]!r}; presets: {PRESET_HELP}") from None
+    return replace(plan, label=spec if name != "none" else "none")

@@ -1,0 +1,14 @@
+"""Evaluation data: minimal pairs (BLiMP files, built-in templates), plain text and token windows.
+
+Pure Python, no torch: the CLI validates data with these before any model loads.
+"""
+
+from posprobe.data.builtin import BUILTIN_PAIRS_PER_PARADIGM, BUILTIN_SOURCE, builtin_pairs
+from posprobe.data.pairs import DataError, MinimalPair, load_blimp, pairs_fingerprint
+from posprobe.data.text import detokenize_wikitext, looks_like_wikitext, read_text, token_windows
+
+__all__ = [
+    "BUILTIN_PAIRS_PER_PARADIGM", "BUILTIN_SOURCE", "DataError", "MinimalPair", "builtin_pairs",
+    "detokenize_wikitext", "load_blimp", "looks_like_wikitext", "pairs_fingerprint", "read_text",
+    "token_windows",
+]

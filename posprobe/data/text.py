@@ -1,0 +1,79 @@
+"""Plain text: reading, WikiText detokenisation and cutting token ids into windows."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+from posprobe.data.pairs import DataError
+
+_WT_MARKERS = (" @-@ ", " @,@ ", " @.@ ")
+
+
+def looks_like_wikitext(text: str) -> bool:
+    """Return True if ``text`` looks word-tokenised like WikiText (``@-@`` or spaced commas)."""
+    if any(m in text for m in _WT_MARKERS):
+        return True
+    # Ordinary prose almost never puts a space before a comma; tokenised text always does.
+    spaced = text.count(" , ")
+    return spaced >= 3 and spaced >= 0.5 * text.count(",")
+
+
+def _detok_line(line: str) -> str:
+    line = line.strip()
+    # Headings look like "= = Career = =": keep the title, drop the markup.
+    if line.startswith("=") and line.endswith("=") and line.strip("= "):
+        line = line.strip("= ")
+    for marker, repl in zip(_WT_MARKERS, ("-", ",", ".")):
+        line = line.replace(marker, repl)
+    line = re.sub(r'" (.*?) "', r'"\1"', line)
+    line = re.sub(r" (n't|'t|'s|'re|'ve|'ll|'d|'m)\b", r"\1", line)
+    line = re.sub(r"(?<=s) '(?= |$)", "'", line)
+    line = re.sub(r" ([,.;:!?%)\]}])", r"\1", line)
+    line = re.sub(r"([(\[{$]) ", r"\1", line)
+    return line
+
+
+def detokenize_wikitext(text: str) -> str:
+    """Return ``text`` with WikiText tokenisation undone (``<unk>`` kept, headings unmarked)."""
+    return "\n".join(_detok_line(line) for line in text.split("\n"))
+
+
+def read_text(path: str | Path, detokenize: bool | None = None) -> str:
+    """Return the UTF-8 text of ``path``; detokenised if WikiText (``detokenize=None``: auto)."""
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(f"text file not found: {p}")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DataError(f"cannot read {p} as UTF-8 text: {exc}") from exc
+    if not text.strip():
+        raise DataError(f"text file is empty: {p}")
+    if detokenize is None:
+        detokenize = looks_like_wikitext(text)
+    return detokenize_wikitext(text) if detokenize else text
+
+
+def token_windows(token_ids: Sequence[int], window: int, *, max_windows: int | None = None,
+                  stride: int | None = None) -> list[list[int]]:
+    """Return consecutive windows of exactly ``window`` ids, starting every ``stride`` ids.
+
+    ``stride`` defaults to ``window`` (no overlap); a shorter tail is dropped.
+    """
+    if window < 2:
+        raise ValueError(f"window must be >= 2, got {window}")
+    stride = window if stride is None else stride
+    if stride < 1:
+        raise ValueError(f"stride must be >= 1, got {stride}")
+    if max_windows is not None and max_windows < 1:
+        raise ValueError(f"max_windows must be >= 1 or None, got {max_windows}")
+    n = len(token_ids)
+    if n < window:
+        raise DataError(f"need at least {window} tokens for one window, got {n}")
+    starts = range(0, n - window + 1, stride)
+    if max_windows is not None:
+        starts = starts[:max_windows]
+    # int() so numpy/torch ids come back as plain Python ints.
+    return [[int(t) for t in token_ids[s : s + window]] for s in starts]
