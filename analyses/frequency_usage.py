@@ -23,7 +23,7 @@ import os
 
 import torch
 
-from posprobe.cli.freq_report import BUILTIN_TEXT, token_rows
+from posprobe.data import BUILTIN_TEXT, framed_windows
 from posprobe.backend.facts import model_facts
 from posprobe.analyses.frequency import frequency_usage, top_heads
 from posprobe.analyses.frequency_ablation import band_ablation, head_ablations, p_sweep
@@ -33,7 +33,8 @@ from posprobe.backend.loading import load_model
 MODEL = os.environ.get("POSPROBE_FREQ_MODEL", "smollm2")
 model = load_model(MODEL)
 facts = model_facts(model)
-rows = token_rows(model, BUILTIN_TEXT, window=48, max_windows=2)
+rows = framed_windows(model.tokenizer(BUILTIN_TEXT, add_special_tokens=False)["input_ids"], 48,
+                      pre=[model.tokenizer.bos_token_id], max_windows=2)
 print(facts.name, "bands per head:", facts.rotary[0].n_bands, "windows:", len(rows), "x", len(rows[0]))
 
 # %% [markdown]
@@ -46,7 +47,7 @@ usage.df.head()
 
 # %%
 # Mean q norm per band over all heads and layers: most norm sits in the slow (high-index) bands?
-q = usage.df[usage.df.term == "q_norm"].groupby("band").value.mean()
+q = usage.df[usage.df.metric == "q_norm"].groupby("band").value.mean()
 print("q_norm, fastest 4 bands:", q.head(4).round(3).tolist(), " slowest 4:", q.tail(4).round(3).tolist())
 layer_band_overview(usage.df, "q_norm")
 

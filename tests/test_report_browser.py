@@ -65,10 +65,23 @@ def _figures() -> list[go.Figure]:
 def test_report_renders_offline_in_chromium(tmp_path):
     require_chromium()
     df = pd.DataFrame({"position": np.arange(16), "value": np.linspace(0, 1, 16), "metric": "loss"})
-    meta = {"model": "toy", **environment_meta()}
-    paths = Result(df, meta).save(
-        tmp_path, name="demo", figures=_figures(), title="Browser smoke test", summary_html="<p>three figures</p>"
-    )
+    import sys
+    import types
+
+    from posprobe.report import pages
+    from posprobe.report.html import Section
+
+    # A page module of its own, registered as posprobe's analyses register theirs.
+    figs = _figures()
+    page = types.SimpleNamespace(title=lambda r: "Browser smoke test", figures=lambda r: figs,
+                                 sections=lambda r: [Section("Summary", html="<p>three figures</p>", figures=figs)])
+    pages.PAGES["browser-demo"] = "posprobe_test_browser_page"
+    sys.modules["posprobe_test_browser_page"] = page
+    meta = {"analysis": "browser-demo", "model": "toy", **environment_meta()}
+    try:
+        paths = Result({"demo": df}, meta).save(tmp_path)
+    finally:
+        del pages.PAGES["browser-demo"], sys.modules["posprobe_test_browser_page"]
     rep = load_page(paths["report"], _PROBE, until=_all_drawn(3), timeout=60)
 
     assert rep.errors == [], f"console errors: {rep.errors}"

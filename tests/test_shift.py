@@ -48,7 +48,7 @@ def test_learned_absolute_scores_change_with_k_and_match_manual_embedding(tiny_a
     resid = tiny_ape.W_E[ids] + tiny_ape.W_pos[torch.tensor(item.positions)][None]
     lp = tiny_ape(resid, start_at_layer=0).log_softmax(-1)[0, :-1].gather(-1, ids[0, 1:, None]).sum()
     assert abs(float(lp) - p100[0]) < 1e-4
-    assert r.meta["prefix"]["kind"] == "bos" and r.meta["positional_kind"] == "learned_absolute"
+    assert r.meta["prefix"]["kind"] == "bos" and r.meta["model"]["positional_kind"] == "learned_absolute"
 
 
 def test_summary_counts_flips_and_mcnemar_by_hand():
@@ -75,7 +75,7 @@ def test_rope_shift_is_invariant_on_smollm2_and_matches_plain_hf(smollm2):
 
     hf, tok = load_hf_model("smollm2")
     r = run_shift_test("smollm2", PAIRS, config=ShiftConfig(ks=(0, 100), **FAST))
-    assert r.meta["backend"] == "hf" and r.meta["prefix"]["tokens"] == ["<|endoftext|>"]
+    assert r.meta["model"]["backend"] == "hf" and r.meta["prefix"]["tokens"] == ["<|endoftext|>"]
     a0, a100 = (r.pairs[r.pairs.k == k] for k in (0, 100))
     assert (a0.correct.to_numpy() == a100.correct.to_numpy()).all()
     assert np.abs(a0.logp_good.to_numpy() - a100.logp_good.to_numpy()).max() <= 1e-3
@@ -99,7 +99,7 @@ def test_encoder_without_lm_head_reports_representation_drift(minilm):
     d = r.drift.set_index(["k", "layer"]).cosine_to_k0
     assert d.loc[(0, "pooled")] == pytest.approx(1.0, abs=1e-6)
     assert d.loc[(100, "embeddings")] < 0.999 and d.loc[(100, "pooled")] < 1.0
-    assert len(r.pairs) == 0 and r.meta["positional_kind"] == "learned_absolute"
+    assert len(r.pairs) == 0 and r.meta["model"]["positional_kind"] == "learned_absolute"
 
 
 @pytest.mark.real

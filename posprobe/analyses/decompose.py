@@ -3,16 +3,20 @@
 The attention input of one layer is split into additive parts; each part goes through the layer's
 LayerNorm with the per-token scale frozen at the model's own value (so the norm is linear), then
 through W_Q / W_K (and the layer's RoPE rotation, which is linear too). A score is bilinear in
-(query vector, key vector), so the pair terms sum exactly to the model's `hook_attn_scores` on
+(query vector, key vector), so the pair terms sum exactly to the model's attention scores (capture point `scores`) on
 every unmasked entry. A pair term is named query part + key part ("wp" = word query, position key).
 
 Parts of the exact layer-0 split (models that add learned position embeddings to token embeddings):
-  w  token embedding, centred (BERT: + token-type embedding, folded in here)
+  w  token (word) embedding, centred
   p  position embedding, centred
+  t  BERT only: token-type (segment) embedding, centred. The model is run with one segment
+     (token_type_ids = 0), so this is the same vector at every token: it carries neither word nor
+     position identity and is grouped with the constant parts under "bias". (After the frozen norm
+     it differs between tokens only through the per-token scale, like every other part.)
   n  the norm's bias b_ln (constant vector; absent after TL's LN folding, which moves it into b_Q)
   b  b_Q on the query side, b_K on the key side
-For BERT the split is taken at the embedding LayerNorm (`embed.ln`), whose output is the layer-0
-attention input (BERT blocks are post-LN: attention reads resid_pre directly).
+For BERT the split is taken at the embedding LayerNorm, whose output is the layer-0 attention
+input (BERT blocks are post-LN: attention reads resid_pre directly).
 
 Parts of the data-driven split of any layer's resid_pre h[c, t] (sequence c, position t), given
 the corpus mean mu[t] of resid_pre at each position (Song & Zhong 2023):
@@ -24,13 +28,15 @@ the corpus mean mu[t] of resid_pre at each position (Song & Zhong 2023):
   n, b                 as above
 Grouped terms: "ww", "wp", "pw", "pp" (layer 0) or the nine pairs of {p, c, r} (data-driven),
 "mean" = pairs with the global mean m and no bias part (data-driven only), and "bias" = every pair
-that involves n or b.
+that involves a constant part: t, n or b. `terms(detail=True)` keeps every pair apart ("tw", "nb").
+
+Model internals (weights, norms, hook points) are read only through `posprobe.backend`.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
 import einops
@@ -38,18 +44,24 @@ import pandas as pd
 import torch
 from jaxtyping import Float, Int
 
-from posprobe.core.capture import batches, capture, mean_by_position, stream
 from posprobe.backend.facts import WrongModelKind, model_facts
-from posprobe.backend.hooks import attention_scores, attn, hook_name, hooked, layer_rotary_spec, pos_embed_hook
-from posprobe.core.rope import rotate
+from posprobe.backend.hooks import attention_scores
+from posprobe.backend.model import (
+    NormSpec, device_of, embedding_norm, embedding_points, encode_text, n_layers, pre_attention_norm, qk_weights,
+    scores_not_bilinear, special_tokens, tokenizer_of,
+)
+from posprobe.core.capture import batches, capture, mean_by_position, stream
+from posprobe.core.rope import RotarySpec, rotate
+from posprobe.data import BUILTIN_TEXT, framed_windows
+from posprobe.report.result import Result
+from posprobe.report.schema import data_meta, make_meta, text_sha256
 
-BIAS_PARTS = frozenset("nb")
+# Parts that are the same vector at every token (before the frozen norm's per-token scale).
+BIAS_PARTS = frozenset("tnb")
 EXACT_TERMS = ("ww", "wp", "pw", "pp", "bias")
 DATA_TERMS = ("pp", "pc", "pr", "cp", "cc", "cr", "rp", "rc", "rr", "mean", "bias")
 # The four TUPE-style maps; in the data-driven split the remainder r plays the word's role.
 HEATMAP_TERMS = {"exact-layer0": ("ww", "wp", "pw", "pp"), "data-driven": ("rr", "rp", "pr", "pp")}
-# TL 3 hook names hooks.POINTS does not list yet (embedding side).
-_ENCODER_EMBED = {"w": "embed.hook_embed", "t": "embed.hook_token_type_embed", "scale": "embed.ln.hook_scale"}
 
 
 @dataclass(frozen=True)
@@ -57,8 +69,8 @@ class Decomposition:
     """One layer's pre-softmax scores split into pair terms (see the module docstring).
 
     `pairs[i, j]` is the score contribution of query part `parts[i]` with key part `parts[j]`
-    (float64, same units as `hook_attn_scores`: q.k / attn_scale). `scores` is the model's own
-    `hook_attn_scores` (-inf on masked entries). Values of `pairs` on masked entries are what the
+    (float64, same units as the model's scores: q.k / attn_scale). `scores` is the model's own
+    pre-softmax scores (-inf on masked entries). Values of `pairs` on masked entries are what the
     parts would give; the model never uses them.
     """
 
@@ -123,15 +135,11 @@ def _group(pair: str, detail: bool) -> str:
 
 def _check_linear(model: Any, layer: int) -> None:
     # Everything after the frozen norm must be linear in the input for the split to be exact.
-    cfg = model.cfg
-    if cfg.use_qk_norm or cfg.original_architecture in ("OlmoeForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM"):
-        raise NotImplementedError(f"{cfg.model_name} normalises q/k (QK-norm), so scores are not bilinear in the parts")
-    if cfg.attn_scores_soft_cap and cfg.attn_scores_soft_cap > 0:
-        raise NotImplementedError(f"{cfg.model_name} soft-caps attention scores, so the terms would not add up")
-    if cfg.use_logn_attn or cfg.clip_qkv:
-        raise NotImplementedError(f"{cfg.model_name}: log-n scaling / q-k-v clipping is not supported")
-    if not 0 <= layer < cfg.n_layers:
-        raise ValueError(f"Layer {layer} out of range for a {cfg.n_layers}-layer model")
+    reason = scores_not_bilinear(model)
+    if reason is not None:
+        raise NotImplementedError(f"{model_facts(model).name} {reason}, so the score terms would not add up")
+    if not 0 <= layer < n_layers(model):
+        raise ValueError(f"Layer {layer} out of range for a {n_layers(model)}-layer model")
 
 
 def _as_tokens(tokens: Any) -> torch.Tensor:
@@ -143,56 +151,38 @@ def _as_tokens(tokens: Any) -> torch.Tensor:
     return t
 
 
-def _is_encoder(model: Any) -> bool:
-    return type(model).__name__ == "HookedEncoder"
+def _capture(model: Any, tokens: torch.Tensor, points: Sequence[str], layer: int) -> dict[str, torch.Tensor]:
+    # The maths below runs on the CPU (float64), wherever the model lives.
+    got = capture(model, tokens.to(device_of(model)), list(dict.fromkeys(points)), layers=[layer])
+    return {p: x.cpu() for (p, _), x in got.items()}
 
 
-def _forward(model: Any, tokens: torch.Tensor, layer: int) -> None:
-    if _is_encoder(model):
-        model(tokens, return_type=None)
-    else:  # later layers cannot change this layer's activations
-        model(tokens, stop_at_layer=layer + 1)
+def _f64(x: torch.Tensor) -> torch.Tensor:
+    return x.detach().to("cpu", torch.float64)
 
 
-def _grab(model: Any, tokens: torch.Tensor, names: dict[str, str], layer: int) -> dict[str, torch.Tensor]:
-    got: dict[str, torch.Tensor] = {}
-
-    def make(key: str):
-        def hook(x: torch.Tensor, hook: Any) -> torch.Tensor:
-            got[key] = x.detach()
-            return x
-        return hook
-
-    with hooked(model, [(n, make(k)) for k, n in names.items()]):
-        _forward(model, tokens.to(model.cfg.device), layer)
-    return got
-
-
-def _frozen_norm(module: Any, parts: dict[str, torch.Tensor], scale: torch.Tensor | None) -> dict[str, torch.Tensor]:
-    """Push each part through `module` with its per-token scale frozen; adds the bias as part "n"."""
-    if module is None:  # the attention reads these vectors directly (BERT's post-LN blocks)
+def _frozen_norm(norm: NormSpec | None, parts: dict[str, torch.Tensor], scale: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """Push each part through `norm` with its per-token scale frozen; adds the norm's bias to part "n"."""
+    if norm is None:  # the attention reads these vectors directly (BERT's post-LN blocks)
         return dict(parts)
-    kind = type(module).__name__
-    if kind not in ("LayerNorm", "LayerNormPre", "RMSNorm", "RMSNormPre"):
-        raise NotImplementedError(f"Cannot freeze a {kind} norm")
-    centre = kind.startswith("LayerNorm")
-    w, b = getattr(module, "w", None), getattr(module, "b", None)
+    s = _f64(scale)
+    w = None if norm.weight is None else _f64(norm.weight)
     out = {}
     for key, x in parts.items():
-        x = x - x.mean(-1, keepdim=True) if centre else x
-        x = x / scale.to(torch.float64)
-        out[key] = x * w.to(torch.float64) if w is not None else x
-    if b is not None:
-        out["n"] = b.to(torch.float64).expand_as(next(iter(out.values())))
+        x = x - x.mean(-1, keepdim=True) if norm.centre else x
+        x = x / s
+        out[key] = x * w if w is not None else x
+    if norm.bias is not None:
+        b = _f64(norm.bias)
+        out["n"] = out["n"] + b if "n" in out else b.expand_as(next(iter(out.values())))
     return out
 
 
-def _pair_scores(model: Any, layer: int, parts: dict[str, torch.Tensor]) -> tuple[tuple[str, ...], torch.Tensor]:
+def _pair_scores(
+    model: Any, layer: int, parts: dict[str, torch.Tensor], rotary: RotarySpec | None,
+) -> tuple[tuple[str, ...], torch.Tensor]:
     """Scores of every (query part, key part) pair, with the layer's b_Q/b_K as part "b"."""
-    a = attn(model, layer)
-    W_Q, b_Q = a.W_Q.to(torch.float64), a.b_Q.to(torch.float64)
-    # GQA keeps key weights per kv head; attention_scores expands them like TL does.
-    W_K, b_K = getattr(a, "_W_K", a.W_K).to(torch.float64), getattr(a, "_b_K", a.b_K).to(torch.float64)
+    W_Q, b_Q, W_K, b_K = (_f64(t) for t in qk_weights(model, layer))
     names = tuple(parts) + ("b",)
     x0 = next(iter(parts.values()))
     batch, pos = x0.shape[:2]
@@ -200,10 +190,10 @@ def _pair_scores(model: Any, layer: int, parts: dict[str, torch.Tensor]) -> tupl
     k = {n: einops.einsum(x, W_K, "b p d, h d e -> b p h e") for n, x in parts.items()}
     q["b"] = b_Q.expand(batch, pos, *b_Q.shape)
     k["b"] = b_K.expand(batch, pos, *b_K.shape)
-    if model.cfg.positional_embedding_type == "rotary":
-        spec, positions = layer_rotary_spec(model, layer), torch.arange(pos, dtype=torch.float64)
-        q = {n: rotate(v, positions, spec) for n, v in q.items()}
-        k = {n: rotate(v, positions, spec) for n, v in k.items()}
+    if rotary is not None:
+        positions = torch.arange(pos, dtype=torch.float64)
+        q = {n: rotate(v, positions, rotary) for n, v in q.items()}
+        k = {n: rotate(v, positions, rotary) for n, v in k.items()}
     pairs = torch.stack([torch.stack([attention_scores(model, layer, q[x], k[y]) for y in names]) for x in names])
     return names, pairs
 
@@ -212,7 +202,8 @@ def _pair_scores(model: Any, layer: int, parts: dict[str, torch.Tensor]) -> tupl
 def decompose_layer0(model: Any, tokens: Int[torch.Tensor, "batch pos"]) -> Decomposition:
     """Exact layer-0 split of the scores into word/position/bias pair terms (float64, score units).
 
-    Learned-absolute models only (GPT-2-like decoders; BERT-like HookedEncoders at `embed.ln`).
+    Learned-absolute models only (GPT-2-like decoders; BERT-like encoders at the embedding LayerNorm,
+    with the one-segment token-type embedding as its own part "t", grouped under "bias").
     Works with raw and TL-processed (folded LN, centred) weights. RoPE models raise WrongModelKind.
     """
     facts = model_facts(model)
@@ -224,21 +215,21 @@ def decompose_layer0(model: Any, tokens: Int[torch.Tensor, "batch pos"]) -> Deco
         )
     _check_linear(model, 0)
     tokens = _as_tokens(tokens)
-    names = {"p": pos_embed_hook(model), "scores": hook_name("scores", 0)}
-    if _is_encoder(model):
-        names.update(_ENCODER_EMBED)
-        module = model.embed.ln
-    else:
-        names["w"] = "hook_embed"
-        module = model.blocks[0].ln1 if model.cfg.normalization_type else None
-        if module is not None:
-            names["scale"] = hook_name("ln1_scale", 0)
-    got = _grab(model, tokens, names, 0)
-    word = got["w"].to(torch.float64) + (got["t"].to(torch.float64) if "t" in got else 0.0)
-    parts = _frozen_norm(module, {"w": word, "p": got["p"].to(torch.float64).expand_as(word)}, got.get("scale"))
-    part_names, pairs = _pair_scores(model, 0, parts)
-    return Decomposition(facts.name, 0, "exact-layer0", part_names, pairs, got["scores"], tokens.cpu(),
-                         {"token_type_folded_into_word": _is_encoder(model)})
+    where = embedding_points(model)
+    # Embedding-side norm (BERT) and/or the block's own pre-attention norm (pre-LN decoders), in order.
+    norms = [n for n in (embedding_norm(model), pre_attention_norm(model, 0)) if n is not None]
+    got = _capture(model, tokens, [*where.values(), "scores", *(n.scale_point for n in norms)], 0)
+    word = _f64(got[where["word"]])
+    parts = {"w": word, "p": _f64(got[where["position"]]).expand_as(word)}
+    if "token_type" in where:
+        parts["t"] = _f64(got[where["token_type"]]).expand_as(word)
+    for norm in norms:
+        parts = _frozen_norm(norm, parts, got[norm.scale_point])
+    part_names, pairs = _pair_scores(model, 0, parts, None)
+    meta = {"constant_parts": sorted(BIAS_PARTS.intersection(part_names))}
+    if "t" in part_names:
+        meta["token_type_term"] = "bias"
+    return Decomposition(facts.name, 0, "exact-layer0", part_names, pairs, got["scores"], tokens.cpu(), meta)
 
 
 @torch.no_grad()
@@ -249,7 +240,7 @@ def positional_mean(
     """Corpus mean of resid_pre at each position, per layer (float64, residual-stream units)."""
     rows = _as_tokens(token_rows)
     reducer = mean_by_position("resid_pre", layers)
-    state = stream(model, batches(rows.to(model.cfg.device), batch_size), [reducer],
+    state = stream(model, batches(rows.to(device_of(model)), batch_size), [reducer],
                    total=math.ceil(rows.shape[0] / batch_size), progress=progress, desc="positional mean")[0]
     return {layer: state[layer].mean for layer in layers}
 
@@ -279,19 +270,16 @@ def decompose_layer(
         raise ValueError(f"positional_mean must be [pos, {facts.d_model}], got {tuple(mu.shape)}")
     if mu.shape[0] < n:
         raise ValueError(f"positional_mean covers {mu.shape[0]} positions but the sequence has {n} tokens")
-    use_norm = not _is_encoder(model) and model.cfg.normalization_type is not None
-    points = ["resid_pre", "scores"] + (["ln1_scale"] if use_norm else [])
-    got = capture(model, tokens.to(model.cfg.device), points, layers=[layer])
-    h = got[("resid_pre", layer)].to(torch.float64).cpu()
+    norm = pre_attention_norm(model, layer)
+    got = _capture(model, tokens, ["resid_pre", "scores"] + ([norm.scale_point] if norm else []), layer)
+    h = _f64(got["resid_pre"])
     g = mu.mean(0)
     pos = mu[:n] - g
     ctx = (h - mu[:n]).mean(1, keepdim=True)
     parts = {"m": g.expand_as(h), "p": pos.expand_as(h), "c": ctx.expand_as(h), "r": h - g - pos - ctx}
-    module = model.blocks[layer].ln1 if use_norm else None
-    scale = got[("ln1_scale", layer)].cpu() if use_norm else None
-    parts = _frozen_norm(module, parts, scale)
-    part_names, pairs = _pair_scores(model, layer, parts)
-    return Decomposition(facts.name, layer, "data-driven", part_names, pairs, got[("scores", layer)].cpu(),
+    parts = _frozen_norm(norm, parts, got[norm.scale_point] if norm else None)
+    part_names, pairs = _pair_scores(model, layer, parts, facts.rotary[layer] if facts.rotary else None)
+    return Decomposition(facts.name, layer, "data-driven", part_names, pairs, got["scores"],
                          tokens.cpu(), {"corpus_positions": int(mu.shape[0])})
 
 
@@ -365,3 +353,98 @@ def summary_table(summary: pd.DataFrame) -> pd.DataFrame:
     extra = summary[summary.metric.isin(["rel_pos_fraction", "rank"])].pivot(index="head", columns="metric", values="value")
     wide = wide.join(extra.rename(columns={"rel_pos_fraction": "pp_rel_pos_fraction"}))
     return wide.sort_values("rank").reset_index().round(4)
+
+
+# --------------------------------------------------------------------------- the analysis as a command runs it
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecomposeConfig:
+    """What to decompose. `method`: "auto" (exact at layer 0 of a learned-absolute model, else
+    data-driven), "exact" or "data". `text` is the corpus for positional means (default
+    posprobe.data.BUILTIN_TEXT); `sentence` the analysed sentence (default: the corpus's first sentence);
+    `head` the head of the heatmaps (default: the top-ranked head)."""
+
+    layer: int = 0
+    method: str = "auto"
+    text: str | None = None
+    sentence: str | None = None
+    head: int | None = None
+    max_windows: int = 32
+    progress: bool = True
+
+
+def encode(model: Any, text: str) -> Int[torch.Tensor, "batch pos"]:
+    """`[1, pos]` token ids of `text` with the special tokens the model expects (BOS / [CLS] [SEP])."""
+    pre, post = special_tokens(model)
+    ids = encode_text(model, text)
+    if not ids:
+        raise ValueError("The sentence is empty after tokenisation")
+    return torch.tensor([pre + ids + post])
+
+
+def corpus_rows(model: Any, text: str, length: int, max_windows: int) -> Int[torch.Tensor, "batch pos"]:
+    """Windows of `text` laid out like `encode` output of total length `length` (half-overlapping)."""
+    pre, post = special_tokens(model)
+    body = max(length - len(pre) - len(post), 2)
+    return torch.tensor(framed_windows(encode_text(model, text), body + len(pre) + len(post), pre=pre, post=post,
+                                       max_windows=max_windows, stride=max(body // 2, 1)))
+
+
+def _first_sentence(text: str) -> str:
+    head = text.strip().split(". ")[0].strip()
+    return head if head.endswith(".") else head + "."
+
+
+def run_decomposition(model: Any, config: DecomposeConfig) -> tuple[Decomposition, pd.DataFrame]:
+    """Run the chosen split on the sentence; returns (Decomposition, tidy head summary)."""
+    facts = model_facts(model)
+    if not 0 <= config.layer < facts.n_layers:
+        raise ValueError(f"--layer {config.layer} out of range for a {facts.n_layers}-layer model")
+    if config.method not in ("auto", "exact", "data"):
+        raise ValueError(f"method must be auto, exact or data, got {config.method!r}")
+    if config.head is not None and not 0 <= config.head < facts.n_heads:
+        raise ValueError(f"--head {config.head} out of range for {facts.n_heads} heads")
+    exact = config.method == "exact" or (
+        config.method == "auto" and config.layer == 0 and facts.positional_kind == "learned_absolute")
+    if exact and config.layer != 0:
+        raise ValueError("The exact split exists at layer 0 only; use method 'data' for later layers")
+    text = config.text if config.text is not None else BUILTIN_TEXT
+    tokens = encode(model, config.sentence or _first_sentence(text))
+    if tokens.shape[1] > facts.n_ctx:
+        raise ValueError(f"The sentence has {tokens.shape[1]} tokens, more than the model's context {facts.n_ctx}")
+    if exact:
+        dec = decompose_layer0(model, tokens)
+    else:
+        rows = corpus_rows(model, text, tokens.shape[1], config.max_windows)
+        mean = positional_mean(model, rows, [config.layer], progress=config.progress)[config.layer]
+        dec = decompose_layer(model, tokens, config.layer, mean)
+        dec.meta["corpus_windows"] = int(rows.shape[0])
+    return dec, head_summary(dec)
+
+
+def run_decompose(model: Any, config: DecomposeConfig | None = None, *, source: str | None = None) -> Result:
+    """Everything `posprobe decompose` writes, as a Result with one `decompose` table + meta.
+
+    Rows: the per-head summary (metric = var_share, var_ratio, mean_abs, rel_pos_fraction, rank) and
+    the term maps of the chosen head (metric = "score", query_pos/key_pos/rel_pos set), in score units.
+    """
+    config = config or DecomposeConfig()
+    dec, summary = run_decomposition(model, config)
+    table = summary_table(summary)
+    head = config.head if config.head is not None else int(table["head"].iloc[0])
+    maps = dec.frame(batch=0, heads=[head]).assign(metric="score")
+    df = pd.concat([summary, maps], ignore_index=True)
+    cols = ["model", "layer", "head", "term", "metric", "query_pos", "key_pos", "rel_pos", "value"]
+    df = df[cols].astype({"query_pos": "Int64", "key_pos": "Int64", "rel_pos": "Int64"})
+    tok = tokenizer_of(model)
+    words = [tok.decode([t]) for t in dec.tokens[0].tolist()]
+    text = config.text if config.text is not None else BUILTIN_TEXT
+    data = data_meta(source or ("built-in text" if config.text is None else "text"), n_items=len(words),
+                     unit="tokens", sha256=text_sha256(text))
+    cfg = {k: v for k, v in asdict(config).items() if k != "text"}  # the text is in data (hash), not config
+    meta = make_meta("decompose", model=model_facts(model).summary(), data=data, config=cfg,
+                     method=dec.method, layer=dec.layer, head=head, sentence_tokens=words, n_tokens=len(words),
+                     max_abs_error=dec.max_error(), parts=list(dec.parts), heatmap_terms=list(HEATMAP_TERMS[dec.method]),
+                     **dec.meta)
+    return Result({"decompose": df}, meta)

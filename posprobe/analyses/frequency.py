@@ -10,7 +10,7 @@ is streamed over the corpus with fixed-size per-layer accumulators (memory does 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import pandas as pd
@@ -19,9 +19,11 @@ from jaxtyping import Float
 
 from posprobe.core.capture import Reducer, batches, stream
 from posprobe.backend.facts import ModelFacts, model_facts, require_rotary
-from posprobe.backend.hooks import attn
-from posprobe.report.result import Result, environment_meta
+from posprobe.backend.hooks import score_scale, score_soft_cap
+from posprobe.report.result import Result
+from posprobe.report.schema import data_meta, make_meta, text_sha256
 from posprobe.core.rope import RotarySpec, angular_frequency, band_dims, wavelength
+from posprobe.backend.model import context_length
 
 #: Elements of one [head, band, query_pos, key_pos] block processed at once (bounds transient memory).
 CHUNK_ELEMENTS = 1 << 24
@@ -98,12 +100,81 @@ def _bin_block(q0: int, m: int, n: int, bin_of: torch.Tensor, n_bins: int, dtype
     return out.reshape(m * n, n_bins)
 
 
-@dataclass
 class FrequencyUsage(Result):
-    """`df`: per layer/head/band stats (tidy); `profile`: per rel_pos bin; `heads`: per-head summary."""
+    """Tables `bands` (per layer/head/band stats, tidy; also `.df`), `profile` (per rel_pos bin),
+    `heads` (per-head summary) and, after `run_frequency` with ablations, `ablation`."""
 
-    profile: pd.DataFrame = field(default_factory=pd.DataFrame)
-    heads: pd.DataFrame = field(default_factory=pd.DataFrame)
+    @property
+    def profile(self) -> pd.DataFrame:
+        return self.tables["profile"]
+
+    @property
+    def heads(self) -> pd.DataFrame:
+        return self.tables["heads"]
+
+    @property
+    def ablation(self) -> pd.DataFrame:
+        return self.tables.get("ablation", pd.DataFrame())
+
+
+@dataclass(frozen=True, kw_only=True)
+class FrequencyConfig:
+    """Options of `run_frequency` (and `posprobe freq-report`).
+
+    window: tokens per window incl. BOS; max_windows: windows cut from the text; queries: score
+    statistics from the last N query positions of each window (None: all, exact); ablate: also run
+    band ablations (model-wide p sweep + top heads) on the first `ablate_windows` windows;
+    top_heads: heads given their own report section and ablations.
+    """
+
+    window: int = 128
+    max_windows: int = 8
+    batch_size: int = 4
+    queries: int | None = 64
+    ablate: bool = True
+    ablate_windows: int = 4
+    top_heads: int = 6
+    layers: tuple[int, ...] | None = None
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("window", "max_windows", "batch_size", "ablate_windows", "top_heads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.queries is not None and self.queries < 1:
+            raise ValueError(f"queries must be >= 1 or None, got {self.queries}")
+
+
+def run_frequency(model: Any, text: str | None = None, config: FrequencyConfig | None = None, *,
+                  source: str | None = None) -> FrequencyUsage:
+    """Per-band RoPE usage of every head over windows of `text` (default: the built-in text), plus band
+    ablations (loss change in nats/token) when `config.ablate`. Returns a FrequencyUsage result."""
+    from posprobe.analyses.frequency_ablation import band_ablation, head_ablations, p_sweep
+    from posprobe.backend.model import encode_text, tokenizer_of
+    from posprobe.data import BUILTIN_TEXT, framed_windows
+
+    cfg = config or FrequencyConfig()
+    facts = model_facts(model)
+    require_rotary(facts, "Per-frequency RoPE usage")
+    if cfg.window > facts.n_ctx:
+        raise ValueError(f"window {cfg.window} exceeds the model's context n_ctx={facts.n_ctx}")
+    body = BUILTIN_TEXT if text is None else text
+    bos = tokenizer_of(model).bos_token_id
+    rows = framed_windows(encode_text(model, body), cfg.window, pre=[bos] if bos is not None else [],
+                          max_windows=cfg.max_windows)
+    usage = frequency_usage(model, rows, batch_size=cfg.batch_size, layers=cfg.layers, queries=cfg.queries,
+                            progress=cfg.progress)
+    top = top_heads(usage.heads, cfg.top_heads)
+    tables = dict(usage.tables)
+    if cfg.ablate:
+        conds = p_sweep(facts) + head_ablations(facts, top)
+        tables["ablation"] = band_ablation(model, rows[: cfg.ablate_windows], conds, batch_size=cfg.batch_size,
+                                           progress=cfg.progress)
+    data = data_meta(source or ("built-in text" if text is None else "text"), n_items=len(rows), unit="windows",
+                     sha256=text_sha256(body))
+    meta = {**usage.meta, **make_meta("frequency", model=facts.summary(), data=data, config=cfg),
+            "top_heads": top, "ablate_windows": min(cfg.ablate_windows, len(rows)) if cfg.ablate else 0}
+    return FrequencyUsage(tables, meta)
 
 
 class _Acc:
@@ -149,7 +220,7 @@ def _reducer(model: Any, facts: ModelFacts, layers: list[int], edges: list[int],
         start = n - min(n, queries or n)
         per_rel = (n - torch.clamp(torch.arange(n), min=start)).double()  # causal entries at each rel_pos
         acc.bin_n += torch.bincount(bin_of, weights=per_rel, minlength=len(edges)) * B
-        scale = float(attn(model, layer).attn_scale)
+        scale = score_scale(model, layer)
         # Chunk over batch rows and query blocks so the [head, band, query_pos, key_pos] block stays
         # under CHUNK_ELEMENTS whatever the window.
         per_q = H * nb * n
@@ -182,8 +253,8 @@ def _check_rows(model: Any, token_rows: Any) -> torch.Tensor:
     rows = torch.as_tensor(token_rows) if not isinstance(token_rows, torch.Tensor) else token_rows
     if rows.dim() != 2 or rows.shape[0] == 0 or rows.shape[1] < 2:
         raise ValueError("token_rows must be a non-empty [batch, pos] set of equal-length rows with pos >= 2")
-    if rows.shape[1] > model.cfg.n_ctx:
-        raise ValueError(f"windows of {rows.shape[1]} tokens exceed the model's n_ctx={model.cfg.n_ctx}")
+    if rows.shape[1] > context_length(model):
+        raise ValueError(f"windows of {rows.shape[1]} tokens exceed the model's n_ctx={context_length(model)}")
     return rows
 
 
@@ -200,7 +271,7 @@ def frequency_usage(
     """Stream `token_rows` through a RoPE model once and measure per-band usage of every head.
 
     Returns a FrequencyUsage: `.df` rows (model, layer, head, kv_head, band, frequency [rad/token],
-    wavelength [tokens], term, value) with terms q_norm, k_norm (mean 2-norm of the band pair;
+    wavelength [tokens], metric, value) with metrics q_norm, k_norm (mean 2-norm of the band pair;
     k_norm is the kv head's, repeated on the query heads sharing it), mean_contrib, mean_abs_contrib
     (mean over causal entries of the band's partial score, in score units = logits before softmax)
     and abs_share (band's share of the sum of absolute contributions); band -1 is the unrotated
@@ -231,9 +302,10 @@ def frequency_usage(
     state = red.state
     state.pop("_q", None)
     band_df, prof_df, head_df = _tables(facts, {l: state[l] for l in layers}, edges, window)
+    data = data_meta("token rows", n_items=int(rows.shape[0]), unit="windows")
+    config = dict(batch_size=batch_size, layers=layers, queries=queries)
     meta = {
-        "analysis": "frequency_usage",
-        "model": facts.summary(),
+        **make_meta("frequency", model=facts.summary(), data=data, config=config),
         "n_windows": int(rows.shape[0]),
         "window": int(window),
         "n_tokens": int(rows.numel()),
@@ -243,10 +315,9 @@ def frequency_usage(
         "classification_rule": CLASSIFICATION_RULE,
         "band_order": "band 0 = highest frequency (shortest wavelength); band -1 = unrotated dims",
         "score_units": "pre-softmax attention score (q.k / attn_scale), before any soft-cap",
-        "attn_scores_soft_cap": float(getattr(model.cfg, "attn_scores_soft_cap", -1.0)),
-        "environment": environment_meta(),
+        "attn_scores_soft_cap": score_soft_cap(model),
     }
-    return FrequencyUsage(band_df, meta, profile=prof_df, heads=head_df)
+    return FrequencyUsage({"bands": band_df, "profile": prof_df, "heads": head_df}, meta)
 
 
 def _grid(**cols: Any) -> pd.DataFrame:
@@ -280,13 +351,13 @@ def _tables(facts: ModelFacts, accs: dict[int, _Acc], edges: list[int], window: 
                  "mean_contrib": signed_tot / n_causal, "mean_abs_contrib": abs_tot / n_causal, "abs_share": share}
         for t, v in terms.items():
             g = _grid(head=range(H), band=bands)
-            g["term"], g["value"], g["layer"] = t, v.reshape(-1).numpy(), layer
+            g["metric"], g["value"], g["layer"] = t, v.reshape(-1).numpy(), layer
             g["frequency"], g["wavelength"] = g.band.map(freq), g.band.map(wave)
             bparts.append(g.dropna(subset=["value"]))
-        mean_bin = torch.stack([a.signed, a.abs])[:, :, :nbx] / a.bin_n.clamp_min(1)  # [term, head, band, bin]
-        g = _grid(term=["mean_contrib", "mean_abs_contrib"], head=range(H), band=bands, rel_pos=edges)
+        mean_bin = torch.stack([a.signed, a.abs])[:, :, :nbx] / a.bin_n.clamp_min(1)  # [metric, head, band, bin]
+        g = _grid(metric=["mean_contrib", "mean_abs_contrib"], head=range(H), band=bands, rel_pos=edges)
         g["rel_pos_hi"] = g.rel_pos.map(dict(zip(edges, his)))
-        g["value"], g["n"], g["layer"] = mean_bin.reshape(-1).numpy(), g.rel_pos.map(dict(zip(edges, a.bin_n.tolist()))), layer
+        g["value"], g["count"], g["layer"] = mean_bin.reshape(-1).numpy(), g.rel_pos.map(dict(zip(edges, a.bin_n.tolist()))), layer
         g["frequency"], g["wavelength"] = g.band.map(freq), g.band.map(wave)
         pparts.append(g)
         s_bin = a.signed.sum(1)  # [head, bin]: total score summed per bin
@@ -307,8 +378,8 @@ def _tables(facts: ModelFacts, accs: dict[int, _Acc], edges: list[int], window: 
     for df in (band_df, prof_df, head_df):
         df.insert(0, "model", facts.name)
     order = ["model", "layer", "head", "kv_head", "band", "frequency", "wavelength"]
-    band_df = band_df[order + ["term", "value"]]
-    prof_df = prof_df[order + ["rel_pos", "rel_pos_hi", "term", "value", "n"]]
+    band_df = band_df[order + ["metric", "value"]]
+    prof_df = prof_df[order + ["rel_pos", "rel_pos_hi", "metric", "value", "count"]]
     return band_df, prof_df, head_df
 
 

@@ -20,8 +20,9 @@ from tqdm.auto import tqdm
 from posprobe.core.capture import batches
 from posprobe.backend.facts import ModelFacts, model_facts, require_rotary
 from posprobe.analyses.frequency import _check_rows, band_contributions, expand_kv
-from posprobe.backend.hooks import attn, hook_name, hooked, pre_rotation
+from posprobe.backend.hooks import hook_name, hooked, pre_rotation, score_scale, score_soft_cap
 from posprobe.core.positions import PositionPlan, rope_positions
+from posprobe.backend.model import context_length, token_losses
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,11 +62,11 @@ def ablate_bands(model: Any, ab: BandAblation) -> Iterator[Any]:
     layers = sorted(ab.layers) if ab.layers is not None else list(range(facts.n_layers))
     if ab.heads is None and ab.mode == "unrotate":
         rot = {l: replace(facts.rotary[l], removed=facts.rotary[l].removed | ab.bands) for l in layers}
-        plan = replace(PositionPlan.default(model.cfg.n_ctx, label=ab.name), rotary=rot, layers=frozenset(layers))
+        plan = replace(PositionPlan.default(context_length(model), label=ab.name), rotary=rot, layers=frozenset(layers))
         with rope_positions(model, plan):
             yield model
         return
-    if float(getattr(model.cfg, "attn_scores_soft_cap", -1.0)) > 0:
+    if score_soft_cap(model) is not None:
         raise NotImplementedError("Per-head band ablation does not handle attention soft-capping yet")
     per_layer: dict[int, list[int]] = {}
     for l, h in ab.heads if ab.heads is not None else [(l, h) for l in layers for h in range(facts.n_heads)]:
@@ -78,7 +79,7 @@ def _score_hooks(model: Any, facts: ModelFacts, layer: int, heads: list[int], ab
     seen: dict[str, torch.Tensor] = {}
     bands = torch.tensor(sorted(ab.bands), dtype=torch.long)
     spec = facts.rotary[layer]
-    scale = float(attn(model, layer).attn_scale)
+    scale = score_scale(model, layer)
 
     def keep(which: str, pre: bool):
         def hook(x: torch.Tensor, hook: Any) -> torch.Tensor:
@@ -113,7 +114,7 @@ def _score_hooks(model: Any, facts: ModelFacts, layer: int, heads: list[int], ab
 def _loss(model: Any, rows: torch.Tensor, batch_size: int, bar: Any) -> float:
     total, n = 0.0, 0
     for toks in batches(rows, batch_size):
-        per_tok = model(toks, return_type="loss", loss_per_token=True)
+        per_tok = token_losses(model, toks)
         total += float(per_tok.double().sum())
         n += per_tok.numel()
         bar.update(1)
@@ -132,12 +133,12 @@ def band_ablation(
     """Mean next-token loss (nats/token) on `token_rows` without and with each ablation.
 
     One row per condition (the first, "none", is the unablated model): model, condition, variant,
-    mode, layer / head (-1 = all), bands (comma list), n_bands, fraction_kept, term="loss", value,
+    mode, layer / head (-1 = all), bands (comma list), n_bands, fraction_kept, metric="loss", value,
     base_loss, delta_loss (= value - base_loss).
     """
     facts = model_facts(model)
     require_rotary(facts, "Band ablation")
-    if not model.cfg.d_vocab or not getattr(model, "has_lm_head", True) or facts.is_encoder:
+    if not facts.has_lm_head or facts.is_encoder:
         raise ValueError(f"Band ablation measures LM loss; {facts.name} has no causal LM head")
     rows = _check_rows(model, token_rows)
     for ab in ablations:
@@ -160,7 +161,7 @@ def band_ablation(
                             value=v))
     df = pd.DataFrame(out)
     df.insert(0, "model", facts.name)
-    df["term"] = "loss"
+    df["metric"] = "loss"
     df["base_loss"] = base
     df["delta_loss"] = df["value"] - base
     return df

@@ -7,6 +7,7 @@ of each leading component's score (period from an FFT peak refined by least squa
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
@@ -15,7 +16,9 @@ import torch
 from jaxtyping import Float, Int
 
 from posprobe.backend.facts import WrongModelKind, model_facts, require_learned
-from posprobe.report.result import Result, environment_meta
+from posprobe.backend.model import context_length, n_layers, position_table
+from posprobe.report.result import Result
+from posprobe.report.schema import data_meta, make_meta, text_sha256
 
 
 def pca(P: np.ndarray, n_components: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -89,50 +92,51 @@ def fit_sinusoid(y: np.ndarray, t: np.ndarray | None = None, *, max_period: floa
 
 def matrix_geometry(P: Float[torch.Tensor, "pos d_model"] | np.ndarray, *, n_components: int = 6,
                     max_cos_pos: int = 256, positions: np.ndarray | None = None) -> pd.DataFrame:
-    """Tidy geometry of a position matrix: quantity, k, pos, pos2, value.
+    """Tidy geometry of a position matrix: metric, k, pos, pos2, value.
 
-    quantity: explained_variance (k; fraction), pc_score (k, pos; units of P), norm (pos), cosine
+    metric: explained_variance (k; fraction), pc_score (k, pos; units of P), norm (pos), cosine
     (pos, pos2; first `max_cos_pos` positions, uncentred), sin_period (k; positions), sin_r2 (k),
     sin_amplitude (k), sin_phase (k; radians), mean_norm (-; norm of the mean row)."""
     X = P.detach().double().cpu().numpy() if isinstance(P, torch.Tensor) else np.asarray(P, dtype=np.float64)
     pos = np.arange(len(X)) if positions is None else np.asarray(positions)
     ratio, scores, _ = pca(X, n_components)
-    parts = [pd.DataFrame(dict(quantity="explained_variance", k=np.arange(len(ratio)), value=ratio))]
+    parts = [pd.DataFrame(dict(metric="explained_variance", k=np.arange(len(ratio)), value=ratio))]
     k_idx, p_idx = np.meshgrid(np.arange(scores.shape[1]), pos, indexing="ij")
-    parts.append(pd.DataFrame(dict(quantity="pc_score", k=k_idx.ravel(), pos=p_idx.ravel(), value=scores.T.ravel())))
-    parts.append(pd.DataFrame(dict(quantity="norm", pos=pos, value=np.linalg.norm(X, axis=1))))
-    parts.append(pd.DataFrame(dict(quantity="mean_norm", value=[float(np.linalg.norm(X.mean(0)))])))
+    parts.append(pd.DataFrame(dict(metric="pc_score", k=k_idx.ravel(), pos=p_idx.ravel(), value=scores.T.ravel())))
+    parts.append(pd.DataFrame(dict(metric="norm", pos=pos, value=np.linalg.norm(X, axis=1))))
+    parts.append(pd.DataFrame(dict(metric="mean_norm", value=[float(np.linalg.norm(X.mean(0)))])))
     m = min(max_cos_pos, len(X))
     a, b = np.meshgrid(pos[:m], pos[:m], indexing="ij")
-    parts.append(pd.DataFrame(dict(quantity="cosine", pos=a.ravel(), pos2=b.ravel(), value=cosine_matrix(X[:m]).ravel())))
+    parts.append(pd.DataFrame(dict(metric="cosine", pos=a.ravel(), pos2=b.ravel(), value=cosine_matrix(X[:m]).ravel())))
     for k in range(scores.shape[1]):
         fit = fit_sinusoid(scores[:, k], pos)
-        parts += [pd.DataFrame(dict(quantity=f"sin_{q}", k=[k], value=[fit[q]])) for q in ("period", "r2", "amplitude", "phase")]
+        parts += [pd.DataFrame(dict(metric=f"sin_{q}", k=[k], value=[fit[q]])) for q in ("period", "r2", "amplitude", "phase")]
     df = pd.concat(parts, ignore_index=True)
     for c in ("k", "pos", "pos2"):
         df[c] = df[c].astype("Int64")
-    return df[["quantity", "k", "pos", "pos2", "value"]]
+    return df[["metric", "k", "pos", "pos2", "value"]]
 
 
 def wpos_geometry(model: Any, *, n_components: int = 6, max_pos: int | None = None, max_cos_pos: int = 256) -> Result:
     """Geometry of the learned position embedding W_pos (first `max_pos` rows; all by default).
 
     Raises WrongModelKind for models without W_pos (RoPE, NoPE, ...): use `residual_geometry` there.
-    Result df columns: model, source ("W_pos"), layer (NA), quantity, k, pos, pos2, value."""
+    Result df columns: model, source ("W_pos"), layer (NA), metric, k, pos, pos2, value."""
     facts = model_facts(model)
     try:
         require_learned(facts, "W_pos geometry")
     except WrongModelKind as e:
         raise WrongModelKind(f"{e}. Use the residual-stream view instead: residual_geometry(model, token_rows, "
                              "layer) or `posprobe geometry MODEL --text PATH`") from None
-    W = model.W_pos[: max_pos or facts.n_ctx]
+    W = position_table(model)[: max_pos or facts.n_ctx]
     df = matrix_geometry(W, n_components=n_components, max_cos_pos=max_cos_pos)
     df.insert(0, "layer", pd.array([pd.NA] * len(df), dtype="Int64"))
     df.insert(0, "source", "W_pos")
     df.insert(0, "model", facts.name)
-    meta = dict(analysis="wpos_geometry", model=facts.summary(), n_pos=int(W.shape[0]), n_components=n_components,
-                environment=environment_meta())
-    return Result(df, meta)
+    meta = make_meta("geometry", model=facts.summary(), data=data_meta(None, n_items=int(W.shape[0]), unit="positions"),
+                     config=dict(n_components=n_components, max_pos=max_pos, max_cos_pos=max_cos_pos),
+                     views=["W_pos"], n_pos=int(W.shape[0]))
+    return Result({"geometry": df}, meta)
 
 
 @torch.no_grad()
@@ -144,11 +148,11 @@ def position_means(model: Any, token_rows: Sequence[Sequence[int]] | torch.Tenso
     rows = torch.as_tensor(token_rows) if not isinstance(token_rows, torch.Tensor) else token_rows
     if rows.dim() != 2:
         raise ValueError("token_rows must be equal-length rows of token ids")
-    n_layers = model.cfg.n_layers
-    if not layers or any(not 0 <= l < n_layers for l in layers):
-        raise ValueError(f"layers must be a non-empty subset of 0..{n_layers - 1}, got {list(layers)}")
-    if rows.shape[1] > model.cfg.n_ctx:
-        raise ValueError(f"Rows of {rows.shape[1]} tokens exceed the model's context of {model.cfg.n_ctx}")
+    n = n_layers(model)
+    if not layers or any(not 0 <= l < n for l in layers):
+        raise ValueError(f"layers must be a non-empty subset of 0..{n - 1}, got {list(layers)}")
+    if rows.shape[1] > context_length(model):
+        raise ValueError(f"Rows of {rows.shape[1]} tokens exceed the model's context of {context_length(model)}")
     (state,) = stream(model, batches(rows, batch_size), [mean_by_position(point, layers)],
                       total=-(-rows.shape[0] // batch_size), progress=progress, desc="position means")
     return {l: state[l].mean for l in layers}
@@ -162,7 +166,7 @@ def residual_geometry(model: Any, token_rows: Sequence[Sequence[int]] | Int[torc
     over the token rows (content averages out; what is left depends on position only), for each layer.
 
     `skip_first` drops leading positions (e.g. BOS / attention-sink rows whose huge norm dominates PCA).
-    Result df columns: model, source ("<point> mean"), layer, quantity, k, pos, pos2, value."""
+    Result df columns: model, source ("<point> mean"), layer, metric, k, pos, pos2, value."""
     facts = model_facts(model)
     layers = [layer] if isinstance(layer, int) else list(layer)
     means = position_means(model, token_rows, layers, point, batch_size=batch_size, progress=progress)
@@ -179,43 +183,49 @@ def residual_geometry(model: Any, token_rows: Sequence[Sequence[int]] | Int[torc
     df["layer"] = df["layer"].astype("Int64")
     df.insert(0, "source", f"{point} mean")
     df.insert(0, "model", facts.name)
-    meta = dict(analysis="residual_geometry", model=facts.summary(), point=point, layers=layers,
-                n_rows=len(token_rows), n_pos=n_pos, skip_first=skip_first, n_components=n_components,
-                environment=environment_meta())
-    return Result(df, meta)
+    config = dict(point=point, layers=layers, skip_first=skip_first, n_components=n_components,
+                  max_cos_pos=max_cos_pos, batch_size=batch_size)
+    meta = make_meta("geometry", model=facts.summary(), data=data_meta("token rows", n_items=len(token_rows), unit="windows"),
+                     config=config, views=[f"{point} mean"], n_rows=len(token_rows), n_pos=n_pos)
+    return Result({"geometry": df}, meta)
 
 
-def geometry_figures(df: pd.DataFrame) -> list:
-    """Plotly figures per (source, layer): 3-D PCA trajectory coloured by position, PCs vs position,
-    cosine map, norm by position, explained variance."""
-    import plotly.graph_objects as go
+@dataclass(frozen=True, kw_only=True)
+class GeometryConfig:
+    """Options of `run_geometry` (and `posprobe geometry`): the residual view's `layers` (default: first,
+    middle, last), `point`, `skip_first` leading positions (BOS/CLS outliers), principal `components`,
+    W_pos rows `max_pos` (default all), and the text windows (`window` tokens incl. BOS/CLS, `max_windows`)."""
 
-    figs = []
-    for (source, layer), g in df.groupby(["source", df["layer"].fillna(-1)], sort=False):
-        tag = source if layer == -1 else f"{source}, layer {layer}"
-        sc = g[g.quantity == "pc_score"].pivot(index="pos", columns="k", values="value")
-        ev = g[g.quantity == "explained_variance"].set_index("k")["value"]
-        if sc.shape[1] >= 3:
-            fig = go.Figure(go.Scatter3d(x=sc[0], y=sc[1], z=sc[2], mode="lines+markers", text=sc.index,
-                                         marker=dict(size=3, color=sc.index, colorscale="Viridis", showscale=True,
-                                                     colorbar=dict(title="pos"))))
-            fig.update_layout(title=f"PCA trajectory ({tag})", scene=dict(
-                xaxis_title=f"PC1 ({ev[0]:.0%})", yaxis_title=f"PC2 ({ev[1]:.0%})", zaxis_title=f"PC3 ({ev[2]:.0%})"))
-            figs.append(fig)
-        if sc.shape[1] >= 2:
-            figs.append(go.Figure(go.Scatter(x=sc[0], y=sc[1], mode="lines+markers", text=sc.index, marker=dict(
-                color=sc.index, colorscale="Viridis", showscale=True, colorbar=dict(title="pos")))).update_layout(
-                title=f"PC1 vs PC2 ({tag})", xaxis_title="PC1", yaxis_title="PC2"))
-        per = g[g.quantity == "sin_period"].set_index("k")["value"]
-        r2 = g[g.quantity == "sin_r2"].set_index("k")["value"]
-        fig = go.Figure([go.Scatter(x=sc.index, y=sc[k], mode="lines",
-                                    name=f"PC{k + 1} ({ev[k]:.0%}; period {per[k]:.1f}, R² {r2[k]:.2f})") for k in sc.columns])
-        figs.append(fig.update_layout(title=f"Principal components vs position ({tag})", xaxis_title="position"))
-        cos = g[g.quantity == "cosine"].pivot(index="pos", columns="pos2", values="value")
-        figs.append(go.Figure(go.Heatmap(z=cos.values, x=cos.columns, y=cos.index, colorscale="RdBu", zmid=0))
-                    .update_layout(title=f"Cosine similarity between positions ({tag})", xaxis_title="position",
-                                   yaxis_title="position", yaxis_autorange="reversed"))
-        nm = g[g.quantity == "norm"]
-        figs.append(go.Figure(go.Scatter(x=nm.pos, y=nm.value, mode="lines")).update_layout(
-            title=f"Norm by position ({tag})", xaxis_title="position", yaxis_title="L2 norm"))
-    return figs
+    layers: tuple[int, ...] | None = None
+    point: str = "resid_post"
+    skip_first: int = 1
+    components: int = 6
+    max_pos: int | None = None
+    window: int = 64
+    max_windows: int = 32
+    progress: bool = True
+
+
+def run_geometry(model: Any, text: str | None = None, config: GeometryConfig | None = None, *,
+                 source: str | None = None) -> Result:
+    """W_pos geometry (learned-position models) and the residual-stream view over windows of `text`
+    (default: the built-in text), as one `geometry` table (column `source` tells the views apart)."""
+    from posprobe.analyses.probes import text_rows
+    from posprobe.data import BUILTIN_TEXT
+
+    cfg = config or GeometryConfig()
+    facts = model_facts(model)
+    layers = cfg.layers if cfg.layers is not None else tuple(sorted({0, facts.n_layers // 2, facts.n_layers - 1}))
+    body = BUILTIN_TEXT if text is None else text
+    rows = text_rows(model, body, cfg.window, cfg.max_windows)
+    parts = []
+    if facts.has_w_pos:
+        parts.append(wpos_geometry(model, n_components=cfg.components, max_pos=cfg.max_pos))
+    parts.append(residual_geometry(model, rows, list(layers), point=cfg.point, n_components=cfg.components,
+                                   skip_first=cfg.skip_first, progress=cfg.progress))
+    df = pd.concat([r.df for r in parts], ignore_index=True)
+    data = data_meta(source or ("built-in text" if text is None else "text"), n_items=len(rows), unit="windows",
+                     sha256=text_sha256(body))
+    meta = make_meta("geometry", model=facts.summary(), data=data, config=cfg,
+                     views=[v for r in parts for v in r.meta["views"]], n_rows=len(rows), n_pos=len(rows[0]))
+    return Result({"geometry": df}, meta)

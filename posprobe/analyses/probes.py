@@ -18,34 +18,13 @@ import torch
 from jaxtyping import Int
 from tqdm.auto import tqdm
 
+from posprobe.backend.model import encode_text, first_token
 from posprobe.core.capture import Reducer, batches, stream
-from posprobe.report.result import Result, environment_meta
+from posprobe.data import framed_windows
+from posprobe.report.result import Result
+from posprobe.report.schema import data_meta, make_meta, text_sha256
 
 POINTS = ("resid_pre", "resid_mid", "resid_post")
-
-BUILTIN_TEXT = """\
-The old lighthouse stood at the end of a narrow spit of land, and for more than a century its lamp had \
-turned every night without fail. The keepers who lived there kept careful logs of the weather, the ships \
-that passed, and the birds that rested on the gallery during the autumn storms. When the light was finally \
-automated, the last keeper packed his books into a wooden crate and walked back along the shore to the \
-village, where he opened a small shop that sold maps, rope and tea.
-Children from the school would visit him on Fridays. He showed them how to read a chart, how to find the \
-north star on a clear evening, and how to tie a knot that would hold a boat in a rising tide. Most of them \
-forgot the knots within a week, but a few remembered the stories about the winter when the ice closed the \
-harbour and the supply ship could not reach the island for forty days.
-In spring the fishing boats went out before dawn and came back in the early afternoon, their decks covered \
-in nets and silver fish. The market on the square opened at noon. Farmers brought eggs, cheese and early \
-vegetables, and a baker from the next town sold bread that was still warm. Visitors often asked why the \
-village had no hotel; the answer was always the same: nobody had ever thought it needed one.
-Scientists later came to study the currents near the spit. They placed small instruments on the sea floor \
-and measured the temperature and the salt every hour for three years. Their report showed that the water \
-had grown warmer, slowly but steadily, and that the fish the boats depended on were moving north. The \
-village council met many times to discuss what could be done, and in the end it decided to plant sea grass \
-along the bay and to limit the number of boats allowed out each season.
-Today the lighthouse is a museum. Its rooms hold the keepers' logs, a brass telescope, photographs of \
-wrecks and rescues, and the wooden crate, now empty, in which the last keeper carried his books home.
-"""
-
 
 @dataclass(frozen=True, kw_only=True)
 class ProbeConfig:
@@ -89,13 +68,23 @@ class ProbeConfig:
 def text_rows(model: Any, text: str, window: int = 64, max_windows: int | None = None) -> list[list[int]]:
     """Token rows of exactly `window` ids: the text's tokens cut into windows, each row starting with the
     model's BOS/CLS token when its tokenizer has one (so position 0 is what the model usually sees)."""
-    from posprobe.data import token_windows
+    first = first_token(model)
+    return framed_windows(encode_text(model, text), window, pre=[first] if first is not None else [],
+                          max_windows=max_windows)
 
-    tok = model.tokenizer
-    first = tok.bos_token_id if tok.bos_token_id is not None else getattr(tok, "cls_token_id", None)
-    ids = tok(text, add_special_tokens=False)["input_ids"]
-    body = window - (first is not None)
-    return [([first] if first is not None else []) + w for w in token_windows(ids, body, max_windows=max_windows)]
+
+def run_probes(model: Any, text: str | None = None, config: ProbeConfig | None = None, *, window: int = 64,
+               max_windows: int | None = 32, source: str | None = None) -> Result:
+    """Position probes over `max_windows` windows of `window` tokens of `text` (default: the built-in
+    text); the result's meta records the data in the common schema."""
+    from posprobe.data import BUILTIN_TEXT
+
+    body = BUILTIN_TEXT if text is None else text
+    rows = text_rows(model, body, window, max_windows)
+    result = position_probes(model, rows, config)
+    result.meta["data"] = data_meta(source or ("built-in text" if text is None else "text"), n_items=len(rows),
+                                    unit="windows", sha256=text_sha256(body))
+    return result
 
 
 def position_buckets(positions: np.ndarray, n_pos: int, n_buckets: int) -> np.ndarray:
@@ -233,7 +222,7 @@ def probe_scores(X: np.ndarray, positions: np.ndarray, groups: np.ndarray, n_pos
                  cfg: ProbeConfig) -> pd.DataFrame:
     """Per-fold scores of the real probe, the within-row shuffled control and the chance baseline.
 
-    Columns: term ("probe" | "control" | "chance"), fold, metric ("mae" in positions | "accuracy"), value,
+    Columns: condition ("probe" | "control" | "chance"), fold, metric ("mae" in positions | "accuracy"), value,
     alpha (the ridge penalty picked for that metric by the inner grouped split; NaN for chance)."""
     buckets = position_buckets(positions, n_pos, cfg.n_buckets)
     order = shuffle_within_groups(np.arange(len(positions)), groups, cfg.seed + 1)
@@ -244,8 +233,8 @@ def probe_scores(X: np.ndarray, positions: np.ndarray, groups: np.ndarray, n_pos
         ys, bs = positions.copy(), buckets.copy()
         ys[tr], bs[tr] = positions[order][tr], buckets[order][tr]
         ctrl = _fit_fold(X, ys, bs, groups, tr, te, cfg)
-        for term, res in (("probe", real), ("control", ctrl), ("chance", _chance(positions, buckets, tr, te))):
-            rows += [dict(term=term, fold=fold, metric=m, value=res[m], alpha=res.get(f"alpha_{m}", float("nan")))
+        for condition, res in (("probe", real), ("control", ctrl), ("chance", _chance(positions, buckets, tr, te))):
+            rows += [dict(condition=condition, fold=fold, metric=m, value=res[m], alpha=res.get(f"alpha_{m}", float("nan")))
                      for m in ("mae", "accuracy")]
     return pd.DataFrame(rows)
 
@@ -254,7 +243,7 @@ def position_probes(model: Any, token_rows: Sequence[Sequence[int]] | torch.Tens
                     config: ProbeConfig | None = None) -> Result:
     """Probe absolute position from the residual stream at every (point, layer).
 
-    Returns a Result whose df has one row per model, point, layer, term (probe/control/chance), fold,
+    Returns a Result whose df has one row per model, point, layer, condition (probe/control/chance), fold,
     metric (mae: mean absolute error in positions; accuracy: fraction of held-out tokens in the right
     bucket), value. Folds group by token row; `summarize(result.df)` gives mean and std over folds.
     """
@@ -298,39 +287,16 @@ def position_probes(model: Any, token_rows: Sequence[Sequence[int]] | torch.Tens
     bar.close()
     df = pd.concat(frames, ignore_index=True)
     df.insert(0, "model", facts.name)
-    meta = dict(analysis="position_probes", model=facts.summary(), n_rows=n_rows, n_pos=n_pos,
-                n_tokens=len(flat), config={k: getattr(cfg, k) for k in cfg.__dataclass_fields__},
-                control="training positions shuffled within each token row (test labels true)",
-                folds="GroupKFold by token row", environment=environment_meta())
-    return Result(df, meta)
+    data = data_meta("token rows", n_items=n_rows, unit="windows")
+    meta = make_meta("probes", model=facts.summary(), data=data, config=cfg, n_rows=n_rows, n_pos=n_pos,
+                     n_tokens=len(flat), control="training positions shuffled within each token row (test labels true)",
+                     folds="GroupKFold by token row")
+    return Result({"probes": df}, meta)
 
 
 def summarize(df: pd.DataFrame) -> pd.DataFrame:
-    """Mean and std over folds per (model, point, layer, term, metric), plus the fold count."""
-    keys = ["model", "point", "layer", "term", "metric"]
+    """Mean and std over folds per (model, point, layer, condition, metric), plus the fold count."""
+    keys = ["model", "point", "layer", "condition", "metric"]
     g = df.groupby(keys, sort=False)["value"]
     return pd.concat([g.mean().rename("mean"), g.std(ddof=0).rename("std"), g.size().rename("n_folds")],
                      axis=1).reset_index()
-
-
-def probe_figures(df: pd.DataFrame) -> list:
-    """Plotly figures from a probe df: MAE and accuracy by layer (probe, control, chance; bars = fold std)."""
-    import plotly.graph_objects as go
-
-    s = summarize(df)
-    order = {p: i for i, p in enumerate(POINTS)}
-    s = s.assign(x=s.layer + s.point.map(order).fillna(0) / len(POINTS)).sort_values("x")
-    figs = []
-    for metric, title in (("mae", "Held-out MAE (positions)"), ("accuracy", "Held-out bucket accuracy")):
-        fig = go.Figure()
-        sub = s[s.metric == metric]
-        # Chance depends only on the labels, identical for every point: one trace is enough.
-        sub = sub[(sub.term != "chance") | (sub.point == sub.point.iloc[0])]
-        for (point, term), g in sub.groupby(["point", "term"], sort=False):
-            fig.add_trace(go.Scatter(x=g.x, y=g["mean"], error_y=dict(type="data", array=g["std"]),
-                                     mode="lines+markers", name="chance" if term == "chance" else f"{term} ({point})",
-                                     line=dict(dash={"probe": "solid", "control": "dash"}.get(term, "dot"))))
-        fig.update_layout(title=f"{title} by layer (resid_pre at L, resid_mid at L+1/3, resid_post at L+2/3)",
-                          xaxis_title="layer", yaxis_title=metric)
-        figs.append(fig)
-    return figs

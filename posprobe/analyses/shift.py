@@ -16,6 +16,9 @@ import torch
 
 from posprobe.data import BUILTIN_SOURCE, DataError, MinimalPair, pairs_fingerprint
 from posprobe.core.scoring import Positioned
+from posprobe.report.result import Result
+from posprobe.report.schema import data_meta, make_meta, text_sha256
+from posprobe.backend.model import forward, n_layers, tokenizer_of
 
 PrefixKind = Literal["auto", "bos", "eot", "none"]
 
@@ -52,26 +55,30 @@ class ShiftConfig:
         return sorted({0, *map(int, self.ks)})
 
 
-@dataclass
-class ShiftResult:
-    """Tidy tables of a shift test plus metadata.
+class ShiftResult(Result):
+    """Tables of a shift test (only the non-empty ones are kept) plus meta.
 
-    pairs: one row per (k, pair) with log-probs in nats. summary: accuracy with bootstrap CI, mean
-    margin, flips and McNemar p vs k=0, per k and level (overall/field/paradigm). tokens: per-token
-    loss of the text windows (nats) by k and position inside the window. drift: encoders only.
+    shift_pairs: one row per (k, pair) with log-probs in nats. shift_summary: accuracy with bootstrap
+    CI, mean margin, flips and McNemar p vs k=0, per k and level (overall/field/paradigm).
+    shift_tokens: per-token loss of the text windows (nats) by k and position inside the window.
+    shift_drift: encoders only (cosine of representations to k=0).
     """
 
-    pairs: pd.DataFrame
-    summary: pd.DataFrame
-    tokens: pd.DataFrame
-    drift: pd.DataFrame
-    meta: dict = field(default_factory=dict)
+    @property
+    def pairs(self) -> pd.DataFrame:
+        return self.tables.get("shift_pairs", pd.DataFrame())
 
-    def tables(self) -> dict[str, pd.DataFrame]:
-        """The non-empty tables by file name stem."""
-        t = {"shift_pairs": self.pairs, "shift_summary": self.summary, "shift_tokens": self.tokens,
-             "shift_drift": self.drift}
-        return {k: v for k, v in t.items() if len(v)}
+    @property
+    def summary(self) -> pd.DataFrame:
+        return self.tables.get("shift_summary", pd.DataFrame())
+
+    @property
+    def tokens(self) -> pd.DataFrame:
+        return self.tables.get("shift_tokens", pd.DataFrame())
+
+    @property
+    def drift(self) -> pd.DataFrame:
+        return self.tables.get("shift_drift", pd.DataFrame())
 
 
 def default_prefix(tokenizer: Any) -> tuple[str, list[int]]:
@@ -192,7 +199,7 @@ def score_text(scorer: Any, tokenizer: Any, text: str, cfg: ShiftConfig, prefix:
         own = lp[first:].numpy()
         start = 0 if prefix else 1
         rows += [(k, w, start + t, -float(v)) for t, v in enumerate(own)]
-    return pd.DataFrame(rows, columns=["k", "window", "window_pos", "loss"])
+    return pd.DataFrame(rows, columns=["k", "window", "pos", "loss"])
 
 
 def ppl_by_k(tokens: pd.DataFrame) -> pd.DataFrame:
@@ -264,7 +271,7 @@ def prepare(model: Any, *, backend: str = "auto", device: str = "cpu", dtype: st
     tl = load_model(model, device=device, dtype=dtype, n_ctx=n_ctx)
     f = model_facts(tl)
     scorer = None if (f.is_encoder or not f.has_lm_head) else TLScorer(tl)
-    return Prepared(f.name, scorer, tl.tokenizer, f.positional_kind, f.n_ctx, f.is_encoder, "tl", tl)
+    return Prepared(f.name, scorer, tokenizer_of(tl), f.positional_kind, f.n_ctx, f.is_encoder, "tl", tl)
 
 
 def run_shift_test(
@@ -305,8 +312,7 @@ def run_shift_test(
         if not text.strip():
             raise ShiftError("Empty input: the text is empty")
         check_context([cfg.window + len(prefix)], ["text window"], ks, limit, "text window")
-    empty = pd.DataFrame()
-    pair_df, summary, tokens, drift = empty, empty, empty, empty
+    pair_df, summary, tokens, drift = (pd.DataFrame() for _ in range(4))
     if prep.is_encoder:
         drift = encoder_drift(prep.tl_model, [p.good for p in pairs] if pairs else [text[:2000]], ks, cfg)
     else:
@@ -318,17 +324,25 @@ def run_shift_test(
     for df in (pair_df, tokens, drift):
         if len(df):
             df.insert(0, "model", prep.name)
-    from posprobe.report.result import environment_meta
+    if prep.tl_model is not None:
+        from posprobe.backend.facts import model_facts
 
-    meta = dict(
-        analysis="shift-test", model=prep.name, positional_kind=prep.positional_kind, n_ctx=prep.n_ctx,
-        backend=prep.backend, config=config_meta(cfg), prefix=dict(kind=kind, ids=prefix,
-        tokens=prep.tokenizer.convert_ids_to_tokens(prefix) if prefix else [], position=cfg.prefix_position),
-        data=dict(source=data_source or ("custom pairs" if pairs is not None else None),
-                  n_pairs=len(pairs) if pairs is not None else 0,
-                  fingerprint=pairs_fingerprint(pairs) if pairs is not None else None,
-                  builtin=data_source == BUILTIN_SOURCE),
-        environment=environment_meta(),
+        model_meta = model_facts(prep.tl_model).summary()
+    else:
+        model_meta = dict(name=prep.name, source=str(model), positional_kind=prep.positional_kind,
+                          n_ctx=prep.n_ctx, is_encoder=prep.is_encoder)
+    if pairs is not None:
+        data = data_meta(data_source or "custom pairs", n_items=len(pairs), unit="pairs",
+                         sha256=pairs_fingerprint(pairs))
+    else:
+        data = data_meta("text", n_items=len(tokens) if len(tokens) else len(drift), unit="tokens",
+                         sha256=text_sha256(text))
+    data["builtin"] = data_source == BUILTIN_SOURCE
+    meta = make_meta(
+        "shift-test", model={**model_meta, "backend": prep.backend}, data=data, config=config_meta(cfg),
+        prefix=dict(kind=kind, ids=prefix, position=cfg.prefix_position,
+                    tokens=prep.tokenizer.convert_ids_to_tokens(prefix) if prefix else []),
+        text=None if text is None else dict(sha256=text_sha256(text), window=cfg.window, max_windows=cfg.max_windows),
     )
     if len(pair_df):
         base = pair_df[pair_df.k == 0].set_index(["paradigm", "pair_id"])
@@ -341,7 +355,8 @@ def run_shift_test(
         meta["note"] = ("RoPE model: the shift moves queries and keys together, so scores depend only on relative "
                         "positions and must not change with k. This run is an invariance control; "
                         "max_abs_logp_change_vs_k0 is the measured deviation (float rounding).")
-    return ShiftResult(pair_df, summary, tokens, drift, meta)
+    tables = {"shift_pairs": pair_df, "shift_summary": summary, "shift_tokens": tokens, "shift_drift": drift}
+    return ShiftResult({k: v for k, v in tables.items() if len(v)}, meta)
 
 
 @torch.inference_mode()
@@ -351,10 +366,12 @@ def encoder_drift(model: Any, sentences: Sequence[str], ks: Sequence[int], cfg: 
     from posprobe.backend.hooks import hooked
     from posprobe.core.positions import learned_positions
 
-    tok = model.tokenizer
+    from posprobe.backend.hooks import hook_name
+
+    tok = tokenizer_of(model)
     enc = [tok(s).input_ids for s in sentences]
-    n_layers = model.cfg.n_layers
-    names = ["embed.ln.hook_normalized"] + [f"blocks.{l}.hook_normalized_resid_post" for l in range(n_layers)]
+    layers = n_layers(model)
+    names = [hook_name("embed_normalized", 0)] + [hook_name("resid_post_normalized", l) for l in range(layers)]
     reps: dict[int, list[list[torch.Tensor]]] = {}
     for k in ks:
         out: list[list[torch.Tensor]] = [[] for _ in names]
@@ -368,13 +385,13 @@ def encoder_drift(model: Any, sentences: Sequence[str], ks: Sequence[int], cfg: 
             got: dict[str, torch.Tensor] = {}
             hooks = [(nm, lambda x, hook, nm=nm: got.__setitem__(nm, x.detach())) for nm in names]
             with hooked(model, hooks), learned_positions(model, torch.arange(n) + k):
-                model(ids, one_zero_attention_mask=mask)
+                forward(model, ids, attention_mask=mask)
             for i, nm in enumerate(names):
                 out[i] += [got[nm][r, : len(e)] for r, e in enumerate(chunk)]
         reps[k] = out
     rows = []
     for k in ks:
-        for i, label in enumerate(["embeddings"] + [str(l) for l in range(n_layers)]):
+        for i, label in enumerate(["embeddings"] + [str(l) for l in range(layers)]):
             cos = torch.cat([torch.cosine_similarity(a, b, dim=-1) for a, b in zip(reps[k][i], reps[0][i])])
             rows.append((k, label, "token", float(cos.mean())))
         pooled = torch.stack([torch.cosine_similarity(a.mean(0), b.mean(0), dim=0) for a, b in zip(reps[k][-1], reps[0][-1])])

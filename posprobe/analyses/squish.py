@@ -21,6 +21,9 @@ from posprobe.backend.facts import model_facts, require_rotary
 from posprobe.core.generation import Generation, continuation_logprob, generate, logits_under, token_logprobs
 from posprobe.core.positions import PositionPlan
 from posprobe.core.surgery import apply_plan, key_squish, preset_plan
+from posprobe.backend.model import encode_text, model_name, n_layers, tokenizer_of
+from posprobe.report.result import Result
+from posprobe.report.schema import data_meta, make_meta, text_sha256
 
 
 @dataclass(frozen=True)
@@ -33,7 +36,7 @@ class Prompt:
 
 
 def _render(model: Any, user: str, chat: bool | None) -> str:
-    tok = model.tokenizer
+    tok = tokenizer_of(model)
     if bool(getattr(tok, "chat_template", None)) if chat is None else chat:
         # The template already starts with the BOS-like token; never prepend another.
         return tok.apply_chat_template([{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True)
@@ -50,7 +53,7 @@ def build_prompt(model: Any, instruction: str, prompt: str, *, chat: bool | None
         raise ValueError("empty instruction")
     user = f"{instruction}\n{prompt}"
     text = _render(model, user, chat)
-    enc = model.tokenizer(text, return_offsets_mapping=True, add_special_tokens=False)
+    enc = tokenizer_of(model)(text, return_offsets_mapping=True, add_special_tokens=False)
     start = text.index(user)
     lo, hi = start, start + len(instruction)
     idx = [i for i, (a, b) in enumerate(enc["offset_mapping"]) if a < hi and b > lo]
@@ -62,14 +65,14 @@ def build_prompt(model: Any, instruction: str, prompt: str, *, chat: bool | None
 def span_attention(model: Any, tokens: torch.Tensor, span: tuple[int, int], first_query: int,
                    plan: PositionPlan | None) -> list[float]:
     """Per layer: attention mass (mean over heads and over query rows >= first_query) onto keys in span."""
-    layers = range(model.cfg.n_layers)
+    layers = range(n_layers(model))
     with apply_plan(model, plan) if plan is not None else nullcontext():
         pats = capture(model, tokens[None], ["pattern"], layers=list(layers))
     return [float(pats[("pattern", l)][0, :, first_query:, span[0]:span[1]].sum(-1).mean()) for l in layers]
 
 
 def _decode(model: Any, ids: torch.Tensor) -> str:
-    return model.tokenizer.decode(ids.tolist(), skip_special_tokens=True)
+    return tokenizer_of(model).decode(ids.tolist(), skip_special_tokens=True)
 
 
 @torch.no_grad()
@@ -77,8 +80,8 @@ def squish_run(model: Any, instruction: str, prompt: str, *, to: float | None = 
                range_: tuple[float, float] | None = None, query_start: float | None = None,
                variant: str | Sequence[str] = "cache", max_new_tokens: int = 16, reference: str | None = None,
                temperature: float = 0.0, top_k: int | None = None, seed: int = 0, chat: bool | None = None
-               ) -> tuple[pd.DataFrame, dict]:
-    """Generate with and without key squishing of the instruction span; return (tidy DataFrame, meta).
+               ) -> Result:
+    """Generate with and without key squishing of the instruction span; return a Result (`squish` table + meta).
 
     `variant`: "cache", "global" or both (the baseline is computed once). Metrics: "attn_mass" per
     layer (generated queries onto the span, each run on its own output); "kl" per query_pos:
@@ -92,12 +95,12 @@ def squish_run(model: Any, instruction: str, prompt: str, *, to: float | None = 
     p = build_prompt(model, instruction, prompt, chat=chat)
     n = len(p.tokens)
     plans = {v: key_squish(n, p.span, to=to, range_=range_, query_start=query_start, variant=v) for v in variants}
-    eos = getattr(model.tokenizer, "eos_token_id", None)
+    eos = getattr(tokenizer_of(model), "eos_token_id", None)
     runs: dict[str, Generation] = {}
     for v, pl in tqdm([("baseline", None), *plans.items()], desc="generate", leave=False):
         runs[v] = generate(model, p.tokens, max_new_tokens=max_new_tokens, plan=pl, temperature=temperature,
                            top_k=top_k, seed=seed, stop_token=eos)
-    name = model.cfg.model_name
+    name = model_name(model)
     rows = []
     for v, g in runs.items():
         full = None if g.plan is None else g.plan.extended(g.tokens.shape[1])
@@ -110,16 +113,18 @@ def squish_run(model: Any, instruction: str, prompt: str, *, to: float | None = 
         kl = (lp_base.exp() * (lp_base - lp_sq)).sum(-1)[0]
         for q in range(n - 1, seq.shape[1]):
             rows.append(dict(model=name, variant=v, metric="kl", layer=-1, query_pos=q, value=float(kl[q])))
-    meta: dict[str, Any] = {
-        "analysis": "squish", "model": name, "variant": variants[0] if len(variants) == 1 else list(variants),
-        "instruction": instruction, "prompt": prompt, "prompt_text": p.text, "span": list(p.span),
-        "n_prompt_tokens": n, "plan": {v: pl.label for v, pl in plans.items()},
-        "plan_meta": {v: dict(pl.meta) for v, pl in plans.items()}, "max_new_tokens": max_new_tokens,
-        "temperature": temperature, "top_k": top_k, "seed": seed,
-        "continuations": {v: _decode(model, g.new_tokens[0]) for v, g in runs.items()},
-    }
+    config = dict(to=to, range_=range_, query_start=query_start, variant=list(variants), max_new_tokens=max_new_tokens,
+                  reference=reference, temperature=temperature, top_k=top_k, seed=seed, chat=chat)
+    data = data_meta("instruction + prompt", n_items=1, unit="prompts", sha256=text_sha256(p.text))
+    meta = make_meta(
+        "squish", model=model_facts(model).summary(), data=data, config=config,
+        variant=variants[0] if len(variants) == 1 else list(variants), instruction=instruction, prompt=prompt,
+        prompt_text=p.text, span=list(p.span), n_prompt_tokens=n, plan={v: pl.label for v, pl in plans.items()},
+        plan_meta={v: dict(pl.meta) for v, pl in plans.items()}, max_new_tokens=max_new_tokens,
+        continuations={v: _decode(model, g.new_tokens[0]) for v, g in runs.items()},
+    )
     if reference is not None:
-        ref = torch.tensor(model.tokenizer(reference, add_special_tokens=False)["input_ids"])
+        ref = torch.tensor(tokenizer_of(model)(reference, add_special_tokens=False)["input_ids"])
         lps = {"baseline": continuation_logprob(model, p.tokens, ref),
                "no-instruction": continuation_logprob(model, build_prompt_without(model, prompt, chat=chat), ref)}
         lps.update({v: continuation_logprob(model, p.tokens, ref, pl) for v, pl in plans.items()})
@@ -131,12 +136,12 @@ def squish_run(model: Any, instruction: str, prompt: str, *, to: float | None = 
         for v, k in kept.items():
             rows.append(dict(model=name, variant=v, metric="effect_kept", layer=-1, query_pos=-1, value=k))
         meta.update(reference=reference, ref_logprob_sum=s, effect_kept=kept)
-    return pd.DataFrame(rows), meta
+    return Result({"squish": pd.DataFrame(rows)}, meta)
 
 
 def build_prompt_without(model: Any, prompt: str, *, chat: bool | None = None) -> Int[torch.Tensor, "pos"]:
     """The same prompt with no instruction (the control for the instruction's effect)."""
-    return torch.tensor(model.tokenizer(_render(model, prompt, chat), add_special_tokens=False)["input_ids"])
+    return torch.tensor(tokenizer_of(model)(_render(model, prompt, chat), add_special_tokens=False)["input_ids"])
 
 
 @torch.no_grad()
@@ -144,7 +149,7 @@ def loss_by_position(model: Any, windows: Sequence[Sequence[int]], presets: Sequ
     """NLL (nats) of token t+1 at every query_pos t of each window under each preset; tidy long table."""
     require_rotary(model_facts(model), "Surgery evaluation")
     rows = []
-    name = model.cfg.model_name
+    name = model_name(model)
     todo = [(w, s) for w in range(len(windows)) for s in presets]
     for w, spec in tqdm(todo, desc="surgery-eval"):
         ids = torch.as_tensor(windows[w])[None]
@@ -152,49 +157,24 @@ def loss_by_position(model: Any, windows: Sequence[Sequence[int]], presets: Sequ
         nll = -token_logprobs(logits_under(model, ids, plan), ids)[0]
         for t, v in enumerate(nll.tolist()):
             rows.append(dict(model=name, preset=spec, variant=plan.meta.get("variant", "global"), window=w,
-                             query_pos=t, term="nll", value=v))
+                             query_pos=t, metric="nll", value=v))
     return pd.DataFrame(rows)
 
 
-def squish_report(df: pd.DataFrame, meta: dict, out_dir: str) -> dict:
-    """Write squish.parquet/.csv, meta.json and report.html (continuations, attention mass, KL); returns paths."""
-    import html
+def run_surgery_eval(model: Any, text: str, presets: Sequence[str], *, window: int = 256, max_windows: int = 4,
+                     source: str | None = None) -> Result:
+    """Loss by position (nats/token) under each surgery preset on windows of `text`: one `surgery_eval` table."""
+    from posprobe.data import token_windows
 
-    import plotly.express as px
-
-    from posprobe.report.result import Result, environment_meta
-
-    mass = df[df.metric == "attn_mass"]
-    figs = [px.line(mass, x="layer", y="value", color="variant", markers=True,
-                    title="Attention mass from generated tokens onto the instruction span",
-                    labels={"value": "fraction of attention (mean over heads)"})]
-    kl = df[df.metric == "kl"]
-    figs.append(px.bar(kl, x="query_pos", y="value", color="variant", barmode="group",
-                       title="KL(baseline || squished) per query position (teacher-forced on the baseline output)",
-                       labels={"value": "KL (nats)"}))
-    rows = "".join(f"<tr><td>{html.escape(v)}</td><td><pre>{html.escape(t)}</pre></td></tr>"
-                   for v, t in meta["continuations"].items())
-    plans = ", ".join(f"{html.escape(v)}: <code>{html.escape(lab)}</code>" for v, lab in meta["plan"].items())
-    summary = (f"<p>Variant(s): <b>{html.escape(', '.join(meta['plan']))}</b>; plans {plans}; "
-               f"instruction tokens {meta['span'][0]}..{meta['span'][1] - 1} of {meta['n_prompt_tokens']}.</p>"
-               f"<table><tr><th>run</th><th>continuation</th></tr>{rows}</table>")
-    for v, k in meta.get("effect_kept", {}).items():
-        summary += f"<p>Fraction of the instruction's effect on the reference kept ({html.escape(v)}): {k:.3f}</p>"
-    res = Result(df, {**meta, "environment": environment_meta()})
-    title = f"Key squishing ({', '.join(meta['plan'])}) — {meta['model']}"
-    return res.save(out_dir, name="squish", figures=figs, title=title, summary_html=summary)
-
-
-def surgery_eval_report(df: pd.DataFrame, meta: dict, model: Any, out_dir: str) -> dict:
-    """Write surgery_eval.parquet/.csv, meta.json and report.html (mean loss vs position per preset)."""
-    import plotly.express as px
-
-    from posprobe.report.result import Result, environment_meta
-
-    curve = df.groupby(["preset", "query_pos"], sort=False).value.mean().reset_index()
-    fig = px.line(curve, x="query_pos", y="value", color="preset", title="Loss vs position (mean over windows)",
-                  labels={"value": "NLL (nats/token)"})
-    table = df.groupby("preset", sort=False).value.mean().to_frame("mean NLL (nats/token)").to_html()
-    full = {**meta, "analysis": "surgery-eval", "model": model_facts(model).summary(), "environment": environment_meta()}
-    return Result(df, full).save(out_dir, name="surgery_eval", figures=[fig], title="Surgery evaluation",
-                                 summary_html=table)
+    facts = model_facts(model)
+    require_rotary(facts, "Surgery evaluation")
+    if window > facts.n_ctx:
+        raise ValueError(f"window {window} exceeds the model's context n_ctx={facts.n_ctx} (raise --n-ctx)")
+    for spec in presets:  # every preset is checked before any forward pass
+        preset_plan(spec, model, 2)
+    windows = token_windows(encode_text(model, text), window, max_windows=max_windows)
+    df = loss_by_position(model, windows, presets)
+    data = data_meta(source or "text", n_items=len(windows), unit="windows", sha256=text_sha256(text))
+    meta = make_meta("surgery-eval", model=facts.summary(), data=data,
+                     config=dict(presets=list(presets), window=window, max_windows=max_windows))
+    return Result({"surgery_eval": df}, meta)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
+from posprobe.backend.peek import WrongModelKind  # one class, torch-free, so the CLI can raise it before loading
 from posprobe.core.rope import RotarySpec
 
 PositionalKind = Literal["learned_absolute", "rotary", "shortformer", "sinusoidal", "alibi", "relative_bias", "none"]
@@ -16,10 +17,6 @@ _KINDS = {
     "alibi": "alibi",
     "relative_positional_bias": "relative_bias",
 }
-
-
-class WrongModelKind(ValueError):
-    """An analysis was asked of a model whose positional scheme it does not apply to."""
 
 
 @dataclass(frozen=True)

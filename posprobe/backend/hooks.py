@@ -27,6 +27,17 @@ POINTS = {
     "resid_post": "blocks.{l}.hook_resid_post",
     "ln1_scale": "blocks.{l}.ln1.hook_scale",
     "ln1_normalized": "blocks.{l}.ln1.hook_normalized",
+    # Encoders (post-LN): the normalised embedding and each block's normalised output.
+    "embed_normalized": "embed.ln.hook_normalized",
+    "resid_post_normalized": "blocks.{l}.hook_normalized_resid_post",
+    # Embedding parts and the embedding LN scale (not per layer; the layer is ignored). Decoders and
+    # HookedEncoder name them differently: model.embedding_points(model) says which ones apply.
+    "embed": "hook_embed",
+    "pos_embed": "hook_pos_embed",
+    "encoder_embed": "embed.hook_embed",
+    "encoder_pos_embed": "embed.hook_pos_embed",
+    "token_type_embed": "embed.hook_token_type_embed",
+    "embed_ln_scale": "embed.ln.hook_scale",
 }
 
 
@@ -84,33 +95,29 @@ def attention_scores(model: Any, layer: int, q_rot: torch.Tensor, k_rot: torch.T
     return attn(model, layer).calculate_attention_scores(q_rot, k_rot)
 
 
+def score_scale(model: Any, layer: int) -> float:
+    """The divisor of q.k in the layer's pre-softmax score (sqrt(d_head) unless the model sets another)."""
+    return float(attn(model, layer).attn_scale)
+
+
+def score_soft_cap(model: Any) -> float | None:
+    """The attention-score soft-cap (Gemma 2 style tanh cap), or None when scores are not capped."""
+    cap = float(getattr(model.cfg, "attn_scores_soft_cap", -1.0))
+    return cap if cap > 0 else None
+
+
 def live_hook_count(model: Any) -> int:
     """Number of forward/backward hooks currently attached to the model's HookPoints."""
-    n = 0
-    for hp in model.hook_dict.values():
-        n += len(hp._forward_hooks) + len(hp._backward_hooks) + len(getattr(hp, "fwd_hooks", []))
-    return n
+    return sum(len(hp.fwd_hooks) + len(hp.bwd_hooks) for hp in model.hook_dict.values())
 
 
 @contextmanager
 def hooked(model: Any, fwd_hooks: Sequence[tuple[str, Callable]]) -> Iterator[Any]:
-    """Attach `fwd_hooks` for the duration of the block; they are removed on exit, also on error."""
+    """Attach `fwd_hooks` (TL-style `fn(tensor, hook=...)`) for the duration of the block; they are
+    removed on exit, also on error. Unknown hook names raise before anything is attached."""
     for name, _ in fwd_hooks:
         if name not in model.hook_dict:
             raise ValueError(f"{model.cfg.model_name} has no hook {name!r}")
-    handles = []
-    try:
-        for name, fn in fwd_hooks:
-            handles.append(model.hook_dict[name].register_forward_hook(_adapt(fn, model.hook_dict[name])))
+    # TL's own context manager removes exactly the hooks it added, at its context level.
+    with model.hooks(fwd_hooks=list(fwd_hooks)):
         yield model
-    finally:
-        for h in handles:
-            h.remove()
-
-
-def _adapt(fn: Callable, hp: Any) -> Callable:
-    # torch forward hooks get (module, inputs, output); posprobe hooks use TL's (tensor, hook=) shape.
-    def wrapper(module: Any, inputs: Any, output: torch.Tensor) -> Any:
-        return fn(output, hook=hp)
-
-    return wrapper

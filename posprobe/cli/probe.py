@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import html
 
 HELP = "Probe absolute position from the residual stream per layer (ridge MAE, bucket accuracy, shuffled control)."
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from posprobe.cli import add_model_arguments
+    from posprobe.cli.args import add_model_arguments, add_text_arguments
 
     add_model_arguments(p)
     add_text_arguments(p)
@@ -24,51 +23,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="output folder (report.html, probes.parquet/.csv, meta.json)")
 
 
-def add_text_arguments(p: argparse.ArgumentParser) -> None:
-    """--text/--window/--max-windows: where the token rows come from (shared with `geometry`)."""
-    p.add_argument("--text", default=None, help="UTF-8 text file (WikiText auto-detokenised); default: a short built-in text")
-    p.add_argument("--window", type=int, default=64, help="tokens per row, incl. BOS/CLS if the tokenizer has one (default 64)")
-    p.add_argument("--max-windows", type=int, default=32, help="at most this many rows (default 32)")
-
-
-def int_list(text: str | None) -> tuple[int, ...] | None:
-    """'0,3,5' -> (0, 3, 5); None stays None. Raises ValueError with the offending text."""
-    if text is None:
-        return None
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise ValueError(f"expected comma-separated integers, got {text!r}") from None
-
-
-def load_rows(model, text_path: str | None, window: int, max_windows: int | None) -> list[list[int]]:
-    """Token rows from --text (or the built-in text) for `model`."""
-    from posprobe.data import read_text
-    from posprobe.analyses.probes import BUILTIN_TEXT, text_rows
-
-    text = read_text(text_path) if text_path else BUILTIN_TEXT
-    return text_rows(model, text, window, max_windows)
-
-
 def run(args: argparse.Namespace) -> int:
-    from posprobe.backend.loading import load_model
-    from posprobe.analyses.probes import ProbeConfig, position_probes, probe_figures, summarize
+    from posprobe.cli import checks
+    from posprobe.cli.args import int_list
 
-    # Validate cheap arguments before the (slow) model load.
+    # Validation before torch / TransformerLens are imported: bad input fails in about a second.
+    checks.check_at_least(args, 2, "window")
+    checks.check_at_least(args, 1, "max_windows")
+    checks.check_at_least(args, 0, "skip_first")
+    checks.check_out(args.out)
+    early = checks.peek_model(args)
+    checks.check_layers(early, int_list(args.layers), "--layers")
+    checks.check_window(early, args, args.window)
+    text = checks.read_text_early(args.text)  # None: the built-in text
+
+    from posprobe.backend.loading import load_model
+    from posprobe.analyses.probes import ProbeConfig, run_probes
+
     cfg = ProbeConfig(points=tuple(p.strip() for p in args.points.split(",") if p.strip()), layers=int_list(args.layers),
                       n_buckets=args.n_buckets, n_splits=args.folds, max_tokens=args.max_tokens,
                       skip_first=args.skip_first, classifier=args.classifier, seed=args.seed)
     model = load_model(args.model, device=args.device, dtype=args.dtype, n_ctx=args.n_ctx)
-    rows = load_rows(model, args.text, args.window, args.max_windows)
-    result = position_probes(model, rows, cfg)
-    result.meta["text"] = args.text or "built-in"
-    s = summarize(result.df)
-    table = s.pivot_table(index=["point", "layer"], columns=["metric", "term"], values=["mean", "std"]).round(3)
-    summary = (f"<p>{len(rows)} rows of {len(rows[0])} tokens from {html.escape(args.text or 'the built-in text')}; "
-               f"{result.meta['n_tokens']} sampled tokens; {cfg.n_splits}-fold GroupKFold by row. Control: training "
-               "positions shuffled within each row. Chance: predict the training mean / majority bucket.</p>"
-               + table.to_html(classes="pp-table", border=0))
-    paths = result.save(args.out, name="probes", figures=probe_figures(result.df),
-                        title=f"Position probes: {result.meta['model']['name']}", summary_html=summary)
+    result = run_probes(model, text, cfg, window=args.window, max_windows=args.max_windows, source=args.text)
+    paths = result.save(args.out)
     print(f"wrote {paths['report']}")
     return 0

@@ -43,17 +43,27 @@ def side_by_side(left: str, right: str, titles: tuple[str, str], width: int = 48
 
 
 def run(args: argparse.Namespace) -> int:
-    from posprobe.backend.loading import load_model
-    from posprobe.analyses.squish import squish_report, squish_run
+    from posprobe.cli import checks
 
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1; got {args.max_new_tokens}")
+    # Validation before torch / TransformerLens are imported: bad input fails in about a second.
+    checks.check_at_least(args, 1, "max_new_tokens", "top_k")
+    if args.temperature < 0:
+        raise ValueError(f"--temperature must be >= 0; got {args.temperature}")
+    if not args.instruction.strip():
+        raise ValueError("--instruction is empty")
+    checks.check_out(args.out)
+    checks.require_rotary(checks.peek_model(args), "squish")
+
+    from posprobe.backend.loading import load_model
+    from posprobe.analyses.squish import squish_run
+
     model = load_model(args.model, device=args.device, dtype=args.dtype, n_ctx=args.n_ctx)
     to = 0.0 if args.squish_to is None else args.squish_to
-    df, meta = squish_run(model, args.instruction, args.prompt, to=to, range_=args.squish_range,
+    result = squish_run(model, args.instruction, args.prompt, to=to, range_=args.squish_range,
                           query_start=args.query_start, variant=args.variant, max_new_tokens=args.max_new_tokens,
                           reference=args.reference, temperature=args.temperature, top_k=args.top_k, seed=args.seed,
                           chat=False if args.no_chat else None)
+    df, meta = result.df, result.meta
     c = meta["continuations"]
     print(f"variant: {args.variant}  plan: {meta['plan'][args.variant]}  span tokens: {meta['span']}")
     print(side_by_side(c["baseline"], c[args.variant], ("baseline", f"squished ({args.variant})")))
@@ -67,6 +77,6 @@ def run(args: argparse.Namespace) -> int:
         print("reference loss (nats/token): " + ", ".join(f"{v} {x:.4f}" for v, x in nll.items()))
         print(f"fraction of the instruction's effect kept ({args.variant}): {meta['effect_kept'][args.variant]:.3f}")
     if args.out:
-        paths = squish_report(df, meta, args.out)
+        paths = result.save(args.out)
         print(f"wrote {paths['report']}")
     return 0

@@ -20,27 +20,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from posprobe.data import read_text, token_windows
-    from posprobe.backend.loading import load_model
-    from posprobe.analyses.squish import loss_by_position, surgery_eval_report
-    from posprobe.core.surgery import preset_plan
+    from posprobe.cli import checks
 
-    if args.window < 2:
-        raise ValueError(f"--window must be >= 2; got {args.window}")
-    text = read_text(args.text)
+    # Validation before torch / TransformerLens are imported: bad input fails in about a second.
+    checks.check_at_least(args, 2, "window")
+    checks.check_at_least(args, 1, "max_windows")
+    checks.check_presets(args.preset)
+    checks.check_out(args.out)
+    early = checks.peek_model(args)
+    checks.require_rotary(early, "surgery-eval")
+    checks.check_window(early, args, args.window)
+    text = checks.read_text_early(args.text)
+
+    from posprobe.analyses.squish import run_surgery_eval
+    from posprobe.backend.loading import load_model
+
     model = load_model(args.model, device=args.device, dtype=args.dtype, n_ctx=args.n_ctx)
-    if args.window > model.cfg.n_ctx:
-        raise ValueError(f"--window {args.window} exceeds the model's context n_ctx={model.cfg.n_ctx} (raise --n-ctx)")
-    for spec in args.preset:  # every preset is checked before any forward pass
-        preset_plan(spec, model, 2)
-    ids = model.tokenizer(text, add_special_tokens=False)["input_ids"]
-    windows = token_windows(ids, args.window, max_windows=args.max_windows)
-    df = loss_by_position(model, windows, args.preset)
-    summary = df.groupby("preset", sort=False).value.mean()
-    for spec, v in summary.items():
+    result = run_surgery_eval(model, text, args.preset, window=args.window, max_windows=args.max_windows,
+                              source=args.text)
+    for spec, v in result.df.groupby("preset", sort=False).value.mean().items():
         print(f"{spec:<40} mean loss {v:.4f} nats/token")
     if args.out:
-        paths = surgery_eval_report(df, {"text": str(args.text), "window": args.window, "presets": args.preset,
-                                         "n_windows": len(windows)}, model, args.out)
+        paths = result.save(args.out)
         print(f"wrote {paths['report']}")
     return 0

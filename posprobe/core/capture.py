@@ -10,6 +10,7 @@ from jaxtyping import Int
 from tqdm.auto import tqdm
 
 from posprobe.backend.hooks import hook_name, hooked
+from posprobe.backend.model import forward, n_layers
 
 
 def _heads(x: torch.Tensor, point: str, heads: Sequence[int] | None) -> torch.Tensor:
@@ -23,11 +24,9 @@ def _heads(x: torch.Tensor, point: str, heads: Sequence[int] | None) -> torch.Te
     return x
 
 
-def _stop_layer(model: Any, layers: Sequence[int]) -> dict[str, int]:
-    # Later layers cannot affect earlier activations, so a decoder need not run them.
-    if type(model).__name__ == "HookedTransformer" and max(layers) + 1 < model.cfg.n_layers:
-        return {"stop_at_layer": max(layers) + 1}
-    return {}
+def _run_through(model: Any, tokens: torch.Tensor, layers: Sequence[int]) -> None:
+    # Later layers cannot affect earlier activations, so a decoder need not run them (nor the unembedding).
+    forward(model, tokens, stop_at_layer=max(layers) + 1)
 
 
 @torch.no_grad()
@@ -44,12 +43,12 @@ def capture(
     `batch pos d_model`), restricted to `heads` where the point has a head axis. Layers after the
     last requested one are not run (decoders). Hooks are removed on exit, also on error.
     """
-    layers = list(range(model.cfg.n_layers)) if layers is None else list(layers)
+    layers = list(range(n_layers(model))) if layers is None else list(layers)
     if not layers or not points:
         raise ValueError("Nothing to capture: give at least one point and one layer")
-    bad = [l for l in layers if not 0 <= l < model.cfg.n_layers]
+    bad = [l for l in layers if not 0 <= l < n_layers(model)]
     if bad:
-        raise ValueError(f"Layers {bad} out of range for a {model.cfg.n_layers}-layer model")
+        raise ValueError(f"Layers {bad} out of range for a {n_layers(model)}-layer model")
     out: dict[tuple[str, int], torch.Tensor] = {}
 
     def make(point: str, layer: int) -> Callable:
@@ -61,7 +60,7 @@ def capture(
 
     hooks = [(hook_name(p, l), make(p, l)) for p in points for l in layers]
     with hooked(model, hooks):
-        model(tokens, **_stop_layer(model, layers))
+        _run_through(model, tokens, layers)
     return out
 
 
@@ -162,9 +161,9 @@ def stream(
         for toks in token_batches:
             if context is not None:
                 with context():
-                    model(toks, **_stop_layer(model, layers))
+                    _run_through(model, toks, layers)
             else:
-                model(toks, **_stop_layer(model, layers))
+                _run_through(model, toks, layers)
             seen += 1
             bar.update(1)
     if seen == 0:

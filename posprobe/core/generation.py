@@ -16,6 +16,7 @@ from jaxtyping import Float, Int
 
 from posprobe.core.positions import PositionError, PositionPlan
 from posprobe.core.surgery import apply_plan
+from posprobe.backend.model import context_length, device_of, forward, forward_cached, new_kv_cache
 
 PlanLike = Union[PositionPlan, Callable[[int], PositionPlan], None]
 
@@ -51,7 +52,7 @@ def logits_under(model: Any, tokens: Int[torch.Tensor, "batch pos"], plan: PlanL
     tokens = _as_batch(tokens)
     p = plan_for(plan, tokens.shape[-1])
     with _context(model, p):
-        return model(tokens)
+        return forward(model, tokens)
 
 
 def token_logprobs(logits: Float[torch.Tensor, "batch pos d_vocab"], tokens: Int[torch.Tensor, "batch pos"]
@@ -106,25 +107,23 @@ def generate(model: Any, tokens: Int[torch.Tensor, "batch pos"], *, max_new_toke
     single-token forward; the plan is extended to prompt + max_new_tokens before the first forward.
     Stops early once every row has produced `stop_token` (rows already stopped keep emitting it).
     """
-    from transformer_lens.cache.key_value_cache import TransformerLensKeyValueCache
-
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
-    tokens = _as_batch(tokens).to(model.cfg.device)
+    tokens = _as_batch(tokens).to(device_of(model))
     batch, n = tokens.shape
     total = n + max_new_tokens
-    if total > model.cfg.n_ctx:
-        raise PositionError(f"prompt ({n}) + max_new_tokens ({max_new_tokens}) = {total} exceeds n_ctx {model.cfg.n_ctx}")
+    if total > context_length(model):
+        raise PositionError(f"prompt ({n}) + max_new_tokens ({max_new_tokens}) = {total} exceeds n_ctx {context_length(model)}")
     # A PositionPlan describes the prompt; the new tokens continue after it.
     p = plan_for(plan, total, given=n)
     gen = torch.Generator().manual_seed(seed)
     seq, steps = tokens, []
     done = torch.zeros(batch, dtype=torch.bool, device=tokens.device)
     with _context(model, p):
-        cache = TransformerLensKeyValueCache.init_cache(model.cfg, model.cfg.device, batch) if use_cache else None
+        cache = new_kv_cache(model, batch) if use_cache else None
         feed = tokens
         for _ in range(max_new_tokens):
-            logits = model(feed, past_kv_cache=cache)[:, -1] if use_cache else model(seq)[:, -1]
+            logits = forward_cached(model, feed, cache)[:, -1] if use_cache else forward(model, seq)[:, -1]
             nxt = _pick(logits, temperature, top_k, gen)
             if stop_token is not None:
                 nxt = torch.where(done, torch.full_like(nxt, stop_token), nxt)

@@ -15,6 +15,7 @@ from jaxtyping import Int
 from posprobe.backend.facts import model_facts, require_learned, require_rotary
 from posprobe.backend.hooks import attention_scores, hook_name, hooked, layer_rotary_spec, pos_embed_hook, pre_rotation
 from posprobe.core.rope import RotarySpec, rotate
+from posprobe.backend.model import context_length, model_name, n_layers, position_table
 
 
 class PositionError(ValueError):
@@ -27,7 +28,7 @@ def _as_tensor(x: Any, dtype: torch.dtype) -> torch.Tensor:
 
 def check_learned_positions(model: Any, position_ids: torch.Tensor) -> None:
     """Raise PositionError unless every id indexes a row of W_pos (0 <= id < n_ctx)."""
-    n_ctx = model.cfg.n_ctx
+    n_ctx = context_length(model)
     if position_ids.numel() == 0:
         raise PositionError("No positions given (empty input)")
     lo, hi = int(position_ids.min()), int(position_ids.max())
@@ -35,7 +36,7 @@ def check_learned_positions(model: Any, position_ids: torch.Tensor) -> None:
         raise PositionError(f"Position ids must be >= 0; got {lo}")
     if hi >= n_ctx:
         raise PositionError(
-            f"Position id {hi} is past the model's context: {model.cfg.model_name} has n_ctx={n_ctx} "
+            f"Position id {hi} is past the model's context: {model_name(model)} has n_ctx={n_ctx} "
             f"learned positions (ids 0..{n_ctx - 1})"
         )
 
@@ -49,7 +50,7 @@ def learned_positions(model: Any, position_ids: Int[torch.Tensor, "pos"] | Int[t
     require_learned(model_facts(model), "Setting learned position ids")
     ids = _as_tensor(position_ids, torch.long)
     check_learned_positions(model, ids)
-    W_pos = model.W_pos
+    W_pos = position_table(model)
 
     def hook(pos_embed: torch.Tensor, hook: Any) -> torch.Tensor:
         n = pos_embed.shape[1]
@@ -133,7 +134,7 @@ class _RopeControl:
         self.k_new: dict[int, torch.Tensor] = {}
         self.k_all: dict[int, torch.Tensor] = {}
         self.q_buf: dict[int, torch.Tensor] = {}
-        self.specs = {l: (plan.rotary or {}).get(l) or layer_rotary_spec(model, l) for l in range(model.cfg.n_layers)}
+        self.specs = {l: (plan.rotary or {}).get(l) or layer_rotary_spec(model, l) for l in range(n_layers(model))}
 
     def _positions(self, pos: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         if stop > len(self.plan):
@@ -208,7 +209,7 @@ class _RopeControl:
         return hook
 
     def hooks(self) -> list[tuple[str, Any]]:
-        layers = self.plan.layers if self.plan.layers is not None else range(self.model.cfg.n_layers)
+        layers = self.plan.layers if self.plan.layers is not None else range(n_layers(self.model))
         hs: list[tuple[str, Any]] = []
         for l in layers:
             hs += [(hook_name("q", l), self.stash(l, "q")), (hook_name("k", l), self.stash(l, "k")),
@@ -231,8 +232,8 @@ def rope_positions(model: Any, plan: PositionPlan | None = None, *, q_pos: Seque
         if q_pos is None or k_pos is None:
             raise PositionError("Give a PositionPlan or both q_pos and k_pos")
         plan = PositionPlan(_as_tensor(q_pos, torch.float64), _as_tensor(k_pos, torch.float64))
-    if plan.layers is not None and not all(0 <= l < model.cfg.n_layers for l in plan.layers):
-        raise PositionError(f"Plan names layers {sorted(plan.layers)}; the model has {model.cfg.n_layers}")
+    if plan.layers is not None and not all(0 <= l < n_layers(model) for l in plan.layers):
+        raise PositionError(f"Plan names layers {sorted(plan.layers)}; the model has {n_layers(model)}")
     control = _RopeControl(model, plan)
     with hooked(model, control.hooks()):
         yield plan

@@ -15,12 +15,14 @@ both continuations, with a custom attention mask that hides the first continuati
 from __future__ import annotations
 
 from contextlib import nullcontext
+from functools import partial
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from jaxtyping import Float
 from tqdm.auto import tqdm
+from posprobe.backend.model import device_of, dtype_of, forward, n_layers, residual_to_logits, tokenizer_of
 
 
 @dataclass(frozen=True)
@@ -245,10 +247,10 @@ class TLScorer(_Scorer):
         from posprobe.backend.facts import model_facts
 
         self.model = model
-        self.device = model.cfg.device
-        self.dtype = model.cfg.dtype
+        self.device = device_of(model)
+        self.dtype = dtype_of(model)
         self.facts = model_facts(model)
-        tok = model.tokenizer
+        tok = tokenizer_of(model)
         self.pad_id = (tok.pad_token_id if tok is not None and tok.pad_token_id is not None else 0)
         if self.facts.positional_kind not in ("learned_absolute", "rotary"):
             raise NotImplementedError(f"Scoring at chosen positions needs learned or rotary positions, not {self.facts.positional_kind}")
@@ -269,12 +271,5 @@ class TLScorer(_Scorer):
         with self._position_context(pos):
             # Stopping after the last block returns the residual stream, so the vocabulary
             # projection can be applied to real tokens only.
-            resid = self.model(ids, stop_at_layer=self.model.cfg.n_layers)
-        final = self.model.ln_final(resid)
-        cap = getattr(self.model.cfg, "output_logits_soft_cap", -1.0)
-
-        def head(h: torch.Tensor) -> torch.Tensor:
-            logits = self.model.unembed(h[:, None, :])[:, 0]
-            return torch.tanh(logits / cap) * cap if cap and cap > 0 else logits
-
-        return final, head
+            resid = forward(self.model, ids, stop_at_layer=n_layers(self.model))
+        return resid, partial(residual_to_logits, self.model)

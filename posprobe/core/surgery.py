@@ -23,6 +23,7 @@ from posprobe.backend.hooks import hook_name, hooked, layer_rotary_spec
 from posprobe.core.presets_help import PRESET_HELP  # torch-free, so `posprobe --help` stays fast
 from posprobe.core.positions import KeyView, PositionError, PositionPlan, rope_positions, shifted_plan
 from posprobe.core.rope import RotarySpec, wavelength
+from posprobe.backend.model import n_layers
 
 VARIANTS = ("cache", "global")
 
@@ -90,7 +91,7 @@ def position_interpolation(n: int, scale: float) -> PositionPlan:
 
 def _specs(model: Any) -> dict[int, RotarySpec]:
     require_rotary(model_facts(model), "Frequency surgery")
-    return {l: layer_rotary_spec(model, l) for l in range(model.cfg.n_layers)}
+    return {l: layer_rotary_spec(model, l) for l in range(n_layers(model))}
 
 
 def ntk_aware(model: Any, n: int, scale: float) -> PositionPlan:
@@ -122,7 +123,7 @@ def yarn(model: Any, n: int, scale: float, original_ctx: int, *, beta_fast: floa
     """YaRN: per-band interpolation (`yarn_factors`) plus attention temperature sqrt(1/t) = 0.1 ln(s) + 1.
 
     The temperature multiplies q and k by m = 0.1 ln(s) + 1 (as HF scales cos/sin), i.e. the
-    pre-softmax scores by m**2; `apply_plan` applies it to hook_attn_scores, which equals scaling q
+    pre-softmax scores by m**2; `apply_plan` applies it to the pre-softmax scores, which equals scaling q
     by m**2 for models without attention soft-capping. Stored as meta["score_scale"].
     """
     if scale <= 0:
@@ -157,7 +158,7 @@ def p_rope(model: Any, n: int, p: float) -> PositionPlan:
     """p-RoPE (Barbero et al. 2024): keep the fraction p fastest bands, remove the round((1-p) * bands) slowest."""
     if not 0 <= p <= 1:
         raise ValueError(f"p must be in [0, 1]; got {p}")
-    bands = model.cfg.rotary_dim // 2
+    bands = model_facts(model).rotary[0].n_bands
     plan = drop_frequencies(model, n, lowest=round((1 - p) * bands))
     return replace(plan, label=f"p-rope:{p:g}", meta={**plan.meta, "preset": "p_rope", "p": p})
 
@@ -238,7 +239,7 @@ def apply_plan(model: Any, plan: PositionPlan) -> Iterator[PositionPlan]:
                 out = out.masked_fill(gone, float("-inf"))
             return out
 
-        layers = plan.layers if plan.layers is not None else range(model.cfg.n_layers)
+        layers = plan.layers if plan.layers is not None else range(n_layers(model))
         with hooked(model, [(hook_name("scores", l), hook) for l in layers]):
             yield plan
 

@@ -9,6 +9,57 @@ from posprobe.data.pairs import MinimalPair, check_max_pairs
 BUILTIN_SOURCE = "posprobe-builtin-templates-v1"
 BUILTIN_PAIRS_PER_PARADIGM = 200
 
+#: English prose (~800 words, written for posprobe) used when an analysis is given no --text:
+#: a lighthouse story, a harbour town, a village. The first sentence is decompose's default sentence.
+BUILTIN_TEXT = (
+    'The old lighthouse stood at the edge of the cliff, and every night its lamp swept across the dark '
+    'water. Fishermen who worked the northern banks had trusted that light for more than a century. When '
+    'the keeper retired, the town council voted to replace him with an automatic beacon, but the '
+    'villagers objected and raised money to keep the tower staffed. A young engineer named Clara answered'
+    ' the advertisement and moved into the cottage at its base. She repaired the clockwork that turned '
+    'the lens, cleaned the brass fittings and kept a careful log of passing ships, storms and the hours '
+    'of fog. In her first winter a cargo vessel lost its engine during a gale and drifted towards the '
+    'rocks. Clara saw its lights, fired the signal rockets and telephoned the lifeboat station in the '
+    'harbour. The crew of nine was brought ashore before dawn, cold but unharmed, and the story was '
+    'printed in newspapers across the country. Years later the beacon was finally automated, yet the town'
+    ' still pays for a keeper, because people say that a machine can watch the sea but cannot care about '
+    'the sailors on it. Visitors now climb the spiral stairs in summer, read the old logbooks and look '
+    'out over the bay.\n\nThe harbour town woke slowly on winter mornings. Fishing boats came back before '
+    'sunrise, and the market opened an hour later, when the first carts rolled down from the hills with '
+    'bread, cheese and apples. Children walked to school along the sea wall, counting the gulls that sat '
+    'on every post.\n\nIn the old library above the post office, a retired teacher kept a record of the '
+    'weather. Every day for forty years she wrote down the temperature, the direction of the wind and the'
+    ' height of the tide. Her notebooks filled three shelves. Scientists from the university later used '
+    'them to show how the storms had grown stronger and the winters shorter over the decades.\n\nThe town '
+    'council argued for a long time about a new bridge across the river. Some people wanted it built of '
+    'stone, like the church and the harbour wall; others said steel would be cheaper and would last just '
+    'as long. In the end they chose a wooden footbridge, painted green, which the children decorated with'
+    ' lanterns every December.\n\nWhen summer came, visitors arrived by train. They rented small rooms '
+    'above the shops, swam in the cold water, and ate fried fish on the beach. By September they were '
+    'gone again, the cafes closed their shutters, and the town returned to its quiet routine of boats, '
+    'markets and weather notes.\n\nThe old lighthouse stood at the end of a narrow spit of land, and for '
+    'more than a century its lamp had turned every night without fail. The keepers who lived there kept '
+    'careful logs of the weather, the ships that passed, and the birds that rested on the gallery during '
+    'the autumn storms. When the light was finally automated, the last keeper packed his books into a '
+    'wooden crate and walked back along the shore to the village, where he opened a small shop that sold '
+    'maps, rope and tea.\nChildren from the school would visit him on Fridays. He showed them how to read '
+    'a chart, how to find the north star on a clear evening, and how to tie a knot that would hold a boat'
+    ' in a rising tide. Most of them forgot the knots within a week, but a few remembered the stories '
+    'about the winter when the ice closed the harbour and the supply ship could not reach the island for '
+    'forty days.\nIn spring the fishing boats went out before dawn and came back in the early afternoon, '
+    'their decks covered in nets and silver fish. The market on the square opened at noon. Farmers '
+    'brought eggs, cheese and early vegetables, and a baker from the next town sold bread that was still '
+    'warm. Visitors often asked why the village had no hotel; the answer was always the same: nobody had '
+    'ever thought it needed one.\nScientists later came to study the currents near the spit. They placed '
+    'small instruments on the sea floor and measured the temperature and the salt every hour for three '
+    'years. Their report showed that the water had grown warmer, slowly but steadily, and that the fish '
+    'the boats depended on were moving north. The village council met many times to discuss what could be'
+    ' done, and in the end it decided to plant sea grass along the bay and to limit the number of boats '
+    "allowed out each season.\nToday the lighthouse is a museum. Its rooms hold the keepers' logs, a brass"
+    ' telescope, photographs of wrecks and rescues, and the wooden crate, now empty, in which the last '
+    'keeper carried his books home.\n'
+)
+
 def _forms(words: str) -> list[tuple[str, ...]]:
     return [tuple(w.split("/")) for w in words.split()]
 

@@ -43,20 +43,27 @@ def _blimp_files(path: Path) -> list[Path]:
     return files
 
 
-def _read_blimp_file(file: Path) -> list[MinimalPair]:
+def _blimp_origin(root: Path, file: Path) -> str:
+    """How an error names `file`: the path the user gave, then the file inside it."""
+    return f"BLiMP file {file}" if root.is_file() else f"BLiMP folder {root}: {file.name}"
+
+
+def _read_blimp_file(file: Path, origin: str) -> list[MinimalPair]:
     pairs: list[MinimalPair] = []
     try:
         lines = file.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as exc:
-        raise DataError(f"{file.name}: cannot read file: {exc}") from exc
+        raise DataError(f"{origin}: cannot read file: {exc}") from exc
     for lineno, line in enumerate(lines, start=1):
         if not line.strip():
             continue
-        where = f"{file.name}, line {lineno}"
+        where = f"{origin}, line {lineno}"
         try:
             rec = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise DataError(f"{where}: malformed JSON ({exc.msg})") from None
+            # str(exc), not exc.msg: the message without its position ("Unterminated string starting at")
+            # does not say where.
+            raise DataError(f"{where}: malformed JSON: {exc}") from None
         if not isinstance(rec, dict):
             raise DataError(f"{where}: expected a JSON object, got {type(rec).__name__}")
         missing = [k for k in _BLIMP_KEYS if k not in rec]
@@ -71,6 +78,7 @@ def _read_blimp_file(file: Path) -> list[MinimalPair]:
 
 
 def check_max_pairs(max_pairs: int | None) -> None:
+    """Raise ValueError unless `max_pairs` is None or a positive count."""
     if max_pairs is not None and max_pairs < 1:
         raise ValueError(f"max_pairs must be >= 1 or None, got {max_pairs}")
 
@@ -90,7 +98,8 @@ def load_blimp(
     order. Returns the pairs, files in sorted name order.
     """
     check_max_pairs(max_pairs)
-    files = _blimp_files(Path(path))
+    root = Path(path)
+    files = _blimp_files(root)
     if paradigms is not None:
         if isinstance(paradigms, str):  # a bare string would be iterated per character
             paradigms = [paradigms]
@@ -104,7 +113,7 @@ def load_blimp(
     pairs: list[MinimalPair] = []
     seen_fields: set[str] = set()
     for file in files:
-        file_pairs = _read_blimp_file(file)
+        file_pairs = _read_blimp_file(file, _blimp_origin(root, file))
         seen_fields.update(p.field for p in file_pairs)
         if wanted is not None:
             file_pairs = [p for p in file_pairs if p.field in wanted]

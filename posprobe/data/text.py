@@ -77,3 +77,16 @@ def token_windows(token_ids: Sequence[int], window: int, *, max_windows: int | N
         starts = starts[:max_windows]
     # int() so numpy/torch ids come back as plain Python ints.
     return [[int(t) for t in token_ids[s : s + window]] for s in starts]
+
+
+def framed_windows(token_ids: Sequence[int], length: int, *, pre: Sequence[int] = (), post: Sequence[int] = (),
+                   max_windows: int | None = None, stride: int | None = None) -> list[list[int]]:
+    """Windows of exactly `length` ids: `pre` + a slice of `token_ids` + `post` (e.g. [BOS] + text, or
+    [CLS] + text + [SEP]), slices starting every `stride` text tokens (default: no overlap).
+
+    The one place text is cut into model-ready rows; analyses choose `pre`/`post` from the model.
+    """
+    body = length - len(pre) - len(post)
+    if body < 2:
+        raise ValueError(f"window of {length} tokens leaves {body} text tokens after special tokens; need >= 2")
+    return [list(pre) + w + list(post) for w in token_windows(token_ids, body, max_windows=max_windows, stride=stride)]

@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import html
 import json
-import os
-from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import pandas as pd
 
-from posprobe.report.html import Section, render_html
-from posprobe.report.result import save_bundle
+from posprobe.report.html import Section, table_html
 
 #: Per-head numbers shown in the report tables, with this many decimals.
 DECIMALS = 4
@@ -22,28 +19,28 @@ def _band_labels(df: pd.DataFrame) -> dict[int, str]:
     return {int(b): ("rest" if b < 0 else f"b{int(b)} ({w[b]:.3g} tok)") for b in sorted(w.index)}
 
 
-def band_head_heatmap(df: pd.DataFrame, layer: int, term: str = "abs_share") -> Any:
-    """Heatmap band (rows, fastest first, labelled with wavelength) x head of `term` for one layer."""
+def band_head_heatmap(df: pd.DataFrame, layer: int, metric: str = "abs_share") -> Any:
+    """Heatmap band (rows, fastest first, labelled with wavelength) x head of `metric` for one layer."""
     import plotly.graph_objects as go
 
-    d = df[(df.layer == layer) & (df.term == term)]
+    d = df[(df.layer == layer) & (df.metric == metric)]
     piv = d.pivot_table(index="band", columns="head", values="value")
     labels = _band_labels(d)
     fig = go.Figure(go.Heatmap(z=piv.values, x=[f"H{h}" for h in piv.columns], y=[labels[b] for b in piv.index],
-                               colorscale="Viridis", colorbar=dict(title=term)))
-    fig.update_layout(title=f"Layer {layer}: {term} per band x head", height=520, yaxis=dict(autorange="reversed"))
+                               colorscale="Viridis", colorbar=dict(title=metric)))
+    fig.update_layout(title=f"Layer {layer}: {metric} per band x head", height=520, yaxis=dict(autorange="reversed"))
     return fig
 
 
-def layer_band_overview(df: pd.DataFrame, term: str = "abs_share") -> Any:
-    """Heatmap layer x band of `term` averaged over heads."""
+def layer_band_overview(df: pd.DataFrame, metric: str = "abs_share") -> Any:
+    """Heatmap layer x band of `metric` averaged over heads."""
     import plotly.graph_objects as go
 
-    d = df[(df.term == term) & (df.band >= 0)]
+    d = df[(df.metric == metric) & (df.band >= 0)]
     piv = d.pivot_table(index="layer", columns="band", values="value", aggfunc="mean")
     fig = go.Figure(go.Heatmap(z=piv.values, x=[f"b{b}" for b in piv.columns], y=[f"L{l}" for l in piv.index],
-                               colorscale="Viridis", colorbar=dict(title=term)))
-    fig.update_layout(title=f"{term} (mean over heads): layer x band (band 0 = fastest)", height=560,
+                               colorscale="Viridis", colorbar=dict(title=metric)))
+    fig.update_layout(title=f"{metric} (mean over heads): layer x band (band 0 = fastest)", height=560,
                       yaxis=dict(autorange="reversed"))
     return fig
 
@@ -55,11 +52,11 @@ def head_band_profile(df: pd.DataFrame, layer: int, head: int) -> Any:
 
     d = df[(df.layer == layer) & (df["head"] == head) & (df.band >= 0)]
     fig = make_subplots(specs=[[{"secondary_y": True}]])
-    for term in ("q_norm", "k_norm"):
-        t = d[d.term == term].sort_values("band")
-        fig.add_trace(go.Scatter(x=t.band, y=t.value, name=term, customdata=t.wavelength,
+    for metric in ("q_norm", "k_norm"):
+        t = d[d.metric == metric].sort_values("band")
+        fig.add_trace(go.Scatter(x=t.band, y=t.value, name=metric, customdata=t.wavelength,
                                  hovertemplate="band %{x}<br>wavelength %{customdata:.3g} tok<br>%{y:.4g}"))
-    t = d[d.term == "abs_share"].sort_values("band")
+    t = d[d.metric == "abs_share"].sort_values("band")
     fig.add_trace(go.Bar(x=t.band, y=t.value, name="abs_share", opacity=0.4), secondary_y=True)
     fig.update_layout(title=f"L{layer}H{head}: band norms and score share", height=360, xaxis_title="band (0 = fastest)")
     fig.update_yaxes(title_text="mean 2-norm", secondary_y=False)
@@ -71,7 +68,7 @@ def head_rel_pos_profile(profile: pd.DataFrame, layer: int, head: int) -> Any:
     """Heatmap band x rel_pos bin of the mean signed contribution of one head."""
     import plotly.graph_objects as go
 
-    d = profile[(profile.layer == layer) & (profile["head"] == head) & (profile.term == "mean_contrib")]
+    d = profile[(profile.layer == layer) & (profile["head"] == head) & (profile.metric == "mean_contrib")]
     piv = d.pivot_table(index="band", columns="rel_pos", values="value")
     labels = _band_labels(d)
     his = d.drop_duplicates("rel_pos").set_index("rel_pos")["rel_pos_hi"]
@@ -106,10 +103,27 @@ def _fmt(df: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
-def build_report(usage: Any, ablation: pd.DataFrame | None, top: Sequence[tuple[int, int]], title: str) -> str:
-    """The full HTML page: overview heatmaps, per-layer heatmaps, per-head sections, ablations."""
-    df, heads = usage.df, usage.heads
-    m = usage.meta
+def title(result: Any) -> str:
+    """Report title."""
+    return f"Per-frequency RoPE usage: {result.meta['model']['name']}"
+
+
+def figures(result: Any) -> list:
+    """Overview heatmaps (abs score share and q norm by layer and band) and the ablation sweep."""
+    df = result.tables["bands"]
+    figs = [layer_band_overview(df, "abs_share"), layer_band_overview(df, "q_norm")]
+    abl = result.tables.get("ablation")
+    if abl is not None and len(abl):
+        figs.append(sweep_figure(abl))
+    return figs
+
+
+def sections(result: Any) -> list[Section]:
+    """Summary, overview, band x head heatmaps per layer, ablations, one section per top head."""
+    df, heads, profile = result.tables["bands"], result.tables["heads"], result.tables["profile"]
+    ablation = result.tables.get("ablation")
+    m = result.meta
+    top = [tuple(x) for x in m.get("top_heads", [])]
     kinds = heads.kind.value_counts().to_dict()
     summary = (f"<p>{m['n_windows']} windows of {m['window']} tokens ({m['n_tokens']} tokens). Band 0 is the "
                f"fastest rotary pair; band -1 ('rest') the unrotated dims. Scores are pre-softmax logits.</p>"
@@ -129,20 +143,7 @@ def build_report(usage: Any, ablation: pd.DataFrame | None, top: Sequence[tuple[
             a = ablation[(ablation.layer == layer) & (ablation["head"] == head)]
             if len(a):
                 tables.append(a[["condition", "bands", "value", "delta_loss"]])
-        body = "".join(_fmt(t).to_html(classes="pp-table", border=0, index=False) for t in tables[1:])
+        body = "".join(table_html(_fmt(t)) for t in tables[1:])
         secs.append(Section(f"Head L{layer}H{head}", html=body, table=_fmt(tables[0]),
-                            figures=[head_band_profile(df, layer, head), head_rel_pos_profile(usage.profile, layer, head)]))
-    return render_html(title, secs, meta={"model": m["model"]["name"], "window": m["window"],
-                                           "n_tokens": m["n_tokens"], **m.get("environment", {})})
-
-
-def save_report(out_dir: str | os.PathLike, usage: Any, ablation: pd.DataFrame | None, report_html: str,
-                meta: dict) -> dict[str, Path]:
-    """Write bands/profile/heads/ablation .parquet + .csv, meta.json and report.html into `out_dir`,
-    all staged as temp files first and renamed together (nothing partial on error)."""
-    tables = {"bands": usage.df, "profile": usage.profile, "heads": usage.heads}
-    if ablation is not None:
-        tables["ablation"] = ablation
-    paths = save_bundle(out_dir, tables, meta, report_html)
-    # Keyed by file name, as callers look them up.
-    return {("meta.json" if k == "meta" else "report.html" if k == "report" else k): v for k, v in paths.items()}
+                            figures=[head_band_profile(df, layer, head), head_rel_pos_profile(profile, layer, head)]))
+    return secs

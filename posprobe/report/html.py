@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import html as _html
 import json
-import os
-import tempfile
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
-__all__ = ["Section", "render_html", "write_html_atomic"]
+__all__ = ["Section", "render_html", "table_html"]
 
 #: Tables longer than this are truncated (pandas shows a "..." row).
 MAX_TABLE_ROWS = 200
@@ -91,7 +88,8 @@ def _figure_html(fig: Any, div_id: str) -> str:
     return f'<div class="pp-figure">{body}</div>'
 
 
-def _table_html(df: pd.DataFrame) -> str:
+def table_html(df: pd.DataFrame) -> str:
+    """A DataFrame as an HTML table in the report style (index shown only when meaningful)."""
     table = df.to_html(
         classes="pp-table",
         border=0,
@@ -140,7 +138,7 @@ def render_html(title: str, sections: list[Section], meta: dict | None = None) -
             body.append(_figure_html(fig, f"posprobe-fig-{n_fig}"))
             n_fig += 1
         if sec.table is not None:
-            body.append(_table_html(sec.table))
+            body.append(table_html(sec.table))
         parts.append("<section>" + "\n".join(body) + "</section>")
 
     plotlyjs = get_plotlyjs()
@@ -169,41 +167,3 @@ def render_html(title: str, sections: list[Section], meta: dict | None = None) -
             "",
         ]
     )
-
-
-def _umask() -> int:
-    try:  # read without the racy os.umask() set/reset dance
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    return 0o022
-
-
-def _mkstemp_for(path: Path) -> tuple[int, str]:
-    """Hidden temp file next to ``path`` (same filesystem), normal permissions."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    if hasattr(os, "fchmod"):
-        os.fchmod(fd, 0o666 & ~_umask())
-    return fd, tmp
-
-
-def write_html_atomic(path: str | os.PathLike, html: str) -> Path:
-    """Write ``html`` (UTF-8) to ``path`` atomically (temp file + ``os.replace``)."""
-    path = Path(path)
-    fd, tmp = _mkstemp_for(path)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as fh:
-            fh.write(html)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    return path

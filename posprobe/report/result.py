@@ -1,4 +1,4 @@
-"""Analysis results: a tidy long DataFrame + metadata, saved atomically."""
+"""The one result type of every analysis: named tidy tables + metadata, saved atomically in one layout."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import shutil
+import tempfile
 import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -15,31 +16,28 @@ from typing import Any, Callable
 
 import pandas as pd
 
-from posprobe.report.html import Section, _has_trivial_index, _mkstemp_for, render_html
+from posprobe.report.html import Section, _has_trivial_index, render_html
 
 __all__ = ["Result", "environment_meta"]
 
-#: Rows of ``df`` shown in the report's data preview table.
+#: Rows of a table shown in a generic report (a page module of its own shows what it chooses).
 PREVIEW_ROWS = 50
 
-# key in environment_meta() -> distribution names to try
-_DISTS = {k: (k,) for k in ("torch", "transformers", "numpy", "pandas", "posprobe")}
-_DISTS["transformer_lens"] = ("transformer-lens", "transformer_lens")
+# Distributions whose versions every meta.json records, by their PyPI names.
+_DISTS = ("torch", "transformers", "transformer-lens", "numpy", "pandas", "posprobe")
 
 
-def _dist_version(names: tuple[str, ...]) -> str | None:
-    for n in names:
-        try:
-            return metadata.version(n)
-        except metadata.PackageNotFoundError:
-            continue
-    return None
+def _dist_version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def environment_meta() -> dict[str, Any]:
     """Versions of the relevant packages (None if not installed), platform, UTC time."""
     env: dict[str, Any] = {"python": platform.python_version()}
-    env.update({key: _dist_version(names) for key, names in _DISTS.items()})
+    env.update({name: _dist_version(name) for name in _DISTS})
     env["platform"] = platform.platform()
     env["timestamp_utc"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
     return env
@@ -97,49 +95,93 @@ def _commit(temps: dict[str, str], targets: dict[str, Path]) -> None:
 
 @dataclass
 class Result:
-    """A tidy long-format DataFrame plus JSON-able metadata."""
+    """What every analysis returns: named tidy tables + a `meta` dict (schema in `posprobe.report.schema`).
 
-    df: pd.DataFrame
+    Figures and the HTML report are rebuilt from the tables and meta alone, by the page module
+    registered for `meta["analysis"]` (`posprobe.report.pages`). `save(dir)` is the one way results
+    are written.
+    """
+
+    tables: dict[str, pd.DataFrame]
     meta: dict = field(default_factory=dict)
 
-    def save(
-        self,
-        out_dir: str | os.PathLike,
-        *,
-        name: str,
-        figures: list | None = None,
-        title: str = "",
-        summary_html: str = "",
-    ) -> dict[str, Path]:
-        """Write ``<name>.parquet``, ``<name>.csv``, ``meta.json``, ``report.html``.
+    def __post_init__(self) -> None:
+        if isinstance(self.tables, pd.DataFrame):  # Result(df, meta): a single table named after the analysis
+            self.tables = {_stem(self.meta): self.tables}
+        for name in self.tables:
+            _check_name(name)
 
-        All-or-nothing: every payload is staged as a hidden temp file in
-        ``out_dir`` and only then renamed into place; on any error temps are
-        removed and already-renamed files are rolled back.  Returns the paths
-        keyed ``parquet``, ``csv``, ``meta``, ``report``.
+    @property
+    def df(self) -> pd.DataFrame:
+        """The main table (the first one)."""
+        return next(iter(self.tables.values()))
+
+    @property
+    def analysis(self) -> str:
+        """The analysis that produced this result (`meta["analysis"]`)."""
+        return str(self.meta.get("analysis", "result"))
+
+    def figures(self) -> list:
+        """The analysis's plotly figures, built from the tables and meta."""
+        from posprobe.report.pages import page_for
+
+        return list(page_for(self).figures(self))
+
+    def to_html(self) -> str:
+        """The self-contained HTML report (plotly.js inline, no network)."""
+        from posprobe.report.pages import page_for
+
+        page = page_for(self)
+        sections = list(page.sections(self))
+        n_rows = {k: len(v) for k, v in self.tables.items()}
+        sections.append(Section("Tables", html="<p>" + ", ".join(
+            f"<code>{_esc(k)}</code> ({n} rows)" for k, n in n_rows.items()) + " — full data in the parquet/CSV files.</p>"))
+        return render_html(page.title(self), sections, meta=_footer_meta(self.meta))
+
+    def save(self, out_dir: str | os.PathLike) -> dict[str, Path]:
+        """Write `<table>.parquet` + `<table>.csv` per table, `meta.json` and `report.html`, atomically.
+
+        Everything is staged as hidden temp files in `out_dir` and renamed into place together; on any
+        error nothing new is left. Returns paths keyed `<table>.parquet`, `<table>.csv`, `meta`, `report`.
         """
-        sections = []
-        if summary_html:
-            sections.append(Section("Summary", html=summary_html))
-        if figures:
-            sections.append(Section("Figures", figures=list(figures)))
-        n = len(self.df)
-        heading = f"Data ({n} rows)" if n <= PREVIEW_ROWS else f"Data (first {PREVIEW_ROWS} of {n} rows)"
-        sections.append(Section(heading, table=self.df.head(PREVIEW_ROWS)))
-        paths = save_bundle(out_dir, {name: self.df}, self.meta, lambda: render_html(title or name, sections, meta=self.meta))
-        return {"parquet": paths[f"{name}.parquet"], "csv": paths[f"{name}.csv"], "meta": paths["meta"],
-                "report": paths["report"]}
+        meta = {**self.meta, "tables": list(self.tables)}
+        return _write_bundle(out_dir, self.tables, meta, self.to_html)
 
     @classmethod
-    def load(cls, out_dir: str | os.PathLike, *, name: str) -> "Result":
+    def load(cls, out_dir: str | os.PathLike) -> "Result":
         """Read back a result written by :meth:`save`."""
         out = Path(out_dir)
-        df = pd.read_parquet(out / f"{name}.parquet")
         meta = json.loads((out / "meta.json").read_text(encoding="utf-8"))
-        return cls(df=df, meta=meta)
+        names = meta.get("tables") or [p.stem for p in sorted(out.glob("*.parquet"))]
+        return cls({n: pd.read_parquet(out / f"{n}.parquet") for n in names}, meta)
 
 
-def save_bundle(
+def _stem(meta: dict) -> str:
+    return str(meta.get("analysis", "result")).replace("-", "_")
+
+
+def _check_name(name: str) -> None:
+    if not name or name.startswith(".") or any(c in name for c in "/\\\0") or name in ("meta", "report"):
+        raise ValueError(f"invalid table name: {name!r}")
+
+
+def _esc(x: Any) -> str:
+    import html
+
+    return html.escape(str(x), quote=True)
+
+
+def _footer_meta(meta: dict) -> dict:
+    # The footer shows provenance; long per-analysis payloads stay in meta.json.
+    keep = ("analysis", "posprobe_version", "created_utc", "model", "data", "config")
+    out = {k: meta[k] for k in keep if k in meta}
+    if isinstance(out.get("model"), dict):
+        out["model"] = {k: out["model"][k] for k in ("name", "source", "positional_kind", "n_ctx") if k in out["model"]}
+    out.update(meta.get("environment", {}))
+    return out
+
+
+def _write_bundle(
     out_dir: str | os.PathLike,
     tables: dict[str, pd.DataFrame],
     meta: dict,
@@ -152,8 +194,7 @@ def save_bundle(
     Returns paths keyed ``<name>.parquet``, ``<name>.csv``, ``meta``, ``report``.
     """
     for name in tables:
-        if not name or name.startswith(".") or any(c in name for c in "/\\\0"):
-            raise ValueError(f"invalid result name: {name!r}")
+        _check_name(name)
     out = Path(out_dir)
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
@@ -194,3 +235,22 @@ def save_bundle(
         raise
     _fsync_path(out)  # persist the renames
     return targets
+
+
+def _umask() -> int:
+    try:  # read without the racy os.umask() set/reset dance
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o022
+
+
+def _mkstemp_for(path: Path) -> tuple[int, str]:
+    """Hidden temp file next to ``path`` (same filesystem), normal permissions."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    if hasattr(os, "fchmod"):
+        os.fchmod(fd, 0o666 & ~_umask())
+    return fd, tmp

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import html
-import os
-from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
-from posprobe.analyses.shift import ShiftResult, ppl_by_k
+from posprobe.analyses.shift import ppl_by_k
 
 
 def accuracy_figure(summary: pd.DataFrame) -> Any:
@@ -52,7 +50,7 @@ def perplexity_figures(tokens: pd.DataFrame) -> list[Any]:
     f1.update_layout(title="Perplexity of text windows vs k", xaxis_title="k", yaxis_title="perplexity")
     f2 = go.Figure()
     for k, g in tokens.groupby("k"):
-        m = g.groupby("window_pos").loss.mean()
+        m = g.groupby("pos").loss.mean()
         f2.add_trace(go.Scatter(x=m.index, y=m.values, mode="lines", name=f"k={k}"))
     f2.update_layout(title="Per-token loss by position inside the window", xaxis_title="position in window",
                      yaxis_title="mean loss (nats)")
@@ -70,34 +68,34 @@ def drift_figure(drift: pd.DataFrame) -> Any:
     return fig
 
 
-def figures(result: ShiftResult) -> list[Any]:
+def figures(result: Any) -> list[Any]:
     """All figures for the result's non-empty tables."""
     figs = []
-    if len(result.summary):
-        figs += [accuracy_figure(result.summary), flips_figure(result.summary)]
-    if len(result.tokens):
-        figs += perplexity_figures(result.tokens)
-    if len(result.drift):
-        figs.append(drift_figure(result.drift))
+    if len(_table(result, "summary")):
+        figs += [accuracy_figure(_table(result, "summary")), flips_figure(_table(result, "summary"))]
+    if len(_table(result, "tokens")):
+        figs += perplexity_figures(_table(result, "tokens"))
+    if len(_table(result, "drift")):
+        figs.append(drift_figure(_table(result, "drift")))
     return figs
 
 
-def console_table(result: ShiftResult) -> str:
+def console_table(result: Any) -> str:
     """A compact text table: per k accuracy, CI, change, flips, McNemar p, perplexity (or drift)."""
     lines = []
-    if len(result.summary):
-        s = result.summary[result.summary.level == "overall"].sort_values("k")
-        ppl = ppl_by_k(result.tokens).set_index("k").perplexity if len(result.tokens) else {}
+    if len(_table(result, "summary")):
+        s = _table(result, "summary")[_table(result, "summary").level == "overall"].sort_values("k")
+        ppl = ppl_by_k(_table(result, "tokens")).set_index("k").perplexity if len(_table(result, "tokens")) else {}
         lines.append(f"{'k':>6} {'acc':>7} {'95% CI':>15} {'Δacc':>7} {'flips':>6} {'McNemar p':>10} {'ppl':>9}")
         for r in s.itertuples():
             p = f"{ppl[r.k]:9.2f}" if r.k in ppl else f"{'-':>9}"
             lines.append(f"{r.k:>6} {r.accuracy:7.4f} [{r.ci_low:.3f}, {r.ci_high:.3f}] {r.delta_accuracy:+7.4f} "
                          f"{r.flips:6d} {r.mcnemar_p:10.3g} {p}")
-    elif len(result.tokens):
-        for r in ppl_by_k(result.tokens).itertuples():
+    elif len(_table(result, "tokens")):
+        for r in ppl_by_k(_table(result, "tokens")).itertuples():
             lines.append(f"k={r.k:<6} perplexity {r.perplexity:.3f}")
-    if len(result.drift):
-        d = result.drift[result.drift.layer == "pooled"]
+    if len(_table(result, "drift")):
+        d = _table(result, "drift")[_table(result, "drift").layer == "pooled"]
         lines += [f"k={r.k:<6} pooled cosine to k=0: {r.cosine_to_k0:.5f}" for r in d.itertuples()]
     if "max_abs_logp_change_vs_k0" in result.meta:
         dev = max(result.meta["max_abs_logp_change_vs_k0"].values())
@@ -105,27 +103,33 @@ def console_table(result: ShiftResult) -> str:
     return "\n".join(lines)
 
 
-def save(result: ShiftResult, out_dir: str | os.PathLike) -> dict[str, Path]:
-    """Write parquet + CSV per table, meta.json and a self-contained report.html, atomically."""
-    from posprobe.report.html import Section, render_html
-    from posprobe.report.result import save_bundle
+def title(result: Any) -> str:
+    """Report title."""
+    return f"Shift test: {result.meta['model']['name']}"
 
-    def page() -> str:
-        m = result.meta
-        data = m.get("data", {})
-        intro = (f"<p>Model <b>{html.escape(str(m['model']))}</b> ({html.escape(m['positional_kind'])} positions, "
-                 f"context {m['n_ctx']}, backend {m['backend']}). Every item starts at position k with no prior context. "
-                 f"Prefix: <code>{html.escape(str(m['prefix']['tokens']))}</code> ({m['prefix']['kind']}, "
-                 f"placed {m['prefix']['position']}). Data: {html.escape(str(data.get('source')))}"
-                 f"{' (posprobe built-in template pairs, not BLiMP)' if data.get('builtin') else ''}, "
-                 f"{data.get('n_pairs', 0)} pairs.</p>")
-        if m.get("note"):
-            intro += f"<p><b>Invariance control.</b> {html.escape(m['note'])}</p>"
-        intro += f"<pre>{html.escape(console_table(result))}</pre>"
-        sections = [Section("Summary", html=intro), Section("Figures", figures=figures(result))]
-        if len(result.summary):
-            sections.append(Section("Accuracy by field and k", table=result.summary[result.summary.level != "paradigm"]))
-            sections.append(Section("Accuracy by paradigm and k", table=result.summary[result.summary.level == "paradigm"]))
-        return render_html(f"Shift test: {m['model']}", sections, meta={k: v for k, v in m.items() if k != "environment"} | m["environment"])
 
-    return save_bundle(out_dir, result.tables(), result.meta, page)
+def sections(result: Any) -> list:
+    """Report sections: summary with the console table, figures, accuracy tables."""
+    from posprobe.report.html import Section
+
+    m = result.meta
+    model, data = m["model"], m["data"]
+    intro = (f"<p>Model <b>{html.escape(str(model['name']))}</b> ({html.escape(model['positional_kind'])} positions, "
+             f"context {model['n_ctx']}, backend {model.get('backend')}). Every item starts at position k with no prior "
+             f"context. Prefix: <code>{html.escape(str(m['prefix']['tokens']))}</code> ({m['prefix']['kind']}, "
+             f"placed {m['prefix']['position']}). Data: {html.escape(str(data.get('source')))}"
+             f"{' (posprobe built-in template pairs, not BLiMP)' if data.get('builtin') else ''}, "
+             f"{data['n_items']} {data['unit']}.</p>")
+    if m.get("note"):
+        intro += f"<p><b>Invariance control.</b> {html.escape(m['note'])}</p>"
+    intro += f"<pre>{html.escape(console_table(result))}</pre>"
+    out = [Section("Summary", html=intro), Section("Figures", figures=figures(result))]
+    summary = _table(result, "summary")
+    if len(summary):
+        out.append(Section("Accuracy by field and k", table=summary[summary.level != "paradigm"]))
+        out.append(Section("Accuracy by paradigm and k", table=summary[summary.level == "paradigm"]))
+    return out
+
+
+def _table(result: Any, name: str) -> pd.DataFrame:
+    return result.tables.get(f"shift_{name}", pd.DataFrame())

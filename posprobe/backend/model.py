@@ -1,0 +1,198 @@
+"""What the rest of posprobe may ask of a model object, in one place.
+
+Analyses and core code never read `model.cfg`, `model.blocks`, class names or TL caches
+themselves; they call these functions. A new backend (TL 4's TransformerBridge) re-implements this
+module, `hooks.py` and `facts.py`, and nothing else.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def n_layers(model: Any) -> int:
+    """Number of transformer blocks."""
+    return int(model.cfg.n_layers)
+
+
+def context_length(model: Any) -> int:
+    """Positions the model has (learned table size / trained context); position ids must stay below it."""
+    return int(model.cfg.n_ctx)
+
+
+def device_of(model: Any) -> torch.device:
+    """The device the model's weights live on (tensors made for it go there)."""
+    return torch.device(model.cfg.device)
+
+
+def dtype_of(model: Any) -> torch.dtype:
+    """The dtype of the model's weights and activations."""
+    return model.cfg.dtype
+
+
+def model_name(model: Any) -> str:
+    """The model's display name (what `load_model` was given, or its own name)."""
+    return str(model.cfg.model_name)
+
+
+def tokenizer_of(model: Any) -> Any:
+    """The model's Hugging Face tokenizer (None for models built without one)."""
+    return model.tokenizer
+
+
+def is_encoder(model: Any) -> bool:
+    """True for bidirectional encoders (BERT-like), False for causal decoders."""
+    return type(model).__name__ == "HookedEncoder" or model.cfg.attention_dir == "bidirectional"
+
+
+def has_lm_head(model: Any) -> bool:
+    """False where the model has no trained vocabulary head (a bare encoder)."""
+    return bool(getattr(model, "has_lm_head", True))
+
+
+def special_tokens(model: Any) -> tuple[list[int], list[int]]:
+    """Token ids the model expects around a text: ([CLS], [SEP]) for encoders, ([BOS], []) for decoders
+    that prepend one, else ([], [])."""
+    tok = model.tokenizer
+    if is_encoder(model):
+        return [tok.cls_token_id], [tok.sep_token_id]
+    bos = tok.bos_token_id if (tok is not None and model.cfg.default_prepend_bos) else None
+    return ([bos] if bos is not None else []), []
+
+
+def forward(model: Any, tokens: torch.Tensor, *, stop_at_layer: int | None = None,
+            attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """One forward pass: logits, or the residual stream entering block `stop_at_layer` (decoders only:
+    the blocks after it are not run). `attention_mask` is a [batch, pos] 1/0 padding mask (encoders)."""
+    kwargs: dict[str, Any] = {}
+    if attention_mask is not None:
+        kwargs["one_zero_attention_mask"] = attention_mask
+    if stop_at_layer is not None and not is_encoder(model):
+        kwargs["stop_at_layer"] = stop_at_layer
+    return model(tokens, **kwargs)
+
+
+def residual_to_logits(model: Any, resid: torch.Tensor) -> torch.Tensor:
+    """Final norm, unembedding and logit soft-cap applied to residual vectors `[..., d_model]`."""
+    shape = resid.shape
+    flat = resid.reshape(-1, 1, shape[-1])
+    logits = model.unembed(model.ln_final(flat))[:, 0]
+    cap = getattr(model.cfg, "output_logits_soft_cap", -1.0)
+    if cap and cap > 0:
+        logits = torch.tanh(logits / cap) * cap
+    return logits.reshape(*shape[:-1], logits.shape[-1])
+
+
+def token_losses(model: Any, tokens: torch.Tensor) -> torch.Tensor:
+    """Next-token loss in nats, `[batch, pos - 1]`: -log p(token t+1 | tokens <= t)."""
+    return model(tokens, return_type="loss", loss_per_token=True)
+
+
+def new_kv_cache(model: Any, batch: int) -> Any:
+    """An empty key/value cache for incremental decoding, to pass as `past_kv_cache=`."""
+    from transformer_lens.cache.key_value_cache import TransformerLensKeyValueCache
+
+    return TransformerLensKeyValueCache.init_cache(model.cfg, model.cfg.device, batch)
+
+
+def forward_cached(model: Any, tokens: torch.Tensor, cache: Any) -> torch.Tensor:
+    """Logits of `tokens` continuing the sequence held in `cache` (which is extended in place)."""
+    return model(tokens, past_kv_cache=cache)
+
+def encode_text(model: Any, text: str) -> list[int]:
+    """Token ids of `text` with no special tokens added (no truncation)."""
+    return list(model.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def first_token(model: Any) -> int | None:
+    """The token a text window should start with: the tokenizer's BOS, else its CLS, else None."""
+    tok = model.tokenizer
+    if tok.bos_token_id is not None:
+        return tok.bos_token_id
+    return getattr(tok, "cls_token_id", None)
+
+
+
+def position_table(model: Any) -> torch.Tensor:
+    """The learned absolute position embedding W_pos, `[n_ctx, d_model]` (learned-APE models only)."""
+    return model.W_pos
+
+
+# --- weights and norms used by the score decomposition
+
+from dataclasses import dataclass  # noqa: E402  (kept with the section that needs it)
+
+
+@dataclass(frozen=True)
+class NormSpec:
+    """A norm read as an affine map once its per-token scale s is known (captured at `scale_point`):
+    y = (x - mean(x) if centre else x) / s * weight + bias; weight / bias are `[d_model]` or None."""
+
+    centre: bool
+    weight: torch.Tensor | None
+    bias: torch.Tensor | None
+    scale_point: str
+
+
+def _norm_spec(module: Any, scale_point: str) -> NormSpec:
+    kind = type(module).__name__
+    if kind not in ("LayerNorm", "LayerNormPre", "RMSNorm", "RMSNormPre"):
+        raise NotImplementedError(f"Cannot freeze a {kind} norm")
+    w, b = getattr(module, "w", None), getattr(module, "b", None)
+    return NormSpec(centre=kind.startswith("LayerNorm"), weight=None if w is None else w.detach(),
+                    bias=None if b is None else b.detach(), scale_point=scale_point)
+
+
+def qk_weights(model: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(W_Q, b_Q, W_K, b_K) of `layer` in TL layout: W `[head_index, d_model, d_head]`, b `[head_index, d_head]`;
+    the key side in the layout `hooks.attention_scores` expects (GQA: at the key/value-head count, it expands)."""
+    a = model.blocks[layer].attn
+    grouped = hasattr(a, "_W_K") and not getattr(model.cfg, "ungroup_grouped_query_attention", False)
+    W_K, b_K = (a._W_K, a._b_K) if grouped else (a.W_K, a.b_K)
+    return a.W_Q.detach(), a.b_Q.detach(), W_K.detach(), b_K.detach()
+
+
+def pre_attention_norm(model: Any, layer: int) -> NormSpec | None:
+    """The norm between `resid_pre` of `layer` and its attention (scale at capture point "ln1_scale"),
+    or None where attention reads `resid_pre` directly (no norm; BERT's post-LN blocks)."""
+    if is_encoder(model) or model.cfg.normalization_type is None:
+        return None
+    return _norm_spec(model.blocks[layer].ln1, "ln1_scale")
+
+
+def embedding_norm(model: Any) -> NormSpec | None:
+    """The norm applied to the sum of the `embedding_points` parts before block 0 (BERT's embedding
+    LayerNorm, scale at capture point "embed_ln_scale"), or None where that sum is the residual stream
+    (decoders; a decoder's post-embedding LN, if any, acts on the word part before its hook)."""
+    if not _bert_embed(model):
+        return None
+    return _norm_spec(model.embed.ln, "embed_ln_scale")
+
+
+def embedding_points(model: Any) -> dict[str, str]:
+    """Capture points of the additive embedding parts, `[batch pos d_model]` each, residual units:
+    {"word": ..., "position": ...} and "token_type" where the model adds a segment embedding."""
+    if _bert_embed(model):
+        return {"word": "encoder_embed", "position": "encoder_pos_embed", "token_type": "token_type_embed"}
+    return {"word": "embed", "position": "pos_embed"}
+
+
+def _bert_embed(model: Any) -> bool:
+    # TL's BertEmbed sums word, position and token-type parts under `embed.*` hooks, then normalises the sum.
+    return hasattr(getattr(model, "embed", None), "token_type_embed")
+
+
+def scores_not_bilinear(model: Any) -> str | None:
+    """Why attention scores are not bilinear in the (normalised) attention input (QK-norm, soft-cap,
+    log-n scaling, q/k/v clipping), or None when they are."""
+    cfg = model.cfg
+    if cfg.use_qk_norm or cfg.original_architecture in ("OlmoeForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM"):
+        return "normalises q/k (QK-norm)"
+    if cfg.attn_scores_soft_cap and cfg.attn_scores_soft_cap > 0:
+        return "soft-caps attention scores"
+    if cfg.use_logn_attn or cfg.clip_qkv:
+        return "uses log-n attention scaling or q/k/v clipping"
+    return None
+

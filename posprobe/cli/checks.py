@@ -1,0 +1,108 @@
+"""Checks the subcommands run before any weights load or torch / TransformerLens is imported.
+
+Each raises one ValueError subclass with one clear message, so a bad input fails in about a second
+with nothing written. The same checks run again after loading (for model objects and hub names,
+which `peek` cannot see into); these only move the failure earlier.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from pathlib import Path
+
+from posprobe.backend.peek import PeekedFacts, WrongModelKind, peek
+
+__all__ = ["WrongModelKind", "check_at_least", "check_layers", "check_out", "check_presets", "check_window", "context",
+           "peek_model", "read_text_early", "require_rotary"]
+
+
+def peek_model(args: argparse.Namespace) -> PeekedFacts | None:
+    """The model's facts from its spec (None for hub names); checks the shared loading flags too."""
+    n_ctx = getattr(args, "n_ctx", None)
+    if n_ctx is not None and n_ctx < 1:
+        raise ValueError(f"--n-ctx must be >= 1; got {n_ctx}")
+    return peek(args.model)
+
+
+def check_out(out: str | None) -> None:
+    """--out must be a folder or not exist yet, inside a folder that exists (nothing is created here)."""
+    if out is None:
+        return
+    p = Path(out).expanduser()
+    if p.exists():
+        if not p.is_dir():
+            raise ValueError(f"--out {out} exists and is not a folder")
+        return
+    parent = p.absolute().parent
+    if not parent.is_dir():
+        raise ValueError(f"--out {out}: its parent folder {parent} does not exist (create it first)")
+
+
+def check_at_least(args: argparse.Namespace, minimum: int, *names: str) -> None:
+    """Each integer flag in `names` (argparse dest names) must be >= minimum when given."""
+    for name in names:
+        v = getattr(args, name, None)
+        if v is not None and v < minimum:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= {minimum}; got {v}")
+
+
+def require_rotary(facts: PeekedFacts | None, command: str) -> None:
+    """Raise WrongModelKind when the spec says the model is not RoPE (unknown kinds pass)."""
+    if facts is not None and facts.known_kind and not facts.is_rotary:
+        raise WrongModelKind(f"{command} needs a RoPE model, but {facts.name} uses {facts.positional_kind} positions")
+
+
+def context(facts: PeekedFacts | None, args: argparse.Namespace) -> int | None:
+    """The context the loaded model will have (honouring --n-ctx), or None if the spec does not say."""
+    return None if facts is None else facts.context_after_load(getattr(args, "n_ctx", None))
+
+
+def check_window(facts: PeekedFacts | None, args: argparse.Namespace, window: int, flag: str = "--window") -> None:
+    """A window of `window` positions must fit in the model's context."""
+    ctx = context(facts, args)
+    if facts is not None and ctx is not None and window > ctx:
+        raise ValueError(f"{flag} {window} exceeds the context of {facts.name}, n_ctx={ctx}"
+                         + (" (raise --n-ctx)" if not facts.is_tiny and getattr(args, "n_ctx", None) else ""))
+
+
+def check_layers(facts: PeekedFacts | None, layers: Sequence[int] | None, flag: str) -> None:
+    """Layer indices must be >= 0 and, where the spec gives the depth, below it."""
+    if layers is None:
+        return
+    if not layers:
+        raise ValueError(f"{flag} names no layers")
+    bad = [x for x in layers if x < 0]
+    n = facts.n_layers if facts is not None else None
+    if n is not None:
+        bad += [x for x in layers if x >= n]
+    if bad:
+        span = f"0..{n - 1} for the {n}-layer {facts.name}" if n is not None and facts is not None else ">= 0"
+        raise ValueError(f"{flag} {', '.join(map(str, sorted(set(bad))))} out of range: layers are {span}")
+
+
+def read_text_early(path: str | None) -> str | None:
+    """Read (and so validate) a --text file before the model loads; None when not given."""
+    from posprobe.data import read_text
+
+    return read_text(path) if path else None
+
+
+def check_presets(specs: Sequence[str]) -> None:
+    """Each --preset must name a known preset with key=value numeric arguments (the full check,
+    which needs the model's rotary facts, runs after loading)."""
+    from posprobe.core.presets_help import PRESET_HELP  # torch-free
+
+    names = {alt.strip().partition(":")[0].strip() for alt in PRESET_HELP.split("|")}
+    for spec in specs:
+        name, _, rest = spec.partition(":")
+        if name.strip().lower() not in names:
+            raise ValueError(f"unknown preset {name.strip()!r} in --preset {spec!r}; presets: {PRESET_HELP}")
+        for part in filter(None, rest.split(",")):
+            key, eq, value = part.partition("=")
+            try:
+                float(value)
+            except ValueError:
+                eq = ""
+            if not eq or not key.strip():
+                raise ValueError(f"preset argument {part!r} in --preset {spec!r} must look like key=number")

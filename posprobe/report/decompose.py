@@ -1,0 +1,87 @@
+"""Figures and report page of the score decomposition, built from the `decompose` table and meta only."""
+
+from __future__ import annotations
+
+import html
+from typing import Any
+
+import pandas as pd
+
+from posprobe.analyses.decompose import summary_table
+from posprobe.report.html import Section, table_html
+
+_WHAT = {
+    "exact-layer0": ("exact layer-0 split: w = token embedding, p = position embedding, bias = everything constant "
+                     "across tokens (LN bias, b_Q/b_K, and the token-type embedding where the model has one)"),
+    "data-driven": ("data-driven split of resid_pre: p = corpus positional mean minus global mean, c = the sentence's "
+                    "mean offset (context), r = remainder; mean = terms with the global mean; bias = LN bias and "
+                    "b_Q/b_K terms"),
+}
+
+
+def title(result: Any) -> str:
+    """Report title."""
+    return f"Score decomposition: {result.meta['model']['name']} layer {result.meta['layer']}"
+
+
+def figures(result: Any) -> list:
+    """Heatmaps of four terms of the chosen head, shares per head, the pp profile by relative position."""
+    df, m = result.tables["decompose"], result.meta
+    summary = df[df.metric != "score"].drop(columns=["query_pos", "key_pos", "rel_pos"])
+    maps = df[df.metric == "score"]
+    head = int(m["head"])
+    return [heatmap_figure(maps, head, tuple(m["heatmap_terms"])), share_figure(summary), profile_figure(maps, head)]
+
+
+def sections(result: Any) -> list[Section]:
+    """What the split is, the identity's error, the sentence, per-head shares, and the figures."""
+    df, m = result.tables["decompose"], result.meta
+    summary = df[df.metric != "score"].drop(columns=["query_pos", "key_pos", "rel_pos"])
+    words = m["sentence_tokens"]
+    intro = (
+        f"<p>{html.escape(_WHAT.get(m['method'], m['method']))}. Terms sum to the model's scores within "
+        f"{m['max_abs_error']:.2e} (score units). Sentence ({len(words)} tokens): "
+        f"<code>{html.escape(' | '.join(words))}</code>.</p>"
+        "<p>share_* = cov(term, score)/var(score) over unmasked entries after removing each query row's mean "
+        "(softmax ignores it); shares sum to 1. pp_rel_pos_fraction = fraction of the pp term's variance "
+        "explained by its mean on each diagonal i-j. Heads ranked by the share of all terms with a position part.</p>"
+    )
+    return [Section("Summary", html=intro + table_html(summary_table(summary))),
+            Section("Figures", figures=figures(result))]
+
+
+def heatmap_figure(frame: pd.DataFrame, head: int, terms: tuple[str, ...]) -> Any:
+    """2x2 TUPE-style heatmaps (query_pos x key_pos) of four terms of one head, from tidy rows."""
+    from plotly.subplots import make_subplots
+    import plotly.graph_objects as go
+
+    fig = make_subplots(rows=2, cols=2, subplot_titles=list(terms), horizontal_spacing=0.12, vertical_spacing=0.12)
+    for i, term in enumerate(terms):
+        d = frame[(frame["head"] == head) & (frame.term == term)]
+        z = d.pivot(index="query_pos", columns="key_pos", values="value")
+        fig.add_trace(go.Heatmap(z=z.values, x=z.columns, y=z.index, coloraxis="coloraxis", name=term),
+                      row=i // 2 + 1, col=i % 2 + 1)
+    fig.update_yaxes(autorange="reversed", title_text="query_pos")
+    fig.update_xaxes(title_text="key_pos")
+    fig.update_layout(title=f"Head {head}: score terms (score units)", height=760,
+                      coloraxis={"colorscale": "RdBu", "cmid": 0})
+    return fig
+
+
+def share_figure(summary: pd.DataFrame) -> Any:
+    """Stacked bars: each term's share of within-row score variance, per head."""
+    import plotly.express as px
+
+    d = summary[(summary.metric == "var_share") & (summary.term != "positional")]
+    return px.bar(d, x="head", y="value", color="term", barmode="relative",
+                  title="Share of score variance per term (cov(term, score) / var(score), row-centred)",
+                  labels={"value": "share"})
+
+
+def profile_figure(frame: pd.DataFrame, head: int) -> Any:
+    """Mean pp term on each diagonal (rel_pos = query_pos - key_pos) of one head."""
+    import plotly.express as px
+
+    d = frame[(frame["head"] == head) & (frame.term == "pp")].groupby("rel_pos", as_index=False)["value"].mean()
+    return px.line(d, x="rel_pos", y="value", markers=True, title=f"Head {head}: pp term by relative position",
+                   labels={"value": "mean pp (score units)"})

@@ -1,0 +1,69 @@
+"""Figures and report page of the position geometry (W_pos and residual-stream views), from the table only."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+
+from posprobe.report.html import Section, table_html
+
+
+def title(result: Any) -> str:
+    """Report title."""
+    return f"Position geometry: {result.meta['model']['name']}"
+
+
+def figures(result: Any) -> list:
+    """Per view and layer: PCA trajectory, PCs vs position, cosine map, norm by position."""
+    return geometry_figures(result.tables["geometry"])
+
+
+def sections(result: Any) -> list[Section]:
+    """Summary (explained variance, sinusoid fits per component) and the figures."""
+    df = result.tables["geometry"]
+    sin = df[df.metric.isin(["explained_variance", "sin_period", "sin_r2"])]
+    sin = sin.assign(layer=sin["layer"].astype("string").fillna("-"))  # W_pos has no layer
+    table = sin.pivot_table(index=["source", "layer", "k"], columns="metric", values="value").round(3)
+    skip = result.meta.get("config", {}).get("skip_first", 0)
+    summary = ("<p>Residual view: mean of the residual stream at each position over the rows (content averages "
+               f"out), positions from {skip}. Sinusoid fit of each principal component's score against "
+               "position: period in positions, R&sup2; of the fit (a period at the search bound, 4x the span, means a "
+               "monotonic component with no full cycle).</p>")
+    return [Section("Summary", html=summary + table_html(table)), Section("Figures", figures=figures(result))]
+
+
+def geometry_figures(df: pd.DataFrame) -> list:
+    """Plotly figures per (source, layer): 3-D PCA trajectory coloured by position, PCs vs position,
+    cosine map, norm by position, explained variance."""
+    import plotly.graph_objects as go
+
+    figs = []
+    for (source, layer), g in df.groupby(["source", df["layer"].fillna(-1)], sort=False):
+        tag = source if layer == -1 else f"{source}, layer {layer}"
+        sc = g[g.metric == "pc_score"].pivot(index="pos", columns="k", values="value")
+        ev = g[g.metric == "explained_variance"].set_index("k")["value"]
+        if sc.shape[1] >= 3:
+            fig = go.Figure(go.Scatter3d(x=sc[0], y=sc[1], z=sc[2], mode="lines+markers", text=sc.index,
+                                         marker=dict(size=3, color=sc.index, colorscale="Viridis", showscale=True,
+                                                     colorbar=dict(title="pos"))))
+            fig.update_layout(title=f"PCA trajectory ({tag})", scene=dict(
+                xaxis_title=f"PC1 ({ev[0]:.0%})", yaxis_title=f"PC2 ({ev[1]:.0%})", zaxis_title=f"PC3 ({ev[2]:.0%})"))
+            figs.append(fig)
+        if sc.shape[1] >= 2:
+            figs.append(go.Figure(go.Scatter(x=sc[0], y=sc[1], mode="lines+markers", text=sc.index, marker=dict(
+                color=sc.index, colorscale="Viridis", showscale=True, colorbar=dict(title="pos")))).update_layout(
+                title=f"PC1 vs PC2 ({tag})", xaxis_title="PC1", yaxis_title="PC2"))
+        per = g[g.metric == "sin_period"].set_index("k")["value"]
+        r2 = g[g.metric == "sin_r2"].set_index("k")["value"]
+        fig = go.Figure([go.Scatter(x=sc.index, y=sc[k], mode="lines",
+                                    name=f"PC{k + 1} ({ev[k]:.0%}; period {per[k]:.1f}, R² {r2[k]:.2f})") for k in sc.columns])
+        figs.append(fig.update_layout(title=f"Principal components vs position ({tag})", xaxis_title="position"))
+        cos = g[g.metric == "cosine"].pivot(index="pos", columns="pos2", values="value")
+        figs.append(go.Figure(go.Heatmap(z=cos.values, x=cos.columns, y=cos.index, colorscale="RdBu", zmid=0))
+                    .update_layout(title=f"Cosine similarity between positions ({tag})", xaxis_title="position",
+                                   yaxis_title="position", yaxis_autorange="reversed"))
+        nm = g[g.metric == "norm"]
+        figs.append(go.Figure(go.Scatter(x=nm.pos, y=nm.value, mode="lines")).update_layout(
+            title=f"Norm by position ({tag})", xaxis_title="position", yaxis_title="L2 norm"))
+    return figs

@@ -1,0 +1,152 @@
+"""The one `meta.json` schema and the one column vocabulary of every posprobe result.
+
+meta.json (every analysis; extra analysis-specific keys are allowed beside these):
+
+    analysis          str   which analysis made it ("shift-test", "frequency", "decompose", "probes",
+                            "geometry", "squish", "surgery-eval")
+    posprobe_version  str
+    created_utc       str   ISO 8601 time the result was made
+    model             dict  the model's positional facts (`ModelFacts.summary()`): name, source,
+                            positional_kind, n_ctx, n_layers, n_heads, rotary_* ...
+    data              dict  source (str: file, folder, "built-in: ..."), sha256 (of the text or of the
+                            pairs' content; None where no data is read), n_items (int) and unit
+                            ("pairs", "windows", "tokens", "prompts", "rows")
+    config            dict  the analysis config as given (a frozen dataclass turned into a dict)
+    environment       dict  python, torch, transformers, transformer-lens, numpy, pandas, posprobe
+                            versions, platform, timestamp_utc
+    tables            list  names of the tables saved beside it (added by `Result.save`)
+
+Tables are tidy (long): one row per measured value where that is natural, with the columns below.
+A column that is not listed here is a defect: add it with its meaning and unit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, is_dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+import pandas as pd
+
+#: Column name -> meaning (and unit). One vocabulary for every analysis.
+COLUMNS: dict[str, str] = {
+    # where
+    "model": "model name",
+    "layer": "block index (0-based); -1 or empty = not layer-specific",
+    "head": "query head index (TL's head_index); -1 = all heads",
+    "kv_head": "key/value head index (grouped-query attention)",
+    "band": "RoPE frequency pair index: 0 = fastest rotation; -1 = unrotated dims",
+    "bands": "comma-separated band indices",
+    "n_bands": "number of bands",
+    "pos": "token position inside a window/sequence (0-based)",
+    "pos2": "second position of a position-by-position map (cosine between positions pos and pos2)",
+    "query_pos": "query token position",
+    "key_pos": "key token position",
+    "rel_pos": "query_pos - key_pos (lower edge where binned)",
+    "rel_pos_hi": "inclusive upper edge of a rel_pos bin",
+    "k": "start position of a shifted sequence (shift test), or principal-component index (geometry)",
+    "window": "index of the text window",
+    "point": "capture point (resid_pre, resid_mid, resid_post, ...)",
+    "source": "what a row was computed from (W_pos, residual stream, ...)",
+    # what
+    "metric": "name of the measured quantity (see the analysis's docs)",
+    "term": "component of a decomposition (ww, wp, pw, pp, bias, ...)",
+    "value": "the measured value, in the metric's unit",
+    "unit": "what a row aggregates (token, sentence)",
+    "count": "number of entries averaged into the row",
+    "condition": "experimental condition: probe / control / chance, or a band-ablation condition",
+    # shift test
+    "paradigm": "minimal-pair paradigm (BLiMP UID or posprobe_*)",
+    "field": "BLiMP field (morphology, syntax, semantics, ...)",
+    "phenomenon": "BLiMP linguistics term",
+    "pair_id": "pair identifier inside its paradigm",
+    "logp_good": "log-probability of the grammatical sentence (nats)",
+    "logp_bad": "log-probability of the ungrammatical sentence (nats)",
+    "n_tokens_good": "scored tokens of the grammatical sentence",
+    "n_tokens_bad": "scored tokens of the ungrammatical sentence",
+    "margin": "logp_good - logp_bad (nats)",
+    "correct": "margin > 0",
+    "level": "aggregation level (overall, field, paradigm)",
+    "group": "the group at that level",
+    "n_pairs": "pairs in the group",
+    "accuracy": "fraction of pairs with margin > 0",
+    "ci_low": "lower end of the 95% percentile-bootstrap interval",
+    "ci_high": "upper end of the 95% percentile-bootstrap interval",
+    "mean_margin": "mean margin (nats)",
+    "delta_accuracy": "accuracy minus accuracy at k = 0",
+    "flips": "pairs whose judgement changed vs k = 0",
+    "flips_to_wrong": "correct at k = 0, wrong at k",
+    "flips_to_correct": "wrong at k = 0, correct at k",
+    "mcnemar_p": "two-sided exact McNemar p-value vs k = 0",
+    "loss": "next-token loss (nats)",
+    "cosine_to_k0": "cosine similarity to the representation at k = 0",
+    # frequency usage
+    "frequency": "angular frequency of the band (rad/token)",
+    "wavelength": "2*pi/frequency (tokens)",
+    "kind": "head class (rule in meta)",
+    "base": "RoPE base of the layer (theta)",
+    "eta2": "share of score variance explained by rel_pos bin",
+    "fast_share": "abs score share of bands with wavelength <= window",
+    "diag_mass": "mean attention to self",
+    "prev_mass": "mean attention to the previous token",
+    "first_mass": "mean attention to the first token",
+    "variant": "variant of a condition or plan",
+    "mode": "ablation mode (unrotate, zero)",
+    "fraction_kept": "fraction of bands kept rotating",
+    "base_loss": "loss of the unablated model (nats/token)",
+    "delta_loss": "value - base_loss (nats/token)",
+    # probes / geometry / surgery
+    "fold": "cross-validation fold",
+    "alpha": "ridge penalty picked by the inner cross-validation (NaN where none applies)",
+    "preset": "surgery preset spec",
+}
+
+REQUIRED_META: dict[str, type | tuple[type, ...]] = {
+    "analysis": str, "posprobe_version": str, "created_utc": str, "model": dict, "data": dict,
+    "config": dict, "environment": dict,
+}
+DATA_KEYS = ("source", "sha256", "n_items", "unit")
+
+
+def make_meta(analysis: str, *, model: dict, data: dict, config: Any, **extra: Any) -> dict:
+    """A meta dict in the one schema: `model` = ModelFacts.summary(), `data` from `data_meta`,
+    `config` a dataclass or dict; `extra` holds analysis-specific entries."""
+    from posprobe import __version__
+    from posprobe.report.result import environment_meta
+
+    cfg = asdict(config) if is_dataclass(config) and not isinstance(config, type) else dict(config)
+    return {
+        "analysis": analysis, "posprobe_version": __version__,
+        "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "model": dict(model), "data": dict(data), "config": cfg, **extra, "environment": environment_meta(),
+    }
+
+
+def data_meta(source: str | None, *, n_items: int, unit: str, sha256: str | None = None) -> dict:
+    """The `data` entry: where the data came from, its content hash, how many items of what."""
+    return {"source": source, "sha256": sha256, "n_items": int(n_items), "unit": unit}
+
+
+def text_sha256(text: str) -> str:
+    """sha256 hex digest of a text's UTF-8 bytes."""
+    import hashlib
+
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def validate_meta(meta: dict) -> None:
+    """Raise ValueError listing every way `meta` departs from the schema."""
+    problems = [f"missing {k!r}" for k in REQUIRED_META if k not in meta]
+    problems += [f"{k!r} should be {t.__name__ if isinstance(t, type) else t}, got {type(meta[k]).__name__}"
+                 for k, t in REQUIRED_META.items() if k in meta and not isinstance(meta[k], t)]
+    if isinstance(meta.get("model"), dict):
+        problems += [f"model lacks {k!r}" for k in ("name", "positional_kind") if k not in meta["model"]]
+    if isinstance(meta.get("data"), dict):
+        problems += [f"data lacks {k!r}" for k in DATA_KEYS if k not in meta["data"]]
+    if problems:
+        raise ValueError(f"meta ({meta.get('analysis', '?')}) does not follow the schema: " + "; ".join(problems))
+
+
+def unknown_columns(df: pd.DataFrame) -> list[str]:
+    """Columns of `df` that are not in the vocabulary (`COLUMNS`)."""
+    return [c for c in df.columns if c not in COLUMNS]
