@@ -13,9 +13,9 @@ import torch
 from conftest import need_package
 from posprobe.core.capture import capture
 from posprobe.backend.facts import WrongModelKind, model_facts
-from posprobe.analyses.frequency import band_contributions, band_norms, frequency_usage, rel_pos_edges, top_heads
+from posprobe.analyses.frequency import frequency_usage, rel_pos_edges, top_heads
 from posprobe.analyses.frequency_ablation import BandAblation, ablate_bands, band_ablation, head_ablations, p_sweep
-from posprobe.core.rope import RotarySpec, band_scores, rotate
+from posprobe.core.rope import RotarySpec, band_contributions, band_norms, rotate
 from posprobe.data import BUILTIN_TEXT
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,10 +60,15 @@ def test_bands_sum_to_scores(request, model_name, tol):
         err = (total - s)[..., _causal(n)].abs().max().item()
         assert err < tol * max(1.0, s[..., _causal(n)].abs().max().item())
         assert torch.isinf(s[..., ~_causal(n)]).all()
-        # Same numbers as the existing (one-hot) helper in rope.py.
+        # Each band independently in plain torch: half-split pairing puts band b on dims b and b + R/2.
+        spec = facts.rotary[l]
+        assert not spec.adjacent
         k_exp = torch.repeat_interleave(cap["rot_k", l], facts.n_heads // facts.n_kv_heads, dim=2)
-        ref = band_scores(cap["rot_q", l], k_exp, facts.rotary[l], scale)
-        assert torch.allclose(bands, ref, atol=tol, rtol=0)
+        half = spec.rotary_dim // 2
+        for b in (0, half // 2, half - 1):
+            dims = [b, b + half]
+            ref = torch.einsum("bqhd,bkhd->bhqk", cap["rot_q", l][..., dims], k_exp[..., dims]) / scale
+            assert torch.allclose(bands[:, :, b], ref, atol=tol, rtol=0)
         assert bands.abs().amax((0, 1, 3, 4)).min() > 0  # every band actually contributes
 
 

@@ -10,7 +10,7 @@ import torch
 from posprobe.backend.facts import WrongModelKind
 from posprobe.backend.hooks import hook_name, hooked, live_hook_count
 from posprobe.core.positions import KeyView, PositionError, PositionPlan, learned_positions, rope_positions, shifted_plan
-from posprobe.core.rope import RotarySpec, band_scores, rotate, wavelength
+from posprobe.core.rope import RotarySpec, band_contributions, rotate, wavelength
 
 TEXT = "The quick brown fox jumps over the lazy dog near the river bank."
 
@@ -57,7 +57,8 @@ def test_band_scores_sum_to_rotated_dot_product_and_depend_on_relative_position(
     pos = torch.arange(6, dtype=torch.float64)
     qr, kr = rotate(q, pos, spec), rotate(k, pos, spec)
     full = torch.einsum("bqhd,bkhd->bhqk", qr, kr) / 2.0
-    torch.testing.assert_close(band_scores(qr, kr, spec, 2.0).sum(2), full, atol=1e-12, rtol=0)
+    bands, rest = band_contributions(qr, kr, spec, 2.0)
+    torch.testing.assert_close(bands.sum(2) + rest, full, atol=1e-12, rtol=0)
     shifted = torch.einsum("bqhd,bkhd->bhqk", rotate(q, pos + 50, spec), rotate(k, pos + 50, spec)) / 2.0
     torch.testing.assert_close(shifted, full, atol=1e-10, rtol=0)
     assert wavelength(spec)[0] == pytest.approx(2 * math.pi)

@@ -15,7 +15,7 @@ import torch
 from conftest import shared_data
 from posprobe.data import DataError, builtin_pairs
 from posprobe.core.scoring import TLScorer
-from posprobe.analyses.shift import ShiftConfig, ShiftError, place, summarise
+from posprobe.analyses.shift import ShiftConfig, ShiftError, summarize
 from posprobe.analyses.shift import run_shift_test
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,11 +41,11 @@ def test_learned_absolute_scores_change_with_k_and_match_manual_embedding(tiny_a
     r = run_shift_test(tiny_ape, PAIRS, config=ShiftConfig(ks=(0, 100), **FAST))
     p0, p100 = (r.pairs[r.pairs.k == k].logp_good.to_numpy() for k in (0, 100))
     assert np.abs(p100 - p0).max() > 1e-2
-    # Independent: residual stream built by hand with W_pos[k:], blocks run from there.
+    # Independent: BOS + sentence at positions 100, 101, ... placed by hand, the residual stream built
+    # from W_E and W_pos[100:], the blocks run from there.
     s = PAIRS[0].good
-    item = place([tiny_ape.tokenizer.bos_token_id], tiny_ape.tokenizer(s, add_special_tokens=False).input_ids, 100, "with-sentence")
-    ids = torch.tensor([item.ids])
-    resid = tiny_ape.W_E[ids] + tiny_ape.W_pos[torch.tensor(item.positions)][None]
+    ids = torch.tensor([[tiny_ape.tokenizer.bos_token_id] + tiny_ape.tokenizer(s, add_special_tokens=False).input_ids])
+    resid = tiny_ape.W_E[ids] + tiny_ape.W_pos[100:100 + ids.shape[1]][None]
     lp = tiny_ape(resid, start_at_layer=0).log_softmax(-1)[0, :-1].gather(-1, ids[0, 1:, None]).sum()
     assert abs(float(lp) - p100[0]) < 1e-4
     assert r.meta["prefix"]["kind"] == "bos" and r.meta["model"]["positional_kind"] == "learned_absolute"
@@ -62,7 +62,7 @@ def test_summary_counts_flips_and_mcnemar_by_hand():
         for i, c in enumerate(truth):
             rows.append(dict(paradigm="p", field="f", phenomenon="x", pair_id=str(i), k=k, logp_good=0.0,
                              logp_bad=-1.0 if c else 1.0, margin=1.0 if c else -1.0, correct=c))
-    s = summarise(pd.DataFrame(rows), n_boot=200, seed=0)
+    s = summarize(pd.DataFrame(rows), n_boot=200, seed=0)
     row = s[(s.k == 7) & (s.level == "overall")].iloc[0]
     assert (row.flips_to_wrong, row.flips_to_correct, row.flips) == (2, 1, 3)
     assert row.mcnemar_p == pytest.approx(binomtest(1, 3, 0.5).pvalue)
@@ -100,6 +100,21 @@ def test_encoder_without_lm_head_reports_representation_drift(minilm):
     assert d.loc[(0, "pooled")] == pytest.approx(1.0, abs=1e-6)
     assert d.loc[(100, "embeddings")] < 0.999 and d.loc[(100, "pooled")] < 1.0
     assert len(r.pairs) == 0 and r.meta["model"]["positional_kind"] == "learned_absolute"
+    # Independent: HF's BertModel with position_ids shifted by hand, mean-pooled last layer, cosine to k=0.
+    from transformers import AutoTokenizer, BertModel
+
+    from posprobe.backend.sources import resolve
+
+    folder = resolve("minilm").path
+    hf, tok = BertModel.from_pretrained(folder).eval(), AutoTokenizer.from_pretrained(folder)
+    cos = []
+    with torch.no_grad():
+        for p in PAIRS[:8]:
+            ids = tok(p.good, return_tensors="pt").input_ids
+            h0, h100 = (hf(ids, position_ids=torch.arange(ids.shape[1])[None] + k).last_hidden_state[0].mean(0)
+                        for k in (0, 100))
+            cos.append(torch.cosine_similarity(h0, h100, dim=0).item())
+    assert d.loc[(100, "pooled")] == pytest.approx(float(np.mean(cos)), abs=1e-5)
 
 
 @pytest.mark.real

@@ -22,7 +22,7 @@ from posprobe.backend.facts import ModelFacts, model_facts, require_rotary
 from posprobe.backend.hooks import score_scale, score_soft_cap
 from posprobe.report.result import Result
 from posprobe.report.schema import data_meta, make_meta, text_sha256
-from posprobe.core.rope import RotarySpec, angular_frequency, band_dims, wavelength
+from posprobe.core.rope import RotarySpec, angular_frequency, band_contributions, band_dims, band_norms, wavelength
 from posprobe.backend.model import context_length
 
 #: Elements of one [head, band, query_pos, key_pos] block processed at once (bounds transient memory).
@@ -33,52 +33,6 @@ CLASSIFICATION_RULE = (
     "binned relative distance) or previous-token / self attention mass >= 0.5; semantic if eta2 < 0.1; "
     "mixed otherwise"
 )
-
-
-def band_index(spec: RotarySpec) -> torch.Tensor:
-    """`[band, 2]` head-dim indices of each band's pair, honouring half-split vs adjacent pairing."""
-    return torch.tensor([band_dims(spec, b) for b in range(spec.n_bands)])
-
-
-def band_pairs(x: Float[torch.Tensor, "... d_head"], spec: RotarySpec) -> Float[torch.Tensor, "... band 2"]:
-    """The two coordinates of every band of each head vector."""
-    return x[..., band_index(spec).to(x.device)]
-
-
-def band_norms(x: Float[torch.Tensor, "batch pos head_index d_head"], spec: RotarySpec) -> Float[torch.Tensor, "batch pos head_index band"]:
-    """2-norm of each band's pair (rotation-invariant: equal before and after RoPE)."""
-    return band_pairs(x, spec).norm(dim=-1)
-
-
-def expand_kv(k: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Repeat GQA key heads (axis 2) to query heads, as TL does."""
-    return k if k.shape[2] == n_heads else torch.repeat_interleave(k, n_heads // k.shape[2], dim=2)
-
-
-def band_contributions(
-    q_rot: Float[torch.Tensor, "batch query_pos head_index d_head"],
-    k_rot: Float[torch.Tensor, "batch key_pos head_index d_head"],
-    spec: RotarySpec,
-    scale: float,
-) -> tuple[Float[torch.Tensor, "batch head_index band query_pos key_pos"], Float[torch.Tensor, "batch head_index query_pos key_pos"]]:
-    """Per-band partial dot products of rotated q and k / `scale`, and the unrotated remainder.
-
-    Bands + remainder sum to the layer's pre-softmax score. Same numbers as `rope.band_scores`, at
-    the cost of two q.k products instead of one per band. GQA keys (fewer heads) need no expanding.
-    """
-    B, n_q, H, _ = q_rot.shape
-    kv, n_k = k_rot.shape[2], k_rot.shape[1]
-    idx = band_index(spec).to(q_rot.device)
-    q_rot = q_rot / scale  # once on q rather than on the much larger per-band scores
-    # Group query heads by the kv head they share (h = kv * group + g, as repeat_interleave) instead
-    # of materialising repeated keys.
-    qg = q_rot.reshape(B, n_q, kv, H // kv, -1)
-    bands = torch.einsum("bqvgnt,bkvnt->bvgnqk", qg[..., idx], k_rot[..., idx]).reshape(B, H, spec.n_bands, n_q, n_k)
-    if q_rot.shape[-1] == spec.rotary_dim:
-        return bands, bands.new_zeros(B, H, n_q, n_k)
-    rest = torch.einsum("bqvgd,bkvd->bvgqk", qg[..., spec.rotary_dim:], k_rot[..., spec.rotary_dim:])
-    return bands, rest.reshape(B, H, n_q, n_k)
-    return bands, rest
 
 
 def rel_pos_edges(window: int) -> list[int]:

@@ -19,7 +19,8 @@ from tqdm.auto import tqdm
 
 from posprobe.core.capture import batches
 from posprobe.backend.facts import ModelFacts, model_facts, require_rotary
-from posprobe.analyses.frequency import _check_rows, band_contributions, expand_kv
+from posprobe.analyses.frequency import _check_rows
+from posprobe.core.rope import band_contributions, expand_kv
 from posprobe.backend.hooks import hook_name, hooked, pre_rotation, score_scale, score_soft_cap
 from posprobe.core.positions import PositionPlan, rope_positions
 from posprobe.backend.model import context_length, token_losses

@@ -158,7 +158,7 @@ def score_pairs(scorer: Any, tokenizer: Any, pairs: Sequence[MinimalPair], cfg: 
     return df
 
 
-def summarise(pairs: pd.DataFrame, *, n_boot: int, seed: int) -> pd.DataFrame:
+def summarize(pairs: pd.DataFrame, *, n_boot: int, seed: int) -> pd.DataFrame:
     """Accuracy (with percentile bootstrap 95% CI), mean margin, flips and exact McNemar p vs k=0."""
     from posprobe.core.stats import bootstrap_ci, mcnemar_exact
 
@@ -318,7 +318,7 @@ def run_shift_test(
     else:
         if pairs is not None:
             pair_df = score_pairs(prep.scorer, prep.tokenizer, pairs, cfg, prefix, ks)
-            summary = summarise(pair_df, n_boot=cfg.n_bootstrap, seed=cfg.seed)
+            summary = summarize(pair_df, n_boot=cfg.n_bootstrap, seed=cfg.seed)
         if text is not None:
             tokens = score_text(prep.scorer, prep.tokenizer, text, cfg, prefix, ks)
     for df in (pair_df, tokens, drift):

@@ -63,12 +63,6 @@ def band_dims(spec: RotarySpec, band: int) -> tuple[int, int]:
     return band, band + spec.n_bands
 
 
-def band_of_dim(spec: RotarySpec) -> torch.Tensor:
-    """Band index of each of the rotary dims, `[rotary_dim]`."""
-    b = torch.arange(spec.n_bands)
-    return einops.repeat(b, "d -> (d 2)") if spec.adjacent else einops.repeat(b, "d -> (2 d)")
-
-
 def sin_cos(
     positions: Float[torch.Tensor, "*shape"], spec: RotarySpec, dtype: torch.dtype
 ) -> tuple[Float[torch.Tensor, "*shape rotary_dim"], Float[torch.Tensor, "*shape rotary_dim"]]:
@@ -119,18 +113,46 @@ def rotate(
     return torch.cat([out, x_pass], dim=-1)
 
 
-def band_scores(
+def band_index(spec: RotarySpec) -> torch.Tensor:
+    """`[band, 2]` head-dim indices of each band's pair, honouring half-split vs adjacent pairing."""
+    return torch.tensor([band_dims(spec, b) for b in range(spec.n_bands)])
+
+
+def band_pairs(x: Float[torch.Tensor, "... d_head"], spec: RotarySpec) -> Float[torch.Tensor, "... band 2"]:
+    """The two coordinates of every band of each head vector."""
+    return x[..., band_index(spec).to(x.device)]
+
+
+def band_norms(x: Float[torch.Tensor, "batch pos head_index d_head"], spec: RotarySpec) -> Float[torch.Tensor, "batch pos head_index band"]:
+    """2-norm of each band's pair (rotation-invariant: equal before and after RoPE)."""
+    return band_pairs(x, spec).norm(dim=-1)
+
+
+def expand_kv(k: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Repeat GQA key heads (axis 2) to query heads, as TL does."""
+    return k if k.shape[2] == n_heads else torch.repeat_interleave(k, n_heads // k.shape[2], dim=2)
+
+
+def band_contributions(
     q_rot: Float[torch.Tensor, "batch query_pos head_index d_head"],
     k_rot: Float[torch.Tensor, "batch key_pos head_index d_head"],
     spec: RotarySpec,
     scale: float,
-) -> Float[torch.Tensor, "batch head_index band query_pos key_pos"]:
-    """Per-band partial dot products of rotated q and k, divided by `scale`.
+) -> tuple[Float[torch.Tensor, "batch head_index band query_pos key_pos"], Float[torch.Tensor, "batch head_index query_pos key_pos"]]:
+    """Per-band partial dot products of rotated q and k / `scale`, and the unrotated remainder.
 
-    Summed over bands, plus the unrotated remainder (`d_head > rotary_dim`), they give the score.
-    Key heads must already be expanded to query heads (GQA).
+    Bands + remainder sum to the layer's pre-softmax score. GQA keys (fewer heads than queries, shared
+    by consecutive query heads as TL repeats them) need no expanding.
     """
-    b = band_of_dim(spec).to(q_rot.device)
-    onehot = torch.nn.functional.one_hot(b, spec.n_bands).to(q_rot.dtype)  # [rotary_dim, band]
-    qb = einops.einsum(q_rot[..., : spec.rotary_dim], onehot, "b q h d, d n -> b q h n d")
-    return einops.einsum(qb, k_rot[..., : spec.rotary_dim], "b q h n d, b k h d -> b h n q k") / scale
+    B, n_q, H, _ = q_rot.shape
+    kv, n_k = k_rot.shape[2], k_rot.shape[1]
+    idx = band_index(spec).to(q_rot.device)
+    q_rot = q_rot / scale  # once on q rather than on the much larger per-band scores
+    # Group query heads by the kv head they share (h = kv * group + g, as repeat_interleave) instead
+    # of materialising repeated keys.
+    qg = q_rot.reshape(B, n_q, kv, H // kv, -1)
+    bands = torch.einsum("bqvgnt,bkvnt->bvgnqk", qg[..., idx], k_rot[..., idx]).reshape(B, H, spec.n_bands, n_q, n_k)
+    if q_rot.shape[-1] == spec.rotary_dim:
+        return bands, bands.new_zeros(B, H, n_q, n_k)
+    rest = torch.einsum("bqvgd,bkvd->bvgqk", qg[..., spec.rotary_dim:], k_rot[..., spec.rotary_dim:])
+    return bands, rest.reshape(B, H, n_q, n_k)
