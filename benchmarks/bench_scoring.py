@@ -11,6 +11,9 @@ shift test's prefix (<|endoftext|>) before each sentence, k = 0. Methods, timed 
   minicons    minicons IncrementalLMScorer.sequence_score on the already-loaded HF model (if importable)
   tl          posprobe.analyses.shift.score_pairs with TLScorer on the TransformerLens model
 
+CPU time (this process, one torch thread by default) is reported beside wall time, and the load
+average before and after each round, so a quiet run can be told from a loaded one.
+
 Usage: python benchmarks/bench_scoring.py [--rounds 3] [--pairs 50] [--paradigms 8] [--methods ...]
 """
 
@@ -20,13 +23,15 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import Timed, loadavg  # noqa: E402
 
 BLIMP = Path(__file__).resolve().parents[2] / "shared" / "data" / "blimp"
 ALL = ("bare", "shift", "pairs", "minicons", "tl")
@@ -113,7 +118,7 @@ def main(argv=None) -> int:
     ap.add_argument("--pairs", type=int, default=50, help="pairs per paradigm")
     ap.add_argument("--paradigms", type=int, default=8)
     ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--methods", nargs="+", default=list(ALL), choices=ALL)
     ap.add_argument("--blimp", type=Path, default=BLIMP)
     a = ap.parse_args(argv)
@@ -151,15 +156,22 @@ def main(argv=None) -> int:
     methods = [m for m in ALL if m in runs and (m in a.methods or m == "bare")]
 
     times: dict[str, list[float]] = {m: [] for m in methods}
+    cpu: dict[str, list[float]] = {m: [] for m in methods}
     results: dict[str, dict[str, float]] = {}
     for r in range(a.rounds):
+        before = loadavg()
         # Rotate the order each round so no method always runs right after the same neighbour.
         order = methods[r % len(methods):] + methods[:r % len(methods)]
         for m in order:
-            t0 = time.perf_counter()
-            results[m] = runs[m]()
-            times[m].append(time.perf_counter() - t0)
-        print(f"round {r + 1}: " + ", ".join(f"{m} {times[m][-1]:.1f}s" for m in methods), flush=True)
+            with Timed(rss=False) as t:
+                results[m] = runs[m]()
+            times[m].append(t.wall)
+            cpu[m].append(t.cpu)
+        print(f"round {r + 1}: " + ", ".join(f"{m} cpu {cpu[m][-1]:.1f}s wall {times[m][-1]:.1f}s" for m in methods)
+              + f"  ({before} -> {loadavg()})", flush=True)
+        print("CPU time:")
+        table(methods, cpu, results, pairs, sents)
+        print("wall time:")
         table(methods, times, results, pairs, sents)
     return 0
 

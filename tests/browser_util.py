@@ -220,12 +220,17 @@ def load_page(
     until: Callable[[Any], bool] = bool,
     timeout: float = 30.0,
     settle: float = 0.5,
+    width: int | None = None,
+    height: int = 900,
+    screenshot: str | Path | None = None,
 ) -> PageReport:
     """Open ``path`` offline in headless Chromium and report console problems.
 
     ``check`` is a JS expression (JSON-serialisable result) polled after the
     load event until ``until(value)`` holds or ``timeout`` expires; the last
     value is in ``report.value`` and ``report.ok`` says whether it held.
+    ``width`` sets the viewport width in CSS pixels (``height`` its height);
+    ``screenshot`` writes a full-page PNG after the check.
     """
     exe = require_chromium()
     url = Path(path).resolve().as_uri()
@@ -245,6 +250,9 @@ def load_page(
                 )
             except RuntimeError:
                 pass
+            if width:
+                browser.send("Emulation.setDeviceMetricsOverride",
+                             {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False}, session=sid)
             browser.send("Page.navigate", {"url": url}, session=sid)
             deadline = time.monotonic() + timeout
             loaded = False
@@ -264,6 +272,12 @@ def load_page(
             time.sleep(settle)  # let late errors (async rendering) arrive
             for ev in browser.events():
                 _collect(ev, report)
+            if screenshot is not None:
+                import base64
+
+                shot = browser.send("Page.captureScreenshot", {"format": "png", "captureBeyondViewport": True},
+                                    session=sid, timeout=60)
+                Path(screenshot).write_bytes(base64.b64decode(shot["data"]))
         finally:
             browser.close()
     return report

@@ -34,6 +34,18 @@ def shared_data(*parts: str) -> Path:
     return p
 
 
+_SLOW_MARKERS = ("real", "browser", "slow")
+_SLOW_FIXTURES = ("smollm2", "minilm")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark every test `slow` (real weights, a browser, a notebook) or `fast` (the everyday subset: -m fast)."""
+    for item in items:
+        slow = (any(item.get_closest_marker(m) for m in _SLOW_MARKERS)
+                or any(f in getattr(item, "fixturenames", ()) for f in _SLOW_FIXTURES) or "notebook" in item.name)
+        item.add_marker(pytest.mark.slow if slow else pytest.mark.fast)
+
+
 @pytest.fixture(scope="session")
 def tiny_ape():
     from posprobe.backend.loading import load_model
@@ -85,7 +97,8 @@ def _no_grad_and_no_leftover_hooks(request):
     """Every test runs without autograd and must leave no hook behind on the shared models."""
     with torch.no_grad():
         yield
-    for name in ("tiny_ape", "tiny_rope", "tiny_ape64", "tiny_rope64", "smollm2", "minilm"):
+    # TransformerBridge fixtures (tests/test_bridge.py) are checked the same way: live_hook_count handles both.
+    for name in ("tiny_ape", "tiny_rope", "tiny_ape64", "tiny_rope64", "smollm2", "minilm", "smol_bridge", "gpt2_bridge"):
         if name in request.fixturenames:
             from posprobe.backend.hooks import live_hook_count
 

@@ -110,7 +110,7 @@ def test_one_div_per_figure(page):
 
 
 def test_table_and_escaping(page):
-    assert 'class="dataframe pp-table"' in page
+    assert 'class="pp-table"' in page and "<th>index</th>" not in page
     assert "<title>My &lt;title&gt; &amp; co</title>" in page
     assert "<h2>Intro &lt;b&gt;</h2>" in page
     assert "<p>hello</p>" in page  # Section.html is trusted, inserted verbatim
@@ -147,7 +147,7 @@ def demo_page(monkeypatch):
     return page
 
 
-def test_save_writes_all_files(tmp_path, demo_page):
+def test_save_writes_all_files(tmp_path, demo_page):  # noqa: D103
     demo_page.figs, demo_page.summary = _figs(2), "<p>sum</p>"
     meta = {"analysis": "demo", "seed": 0, "layers": [0, 1], "env": environment_meta()}
     res = Result({"loss": _df()}, meta)
@@ -235,3 +235,65 @@ def test_environment_meta():
     assert env["numpy"] == np.__version__ and env["pandas"] == pd.__version__
     assert env["timestamp_utc"].endswith("+00:00")
     json.dumps(env)
+
+
+# ------------------------------------------------------------------ tables and captions
+
+
+def test_tables_read_like_a_paper_table():
+    from posprobe.report.html import format_table, table_html
+
+    df = pd.DataFrame({"k": [0, 100], "accuracy": [0.905712, 0.9], "mcnemar_p": [1.0, 0.000123456],
+                       "margin": [12.3456789, -0.5], "correct": [True, False], "tokens": [["<bos>", "a"], ["b"]],
+                       "tiny": [1.5e-7, 2e-6]}, index=[5, 9])  # a filtered frame: unnamed, non-range index
+    t = format_table(df)
+    assert list(t.columns) == ["k (start position)", "accuracy", "McNemar p", "margin (nats)", "correct", "tokens", "tiny"]
+    assert t.iloc[0].tolist() == ["0", "0.9057", "1", "12.35", "yes", "<bos>, a", "1.50e-07"]
+    assert t.iloc[1].tolist() == ["100", "0.9000", "0.000123", "-0.50", "no", "b", "2.00e-06"]
+    html = table_html(df)
+    assert "<th>index</th>" not in html and "[&#x27;" not in html and "&lt;bos&gt;, a" in html
+    assert 'title="mcnemar_p"' in html  # the data column's name stays one hover away
+    piv = pd.DataFrame({"layer": [0, 0, 1], "metric": ["a", "b", "a"], "value": [1.0, 2.0, 3.0]}).pivot_table(
+        index="layer", columns="metric", values="value")
+    assert list(format_table(piv).columns) == ["layer", "a", "b"]  # a named index is data: kept as a column
+    long = table_html(pd.DataFrame({"x": range(60)}))
+    assert "<details" in long and "Show all 60 rows" in long
+
+
+def test_figures_get_the_theme_and_a_caption_under_them():
+    from posprobe.report import style
+
+    meta = {"model": {"name": "m1", "positional_kind": "rotary"},
+            "data": {"source": "wiki.txt", "n_items": 8, "unit": "windows"}, "config": {"seed": 3, "ks": [0, 100]}}
+    cap = style.caption(meta, {"k =": [0, 100], "unused": None})
+    assert cap == "Model: m1 (rotary positions). Data: wiki.txt, N = 8 windows; seed 3; k = 0, 100."
+    fig = style.style(go.Figure(go.Scatter(y=[1, 2])), caption=cap)
+    assert style.get_caption(fig) == cap and fig.layout.template.layout.paper_bgcolor == "white"
+    page = render_html("t", [Section("s", figures=[fig, go.Figure(go.Bar(y=[1]))])])
+    assert page.count("<figcaption") == 1 and "N = 8 windows" in page
+    assert page.count('<figure class="pp-figure">') == 2  # un-styled figures are themed too
+
+
+def test_shift_control_page_plots_the_deviation_not_empty_flips():
+    from posprobe.report import shift
+
+    rows = []
+    for k in (0, 3, 50):
+        for i in range(4):
+            rows.append({"model": "m", "paradigm": "p", "field": "f", "phenomenon": "x", "pair_id": str(i), "k": k,
+                         "logp_good": -10.0 - i + (1e-6 * k), "logp_bad": -12.0 - i, "n_tokens_good": 5,
+                         "n_tokens_bad": 5, "margin": 2.0, "correct": True})
+    pairs = pd.DataFrame(rows)
+    d = shift.logp_change(pairs)
+    assert d.k.tolist() == [3, 50] and np.allclose(d["max"], [3e-6, 5e-5])
+    fig = shift.logp_change_figure(pairs, {"note": "RoPE", "model": {"name": "m"}})
+    assert fig.layout.yaxis.type == "log" and "Invariance control" in style_caption(fig)
+    assert any("tolerance" in (a.text or "") for a in fig.layout.annotations)
+    meta = {"prefix": {"tokens": ["<|endoftext|>"], "kind": "eot", "position": "with-sentence"}}
+    assert shift.prefix_text(meta) == "<|endoftext|> (eot, with-sentence)"
+
+
+def style_caption(fig) -> str:
+    from posprobe.report.style import get_caption
+
+    return get_caption(fig) or ""

@@ -6,6 +6,7 @@ Missing Chromium => skip locally, but FAIL when $CI is set.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -94,6 +95,101 @@ def test_report_renders_offline_in_chromium(tmp_path):
     assert line["line_paths"] >= 1 and line["error_bars"] == 16, line
     assert heat["heatmap_images"] >= 1, heat
     assert bar["bars"] == 8, bar
+
+
+# ---- every analysis's own report, as a reader sees it at 1280 px -------------
+
+TEXT = "The quick brown fox jumps over the lazy dog near the river bank. " * 30
+
+# JS run in the page: every figure drawn and captioned, and every table (collapsed ones opened) fits the page.
+_REPORT_PROBE = """(() => {
+  document.querySelectorAll('details').forEach(d => { d.open = true; });
+  const figs = [...document.querySelectorAll('div.plotly-graph-div')].map(d => {
+    const fig = d.closest('figure');
+    const cap = fig ? fig.querySelector('figcaption') : null;
+    const box = d.getBoundingClientRect();
+    return {id: d.id, drawn: d.querySelectorAll('svg.main-svg').length > 0 && !!d.querySelector('.plot-container'),
+            traces: (d._fullData || []).length, caption: cap ? cap.textContent.trim() : '',
+            width: Math.round(box.width), height: Math.round(box.height)};
+  });
+  const page = document.documentElement.clientWidth;
+  const tables = [...document.querySelectorAll('table')].map(t => {
+    const wrap = t.closest('.pp-table-wrap') || t.parentElement;
+    const sec = t.closest('section') || document.body;
+    return {right: Math.round(t.getBoundingClientRect().right), section_right: Math.round(sec.getBoundingClientRect().right),
+            scroll: wrap.scrollWidth, client: wrap.clientWidth, header: t.querySelector('th') ? t.querySelector('th').textContent : ''};
+  });
+  return {figs, tables, page, doc_scroll: document.documentElement.scrollWidth,
+          title: document.title, index_header: [...document.querySelectorAll('th')].some(th => th.textContent === '' || th.textContent === 'index')};
+})()"""
+
+
+def _run_analysis(name: str, tiny_ape, tiny_rope):
+    """Each analysis on a tiny model with a small config (seconds each); shift-test-control is the RoPE run."""
+    if name in ("shift-test", "shift-test-control"):
+        from posprobe.analyses.shift import ShiftConfig, run_shift_test
+        from posprobe.data import builtin_pairs
+
+        model = tiny_ape if name == "shift-test" else tiny_rope
+        return run_shift_test(model, builtin_pairs(max_pairs=3), text=TEXT if name == "shift-test" else None,
+                              config=ShiftConfig(ks=(3, 40), n_bootstrap=50, window=16, max_windows=2, progress=False))
+    if name == "atlas":
+        from posprobe.analyses.atlas import run_atlas
+        from posprobe.analyses.configs import AtlasConfig
+
+        return run_atlas(tiny_rope, None, AtlasConfig(window=24, max_windows=3, max_pairs=2, probe_tokens=120,
+                                                      induction_len=4, progress=False))
+    # The other analyses run as the schema test runs them: one place to follow API changes.
+    from test_schema import RUNS
+
+    return RUNS[name](tiny_ape, tiny_rope)
+
+
+
+ANALYSES = ("shift-test", "shift-test-control", "frequency", "decompose", "probes", "geometry", "squish", "surgery-eval",
+            "heads", "atlas")
+
+
+@pytest.mark.browser
+@pytest.mark.parametrize("name", ANALYSES)
+def test_analysis_report_in_chromium(name, tiny_ape, tiny_rope, tmp_path):
+    """Every figure drawn with a caption, no console errors, no table or page wider than 1280 px."""
+    require_chromium()
+    result = _run_analysis(name, tiny_ape, tiny_rope)
+    paths = result.save(tmp_path / name)
+    n_figs = len(result.report_figures())
+    assert n_figs >= 1
+    shots = os.environ.get("POSPROBE_SCREENSHOTS")  # a folder: keep a full-page PNG per report to look at
+    shot = Path(shots) / f"{name}.png" if shots else None
+    if shot is not None:
+        shot.parent.mkdir(parents=True, exist_ok=True)
+    rep = load_page(paths["report"], _REPORT_PROBE, width=1280, timeout=90, screenshot=shot,
+                    until=lambda v: bool(v) and len(v["figs"]) == n_figs and all(f["drawn"] for f in v["figs"]))
+    assert rep.errors == [], f"console errors: {rep.errors}"
+    assert rep.ok, f"not every figure rendered: {rep.value}"
+    v = rep.value
+    model = result.meta["model"]["name"]
+    for f in v["figs"]:
+        assert f["traces"] >= 1 and f["width"] > 300 and f["height"] > 200, f
+        assert model in f["caption"] and "Data:" in f["caption"], f"{f['id']} lacks a caption naming model and data: {f}"
+    assert v["doc_scroll"] <= v["page"] <= 1280, f"page scrolls horizontally: {v['doc_scroll']} > {v['page']}"
+    for t in v["tables"]:
+        assert t["scroll"] <= t["client"] + 1 and t["right"] <= t["section_right"], f"table wider than the page: {t}"
+    assert not v["index_header"], "a table has an empty header (a pandas index column)"
+
+
+def test_control_report_plots_its_own_quantity(tiny_rope):
+    """The RoPE shift control plots max |Δ log p| vs k with the tolerance band, not an empty flips chart."""
+    result = _run_analysis("shift-test-control", None, tiny_rope)
+    titles = [f.layout.title.text for f in result.figures()]
+    assert not any("flips" in t.lower() for t in titles), titles
+    fig = next(f for f in result.figures() if "log-probability" in f.layout.title.text)
+    assert fig.layout.yaxis.type == "log" and len(fig.layout.shapes) >= 1  # the shaded tolerance band
+    assert any("tolerance" in (a.text or "") for a in fig.layout.annotations)
+    ks = sorted(set(result.tables["shift_pairs"].k) - {0})
+    assert list(fig.data[0].x) == ks and max(fig.data[0].customdata) < 1e-3  # inside the band
+    html = result.to_html()
+    assert "No pair changed its judgement" in html and "[&#x27;" not in html  # prefix not a list repr
 
 
 # ---- negative controls: prove the harness CAN fail ---------------------------

@@ -47,8 +47,8 @@ def _decompose_data(tiny_ape, tiny_rope):
 def _probes(tiny_ape, tiny_rope):
     from posprobe.analyses.probes import ProbeConfig, run_probes
 
-    return run_probes(tiny_ape, TEXT, ProbeConfig(layers=(1,), points=("resid_post",), max_tokens=200, progress=False),
-                      window=32, max_windows=8)
+    return run_probes(tiny_ape, TEXT, ProbeConfig(layers=(1,), points=("resid_post",), max_tokens=200, window=32,
+                                                  max_windows=8, progress=False))
 
 
 def _geometry(tiny_ape, tiny_rope):
@@ -64,12 +64,18 @@ def _squish(tiny_ape, tiny_rope):
 
 
 def _surgery(tiny_ape, tiny_rope):
-    from posprobe.analyses.squish import run_surgery_eval
+    from posprobe.analyses.squish import SurgeryEvalConfig, run_surgery_eval
 
-    return run_surgery_eval(tiny_rope, TEXT, ["none", "pi:scale=2"], window=16, max_windows=1)
+    return run_surgery_eval(tiny_rope, TEXT, SurgeryEvalConfig(presets=("none", "pi:scale=2"), window=16, max_windows=1))
 
 
-RUNS = {"shift-test": _shift, "frequency": _frequency, "decompose": _decompose, "decompose-data": _decompose_data,
+def _heads(tiny_ape, tiny_rope):
+    from posprobe.analyses.heads import HeadsConfig, run_heads
+
+    return run_heads(tiny_rope, TEXT, HeadsConfig(window=16, max_windows=2, induction_len=4, progress=False))
+
+
+RUNS = {"heads": _heads, "shift-test": _shift, "frequency": _frequency, "decompose": _decompose, "decompose-data": _decompose_data,
         "probes": _probes, "geometry": _geometry, "squish": _squish, "surgery-eval": _surgery}
 
 

@@ -167,7 +167,7 @@ def test_cli_report_renders_offline_in_chromium(tmp_path):
              ".map(d => d.querySelectorAll('svg.main-svg').length > 0)")
     rep = load_page(out / "report.html", probe, until=lambda v: bool(v) and all(v), timeout=60)
     assert rep.errors == [], rep.errors
-    assert rep.ok and len(rep.value) == 4, rep.value
+    assert rep.ok and len(rep.value) == 6, rep.value
 
 
 def test_notebook_executes(tmp_path):

@@ -50,6 +50,7 @@ from posprobe.backend.model import (
     NormSpec, device_of, embedding_norm, embedding_points, encode_text, n_layers, pre_attention_norm, qk_weights,
     scores_not_bilinear, special_tokens, tokenizer_of,
 )
+from posprobe.analyses.configs import DecomposeConfig
 from posprobe.core.capture import batches, capture, mean_by_position, stream
 from posprobe.core.rope import RotarySpec, rotate
 from posprobe.data import BUILTIN_TEXT, framed_windows
@@ -356,22 +357,6 @@ def summary_table(summary: pd.DataFrame) -> pd.DataFrame:
 
 
 # --------------------------------------------------------------------------- the analysis as a command runs it
-
-
-@dataclass(frozen=True, kw_only=True)
-class DecomposeConfig:
-    """What to decompose. `method`: "auto" (exact at layer 0 of a learned-absolute model, else
-    data-driven), "exact" or "data". `text` is the corpus for positional means (default
-    posprobe.data.BUILTIN_TEXT); `sentence` the analysed sentence (default: the corpus's first sentence);
-    `head` the head of the heatmaps (default: the top-ranked head)."""
-
-    layer: int = 0
-    method: str = "auto"
-    text: str | None = None
-    sentence: str | None = None
-    head: int | None = None
-    max_windows: int = 32
-    progress: bool = True
 
 
 def encode(model: Any, text: str) -> Int[torch.Tensor, "batch pos"]:

@@ -10,19 +10,20 @@ is streamed over the corpus with fixed-size per-layer accumulators (memory does 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, Sequence
 
+import numpy as np
 import pandas as pd
 import torch
 from jaxtyping import Float
 
 from posprobe.core.capture import Reducer, batches, stream
+from posprobe.analyses.configs import FrequencyConfig
 from posprobe.backend.facts import ModelFacts, model_facts, require_rotary
 from posprobe.backend.hooks import score_scale, score_soft_cap
 from posprobe.report.result import Result
 from posprobe.report.schema import data_meta, make_meta, text_sha256
-from posprobe.core.rope import RotarySpec, angular_frequency, band_contributions, band_dims, band_norms, wavelength
+from posprobe.core.rope import RotarySpec, _grouped_band_products, angular_frequency, band_norms, wavelength
 from posprobe.backend.model import context_length
 
 #: Elements of one [head, band, query_pos, key_pos] block processed at once (bounds transient memory).
@@ -45,13 +46,18 @@ def rel_pos_edges(window: int) -> list[int]:
     return edges
 
 
-def _bin_block(q0: int, m: int, n: int, bin_of: torch.Tensor, n_bins: int, dtype: torch.dtype) -> torch.Tensor:
-    # One-hot [m * key_pos, bin] for query rows q0..q0+m-1; masked (future) keys map to no bin.
-    rel = torch.arange(q0, q0 + m)[:, None] - torch.arange(n)[None, :]
-    causal = rel >= 0
-    out = torch.zeros(m, n, n_bins, dtype=dtype)
-    out[causal, bin_of[rel[causal]]] = 1
-    return out.reshape(m * n, n_bins)
+def _bin_plan(q0: int, m: int, edges: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    # How to sum a [rows, m, n_k] block of (query q0+i, key j) entries per rel_pos bin, n_k = q0 + m.
+    # Entries with j >= i sit on a skewed view [rows, m, q0 + 1] (column c = j - i, rel = q0 - c), which
+    # a sum over the query axis turns into per-rel sums; the triangle j < i (rel > q0) is gathered.
+    # Returns float64 (one-hot [q0 + 1, bin] of the view's columns, flat indices [T] of the triangle,
+    # its one-hot [T, bin], causal mask [m * n_k]).
+    n_k = q0 + m
+    bin_of = torch.bucketize(torch.arange(n_k), torch.tensor(edges), right=True) - 1  # rel -> bin
+    eye = torch.eye(len(edges), dtype=torch.float64)
+    i, j = torch.tril_indices(m, m, -1)
+    rel = torch.arange(q0, n_k)[:, None] - torch.arange(n_k)[None, :]
+    return eye[bin_of[q0 - torch.arange(q0 + 1)]], i * n_k + j, eye[bin_of[q0 + i - j]], (rel >= 0).double().reshape(-1)
 
 
 class FrequencyUsage(Result):
@@ -69,34 +75,6 @@ class FrequencyUsage(Result):
     @property
     def ablation(self) -> pd.DataFrame:
         return self.tables.get("ablation", pd.DataFrame())
-
-
-@dataclass(frozen=True, kw_only=True)
-class FrequencyConfig:
-    """Options of `run_frequency` (and `posprobe freq-report`).
-
-    window: tokens per window incl. BOS; max_windows: windows cut from the text; queries: score
-    statistics from the last N query positions of each window (None: all, exact); ablate: also run
-    band ablations (model-wide p sweep + top heads) on the first `ablate_windows` windows;
-    top_heads: heads given their own report section and ablations.
-    """
-
-    window: int = 128
-    max_windows: int = 8
-    batch_size: int = 4
-    queries: int | None = 64
-    ablate: bool = True
-    ablate_windows: int = 4
-    top_heads: int = 6
-    layers: tuple[int, ...] | None = None
-    progress: bool = True
-
-    def __post_init__(self) -> None:
-        for name in ("window", "max_windows", "batch_size", "ablate_windows", "top_heads"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.queries is not None and self.queries < 1:
-            raise ValueError(f"queries must be >= 1 or None, got {self.queries}")
 
 
 def run_frequency(model: Any, text: str | None = None, config: FrequencyConfig | None = None, *,
@@ -132,73 +110,138 @@ def run_frequency(model: Any, text: str | None = None, config: FrequencyConfig |
 
 
 class _Acc:
-    """Fixed-size float64 sums for one layer."""
+    """Fixed-size float64 sums for one layer (per-batch partial sums are formed in the model's dtype)."""
 
-    def __init__(self, n_heads: int, n_kv: int, n_bands: int, n_bins: int):
-        z = lambda *s: torch.zeros(*s, dtype=torch.float64)  # noqa: E731
+    def __init__(self, n_heads: int, n_kv: int, n_bands: int, n_bins: int, device: torch.device | str = "cpu"):
+        z = lambda *s: torch.zeros(*s, dtype=torch.float64, device=device)  # noqa: E731
         self.q_norm, self.k_norm, self.n_tok = z(n_heads, n_bands), z(n_kv, n_bands), 0
         self.signed, self.abs = z(n_heads, n_bands + 1, n_bins), z(n_heads, n_bands + 1, n_bins)
         self.bin_n = z(n_bins)
         self.s2 = z(n_heads)
         self.diag, self.prev, self.first, self.n_rows = z(n_heads), z(n_heads), z(n_heads), 0
 
+    def cpu(self) -> "_Acc":
+        """The same sums on the CPU (the tables are built with numpy)."""
+        for name, v in vars(self).items():
+            if isinstance(v, torch.Tensor):
+                setattr(self, name, v.cpu())
+        return self
+
+
+class _Scratch:
+    """Reusable flat buffers for the per-band block. A fresh tens-of-MB tensor per layer and batch costs
+    more than the arithmetic on it (the allocator returns such blocks to the OS, so every first touch
+    page-faults); measured 33 ms to allocate-and-fill vs 7 ms into a reused buffer."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    def take(self, slot: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        need = math.prod(shape)
+        buf = self._bufs.get(slot)
+        if buf is None or buf.numel() < need or buf.dtype != dtype or buf.device != device:
+            buf = self._bufs[slot] = torch.empty(need, dtype=dtype, device=device)
+        return buf[:need].view(shape)
+
+
+def _grouped_dot(q: torch.Tensor, k: torch.Tensor, dims: slice, scale: float) -> torch.Tensor:
+    # q.k / scale over head dims `dims`, as [batch, kv_head, group * query_pos, key_pos] (GQA keys not repeated).
+    B, n_q, H, _ = q.shape
+    kv = k.shape[2]
+    qg = (q[..., dims] / scale).reshape(B, n_q, kv, H // kv, -1).permute(0, 2, 3, 1, 4).reshape(B, kv, H // kv * n_q, -1)
+    return qg @ k[..., dims].permute(0, 2, 3, 1)
+
 
 def _reducer(model: Any, facts: ModelFacts, layers: list[int], edges: list[int], queries: int | None) -> Reducer:
-    H, nb = facts.n_heads, facts.rotary[0].n_bands
-    has_rest = facts.d_head > facts.rotary[0].rotary_dim
-    cache: dict[int, torch.Tensor] = {}
+    H, kv, nb = facts.n_heads, facts.n_kv_heads, facts.rotary[0].n_bands
+    g, rd = H // kv, facts.rotary[0].rotary_dim
+    has_rest = facts.d_head > rd
+    n_bins = len(edges)
+    scratch = _Scratch()
+    plans: dict[tuple, tuple[torch.Tensor, ...]] = {}
+    counts: dict[tuple[int, int], torch.Tensor] = {}
+
+    def plan(q0: int, m: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+        if (q0, m, device) not in plans:
+            plans[q0, m, device] = tuple(t.to(device) for t in _bin_plan(q0, m, edges))
+        return plans[q0, m, device]
+
+    def bin_count(n: int, start: int) -> torch.Tensor:
+        # Causal entries per bin in one window when queries start..n-1 are scored.
+        if (n, start) not in counts:
+            bin_of = torch.bucketize(torch.arange(n), torch.tensor(edges), right=True) - 1
+            per_rel = (n - torch.clamp(torch.arange(n), min=start)).double()
+            counts[n, start] = torch.bincount(bin_of, weights=per_rel, minlength=n_bins)
+        return counts[n, start]
+
+    def bin_sums(x: torch.Tensor, pl: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        # Contiguous [rows, m, n_k] -> float64 [rows, bin]. Per-rel sums over the m queries stay in the
+        # model's dtype (m terms); everything after is float64. A one-hot matmul over all m * n_k entries
+        # did 10x the flops and, in float32, was the pass's largest rounding (~1e-6 relative).
+        main, tri_idx, tri, _ = pl
+        r, m, n_k = x.shape
+        skew = x.as_strided((r, m, n_k - m + 1), (m * n_k, n_k + 1, 1), x.storage_offset())
+        return skew.sum(1).double() @ main + x.view(r, m * n_k).index_select(1, tri_idx).double() @ tri
+
+    def per_bin(block: torch.Tensor, pl: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        # [kv, band, group * query, key] -> float64 [head, band, bin].
+        m = block.shape[2] // g
+        sums = bin_sums(block.view(kv * nb * g, m, -1), pl)
+        return sums.view(kv, nb, g, n_bins).transpose(1, 2).reshape(H, nb, n_bins)
+
+    def fold_block(acc: _Acc, q: torch.Tensor, k: torch.Tensor, spec: RotarySpec, scale: float,
+                   pl: tuple[torch.Tensor, ...]) -> None:
+        nr, m, n_k = q.shape[0], q.shape[1], k.shape[1]
+        bands = _grouped_band_products(q, k, spec, scale,
+                                       out=scratch.take("bands", (nr, kv, nb, g * m, n_k), k.dtype, k.device))
+        # Sum over batch rows first (the bin sums then read 1/nr as much); the block is read three
+        # times (signed sum, abs in place, abs sum) and never copied.
+        rows = scratch.take("rows", (kv, nb, g * m, n_k), k.dtype, k.device)
+        acc.signed[:, :nb] += per_bin(torch.sum(bands, 0, out=rows), pl)
+        acc.abs[:, :nb] += per_bin(torch.sum(bands.abs_(), 0, out=rows), pl)
+        tot = _grouped_dot(q, k, slice(None), scale)  # the score itself, one matmul: [nr, kv, g * m, n_k]
+        acc.s2 += (tot.double().square_().view(nr * H, m * n_k) @ pl[3]).view(nr, H).sum(0)
+        if has_rest:  # partial rotary: the unrotated dims' share of the score
+            rest = _grouped_dot(q, k, slice(rd, None), scale).view(nr, H, m, n_k)
+            acc.signed[:, nb] += bin_sums(rest.sum(0), pl)
+            acc.abs[:, nb] += bin_sums(rest.abs_().sum(0), pl)
 
     def fn(point: str, layer: int, x: torch.Tensor, state: dict) -> None:
         spec = facts.rotary[layer]
-        acc = state.get(layer) or state.setdefault(layer, _Acc(H, facts.n_kv_heads, nb, len(edges)))
+        acc = state.get(layer) or state.setdefault(layer, _Acc(H, kv, nb, n_bins, x.device))
         if point == "rot_q":
             state["_q"] = x
             return
         if point == "pattern":
-            p = x[:, :, 1:, :].to(torch.float64)  # query 0 attends only to itself: not informative
-            acc.diag += p.diagonal(1, -2, -1).sum((0, 2))
-            acc.prev += p.diagonal(0, -2, -1).sum((0, 2))
-            acc.first += p[..., 0].sum((0, 2))
+            # Query 0 attends only to itself: not informative. Only the diagonals and the first column are
+            # summed in float64, never a copy of the whole [batch, head, query, key] pattern.
+            p = x[:, :, 1:, :]
+            acc.diag += p.diagonal(1, -2, -1).sum((0, 2), dtype=torch.float64)
+            acc.prev += p.diagonal(0, -2, -1).sum((0, 2), dtype=torch.float64)
+            acc.first += p[..., 0].sum((0, 2), dtype=torch.float64)
             acc.n_rows += p.shape[0] * p.shape[2]
             return
-        q = state.pop("_q")
-        n = q.shape[1]
-        if n not in cache:
-            cache[n] = torch.bucketize(torch.arange(n), torch.tensor(edges), right=True) - 1  # rel -> bin
-        bin_of = cache[n].to(x.device)
-        B = q.shape[0]
-        acc.q_norm += band_norms(q, spec).sum((0, 1)).to(torch.float64)
-        acc.k_norm += band_norms(x, spec).sum((0, 1)).to(torch.float64)
+        q, k = state.pop("_q"), x
+        B, n = q.shape[:2]
+        acc.q_norm += band_norms(q, spec).sum((0, 1), dtype=torch.float64)
+        acc.k_norm += band_norms(k, spec).sum((0, 1), dtype=torch.float64)
         acc.n_tok += B * n
         # Score statistics use the last `queries` query positions (all their keys): they see every rel_pos.
         start = n - min(n, queries or n)
-        per_rel = (n - torch.clamp(torch.arange(n), min=start)).double()  # causal entries at each rel_pos
-        acc.bin_n += torch.bincount(bin_of, weights=per_rel, minlength=len(edges)) * B
+        acc.bin_n += bin_count(n, start).to(x.device) * B
         scale = score_scale(model, layer)
-        # Chunk over batch rows and query blocks so the [head, band, query_pos, key_pos] block stays
-        # under CHUNK_ELEMENTS whatever the window.
+        # Blocks of query rows x batch rows keep the [head, band, query_pos, key_pos] block under
+        # CHUNK_ELEMENTS whatever the window. A block only needs the keys up to its last query (later
+        # ones are masked), so query blocks of at most a quarter of the scored rows skip most of the
+        # masked half in all-pairs mode.
         per_q = H * nb * n
-        qb = min(n - start, max(1, CHUNK_ELEMENTS // per_q))
+        qb = min(n - start, max(1, CHUNK_ELEMENTS // per_q), max(32, -(-(n - start) // 4)))
         rb = max(1, CHUNK_ELEMENTS // (per_q * qb))
         for q0 in range(start, n, qb):
-            qs = slice(q0, min(n, q0 + qb))
-            m = qs.stop - q0
-            bmq = _bin_block(q0, m, n, cache[n], len(edges), x.dtype).to(x.device)
-            causal = bmq.sum(-1)
+            m = min(qb, n - q0)
+            pl = plan(q0, m, k.device)
             for r0 in range(0, B, rb):
-                rs = slice(r0, r0 + rb)
-                bands, rest = band_contributions(q[rs, qs], x[rs], spec, scale)
-                nr = bands.shape[0]
-                tot = bands.sum(2) + rest
-                acc.s2 += ((tot * tot).reshape(nr, H, m * n) @ causal).sum(0).to(torch.float64)
-                # Few passes over the big [head, band, query, key] block: signed sums, abs in place, abs sums.
-                flat = bands.reshape(nr, H * nb, m * n)
-                acc.signed[:, :nb] += (flat @ bmq).sum(0).reshape(H, nb, -1).to(torch.float64)
-                acc.abs[:, :nb] += (flat.abs_() @ bmq).sum(0).reshape(H, nb, -1).to(torch.float64)
-                if has_rest:  # partial rotary: the unrotated dims' share of the score
-                    rflat = rest.reshape(nr, H, m * n)
-                    acc.signed[:, nb] += (rflat @ bmq).sum(0).to(torch.float64)
-                    acc.abs[:, nb] += (rflat.abs() @ bmq).sum(0).to(torch.float64)
+                fold_block(acc, q[r0:r0 + rb, q0:q0 + m], k[r0:r0 + rb, :q0 + m], spec, scale, pl)
 
     return Reducer(["rot_q", "rot_k", "pattern"], layers, fn)
 
@@ -255,7 +298,7 @@ def frequency_usage(
     stream(model, batches(rows, batch_size), [red], total=n_batches, progress=progress, desc="freq-usage")
     state = red.state
     state.pop("_q", None)
-    band_df, prof_df, head_df = _tables(facts, {l: state[l] for l in layers}, edges, window)
+    band_df, prof_df, head_df = _tables(facts, {l: state[l].cpu() for l in layers}, edges, window)
     data = data_meta("token rows", n_items=int(rows.shape[0]), unit="windows")
     config = dict(batch_size=batch_size, layers=layers, queries=queries)
     meta = {
@@ -274,16 +317,15 @@ def frequency_usage(
     return FrequencyUsage({"bands": band_df, "profile": prof_df, "heads": head_df}, meta)
 
 
-def _grid(**cols: Any) -> pd.DataFrame:
-    # Cartesian product of 1-D columns (first varies slowest), as a DataFrame.
-    import numpy as np
-
+def _grid(**cols: Any) -> dict[str, np.ndarray]:
+    # Cartesian product of 1-D columns (first varies slowest), as flat arrays.
     names, vals = list(cols), [np.asarray(v) for v in cols.values()]
-    mesh = np.meshgrid(*vals, indexing="ij")
-    return pd.DataFrame({n: m.ravel() for n, m in zip(names, mesh)})
+    return {n: m.ravel() for n, m in zip(names, np.meshgrid(*vals, indexing="ij"))}
 
 
 def _tables(facts: ModelFacts, accs: dict[int, _Acc], edges: list[int], window: int) -> tuple[pd.DataFrame, ...]:
+    # All layers at once: one DataFrame per table built from flat arrays (per-layer frames and
+    # per-row dict lookups cost ~0.7 s on SmolLM2, a fixed cost that showed at small token counts).
     H, nb = facts.n_heads, facts.rotary[0].n_bands
     group = H // facts.n_kv_heads
     his = [e - 1 for e in edges[1:]] + [window - 1]
@@ -291,29 +333,23 @@ def _tables(facts: ModelFacts, accs: dict[int, _Acc], edges: list[int], window: 
     nbx = nb + 1 if rest else nb
     bands = list(range(nb)) + ([-1] if rest else [])
     kv = torch.arange(H) // group
-    bparts, pparts, hparts = [], [], []
+    layers = list(accs)
+    L = len(layers)
+    # Per layer and band (band -1 = unrotated remainder): frequency [rad/token] and wavelength [tokens].
+    freq = np.array([angular_frequency(facts.rotary[l]) + [0.0] * (nbx - nb) for l in layers])
+    wave = np.array([wavelength(facts.rotary[l]) + [math.inf] * (nbx - nb) for l in layers])
+    metrics = ["q_norm", "k_norm", "mean_contrib", "mean_abs_contrib", "abs_share"]
+    vals, profile, bin_n, hparts = [], [], [], []
     for layer, a in accs.items():
         spec = facts.rotary[layer]
-        freq = {**dict(enumerate(angular_frequency(spec))), -1: 0.0}
-        wave = {**dict(enumerate(wavelength(spec))), -1: math.inf}
         n_causal = a.bin_n.sum()
         signed_tot, abs_tot = a.signed.sum(-1)[:, :nbx], a.abs.sum(-1)[:, :nbx]  # [head, band(+rest)]
         share = abs_tot / abs_tot.sum(-1, keepdim=True).clamp_min(1e-300)
         nan = torch.full((H, nbx - nb), math.nan, dtype=torch.float64)
-        terms = {"q_norm": torch.cat([a.q_norm / a.n_tok, nan], 1),
-                 "k_norm": torch.cat([a.k_norm[kv] / a.n_tok, nan], 1),
-                 "mean_contrib": signed_tot / n_causal, "mean_abs_contrib": abs_tot / n_causal, "abs_share": share}
-        for t, v in terms.items():
-            g = _grid(head=range(H), band=bands)
-            g["metric"], g["value"], g["layer"] = t, v.reshape(-1).numpy(), layer
-            g["frequency"], g["wavelength"] = g.band.map(freq), g.band.map(wave)
-            bparts.append(g.dropna(subset=["value"]))
-        mean_bin = torch.stack([a.signed, a.abs])[:, :, :nbx] / a.bin_n.clamp_min(1)  # [metric, head, band, bin]
-        g = _grid(metric=["mean_contrib", "mean_abs_contrib"], head=range(H), band=bands, rel_pos=edges)
-        g["rel_pos_hi"] = g.rel_pos.map(dict(zip(edges, his)))
-        g["value"], g["count"], g["layer"] = mean_bin.reshape(-1).numpy(), g.rel_pos.map(dict(zip(edges, a.bin_n.tolist()))), layer
-        g["frequency"], g["wavelength"] = g.band.map(freq), g.band.map(wave)
-        pparts.append(g)
+        vals.append(torch.stack([torch.cat([a.q_norm / a.n_tok, nan], 1), torch.cat([a.k_norm[kv] / a.n_tok, nan], 1),
+                                 signed_tot / n_causal, abs_tot / n_causal, share]))
+        profile.append(torch.stack([a.signed, a.abs])[:, :, :nbx] / a.bin_n.clamp_min(1))  # [metric, head, band, bin]
+        bin_n.append(a.bin_n)
         s_bin = a.signed.sum(1)  # [head, bin]: total score summed per bin
         mu = s_bin.sum(-1) / n_causal
         var = a.s2 / n_causal - mu**2
@@ -323,17 +359,25 @@ def _tables(facts: ModelFacts, accs: dict[int, _Acc], edges: list[int], window: 
         d, p, f = (x / max(a.n_rows, 1) for x in (a.diag, a.prev, a.first))
         kind = ["positional" if e >= 0.3 or pp >= 0.5 or dd >= 0.5 else "semantic" if e < 0.1 else "mixed"
                 for e, pp, dd in zip(eta2.tolist(), p.tolist(), d.tolist())]
-        hparts.append(pd.DataFrame(dict(layer=layer, head=range(H), kv_head=kv.numpy(), base=spec.base,
-                                        diag_mass=d.numpy(), prev_mass=p.numpy(), first_mass=f.numpy(),
-                                        eta2=eta2.numpy(), fast_share=share[:, fast].sum(-1).numpy(), kind=kind)))
-    band_df, prof_df, head_df = (pd.concat(x, ignore_index=True) for x in (bparts, pparts, hparts))
-    for df in (band_df, prof_df):
-        df["kv_head"] = df["head"] // group
-    for df in (band_df, prof_df, head_df):
-        df.insert(0, "model", facts.name)
-    order = ["model", "layer", "head", "kv_head", "band", "frequency", "wavelength"]
-    band_df = band_df[order + ["metric", "value"]]
-    prof_df = prof_df[order + ["rel_pos", "rel_pos_hi", "metric", "value", "count"]]
+        hparts.append(dict(layer=np.full(H, layer), head=np.arange(H), kv_head=kv.numpy(), base=np.full(H, float(spec.base)),
+                           diag_mass=d.numpy(), prev_mass=p.numpy(), first_mass=f.numpy(), eta2=eta2.numpy(),
+                           fast_share=share[:, fast].sum(-1).numpy(), kind=np.array(kind, dtype=object)))
+    li = np.arange(L)
+    g = _grid(li=li, metric=metrics, head=range(H), bi=range(nbx))
+    band_df = pd.DataFrame(dict(model=facts.name, layer=np.asarray(layers)[g["li"]], head=g["head"],
+                                kv_head=g["head"] // group, band=np.asarray(bands)[g["bi"]],
+                                frequency=freq[g["li"], g["bi"]], wavelength=wave[g["li"], g["bi"]],
+                                metric=g["metric"], value=torch.stack(vals).reshape(-1).numpy()))
+    band_df = band_df[band_df.value.notna()].reset_index(drop=True)
+    g = _grid(li=li, metric=["mean_contrib", "mean_abs_contrib"], head=range(H), bi=range(nbx), ri=range(len(edges)))
+    prof_df = pd.DataFrame(dict(model=facts.name, layer=np.asarray(layers)[g["li"]], head=g["head"],
+                                kv_head=g["head"] // group, band=np.asarray(bands)[g["bi"]],
+                                frequency=freq[g["li"], g["bi"]], wavelength=wave[g["li"], g["bi"]],
+                                rel_pos=np.asarray(edges)[g["ri"]], rel_pos_hi=np.asarray(his)[g["ri"]],
+                                metric=g["metric"], value=torch.stack(profile).reshape(-1).numpy(),
+                                count=torch.stack(bin_n).numpy()[g["li"], g["ri"]]))
+    head_df = pd.DataFrame({k: np.concatenate([h[k] for h in hparts]) for k in hparts[0]})
+    head_df.insert(0, "model", facts.name)
     return band_df, prof_df, head_df
 
 

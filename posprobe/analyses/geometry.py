@@ -7,7 +7,6 @@ of each leading component's score (period from an FFT peak refined by least squa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
@@ -15,6 +14,7 @@ import pandas as pd
 import torch
 from jaxtyping import Float, Int
 
+from posprobe.analyses.configs import GeometryConfig
 from posprobe.backend.facts import WrongModelKind, model_facts, require_learned
 from posprobe.backend.model import context_length, n_layers, position_table
 from posprobe.report.result import Result
@@ -188,22 +188,6 @@ def residual_geometry(model: Any, token_rows: Sequence[Sequence[int]] | Int[torc
     meta = make_meta("geometry", model=facts.summary(), data=data_meta("token rows", n_items=len(token_rows), unit="windows"),
                      config=config, views=[f"{point} mean"], n_rows=len(token_rows), n_pos=n_pos)
     return Result({"geometry": df}, meta)
-
-
-@dataclass(frozen=True, kw_only=True)
-class GeometryConfig:
-    """Options of `run_geometry` (and `posprobe geometry`): the residual view's `layers` (default: first,
-    middle, last), `point`, `skip_first` leading positions (BOS/CLS outliers), principal `components`,
-    W_pos rows `max_pos` (default all), and the text windows (`window` tokens incl. BOS/CLS, `max_windows`)."""
-
-    layers: tuple[int, ...] | None = None
-    point: str = "resid_post"
-    skip_first: int = 1
-    components: int = 6
-    max_pos: int | None = None
-    window: int = 64
-    max_windows: int = 32
-    progress: bool = True
 
 
 def run_geometry(model: Any, text: str | None = None, config: GeometryConfig | None = None, *,

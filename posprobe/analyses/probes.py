@@ -9,7 +9,6 @@ between a vector and its position); a chance baseline predicts the training mean
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 import numpy as np
@@ -18,52 +17,14 @@ import torch
 from jaxtyping import Int
 from tqdm.auto import tqdm
 
+from posprobe.analyses.configs import RESIDUAL_POINTS, ProbeConfig
 from posprobe.backend.model import encode_text, first_token
 from posprobe.core.capture import Reducer, batches, stream
 from posprobe.data import framed_windows
 from posprobe.report.result import Result
 from posprobe.report.schema import data_meta, make_meta, text_sha256
 
-POINTS = ("resid_pre", "resid_mid", "resid_post")
-
-@dataclass(frozen=True, kw_only=True)
-class ProbeConfig:
-    """Settings for `position_probes` (frozen, keyword-only: a typo raises).
-
-    `classifier`: "ridge" (one-vs-rest least squares on +-1 targets, shares the regression's solve;
-    fast) or "logistic" (multinomial logistic regression with inverse regularisation `C`; slower).
-    The ridge penalty (on standardised features) is picked from `alphas` per outer fold by an inner
-    GroupKFold over the training rows (`inner_splits`), separately for MAE and for accuracy.
-    `max_tokens` bounds memory: that many (row, pos) tokens are drawn once (seeded) and the same
-    tokens are used at every layer, so layers are comparable. `memory_mb` bounds the captured
-    activations held at once; more layers than fit are captured in further passes over the corpus.
-    """
-
-    points: tuple[str, ...] = POINTS
-    layers: tuple[int, ...] | None = None
-    n_buckets: int = 8
-    n_splits: int = 4
-    alphas: tuple[float, ...] = (0.1, 1.0, 10.0, 100.0, 1e3, 1e4, 1e5)
-    inner_splits: int = 3
-    classifier: str = "ridge"
-    C: float = 1.0
-    max_tokens: int = 2000
-    skip_first: int = 0
-    batch_size: int = 8
-    memory_mb: float = 256.0
-    seed: int = 0
-    progress: bool = True
-
-    def __post_init__(self) -> None:
-        if self.classifier not in ("ridge", "logistic"):
-            raise ValueError(f"classifier must be 'ridge' or 'logistic', got {self.classifier!r}")
-        bad = [p for p in self.points if p not in POINTS]
-        if bad or not self.points:
-            raise ValueError(f"Unknown or no residual points {bad}; choose from {POINTS}")
-        if (self.n_splits < 2 or self.inner_splits < 2 or self.max_tokens < self.n_splits
-                or min(self.alphas, default=0) <= 0 or self.batch_size < 1):
-            raise ValueError("Need n_splits >= 2, inner_splits >= 2, max_tokens >= n_splits, alphas > 0, batch_size >= 1")
-
+POINTS = RESIDUAL_POINTS
 
 def text_rows(model: Any, text: str, window: int = 64, max_windows: int | None = None) -> list[list[int]]:
     """Token rows of exactly `window` ids: the text's tokens cut into windows, each row starting with the
@@ -73,15 +34,16 @@ def text_rows(model: Any, text: str, window: int = 64, max_windows: int | None =
                           max_windows=max_windows)
 
 
-def run_probes(model: Any, text: str | None = None, config: ProbeConfig | None = None, *, window: int = 64,
-               max_windows: int | None = 32, source: str | None = None) -> Result:
-    """Position probes over `max_windows` windows of `window` tokens of `text` (default: the built-in
-    text); the result's meta records the data in the common schema."""
+def run_probes(model: Any, text: str | None = None, config: ProbeConfig | None = None, *,
+               source: str | None = None) -> Result:
+    """Position probes over `config.max_windows` windows of `config.window` tokens of `text` (default:
+    the built-in text); the result's meta records the data in the common schema."""
     from posprobe.data import BUILTIN_TEXT
 
+    cfg = config or ProbeConfig()
     body = BUILTIN_TEXT if text is None else text
-    rows = text_rows(model, body, window, max_windows)
-    result = position_probes(model, rows, config)
+    rows = text_rows(model, body, cfg.window, cfg.max_windows)
+    result = position_probes(model, rows, cfg)
     result.meta["data"] = data_meta(source or ("built-in text" if text is None else "text"), n_items=len(rows),
                                     unit="windows", sha256=text_sha256(body))
     return result

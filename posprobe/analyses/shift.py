@@ -16,43 +16,12 @@ import torch
 
 from posprobe.data import BUILTIN_SOURCE, DataError, MinimalPair, pairs_fingerprint
 from posprobe.core.scoring import Positioned
+from posprobe.analyses.configs import ShiftConfig, ShiftError
 from posprobe.report.result import Result
 from posprobe.report.schema import data_meta, make_meta, text_sha256
 from posprobe.backend.model import forward, n_layers, tokenizer_of
 
 PrefixKind = Literal["auto", "bos", "eot", "none"]
-
-
-class ShiftError(ValueError):
-    """A shift test that cannot run as asked (k past the context, negative k, no data)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class ShiftConfig:
-    """Options of the shift test. `ks` always gains 0 (the baseline).
-
-    prefix: what precedes each sentence: "bos" (tokenizer's BOS), "eot" (end-of-text token), "none"
-    (first token then unscored), or "auto" (see `default_prefix`). prefix_position: "with-sentence"
-    (the prefix moves to k with the sentence) or "zero" (prefix stays at position 0).
-    """
-
-    ks: tuple[int, ...] = (0, 100)
-    prefix: PrefixKind = "auto"
-    prefix_position: Literal["with-sentence", "zero"] = "with-sentence"
-    batch_size: int = 32
-    n_bootstrap: int = 1000
-    seed: int = 0
-    window: int = 64
-    max_windows: int = 32
-    allow_beyond_context: bool = False
-    progress: bool = True
-
-    def all_ks(self) -> list[int]:
-        """Sorted distinct k values including the baseline 0."""
-        bad = [k for k in self.ks if int(k) != k or k < 0]
-        if bad:
-            raise ShiftError(f"k must be a whole number >= 0; got {bad}")
-        return sorted({0, *map(int, self.ks)})
 
 
 class ShiftResult(Result):

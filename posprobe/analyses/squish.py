@@ -22,6 +22,7 @@ from posprobe.core.generation import Generation, continuation_logprob, generate,
 from posprobe.core.positions import PositionPlan
 from posprobe.core.surgery import apply_plan, key_squish, preset_plan
 from posprobe.backend.model import encode_text, model_name, n_layers, tokenizer_of
+from posprobe.analyses.configs import SquishConfig, SurgeryEvalConfig
 from posprobe.report.result import Result
 from posprobe.report.schema import data_meta, make_meta, text_sha256
 
@@ -73,6 +74,15 @@ def span_attention(model: Any, tokens: torch.Tensor, span: tuple[int, int], firs
 
 def _decode(model: Any, ids: torch.Tensor) -> str:
     return tokenizer_of(model).decode(ids.tolist(), skip_special_tokens=True)
+
+
+def run_squish(model: Any, instruction: str, prompt: str, config: SquishConfig | None = None) -> Result:
+    """`squish_run` with its options from a SquishConfig (what `posprobe squish` calls)."""
+    cfg = config or SquishConfig()
+    return squish_run(model, instruction, prompt, to=0.0 if cfg.to is None and cfg.range_ is None else cfg.to,
+                      range_=cfg.range_, query_start=cfg.query_start, variant=cfg.variant,
+                      max_new_tokens=cfg.max_new_tokens, reference=cfg.reference, temperature=cfg.temperature,
+                      top_k=cfg.top_k, seed=cfg.seed, chat=cfg.chat)
 
 
 @torch.no_grad()
@@ -161,11 +171,13 @@ def loss_by_position(model: Any, windows: Sequence[Sequence[int]], presets: Sequ
     return pd.DataFrame(rows)
 
 
-def run_surgery_eval(model: Any, text: str, presets: Sequence[str], *, window: int = 256, max_windows: int = 4,
+def run_surgery_eval(model: Any, text: str, config: SurgeryEvalConfig | None = None, *,
                      source: str | None = None) -> Result:
     """Loss by position (nats/token) under each surgery preset on windows of `text`: one `surgery_eval` table."""
     from posprobe.data import token_windows
 
+    cfg = config or SurgeryEvalConfig()
+    presets, window, max_windows = cfg.presets, cfg.window, cfg.max_windows
     facts = model_facts(model)
     require_rotary(facts, "Surgery evaluation")
     if window > facts.n_ctx:
@@ -175,6 +187,5 @@ def run_surgery_eval(model: Any, text: str, presets: Sequence[str], *, window: i
     windows = token_windows(encode_text(model, text), window, max_windows=max_windows)
     df = loss_by_position(model, windows, presets)
     data = data_meta(source or "text", n_items=len(windows), unit="windows", sha256=text_sha256(text))
-    meta = make_meta("surgery-eval", model=facts.summary(), data=data,
-                     config=dict(presets=list(presets), window=window, max_windows=max_windows))
+    meta = make_meta("surgery-eval", model=facts.summary(), data=data, config=cfg)
     return Result({"surgery_eval": df}, meta)

@@ -57,8 +57,12 @@ class ModelFacts:
 
 
 def model_facts(model: Any) -> ModelFacts:
-    """Read positional facts from a TransformerLens HookedTransformer or HookedEncoder."""
+    """Read positional facts from a TransformerLens HookedTransformer, HookedEncoder or TransformerBridge."""
+    from posprobe.backend.bridge import is_bridge
     from posprobe.backend.hooks import layer_rotary_spec
+
+    if is_bridge(model):
+        return _bridge_facts(model)
 
     cfg = model.cfg
     is_encoder = type(model).__name__ == "HookedEncoder" or cfg.attention_dir == "bidirectional"
@@ -78,6 +82,38 @@ def model_facts(model: Any) -> ModelFacts:
         n_kv_heads=cfg.n_key_value_heads or cfg.n_heads,
         d_head=cfg.d_head,
         has_lm_head=bool(getattr(model, "has_lm_head", True)),
+        has_w_pos=pet in ("standard", "shortformer"),
+        rotary=rotary,
+        attn_types=attn_types,
+        normalization=str(cfg.normalization_type),
+    )
+
+
+def _bridge_facts(model: Any) -> ModelFacts:
+    # The bridge's cfg is right about shapes and the positional kind; rotary facts and layer types come
+    # from the wrapped HF model (cfg.rotary_base is wrong for SmolLM2).
+    from posprobe.backend.bridge import layer_type
+    from posprobe.backend.hooks import layer_rotary_spec
+    from posprobe.backend.model import has_lm_head, is_encoder
+
+    cfg = model.cfg
+    pet = cfg.positional_embedding_type
+    kind = _KINDS.get(pet, pet)
+    rotary = tuple(layer_rotary_spec(model, layer) for layer in range(cfg.n_layers)) if pet == "rotary" else None
+    attn_types = tuple("local" if (layer_type(model, l) or "").startswith("sliding") else "global"
+                       for l in range(cfg.n_layers))
+    return ModelFacts(
+        name=str(cfg.model_name),
+        source=str(getattr(model, "posprobe_source", "object")),
+        positional_kind=kind,
+        is_encoder=is_encoder(model),
+        n_ctx=int(cfg.n_ctx),
+        n_layers=int(cfg.n_layers),
+        d_model=int(cfg.d_model),
+        n_heads=int(cfg.n_heads),
+        n_kv_heads=int(getattr(cfg, "n_key_value_heads", None) or cfg.n_heads),
+        d_head=int(cfg.d_head),
+        has_lm_head=has_lm_head(model),
         has_w_pos=pet in ("standard", "shortformer"),
         rotary=rotary,
         attn_types=attn_types,

@@ -10,9 +10,13 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from posprobe.core.rope import RotarySpec
+from posprobe.backend.bridge import is_bridge
+from posprobe.core.rope import RotarySpec, rotate
 
-# What a capture can ask for, mapped to TL 3 hook names (per layer unless noted).
+# What a capture can ask for, mapped to TL 3 hook names (per layer unless noted). A TransformerBridge
+# registers the same names as aliases (e.g. "blocks.{l}.attn.hook_q" -> "blocks.{l}.attn.q.hook_out",
+# "blocks.{l}.hook_resid_pre" -> "blocks.{l}.hook_in") and converts q/k/rot_q/rot_k to TL's
+# `batch pos head_index d_head` layout, so one table serves both backends for decoders.
 POINTS = {
     "q": "blocks.{l}.attn.hook_q",
     "k": "blocks.{l}.attn.hook_k",
@@ -60,7 +64,12 @@ def attn(model: Any, layer: int) -> Any:
 
 
 def layer_rotary_spec(model: Any, layer: int) -> RotarySpec:
-    """The rotation layer `layer` applies, read from TL's config (per-layer base for local/global)."""
+    """The rotation layer `layer` applies, read from TL's config (per-layer base for local/global); on a
+    TransformerBridge from the wrapped HF config and rotary table."""
+    if is_bridge(model):
+        from posprobe.backend.bridge import rotary_spec
+
+        return rotary_spec(model, layer)
     cfg = model.cfg
     if cfg.use_NTK_by_parts_rope or cfg.use_yarn_rope or cfg.use_dynamic_ntk_rope:
         raise NotImplementedError(
@@ -79,8 +88,44 @@ def layer_rotary_spec(model: Any, layer: int) -> RotarySpec:
     )
 
 
+def rotate_at(model: Any, layer: int, x: torch.Tensor, positions: torch.Tensor, spec: RotarySpec) -> torch.Tensor:
+    """Rotate `x` (`batch pos head_index d_head`) to `positions` (`[pos]` or `[batch, pos]`) with `spec`.
+
+    Where `spec` is the layer's own rotation, the result is bit-equal to the model's: TL 3's tables follow
+    posprobe's `core.rope` convention, and on a TransformerBridge HF's cos/sin recipe is replayed
+    (angle = position * inv_freq, not position / freq: the one-ulp angle difference alone moved
+    SmolLM2's logits by 4e-5). Other specs (new base, scaled or removed bands) use `core.rope.rotate`.
+    """
+    if is_bridge(model) and spec == layer_rotary_spec(model, layer):
+        return _bridge_rotate(model, layer, x, positions)
+    return rotate(x, positions, spec)
+
+
+def _bridge_rotate(model: Any, layer: int, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    from posprobe.backend.bridge import rotary_freqs
+
+    inv_freq, scaling = rotary_freqs(model, layer)
+    freqs = positions.to(x.device, torch.float32)[..., None] * inv_freq.to(x.device, torch.float32)
+    adjacent = bool(getattr(model.cfg, "rotary_adjacent_pairs", False))
+    emb = freqs.repeat_interleave(2, dim=-1) if adjacent else torch.cat((freqs, freqs), dim=-1)
+    cos, sin = (emb.cos() * scaling)[..., None, :], (emb.sin() * scaling)[..., None, :]  # broadcast over heads
+    rd = emb.shape[-1]
+    xr, rest = x[..., :rd], x[..., rd:]
+    if adjacent:  # the bridge rotates GLM/GPT-J style pairs in float32
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        turned = torch.stack((-x2, x1), dim=-1).flatten(-2)
+        out = (xr.float() * cos + turned.float() * sin).to(x.dtype)
+    else:  # HF's apply_rotary_pos_emb, in the activations' dtype
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        turned = torch.cat((-xr[..., rd // 2:], xr[..., : rd // 2]), dim=-1)
+        out = xr * cos + turned * sin
+    return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
+
+
 def pre_rotation(model: Any, layer: int, x: torch.Tensor, which: str) -> torch.Tensor:
     """Turn a hook_q / hook_k output into the vector TL actually rotates (applies QK-norm if any)."""
+    if is_bridge(model):
+        return _bridge_pre_rotation(model, layer, x, which)
     a = attn(model, layer)
     cfg = model.cfg
     if cfg.original_architecture in ("OlmoeForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM") or cfg.clip_qkv:
@@ -90,33 +135,80 @@ def pre_rotation(model: Any, layer: int, x: torch.Tensor, which: str) -> torch.T
     return x
 
 
+def _bridge_pre_rotation(model: Any, layer: int, x: torch.Tensor, which: str) -> torch.Tensor:
+    from posprobe.backend.bridge import qk_norms, unsupported_qk_path
+
+    why = unsupported_qk_path(model, layer)
+    if why is not None:
+        raise NotImplementedError(f"Position control on a TransformerBridge whose attention {why} is not supported yet")
+    # The bridge's per-head QK-norms (Gemma 3 style) act on the last dim, so TL's layout is fine.
+    norm = qk_norms(model, layer)[0 if which == "q" else 1]
+    return x if norm is None else norm(x)
+
+
 def attention_scores(model: Any, layer: int, q_rot: torch.Tensor, k_rot: torch.Tensor) -> torch.Tensor:
     """Scores exactly as the layer computes them from rotated q and k (scale, GQA, soft-cap)."""
+    if is_bridge(model):
+        # The bridge's own recipe: q.k * HF's `scaling`, keys repeated per query group, then the soft-cap.
+        h, kv = q_rot.shape[2], k_rot.shape[2]
+        k = k_rot.repeat_interleave(h // kv, dim=2) if h != kv else k_rot
+        scores = torch.einsum("bqhd,bkhd->bhqk", q_rot, k) * _bridge_scaling(model, layer)
+        cap = _bridge_soft_cap(model, layer)
+        return torch.tanh(scores / cap) * cap if cap else scores
     return attn(model, layer).calculate_attention_scores(q_rot, k_rot)
+
+
+def kept_scores(model: Any, scores: torch.Tensor) -> torch.Tensor:
+    """Boolean mask of the `hook_attn_scores` entries the layer did not mask out (causal, padding)."""
+    if is_bridge(model):
+        # The bridge masks with the dtype's most negative finite value (-inf only in compatibility mode).
+        return scores > torch.finfo(scores.dtype).min
+    return torch.isfinite(scores)
+
+
+def _bridge_scaling(model: Any, layer: int) -> float:
+    from posprobe.backend.bridge import hf_attention
+
+    a = hf_attention(model, layer)
+    return float(getattr(a, "scaling", a.head_dim ** -0.5))
+
+
+def _bridge_soft_cap(model: Any, layer: int) -> float | None:
+    from posprobe.backend.bridge import hf_attention
+
+    cap = getattr(hf_attention(model, layer), "attn_logit_softcapping", None)
+    return float(cap) if cap else None
 
 
 def score_scale(model: Any, layer: int) -> float:
     """The divisor of q.k in the layer's pre-softmax score (sqrt(d_head) unless the model sets another)."""
+    if is_bridge(model):
+        return 1.0 / _bridge_scaling(model, layer)
     return float(attn(model, layer).attn_scale)
 
 
 def score_soft_cap(model: Any) -> float | None:
     """The attention-score soft-cap (Gemma 2 style tanh cap), or None when scores are not capped."""
+    if is_bridge(model):
+        return _bridge_soft_cap(model, 0)
     cap = float(getattr(model.cfg, "attn_scores_soft_cap", -1.0))
     return cap if cap > 0 else None
 
 
 def live_hook_count(model: Any) -> int:
     """Number of forward/backward hooks currently attached to the model's HookPoints."""
-    return sum(len(hp.fwd_hooks) + len(hp.bwd_hooks) for hp in model.hook_dict.values())
+    # A bridge lists one HookPoint under several alias names: count each HookPoint once.
+    points = {id(hp): hp for hp in model.hook_dict.values()}.values()
+    return sum(len(hp.fwd_hooks) + len(hp.bwd_hooks) for hp in points)
 
 
 @contextmanager
 def hooked(model: Any, fwd_hooks: Sequence[tuple[str, Callable]]) -> Iterator[Any]:
     """Attach `fwd_hooks` (TL-style `fn(tensor, hook=...)`) for the duration of the block; they are
     removed on exit, also on error. Unknown hook names raise before anything is attached."""
+    known = model.hook_dict  # a bridge rebuilds this dict (~40 ms) on every access: read it once
     for name, _ in fwd_hooks:
-        if name not in model.hook_dict:
+        if name not in known:
             raise ValueError(f"{model.cfg.model_name} has no hook {name!r}")
     # TL's own context manager removes exactly the hooks it added, at its context level.
     with model.hooks(fwd_hooks=list(fwd_hooks)):

@@ -5,10 +5,12 @@ This is one of the two modules that touch TransformerLens internals (the other i
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Any, Union
 
@@ -60,17 +62,20 @@ def load_model(
         return spec
     dt = as_dtype(dtype)
     source = resolve(spec)
-    if source.kind == "tiny":
-        from posprobe.backend.tiny import build_tiny
+    # TL prints progress ("Moving model to device: cpu") to stdout; stdout belongs to results (`--json`).
+    with contextlib.redirect_stdout(sys.stderr):
+        if source.kind == "tiny":
+            from posprobe.backend.tiny import build_tiny
 
-        model = build_tiny(source.name, seed=seed, dtype=dt, device=device)
-        if process_weights:
-            model.process_weights_(fold_ln=True, center_writing_weights=True, center_unembed=True)
-    elif source.kind == "hub":
-        model = _load_hub(source, device=device, dtype=dt, n_ctx=n_ctx, process=process_weights, n_devices=n_devices)
-    else:
-        folder = hf_folder(source)
-        model = _load_folder(folder, source, device=device, dtype=dt, n_ctx=n_ctx, process=process_weights, n_devices=n_devices)
+            model = build_tiny(source.name, seed=seed, dtype=dt, device=device)
+            if process_weights:
+                model.process_weights_(fold_ln=True, center_writing_weights=True, center_unembed=True)
+        elif source.kind == "hub":
+            model = _load_hub(source, device=device, dtype=dt, n_ctx=n_ctx, process=process_weights, n_devices=n_devices)
+        else:
+            folder = hf_folder(source)
+            model = _load_folder(folder, source, device=device, dtype=dt, n_ctx=n_ctx, process=process_weights,
+                                 n_devices=n_devices)
     model.eval()
     model.posprobe_source = source.origin or source.name
     return model

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from posprobe.backend.bridge import is_bridge
+
 
 def n_layers(model: Any) -> int:
     """Number of transformer blocks."""
@@ -24,11 +26,15 @@ def context_length(model: Any) -> int:
 
 def device_of(model: Any) -> torch.device:
     """The device the model's weights live on (tensors made for it go there)."""
+    if is_bridge(model):  # a bridge moved with .to() keeps a stale cfg.device
+        return next(model.original_model.parameters()).device
     return torch.device(model.cfg.device)
 
 
 def dtype_of(model: Any) -> torch.dtype:
     """The dtype of the model's weights and activations."""
+    if is_bridge(model):
+        return next(model.original_model.parameters()).dtype
     return model.cfg.dtype
 
 
@@ -66,6 +72,8 @@ def forward(model: Any, tokens: torch.Tensor, *, stop_at_layer: int | None = Non
             attention_mask: torch.Tensor | None = None) -> torch.Tensor:
     """One forward pass: logits, or the residual stream entering block `stop_at_layer` (decoders only:
     the blocks after it are not run). `attention_mask` is a [batch, pos] 1/0 padding mask (encoders)."""
+    if is_bridge(model):
+        return _bridge_forward(model, tokens, stop_at_layer=stop_at_layer, attention_mask=attention_mask)
     kwargs: dict[str, Any] = {}
     if attention_mask is not None:
         kwargs["one_zero_attention_mask"] = attention_mask
@@ -74,12 +82,38 @@ def forward(model: Any, tokens: torch.Tensor, *, stop_at_layer: int | None = Non
     return model(tokens, **kwargs)
 
 
+def _bridge_forward(model: Any, tokens: torch.Tensor, *, stop_at_layer: int | None,
+                    attention_mask: torch.Tensor | None) -> torch.Tensor:
+    kwargs: dict[str, Any] = {}
+    if attention_mask is not None:
+        kwargs["attention_mask"] = attention_mask
+    if stop_at_layer is None or is_encoder(model):
+        return model(tokens, **kwargs)
+    if stop_at_layer < n_layers(model):
+        return model(tokens, stop_at_layer=stop_at_layer, **kwargs)
+    # The bridge's stop_at_layer only stops *before* a block, so "after the last block" (the residual
+    # the final norm reads) would run the unembedding. Stop there with the bridge's own exception, which
+    # its forward catches and returns; the hook is removed before returning.
+    from transformer_lens.model_bridge.exceptions import StopAtLayerException
+
+    def stop(resid: torch.Tensor, hook: Any) -> torch.Tensor:
+        raise StopAtLayerException(resid)
+
+    with model.hooks(fwd_hooks=[(f"blocks.{n_layers(model) - 1}.hook_resid_post", stop)]):
+        return model(tokens, **kwargs)
+
+
 def residual_to_logits(model: Any, resid: torch.Tensor) -> torch.Tensor:
     """Final norm, unembedding and logit soft-cap applied to residual vectors `[..., d_model]`."""
     shape = resid.shape
     flat = resid.reshape(-1, 1, shape[-1])
     logits = model.unembed(model.ln_final(flat))[:, 0]
-    cap = getattr(model.cfg, "output_logits_soft_cap", -1.0)
+    if is_bridge(model):
+        from posprobe.backend.bridge import hf_config
+
+        cap = getattr(hf_config(model), "final_logit_softcapping", None) or -1.0
+    else:
+        cap = getattr(model.cfg, "output_logits_soft_cap", -1.0)
     if cap and cap > 0:
         logits = torch.tanh(logits / cap) * cap
     return logits.reshape(*shape[:-1], logits.shape[-1])
@@ -92,6 +126,7 @@ def token_losses(model: Any, tokens: torch.Tensor) -> torch.Tensor:
 
 def new_kv_cache(model: Any, batch: int) -> Any:
     """An empty key/value cache for incremental decoding, to pass as `past_kv_cache=`."""
+    _no_bridge_kv_cache(model)
     from transformer_lens.cache.key_value_cache import TransformerLensKeyValueCache
 
     return TransformerLensKeyValueCache.init_cache(model.cfg, model.cfg.device, batch)
@@ -99,7 +134,18 @@ def new_kv_cache(model: Any, batch: int) -> Any:
 
 def forward_cached(model: Any, tokens: torch.Tensor, cache: Any) -> torch.Tensor:
     """Logits of `tokens` continuing the sequence held in `cache` (which is extended in place)."""
+    _no_bridge_kv_cache(model)
     return model(tokens, past_kv_cache=cache)
+
+def _no_bridge_kv_cache(model: Any) -> None:
+    # HF's cache (the bridge's) stores keys after rotation, posprobe's position control relies on TL 3's
+    # cache storing them before: a plan could not re-rotate cached keys. Refuse rather than mis-rotate.
+    if is_bridge(model):
+        raise NotImplementedError(
+            "KV-cache decoding (past_kv_cache) is not supported on a TransformerBridge yet: HF caches keys "
+            "after rotation; run full forwards or load the model with posprobe.load_model"
+        )
+
 
 def encode_text(model: Any, text: str) -> list[int]:
     """Token ids of `text` with no special tokens added (no truncation)."""
@@ -117,6 +163,8 @@ def first_token(model: Any) -> int | None:
 
 def position_table(model: Any) -> torch.Tensor:
     """The learned absolute position embedding W_pos, `[n_ctx, d_model]` (learned-APE models only)."""
+    if is_bridge(model):
+        return model.pos_embed.original_component.weight
     return model.W_pos
 
 
@@ -136,6 +184,14 @@ class NormSpec:
     scale_point: str
 
 
+def _no_bridge_decomposition(model: Any) -> None:
+    if is_bridge(model):
+        raise NotImplementedError(
+            "The score decomposition (qk_weights, norms, embedding parts) is not supported on a "
+            "TransformerBridge yet; load the model with posprobe.load_model"
+        )
+
+
 def _norm_spec(module: Any, scale_point: str) -> NormSpec:
     kind = type(module).__name__
     if kind not in ("LayerNorm", "LayerNormPre", "RMSNorm", "RMSNormPre"):
@@ -148,6 +204,7 @@ def _norm_spec(module: Any, scale_point: str) -> NormSpec:
 def qk_weights(model: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(W_Q, b_Q, W_K, b_K) of `layer` in TL layout: W `[head_index, d_model, d_head]`, b `[head_index, d_head]`;
     the key side in the layout `hooks.attention_scores` expects (GQA: at the key/value-head count, it expands)."""
+    _no_bridge_decomposition(model)
     a = model.blocks[layer].attn
     grouped = hasattr(a, "_W_K") and not getattr(model.cfg, "ungroup_grouped_query_attention", False)
     W_K, b_K = (a._W_K, a._b_K) if grouped else (a.W_K, a.b_K)
@@ -157,6 +214,7 @@ def qk_weights(model: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor, torc
 def pre_attention_norm(model: Any, layer: int) -> NormSpec | None:
     """The norm between `resid_pre` of `layer` and its attention (scale at capture point "ln1_scale"),
     or None where attention reads `resid_pre` directly (no norm; BERT's post-LN blocks)."""
+    _no_bridge_decomposition(model)
     if is_encoder(model) or model.cfg.normalization_type is None:
         return None
     return _norm_spec(model.blocks[layer].ln1, "ln1_scale")
@@ -166,6 +224,7 @@ def embedding_norm(model: Any) -> NormSpec | None:
     """The norm applied to the sum of the `embedding_points` parts before block 0 (BERT's embedding
     LayerNorm, scale at capture point "embed_ln_scale"), or None where that sum is the residual stream
     (decoders; a decoder's post-embedding LN, if any, acts on the word part before its hook)."""
+    _no_bridge_decomposition(model)
     if not _bert_embed(model):
         return None
     return _norm_spec(model.embed.ln, "embed_ln_scale")
@@ -174,6 +233,7 @@ def embedding_norm(model: Any) -> NormSpec | None:
 def embedding_points(model: Any) -> dict[str, str]:
     """Capture points of the additive embedding parts, `[batch pos d_model]` each, residual units:
     {"word": ..., "position": ...} and "token_type" where the model adds a segment embedding."""
+    _no_bridge_decomposition(model)
     if _bert_embed(model):
         return {"word": "encoder_embed", "position": "encoder_pos_embed", "token_type": "token_type_embed"}
     return {"word": "embed", "position": "pos_embed"}
@@ -187,6 +247,7 @@ def _bert_embed(model: Any) -> bool:
 def scores_not_bilinear(model: Any) -> str | None:
     """Why attention scores are not bilinear in the (normalised) attention input (QK-norm, soft-cap,
     log-n scaling, q/k/v clipping), or None when they are."""
+    _no_bridge_decomposition(model)
     cfg = model.cfg
     if cfg.use_qk_norm or cfg.original_architecture in ("OlmoeForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM"):
         return "normalises q/k (QK-norm)"

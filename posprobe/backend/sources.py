@@ -8,9 +8,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import socket
 import threading
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
@@ -27,6 +29,82 @@ PACKAGED = {
 
 class ModelLoadError(RuntimeError):
     """A model spec could not be turned into a model; the message says what to do instead."""
+
+
+class UnknownModelError(ModelLoadError):
+    """A bare name that is no model TransformerLens, posprobe or a local path knows (a typo, not the network)."""
+
+
+_REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+@lru_cache(maxsize=1)
+def tl_model_names() -> tuple[tuple[str, ...], dict[str, str]]:
+    """(TransformerLens's official model names, alias -> official name), read from its source as text.
+
+    `import transformer_lens` takes ~12 s; the two literals in `supported_models.py` (TL 3.9) or
+    `loading_from_pretrained.py` (older) are parsed without importing it. Empty when TL is absent.
+    """
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec("transformer_lens")
+    if spec is None or not spec.submodule_search_locations:
+        return (), {}
+    root = Path(list(spec.submodule_search_locations)[0])
+    for fname in ("supported_models.py", "loading_from_pretrained.py"):
+        try:
+            tree = ast.parse((root / fname).read_text(encoding="utf-8"))
+        except (OSError, SyntaxError):
+            continue
+        found: dict[str, object] = {}
+        for node in tree.body:
+            target, value = None, None
+            if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+                target, value = node.targets[0].id, node.value
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                target, value = node.target.id, node.value
+            if target in ("OFFICIAL_MODEL_NAMES", "MODEL_ALIASES") and value is not None:
+                try:
+                    found[target] = ast.literal_eval(value)
+                except ValueError:
+                    pass
+        names = found.get("OFFICIAL_MODEL_NAMES")
+        if isinstance(names, list) and names:
+            aliases = found.get("MODEL_ALIASES") or {}
+            alias_map = {a: n for n, al in aliases.items() for a in al} if isinstance(aliases, dict) else {}
+            return tuple(names), alias_map
+    return (), {}
+
+
+def known_model_name(name: str) -> bool:
+    """Whether TransformerLens knows `name` (an official name or alias, case-insensitive as TL matches)."""
+    names, aliases = tl_model_names()
+    low = name.lower()
+    return any(low == n.lower() for n in (*names, *aliases))
+
+
+def looks_like_repo_id(name: str) -> bool:
+    """'org/name': a plausible Hugging Face repo id (TL does not list every one it can load)."""
+    return bool(_REPO_ID.match(name))
+
+
+def _unknown_name_error(name: str) -> UnknownModelError:
+    import difflib
+
+    names, aliases = tl_model_names()
+    pool = [*TINY_SPECS, *PACKAGED, *aliases, *names]
+    by_lower = {}
+    for n in pool:
+        by_lower.setdefault(n.lower(), n)
+    close = [by_lower[m] for m in difflib.get_close_matches(name.lower(), list(by_lower), n=3, cutoff=0.6)]
+    hint = f"; did you mean {' or '.join(close)}?" if close else "."
+    listed = f"TransformerLens's {len(names)} official names and their aliases" if names else "TransformerLens model names"
+    return UnknownModelError(
+        f"unknown model name '{name}'{hint} posprobe takes {listed} (e.g. gpt2, pythia-70m), a Hugging Face repo id "
+        f"('org/name'), a local Hugging Face folder or .gguf file, packaged weights ({', '.join(PACKAGED)}) or a "
+        f"built-in random spec ({', '.join(TINY_SPECS)}). This is not a network problem: no download was tried."
+    )
 
 
 @dataclass(frozen=True)
@@ -98,12 +176,16 @@ def _cached_snapshot(name: str) -> Path | None:
 def resolve(spec: str | os.PathLike[str]) -> Source:
     """Turn a model spec (tiny name, .gguf file, local folder, hub name) into a `Source`.
 
-    Raises `ModelLoadError` with the alternatives when a hub name cannot be had offline.
+    Raises `UnknownModelError` (before any network use) for a name that is neither known to
+    TransformerLens nor shaped like a repo id ("did you mean ..."), and `ModelLoadError` with the
+    alternatives when a real name cannot be had offline.
     """
     text = os.fspath(spec)
     local = resolve_local(text)
     if local is not None:
         return local
+    if not known_model_name(text) and not looks_like_repo_id(text) and tl_model_names()[0]:
+        raise _unknown_name_error(text)
     if hub_offline():
         raise ModelLoadError(
             f"Cannot download '{text}': the Hugging Face hub is unreachable (offline) and the model "

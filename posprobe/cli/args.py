@@ -1,8 +1,12 @@
-"""Arguments several subcommands share (argparse only: importing this stays instant)."""
+"""Arguments several subcommands share, and flags generated from the analyses' Config dataclasses
+(argparse and dataclasses only: importing this stays instant)."""
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import MISSING, fields
+from types import UnionType
+from typing import Any, Callable, Literal, Union, get_args, get_origin, get_type_hints
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -14,18 +18,85 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n-ctx", type=int, default=None, help="cap the context length (bounds buffers)")
 
 
-def add_text_arguments(p: argparse.ArgumentParser) -> None:
-    """--text/--window/--max-windows: where the token rows come from (probe, geometry)."""
-    p.add_argument("--text", default=None, help="UTF-8 text file (WikiText auto-detokenised); default: posprobe's built-in text")
-    p.add_argument("--window", type=int, default=64, help="tokens per row, incl. BOS/CLS if the tokenizer has one (default 64)")
-    p.add_argument("--max-windows", type=int, default=32, help="at most this many rows (default 32)")
+def add_text_argument(p: argparse.ArgumentParser, *, required: bool = False) -> None:
+    """--text: the corpus the analysis cuts into windows."""
+    p.add_argument("--text", metavar="PATH", default=None, required=required,
+                   help="UTF-8 text file (WikiText is detokenised automatically)"
+                        + ("" if required else "; default: posprobe's built-in text"))
 
 
-def int_list(text: str | None) -> tuple[int, ...] | None:
-    """'0,3,5' -> (0, 3, 5); None stays None. Raises ValueError with the offending text."""
-    if text is None:
-        return None
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise ValueError(f"expected comma-separated integers, got {text!r}") from None
+def add_output_arguments(p: argparse.ArgumentParser, *, required: bool = True) -> None:
+    """--out (the result folder) and --no-progress."""
+    p.add_argument("--out", metavar="DIR", required=required, default=None,
+                   help="folder for <table>.parquet/.csv, meta.json and report.html (its parent must exist)")
+    p.add_argument("--figures", metavar="FORMATS", default="",
+                   help="also write every report figure as files, e.g. svg,pdf,png (needs kaleido and Chromium)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
+
+
+def add_config_arguments(p: argparse.ArgumentParser, config_cls: type, *, skip: tuple[str, ...] = ()) -> None:
+    """One flag per field of the frozen Config dataclass `config_cls`, its help text from the field's
+    `posprobe.core.config.option(...)` docs; `dest` is the field name, so `config_from_args` can rebuild the config."""
+    hints = get_type_hints(config_cls)
+    for f in fields(config_cls):
+        meta = f.metadata
+        if f.name in skip or not meta.get("cli", True) or "help" not in meta:
+            continue
+        names = [meta.get("flag") or "--" + f.name.replace("_", "-"), *meta.get("aliases", ())]
+        default = f.default if f.default is not MISSING else None
+        kind, choices = _kind(hints[f.name])
+        help_text = meta["help"] + ("" if default is None or kind is bool else f" (default: {_show(default)})")
+        help_text = help_text.replace("%", "%%")  # argparse formats help with %
+        if kind is bool:
+            p.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+        elif kind is tuple:
+            # extend: `--k 0 100` and `--k 0 --k 100` both give (0, 100); None = not given (the
+            # field's default applies, see config_from_args).
+            item = choices
+            p.add_argument(*names, dest=f.name, nargs="+", action="extend", type=_list_item(item), default=None,
+                           help=help_text + ("; space- or comma-separated" if item is not str else ""),
+                           metavar=f.name.rstrip("s").upper() or "X")
+        else:
+            p.add_argument(*names, dest=f.name, type=kind, default=default, choices=choices, help=help_text)
+
+
+def config_from_args(config_cls: type, args: argparse.Namespace, **overrides: Any) -> Any:
+    """The Config built from the parsed flags (fields without a flag keep their defaults)."""
+    # None means "flag not given": the field's own default applies.
+    values = {f.name: getattr(args, f.name) for f in fields(config_cls) if getattr(args, f.name, None) is not None}
+    for name, v in list(values.items()):
+        if isinstance(v, list):  # nargs="+" gives lists; "0,3" items were split into tuples by _list_item
+            values[name] = tuple(x for item in v for x in (item if isinstance(item, tuple) else (item,)))
+    values.update(overrides)
+    return config_cls(**values)
+
+
+def _kind(hint: Any) -> tuple[Any, tuple | None]:
+    # Optional[X] -> X; tuple[X, ...] -> tuple with X's parser; Literal -> str with choices.
+    args = [a for a in get_args(hint) if a is not type(None)]
+    origin = get_origin(hint)
+    if origin is Literal:
+        return type(get_args(hint)[0]), get_args(hint)
+    if origin in (Union, UnionType) and len(args) == 1:
+        return _kind(args[0])
+    if origin is tuple:
+        return tuple, args[0] if args else str
+    if hint in (int, float, str, bool):
+        return hint, None
+    raise TypeError(f"no command-line type for {hint!r}")
+
+
+def _list_item(item: Any) -> Callable[[str], Any]:
+    # Numbers may come comma-separated ("0,3"); strings are taken whole (preset specs contain commas).
+    def parse(text: str) -> Any:
+        if item is str:
+            return text
+        parts = tuple(item(x) for x in text.split(",") if x.strip())
+        return parts if len(parts) != 1 else parts[0]
+
+    parse.__name__ = getattr(item, "__name__", "value")
+    return parse
+
+
+def _show(v: Any) -> str:
+    return " ".join(map(str, v)) if isinstance(v, tuple) else str(v)

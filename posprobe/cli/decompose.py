@@ -7,18 +7,14 @@ HELP = "Split one layer's attention scores into word/position cross terms (TUPE-
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from posprobe.cli import add_model_arguments
+    from posprobe.analyses.configs import DecomposeConfig
+    from posprobe.cli.args import add_config_arguments, add_model_arguments, add_output_arguments, add_text_argument
 
     add_model_arguments(p)
-    p.add_argument("--layer", type=int, default=0, help="layer to decompose (default 0)")
-    p.add_argument("--method", default="auto", choices=["auto", "exact", "data"],
-                   help="exact layer-0 split (learned positions) or data-driven split; auto picks exact when it applies")
-    p.add_argument("--text", default=None, help="corpus text file for positional means (default: built-in English text)")
-    p.add_argument("--sentence", default=None, help="sentence to decompose (default: the corpus's first sentence)")
-    p.add_argument("--head", type=int, default=None, help="head for the heatmaps (default: most positional head)")
-    p.add_argument("--max-windows", type=int, default=32, help="corpus windows for the positional mean (default 32)")
+    add_text_argument(p)
+    add_config_arguments(p, DecomposeConfig)
     p.add_argument("--process-weights", action="store_true", help="load with TL's LN folding / weight centring")
-    p.add_argument("--out", required=True, help="output folder (report.html, decompose.parquet/.csv, meta.json)")
+    add_output_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -42,14 +38,17 @@ def run(args: argparse.Namespace) -> int:
                 f"{early.positional_kind} positions; use --method data (the data-driven split)")
     text = checks.read_text_early(args.text)
 
-    from posprobe.analyses.decompose import DecomposeConfig, run_decompose
+    from posprobe.analyses.configs import DecomposeConfig
+    from posprobe.cli.args import config_from_args
+
+    config = config_from_args(DecomposeConfig, args, text=text, progress=not args.no_progress)
+
+    from posprobe.analyses.decompose import run_decompose
     from posprobe.backend.loading import load_model
 
-    config = DecomposeConfig(layer=args.layer, method=args.method, text=text, sentence=args.sentence,
-                             head=args.head, max_windows=args.max_windows)
     model = load_model(args.model, device=args.device, dtype=args.dtype, n_ctx=args.n_ctx,
                        process_weights=args.process_weights)
     result = run_decompose(model, config, source=args.text)
-    paths = result.save(out)
+    paths = result.save(out, figure_formats=args.figures)
     print(f"Wrote {paths['report']} (max |terms - scores| = {result.meta['max_abs_error']:.2e})")
     return 0

@@ -19,6 +19,8 @@ SUBCOMMANDS = {
     "decompose": "decompose",
     "probe": "probe",
     "geometry": "geometry",
+    "heads": "heads",
+    "atlas": "atlas",
 }
 
 
@@ -51,6 +53,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
+        if getattr(args, "figures", None):  # a bad format fails before any work
+            from posprobe.report.export import parse_formats
+
+            args.figures = parse_formats(args.figures)
         return int(args._run(args) or 0)
     except KeyboardInterrupt:
         print("posprobe: interrupted", file=sys.stderr)

@@ -13,8 +13,9 @@ import torch
 from jaxtyping import Int
 
 from posprobe.backend.facts import model_facts, require_learned, require_rotary
-from posprobe.backend.hooks import attention_scores, hook_name, hooked, layer_rotary_spec, pos_embed_hook, pre_rotation
-from posprobe.core.rope import RotarySpec, rotate
+from posprobe.backend.hooks import (attention_scores, hook_name, hooked, kept_scores, layer_rotary_spec, pos_embed_hook,
+                                    pre_rotation, rotate_at)
+from posprobe.core.rope import RotarySpec
 from posprobe.backend.model import context_length, model_name, n_layers, position_table
 
 
@@ -175,8 +176,8 @@ class _RopeControl:
             q = self.q_new.pop(layer)
             off = total - q.shape[1]
             spec = self.specs[layer]
-            self.q_buf[layer].copy_(rotate(q, self._positions(self.plan.q_pos, off, total), spec))
-            return rotate(k_all, self._positions(self.plan.k_pos, 0, total), spec)
+            self.q_buf[layer].copy_(rotate_at(self.model, layer, q, self._positions(self.plan.q_pos, off, total), spec))
+            return rotate_at(self.model, layer, k_all, self._positions(self.plan.k_pos, 0, total), spec)
 
         return hook
 
@@ -191,19 +192,19 @@ class _RopeControl:
                 rows = v.queries[..., off:total].to(scores.device)
                 if not bool(rows.any()):
                     continue
-                k_rot = rotate(k_all, v.k_pos[..., :total], self.specs[layer])
+                k_rot = rotate_at(self.model, layer, k_all, v.k_pos[..., :total], self.specs[layer])
                 if rows.dim() == 1:
                     # Only the selected query rows: one view per query stays O(n^2) per view, not O(n^3).
                     idx = rows.nonzero()[:, 0]
                     alt = attention_scores(self.model, layer, q_rot[:, idx], k_rot).to(scores.dtype)
                     part = out[:, :, idx]
                     out = out.clone() if out is scores else out
-                    # Masked entries keep the model's own fill value (-inf), whatever the view says.
-                    out[:, :, idx] = torch.where(torch.isfinite(scores[:, :, idx]), alt, part)
+                    # Masked entries keep the model's own fill value (-inf, or the bridge's finfo.min), whatever the view says.
+                    out[:, :, idx] = torch.where(kept_scores(self.model, scores[:, :, idx]), alt, part)
                     continue
                 alt = attention_scores(self.model, layer, q_rot, k_rot)
                 sel = rows.reshape(-1, 1, n_q, 1)
-                out = torch.where(sel & torch.isfinite(scores), alt.to(scores.dtype), out)
+                out = torch.where(sel & kept_scores(self.model, scores), alt.to(scores.dtype), out)
             return out
 
         return hook

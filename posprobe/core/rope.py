@@ -119,18 +119,44 @@ def band_index(spec: RotarySpec) -> torch.Tensor:
 
 
 def band_pairs(x: Float[torch.Tensor, "... d_head"], spec: RotarySpec) -> Float[torch.Tensor, "... band 2"]:
-    """The two coordinates of every band of each head vector."""
-    return x[..., band_index(spec).to(x.device)]
+    """The two coordinates of every band of each head vector, as a view of `x` (no copy)."""
+    x = x[..., : spec.rotary_dim]
+    if spec.adjacent:
+        return x.unflatten(-1, (spec.n_bands, 2))
+    return x.unflatten(-1, (2, spec.n_bands)).transpose(-1, -2)
 
 
 def band_norms(x: Float[torch.Tensor, "batch pos head_index d_head"], spec: RotarySpec) -> Float[torch.Tensor, "batch pos head_index band"]:
     """2-norm of each band's pair (rotation-invariant: equal before and after RoPE)."""
-    return band_pairs(x, spec).norm(dim=-1)
+    pairs = band_pairs(x, spec)
+    return torch.hypot(pairs[..., 0], pairs[..., 1])
 
 
 def expand_kv(k: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Repeat GQA key heads (axis 2) to query heads, as TL does."""
     return k if k.shape[2] == n_heads else torch.repeat_interleave(k, n_heads // k.shape[2], dim=2)
+
+
+def _grouped_band_products(
+    q_rot: Float[torch.Tensor, "batch query_pos head_index d_head"],
+    k_rot: Float[torch.Tensor, "batch key_pos kv_head d_head"],
+    spec: RotarySpec,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> Float[torch.Tensor, "batch kv_head band group_query key_pos"]:
+    """Per-band partial dot products q_b.k_b / `scale` in the layout one batched matmul produces.
+
+    Query head h = kv * group + g shares key head kv (TL's repeat order); axis 3 runs over (g, query_pos),
+    g slowest. Keys are never repeated. `out`, if given, is a contiguous buffer of the result's shape
+    that is written in place (a streaming caller reuses it instead of allocating a large block per call).
+    """
+    B, n_q, H, _ = q_rot.shape
+    kv, n_k = k_rot.shape[2], k_rot.shape[1]
+    nb = spec.n_bands
+    qp = band_pairs(q_rot[..., : spec.rotary_dim] / scale, spec)  # scale q: far smaller than the products
+    qp = qp.reshape(B, n_q, kv, H // kv, nb, 2).permute(0, 2, 4, 3, 1, 5).reshape(B, kv, nb, H // kv * n_q, 2)
+    kp = band_pairs(k_rot, spec).permute(0, 2, 3, 4, 1)  # [batch, kv, band, 2, key_pos]
+    return torch.matmul(qp, kp, out=out)
 
 
 def band_contributions(
@@ -146,13 +172,10 @@ def band_contributions(
     """
     B, n_q, H, _ = q_rot.shape
     kv, n_k = k_rot.shape[2], k_rot.shape[1]
-    idx = band_index(spec).to(q_rot.device)
-    q_rot = q_rot / scale  # once on q rather than on the much larger per-band scores
-    # Group query heads by the kv head they share (h = kv * group + g, as repeat_interleave) instead
-    # of materialising repeated keys.
-    qg = q_rot.reshape(B, n_q, kv, H // kv, -1)
-    bands = torch.einsum("bqvgnt,bkvnt->bvgnqk", qg[..., idx], k_rot[..., idx]).reshape(B, H, spec.n_bands, n_q, n_k)
+    grouped = _grouped_band_products(q_rot, k_rot, spec, scale)
+    bands = grouped.view(B, kv, spec.n_bands, H // kv, n_q, n_k).transpose(2, 3).reshape(B, H, spec.n_bands, n_q, n_k)
     if q_rot.shape[-1] == spec.rotary_dim:
         return bands, bands.new_zeros(B, H, n_q, n_k)
-    rest = torch.einsum("bqvgd,bkvd->bvgqk", qg[..., spec.rotary_dim:], k_rot[..., spec.rotary_dim:])
+    qg = (q_rot[..., spec.rotary_dim:] / scale).reshape(B, n_q, kv, H // kv, -1)
+    rest = torch.einsum("bqvgd,bkvd->bvgqk", qg, k_rot[..., spec.rotary_dim:])
     return bands, rest.reshape(B, H, n_q, n_k)

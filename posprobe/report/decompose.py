@@ -9,6 +9,7 @@ import pandas as pd
 
 from posprobe.analyses.decompose import summary_table
 from posprobe.report.html import Section, table_html
+from posprobe.report.style import COLORS, caption, reference_line, style
 
 _WHAT = {
     "exact-layer0": ("exact layer-0 split: w = token embedding, p = position embedding, bias = everything constant "
@@ -30,7 +31,17 @@ def figures(result: Any) -> list:
     summary = df[df.metric != "score"].drop(columns=["query_pos", "key_pos", "rel_pos"])
     maps = df[df.metric == "score"]
     head = int(m["head"])
-    return [heatmap_figure(maps, head, tuple(m["heatmap_terms"])), share_figure(summary), profile_figure(maps, head)]
+    return [heatmap_figure(maps, head, tuple(m["heatmap_terms"]), m), share_figure(summary, m),
+            profile_figure(maps, head, m)]
+
+
+def figure_caption(meta: dict | None) -> str:
+    """Caption of a decomposition figure: model, data, layer, method, sentence length, identity error."""
+    m = meta or {}
+    opts = {"layer": m.get("layer"), "split": m.get("method"),
+            "sentence of": f"{m['n_tokens']} tokens" if m.get("n_tokens") else None,
+            "max |sum of terms − score|": f"{m['max_abs_error']:.1e}" if m.get("max_abs_error") is not None else None}
+    return caption(m, opts)
 
 
 def sections(result: Any) -> list[Section]:
@@ -50,7 +61,7 @@ def sections(result: Any) -> list[Section]:
             Section("Figures", figures=figures(result))]
 
 
-def heatmap_figure(frame: pd.DataFrame, head: int, terms: tuple[str, ...]) -> Any:
+def heatmap_figure(frame: pd.DataFrame, head: int, terms: tuple[str, ...], meta: dict | None = None) -> Any:
     """2x2 TUPE-style heatmaps (query_pos x key_pos) of four terms of one head, from tidy rows."""
     from plotly.subplots import make_subplots
     import plotly.graph_objects as go
@@ -64,24 +75,29 @@ def heatmap_figure(frame: pd.DataFrame, head: int, terms: tuple[str, ...]) -> An
     fig.update_yaxes(autorange="reversed", title_text="query_pos")
     fig.update_xaxes(title_text="key_pos")
     fig.update_layout(title=f"Head {head}: score terms (score units)", height=760,
-                      coloraxis={"colorscale": "RdBu", "cmid": 0})
-    return fig
+                      coloraxis={"colorscale": "RdBu", "cmid": 0, "colorbar": {"title": "score"}})
+    return style(fig, caption=figure_caption(meta))
 
 
-def share_figure(summary: pd.DataFrame) -> Any:
-    """Stacked bars: each term's share of within-row score variance, per head."""
+def share_figure(summary: pd.DataFrame, meta: dict | None = None) -> Any:
+    """Stacked bars: each term's share of within-row score variance, per head (shares sum to 1)."""
     import plotly.express as px
 
     d = summary[(summary.metric == "var_share") & (summary.term != "positional")]
-    return px.bar(d, x="head", y="value", color="term", barmode="relative",
-                  title="Share of score variance per term (cov(term, score) / var(score), row-centred)",
-                  labels={"value": "share"})
+    fig = px.bar(d, x="head", y="value", color="term", barmode="relative", color_discrete_sequence=list(COLORS),
+                 title="Share of score variance per term (cov(term, score) / var(score), row-centred)",
+                 labels={"value": "share of score variance", "head": "head"})
+    fig.update_xaxes(dtick=1)
+    reference_line(fig, 1.0, "sum of shares = 1")
+    return style(fig, caption=figure_caption(meta))
 
 
-def profile_figure(frame: pd.DataFrame, head: int) -> Any:
+def profile_figure(frame: pd.DataFrame, head: int, meta: dict | None = None) -> Any:
     """Mean pp term on each diagonal (rel_pos = query_pos - key_pos) of one head."""
     import plotly.express as px
 
     d = frame[(frame["head"] == head) & (frame.term == "pp")].groupby("rel_pos", as_index=False)["value"].mean()
-    return px.line(d, x="rel_pos", y="value", markers=True, title=f"Head {head}: pp term by relative position",
-                   labels={"value": "mean pp (score units)"})
+    fig = px.line(d, x="rel_pos", y="value", markers=True, title=f"Head {head}: pp term by relative position",
+                  labels={"value": "mean pp (score units)", "rel_pos": "relative position (query − key)"})
+    reference_line(fig, 0.0, "0")
+    return style(fig, caption=figure_caption(meta))

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import html
-import json
 from typing import Any
 
 import pandas as pd
 
 from posprobe.report.html import Section, table_html
+from posprobe.report.style import caption, reference_line, style
 
 #: Per-head numbers shown in the report tables, with this many decimals.
 DECIMALS = 4
@@ -19,7 +19,7 @@ def _band_labels(df: pd.DataFrame) -> dict[int, str]:
     return {int(b): ("rest" if b < 0 else f"b{int(b)} ({w[b]:.3g} tok)") for b in sorted(w.index)}
 
 
-def band_head_heatmap(df: pd.DataFrame, layer: int, metric: str = "abs_share") -> Any:
+def band_head_heatmap(df: pd.DataFrame, layer: int, metric: str = "abs_share", meta: dict | None = None) -> Any:
     """Heatmap band (rows, fastest first, labelled with wavelength) x head of `metric` for one layer."""
     import plotly.graph_objects as go
 
@@ -28,11 +28,12 @@ def band_head_heatmap(df: pd.DataFrame, layer: int, metric: str = "abs_share") -
     labels = _band_labels(d)
     fig = go.Figure(go.Heatmap(z=piv.values, x=[f"H{h}" for h in piv.columns], y=[labels[b] for b in piv.index],
                                colorscale="Viridis", colorbar=dict(title=metric)))
-    fig.update_layout(title=f"Layer {layer}: {metric} per band x head", height=520, yaxis=dict(autorange="reversed"))
-    return fig
+    fig.update_layout(title=f"Layer {layer}: {_METRIC.get(metric, metric)} per band × head", height=520,
+                      yaxis=dict(autorange="reversed"), xaxis_title="head", yaxis_title="band (wavelength)")
+    return style(fig, caption=figure_caption(meta))
 
 
-def layer_band_overview(df: pd.DataFrame, metric: str = "abs_share") -> Any:
+def layer_band_overview(df: pd.DataFrame, metric: str = "abs_share", meta: dict | None = None) -> Any:
     """Heatmap layer x band of `metric` averaged over heads."""
     import plotly.graph_objects as go
 
@@ -40,12 +41,12 @@ def layer_band_overview(df: pd.DataFrame, metric: str = "abs_share") -> Any:
     piv = d.pivot_table(index="layer", columns="band", values="value", aggfunc="mean")
     fig = go.Figure(go.Heatmap(z=piv.values, x=[f"b{b}" for b in piv.columns], y=[f"L{l}" for l in piv.index],
                                colorscale="Viridis", colorbar=dict(title=metric)))
-    fig.update_layout(title=f"{metric} (mean over heads): layer x band (band 0 = fastest)", height=560,
-                      yaxis=dict(autorange="reversed"))
-    return fig
+    fig.update_layout(title=f"{_METRIC.get(metric, metric)} (mean over heads): layer × band (band 0 = fastest)",
+                      height=560, yaxis=dict(autorange="reversed"), xaxis_title="band", yaxis_title="layer")
+    return style(fig, caption=figure_caption(meta))
 
 
-def head_band_profile(df: pd.DataFrame, layer: int, head: int) -> Any:
+def head_band_profile(df: pd.DataFrame, layer: int, head: int, meta: dict | None = None) -> Any:
     """q_norm, k_norm and abs_share of one head against band (wavelength on hover)."""
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
@@ -61,10 +62,10 @@ def head_band_profile(df: pd.DataFrame, layer: int, head: int) -> Any:
     fig.update_layout(title=f"L{layer}H{head}: band norms and score share", height=360, xaxis_title="band (0 = fastest)")
     fig.update_yaxes(title_text="mean 2-norm", secondary_y=False)
     fig.update_yaxes(title_text="share of |score|", secondary_y=True)
-    return fig
+    return style(fig, caption=figure_caption(meta))
 
 
-def head_rel_pos_profile(profile: pd.DataFrame, layer: int, head: int) -> Any:
+def head_rel_pos_profile(profile: pd.DataFrame, layer: int, head: int, meta: dict | None = None) -> Any:
     """Heatmap band x rel_pos bin of the mean signed contribution of one head."""
     import plotly.graph_objects as go
 
@@ -76,11 +77,11 @@ def head_rel_pos_profile(profile: pd.DataFrame, layer: int, head: int) -> Any:
     fig = go.Figure(go.Heatmap(z=piv.values, x=x, y=[labels[b] for b in piv.index], colorscale="RdBu", zmid=0,
                                colorbar=dict(title="score")))
     fig.update_layout(title=f"L{layer}H{head}: mean contribution by relative distance", height=460,
-                      xaxis_title="rel_pos (query - key)", yaxis=dict(autorange="reversed"))
-    return fig
+                      xaxis_title="relative position (query − key)", yaxis=dict(autorange="reversed"))
+    return style(fig, caption=figure_caption(meta))
 
 
-def sweep_figure(abl: pd.DataFrame) -> Any:
+def sweep_figure(abl: pd.DataFrame, meta: dict | None = None) -> Any:
     """Loss change against fraction of bands kept rotating, drop-low (p-RoPE) vs drop-high."""
     import plotly.graph_objects as go
 
@@ -91,8 +92,24 @@ def sweep_figure(abl: pd.DataFrame) -> Any:
             t = pd.concat([abl[abl.condition == "none"], t]).sort_values("fraction_kept")
             fig.add_trace(go.Scatter(x=t.fraction_kept, y=t.delta_loss, mode="lines+markers", name=v))
     fig.update_layout(title="Model-wide unrotation sweep", xaxis_title="p = fraction of bands kept rotating",
-                      yaxis_title="loss change (nats/token)", height=380)
-    return fig
+                      yaxis_title="loss change (nats/token)", height=400)
+    reference_line(fig, 0.0, "no change")
+    opts = {"ablation windows": (meta or {}).get("ablate_windows")}
+    return style(fig, caption=figure_caption(meta, opts))
+
+
+_METRIC = {"abs_share": "share of |score|", "q_norm": "q norm", "k_norm": "k norm"}
+
+
+def figure_caption(meta: dict | None, extra: dict | None = None) -> str:
+    """Caption of a frequency figure: model, data, windows x tokens, which queries are scored, RoPE facts."""
+    m = meta or {}
+    model = m.get("model") or {}
+    opts = {"windows of": f"{m['window']} tokens" if m.get("window") else None,
+            "scores on": m.get("score_queries"),
+            "RoPE base": model.get("rotary_base_per_layer"), "rotary dim": model.get("rotary_dim"),
+            **(extra or {})}
+    return caption(m, opts)
 
 
 def _fmt(df: pd.DataFrame) -> pd.DataFrame:
@@ -110,11 +127,11 @@ def title(result: Any) -> str:
 
 def figures(result: Any) -> list:
     """Overview heatmaps (abs score share and q norm by layer and band) and the ablation sweep."""
-    df = result.tables["bands"]
-    figs = [layer_band_overview(df, "abs_share"), layer_band_overview(df, "q_norm")]
+    df, m = result.tables["bands"], result.meta
+    figs = [layer_band_overview(df, "abs_share", m), layer_band_overview(df, "q_norm", m)]
     abl = result.tables.get("ablation")
     if abl is not None and len(abl):
-        figs.append(sweep_figure(abl))
+        figs.append(sweep_figure(abl, m))
     return figs
 
 
@@ -127,14 +144,14 @@ def sections(result: Any) -> list[Section]:
     kinds = heads.kind.value_counts().to_dict()
     summary = (f"<p>{m['n_windows']} windows of {m['window']} tokens ({m['n_tokens']} tokens). Band 0 is the "
                f"fastest rotary pair; band -1 ('rest') the unrotated dims. Scores are pre-softmax logits.</p>"
-               f"<p>Head classes: {html.escape(json.dumps(kinds))}. Rule: {html.escape(m['classification_rule'])}.</p>")
+               f"<p>Head classes: {html.escape(', '.join(f'{k}: {v}' for k, v in kinds.items()))}. Rule: {html.escape(m['classification_rule'])}.</p>")
     secs = [Section("Summary", html=summary, table=_fmt(heads.sort_values("eta2", ascending=False).head(20)))]
-    secs.append(Section("Overview", figures=[layer_band_overview(df, "abs_share"), layer_band_overview(df, "q_norm")]))
+    secs.append(Section("Overview", figures=[layer_band_overview(df, "abs_share", m), layer_band_overview(df, "q_norm", m)]))
     for layer in sorted(df.layer.unique()):
         secs.append(Section(f"Layer {layer}: band x head",
-                            figures=[band_head_heatmap(df, layer, "abs_share"), band_head_heatmap(df, layer, "q_norm")]))
+                            figures=[band_head_heatmap(df, layer, "abs_share", m), band_head_heatmap(df, layer, "q_norm", m)]))
     if ablation is not None and len(ablation):
-        secs.append(Section("Band ablations (loss change)", figures=[sweep_figure(ablation)],
+        secs.append(Section("Band ablations (loss change)", figures=[sweep_figure(ablation, m)],
                             table=_fmt(ablation[["condition", "mode", "bands", "fraction_kept", "value", "delta_loss"]])))
     for layer, head in top:
         h = heads[(heads.layer == layer) & (heads["head"] == head)]
@@ -145,5 +162,5 @@ def sections(result: Any) -> list[Section]:
                 tables.append(a[["condition", "bands", "value", "delta_loss"]])
         body = "".join(table_html(_fmt(t)) for t in tables[1:])
         secs.append(Section(f"Head L{layer}H{head}", html=body, table=_fmt(tables[0]),
-                            figures=[head_band_profile(df, layer, head), head_rel_pos_profile(profile, layer, head)]))
+                            figures=[head_band_profile(df, layer, head, m), head_rel_pos_profile(profile, layer, head, m)]))
     return secs

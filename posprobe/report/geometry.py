@@ -7,6 +7,7 @@ from typing import Any
 import pandas as pd
 
 from posprobe.report.html import Section, table_html
+from posprobe.report.style import caption, style
 
 
 def title(result: Any) -> str:
@@ -16,7 +17,16 @@ def title(result: Any) -> str:
 
 def figures(result: Any) -> list:
     """Per view and layer: PCA trajectory, PCs vs position, cosine map, norm by position."""
-    return geometry_figures(result.tables["geometry"])
+    return geometry_figures(result.tables["geometry"], result.meta)
+
+
+def figure_caption(meta: dict | None, view: str = "") -> str:
+    """Caption of a geometry figure: model, data, view, capture point, positions skipped, components."""
+    m = meta or {}
+    cfg = m.get("config") or {}
+    opts = {"view": view or None, "point": cfg.get("point"), "positions": m.get("n_pos"),
+            "first positions skipped": cfg.get("skip_first"), "components": cfg.get("components")}
+    return caption(m, opts)
 
 
 def sections(result: Any) -> list[Section]:
@@ -24,7 +34,10 @@ def sections(result: Any) -> list[Section]:
     df = result.tables["geometry"]
     sin = df[df.metric.isin(["explained_variance", "sin_period", "sin_r2"])]
     sin = sin.assign(layer=sin["layer"].astype("string").fillna("-"))  # W_pos has no layer
-    table = sin.pivot_table(index=["source", "layer", "k"], columns="metric", values="value").round(3)
+    table = sin.pivot_table(index=["source", "layer", "k"], columns="metric", values="value").reset_index()
+    table["k"] = table["k"].astype(int) + 1  # principal components are numbered from 1 in words
+    table = table.rename(columns={"source": "view", "k": "component", "explained_variance": "explained variance",
+                                  "sin_period": "sinusoid period (positions)", "sin_r2": "sinusoid R²"})
     skip = result.meta.get("config", {}).get("skip_first", 0)
     summary = ("<p>Residual view: mean of the residual stream at each position over the rows (content averages "
                f"out), positions from {skip}. Sinusoid fit of each principal component's score against "
@@ -33,7 +46,7 @@ def sections(result: Any) -> list[Section]:
     return [Section("Summary", html=summary + table_html(table)), Section("Figures", figures=figures(result))]
 
 
-def geometry_figures(df: pd.DataFrame) -> list:
+def geometry_figures(df: pd.DataFrame, meta: dict | None = None) -> list:
     """Plotly figures per (source, layer): 3-D PCA trajectory coloured by position, PCs vs position,
     cosine map, norm by position, explained variance."""
     import plotly.graph_objects as go
@@ -41,6 +54,8 @@ def geometry_figures(df: pd.DataFrame) -> list:
     figs = []
     for (source, layer), g in df.groupby(["source", df["layer"].fillna(-1)], sort=False):
         tag = source if layer == -1 else f"{source}, layer {layer}"
+        cap = figure_caption(meta, tag)
+        start = len(figs)
         sc = g[g.metric == "pc_score"].pivot(index="pos", columns="k", values="value")
         ev = g[g.metric == "explained_variance"].set_index("k")["value"]
         if sc.shape[1] >= 3:
@@ -66,4 +81,6 @@ def geometry_figures(df: pd.DataFrame) -> list:
         nm = g[g.metric == "norm"]
         figs.append(go.Figure(go.Scatter(x=nm.pos, y=nm.value, mode="lines")).update_layout(
             title=f"Norm by position ({tag})", xaxis_title="position", yaxis_title="L2 norm"))
+        for fig in figs[start:]:
+            style(fig, caption=cap)
     return figs

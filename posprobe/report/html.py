@@ -2,7 +2,8 @@
 
 ``render_html`` produces ONE HTML page: plotly.js is inlined exactly once in a
 ``<script>`` in ``<head>``; figures are embedded as plain divs + inline
-``Plotly.newPlot`` calls; tables come from ``DataFrame.to_html``.  The page
+``Plotly.newPlot`` calls, each in a ``<figure>`` with its caption; tables are
+formatted for reading (``table_html``: no index, headers in words, rounded).  The page
 references no external URL (no CDN, no web fonts, no MathJax), so it renders
 with networking switched off.
 """
@@ -16,9 +17,9 @@ from typing import Any
 
 import pandas as pd
 
-__all__ = ["Section", "render_html", "table_html"]
+__all__ = ["Section", "render_html", "table_html", "format_table"]
 
-#: Tables longer than this are truncated (pandas shows a "..." row).
+#: Rows of a table shown at most (all rows are in the CSV).
 MAX_TABLE_ROWS = 200
 #: Height used for figures whose layout does not fix one.
 DEFAULT_FIGURE_HEIGHT = "460px"
@@ -28,25 +29,31 @@ _CSS = """
 :root { color-scheme: light; }
 * { box-sizing: border-box; }
 body { margin: 0; background: #fafafa; color: #1f2328;
-  font: 15px/1.5 system-ui, -apple-system, "Segoe UI", Roboto, Helvetica, Arial, sans-serif; }
-main { max-width: 1100px; margin: 0 auto; padding: 24px 20px 40px; }
+  font: 15px/1.5 Helvetica, Arial, "Liberation Sans", system-ui, sans-serif; }
+main { max-width: 1200px; margin: 0 auto; padding: 24px 20px 40px; }
 h1 { font-size: 1.6em; margin: 0 0 16px; }
 h2 { font-size: 1.2em; margin: 0 0 12px; border-bottom: 1px solid #e5e7eb; padding-bottom: 4px; }
 section { background: #fff; border: 1px solid #e5e7eb; border-radius: 6px;
-  padding: 16px 20px; margin: 0 0 20px; }
-.pp-figure { margin: 8px 0 16px; }
-.pp-table-wrap { overflow-x: auto; }
-table.pp-table { border-collapse: collapse; font-size: 13px;
+  padding: 16px 20px; margin: 0 0 20px; min-width: 0; }
+figure.pp-figure { margin: 8px 0 22px; }
+figure.pp-figure figcaption { color: #4b5563; font-size: 13px; margin: 4px 8px 0; }
+.pp-table-wrap { overflow-x: auto; max-width: 100%; margin: 6px 0 10px; }
+table.pp-table { border-collapse: collapse; font-size: 13px; max-width: 100%;
   font-variant-numeric: tabular-nums; }
 table.pp-table th, table.pp-table td { border-bottom: 1px solid #e5e7eb;
-  padding: 4px 10px; text-align: right; white-space: nowrap; }
+  padding: 3px 8px; text-align: right; vertical-align: top; }
+table.pp-table td { white-space: nowrap; }
+table.pp-table td.pp-text { white-space: normal; text-align: left; overflow-wrap: break-word; }
+table.pp-table th { white-space: normal; overflow-wrap: normal; min-width: 3em; }
 table.pp-table thead th { background: #f3f4f6; border-bottom: 2px solid #d1d5db; }
 table.pp-table tbody tr:nth-child(even) { background: #fafafa; }
-footer { max-width: 1100px; margin: 0 auto; padding: 0 20px 24px; color: #6b7280; font-size: 12px; }
+details.pp-more > summary { cursor: pointer; color: #0b5cad; font-size: 13px; margin: 4px 0; }
+pre { white-space: pre-wrap; overflow-wrap: anywhere; font-size: 13px; }
+footer { max-width: 1200px; margin: 0 auto; padding: 0 20px 24px; color: #6b7280; font-size: 12px; }
 footer dl { display: grid; grid-template-columns: max-content 1fr; gap: 2px 12px; margin: 0; }
 footer dt { font-weight: 600; }
 footer dd { margin: 0; word-break: break-all; }
-code { font-family: ui-monospace, SFMono-Regular, Menlo, Consolas, monospace; }
+code { font-family: ui-monospace, SFMono-Regular, Menlo, Consolas, monospace; overflow-wrap: anywhere; }
 """
 
 
@@ -74,7 +81,16 @@ def _has_trivial_index(df: pd.DataFrame) -> bool:
     return isinstance(df.index, pd.RangeIndex) and df.index.name is None
 
 
+def _index_is_data(df: pd.DataFrame) -> bool:
+    """A named index (from a pivot or groupby) carries data; an unnamed one is row numbers, even after filtering."""
+    return any(n is not None for n in df.index.names)
+
+
 def _figure_html(fig: Any, div_id: str) -> str:
+    from posprobe.report import style
+
+    if not style.is_styled(fig):  # figures from user page modules get the same theme
+        style.style(fig)
     height = None if getattr(fig.layout, "height", None) else DEFAULT_FIGURE_HEIGHT
     body = fig.to_html(
         full_html=False,
@@ -85,20 +101,115 @@ def _figure_html(fig: Any, div_id: str) -> str:
         default_width="100%",
         default_height=height or "100%",
     )
-    return f'<div class="pp-figure">{body}</div>'
+    cap = style.get_caption(fig)
+    figcaption = f'<figcaption id="caption-{div_id}">{_esc(cap)}</figcaption>' if cap else ""
+    return f'<figure class="pp-figure">{body}{figcaption}</figure>'
 
 
-def table_html(df: pd.DataFrame) -> str:
-    """A DataFrame as an HTML table in the report style (index shown only when meaningful)."""
-    table = df.to_html(
-        classes="pp-table",
-        border=0,
-        index=not _has_trivial_index(df),
-        escape=True,
-        max_rows=MAX_TABLE_ROWS,
-        na_rep="",
-    )
-    return f'<div class="pp-table-wrap">{table}</div>'
+#: Tables longer than this show their first rows, the rest behind a "show all" toggle.
+COLLAPSE_ROWS = 20
+#: Columns whose floats are p-values (shown with 3 significant digits).
+_P_COLUMNS = {"mcnemar_p", "p", "p_value"}
+
+
+def _is_listlike(v: Any) -> bool:
+    return isinstance(v, (list, tuple, set, dict)) or type(v).__name__ == "ndarray"
+
+
+def _cell_text(v: Any) -> str:
+    if isinstance(v, dict):
+        return ", ".join(f"{k}={x}" for k, x in v.items())
+    if _is_listlike(v):
+        return ", ".join(str(x) for x in list(v))
+    return str(v)
+
+
+def _float_formatter(col: Any, values: pd.Series) -> Any:
+    """One format for a float column, chosen from its magnitude (so a column reads evenly)."""
+    import math
+
+    finite = values[pd.notna(values)].astype(float)
+    finite = finite[finite.map(math.isfinite)]
+    big = float(finite.abs().max()) if len(finite) else 0.0
+    if str(col).split(" ")[-1] in _P_COLUMNS or str(col) in _P_COLUMNS:
+        return lambda x: f"{x:.3g}"
+    if finite.map(lambda x: float(x).is_integer()).all() and big < 1e15:
+        return lambda x: f"{x:.0f}"
+    nonzero = finite[finite != 0].abs()
+    if len(nonzero) and (float(nonzero.max()) < 1e-3 or big >= 1e6):
+        return lambda x: f"{x:.2e}"
+    decimals = 4 if big < 1 else max(0, min(4, 3 - int(math.floor(math.log10(big)))))
+    return lambda x: f"{x:.{decimals}f}"
+
+
+def format_table(df: pd.DataFrame) -> pd.DataFrame:
+    """A display copy of `df`: index turned into columns (a RangeIndex dropped), headers in words,
+    floats rounded per column, booleans as yes/no, lists as text; every cell a string."""
+    from posprobe.report.style import header
+
+    out = df.copy()
+    if isinstance(out.columns, pd.MultiIndex):
+        out.columns = [" ".join(str(c) for c in col if str(c) != "") for col in out.columns]
+    out = out.reset_index(drop=not _index_is_data(out))
+    cols: dict[str, pd.Series] = {}
+    for col in out.columns:
+        s = out[col]
+        if pd.api.types.is_bool_dtype(s):
+            text = s.map(lambda x: "yes" if x else "no")
+        elif pd.api.types.is_float_dtype(s):
+            f = _float_formatter(col, s)
+            text = s.map(lambda x, f=f: "" if pd.isna(x) else ("inf" if x == float("inf") else
+                                                                ("-inf" if x == float("-inf") else f(x))))
+        elif pd.api.types.is_integer_dtype(s):
+            text = s.map(lambda x: "" if pd.isna(x) else str(int(x)))
+        else:
+            text = s.map(lambda x: "" if (not _is_listlike(x) and pd.isna(x)) else _cell_text(x))
+        cols[header(col)] = text.astype(str)
+    return pd.DataFrame(cols)
+
+
+def _text_columns(df: pd.DataFrame) -> set[int]:
+    """Positions of columns holding free text (left-aligned, may wrap)."""
+    out = set()
+    for i, col in enumerate(df.columns):
+        s = df[col]
+        if not (pd.api.types.is_numeric_dtype(s) or pd.api.types.is_bool_dtype(s)):
+            sample = s.dropna().astype(str).head(50)
+            if len(sample) and not sample.str.fullmatch(r"[-+]?[0-9.,eE+\-]*").all():
+                out.add(i)
+    return out
+
+
+def _raw_names(df: pd.DataFrame) -> list[str]:
+    flat = df.copy()
+    if isinstance(flat.columns, pd.MultiIndex):
+        flat.columns = ["_".join(str(c) for c in col if str(c) != "") for col in flat.columns]
+    return [str(c) for c in flat.reset_index(drop=not _index_is_data(flat)).columns]
+
+
+def _table_tag(df: pd.DataFrame, text_cols: set[int], raw: list[str]) -> str:
+    # The data column's own name rides along as a tooltip: it is what the CSV/parquet files call it.
+    head = "".join(f'<th title="{_esc(r)}">{_esc(c)}</th>' for c, r in zip(df.columns, raw))
+    rows = []
+    for row in df.itertuples(index=False):
+        cells = "".join(f'<td class="pp-text">{_esc(v)}</td>' if i in text_cols else f"<td>{_esc(v)}</td>"
+                        for i, v in enumerate(row))
+        rows.append(f"<tr>{cells}</tr>")
+    return (f'<table class="pp-table"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>')
+
+
+def table_html(df: pd.DataFrame, *, max_rows: int = MAX_TABLE_ROWS, collapse: int = COLLAPSE_ROWS) -> str:
+    """A DataFrame as a report table: no pandas index, headers in words, floats rounded per column,
+    lists as text. Longer than `collapse` rows: the first rows, then all (up to `max_rows`) behind a toggle."""
+    shown = format_table(df.head(max_rows))
+    raw = _raw_names(df.head(0))
+    text_cols = _text_columns(df.reset_index(drop=not _index_is_data(df)).head(max_rows))
+    more = f" (first {max_rows} of {len(df)}; all rows in the CSV)" if len(df) > max_rows else ""
+    if len(shown) <= collapse:
+        return f'<div class="pp-table-wrap">{_table_tag(shown, text_cols, raw)}</div>'
+    return (f'<div class="pp-table-wrap">{_table_tag(shown.head(collapse // 2), text_cols, raw)}</div>'
+            f'<details class="pp-more"><summary>Show all {min(len(df), max_rows)} rows{more}</summary>'
+            f'<div class="pp-table-wrap">{_table_tag(shown, text_cols, raw)}</div></details>')
 
 
 def _meta_value(v: Any) -> str:

@@ -17,6 +17,8 @@ PAGES = {
     "geometry": "posprobe.report.geometry",
     "squish": "posprobe.report.squish",
     "surgery-eval": "posprobe.report.squish",
+    "heads": "posprobe.report.heads",
+    "atlas": "posprobe.report.atlas",
 }
 
 

@@ -5,8 +5,11 @@ from __future__ import annotations
 import html
 from typing import Any
 
+import pandas as pd
+
 from posprobe.analyses.probes import POINTS, summarize
 from posprobe.report.html import Section, table_html
+from posprobe.report.style import COLORS, REFERENCE_COLOR, caption, style
 
 
 def title(result: Any) -> str:
@@ -16,21 +19,33 @@ def title(result: Any) -> str:
 
 def figures(result: Any) -> list:
     """MAE and bucket accuracy by layer (probe, control, chance)."""
-    return probe_figures(result.tables["probes"])
+    return probe_figures(result.tables["probes"], result.meta)
+
+
+def figure_caption(meta: dict | None) -> str:
+    """Caption of a probe figure: model, data, tokens, folds, probe and control."""
+    m = meta or {}
+    cfg = m.get("config") or {}
+    opts = {"tokens sampled": m.get("n_tokens"), "positions": m.get("n_pos"),
+            "folds": f"{cfg['n_splits']} (GroupKFold by row)" if cfg.get("n_splits") else None,
+            "classifier": cfg.get("classifier"), "buckets": cfg.get("n_buckets")}
+    return caption(m, opts, note="Error bars: std over folds. Control: positions shuffled within each row; "
+                                 "chance: training mean / majority bucket.")
 
 
 def sections(result: Any) -> list[Section]:
     """Summary (data, folds, control, per point/layer means and stds) and the figures."""
     m = result.meta
     s = summarize(result.tables["probes"])
-    table = s.pivot_table(index=["point", "layer"], columns=["metric", "condition"], values=["mean", "std"]).round(3)
+    table = s.pivot_table(index=["point", "layer"], columns=["metric", "condition"], values=["mean", "std"])
+    table.columns = [f"{metric} {cond} ({stat})" for stat, metric, cond in table.columns]
     summary = (f"<p>{m['n_rows']} rows of {m['n_pos']} tokens from {html.escape(str(m['data']['source']))}; "
                f"{m['n_tokens']} sampled tokens; {m['config']['n_splits']}-fold GroupKFold by row. Control: training "
                "positions shuffled within each row. Chance: predict the training mean / majority bucket.</p>")
     return [Section("Summary", html=summary + table_html(table)), Section("Figures", figures=figures(result))]
 
 
-def probe_figures(df: pd.DataFrame) -> list:
+def probe_figures(df: pd.DataFrame, meta: dict | None = None) -> list:
     """Plotly figures from a probe df: MAE and accuracy by layer (probe, control, chance; bars = fold std)."""
     import plotly.graph_objects as go
 
@@ -43,11 +58,17 @@ def probe_figures(df: pd.DataFrame) -> list:
         sub = s[s.metric == metric]
         # Chance depends only on the labels, identical for every point: one trace is enough.
         sub = sub[(sub.condition != "chance") | (sub.point == sub.point.iloc[0])]
+        points = list(dict.fromkeys(sub.point))
         for (point, condition), g in sub.groupby(["point", "condition"], sort=False):
+            color = REFERENCE_COLOR if condition == "chance" else COLORS[points.index(point) % len(COLORS)]
             fig.add_trace(go.Scatter(x=g.x, y=g["mean"], error_y=dict(type="data", array=g["std"]),
                                      mode="lines+markers", name="chance" if condition == "chance" else f"{condition} ({point})",
-                                     line=dict(dash={"probe": "solid", "control": "dash"}.get(condition, "dot"))))
-        fig.update_layout(title=f"{title} by layer (resid_pre at L, resid_mid at L+1/3, resid_post at L+2/3)",
-                          xaxis_title="layer", yaxis_title=metric)
-        figs.append(fig)
+                                     line=dict(color=color, dash={"probe": "solid", "control": "dash"}.get(condition, "dot"))))
+        fig.update_layout(title=f"{title} by layer", xaxis_title="layer (resid_pre at L, resid_mid at L+⅓, resid_post at L+⅔)",
+                          yaxis_title="mean absolute error (positions)" if metric == "mae" else "bucket accuracy")
+        if metric == "accuracy":
+            fig.update_yaxes(range=[0, 1.02])
+        else:
+            fig.update_yaxes(rangemode="tozero")
+        figs.append(style(fig, caption=figure_caption(meta)))
     return figs

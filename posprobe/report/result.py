@@ -138,14 +138,28 @@ class Result:
             f"<code>{_esc(k)}</code> ({n} rows)" for k, n in n_rows.items()) + " — full data in the parquet/CSV files.</p>"))
         return render_html(page.title(self), sections, meta=_footer_meta(self.meta))
 
-    def save(self, out_dir: str | os.PathLike) -> dict[str, Path]:
+    def save(self, out_dir: str | os.PathLike, *, figure_formats: str | tuple[str, ...] | list[str] = ()) -> dict[str, Path]:
         """Write `<table>.parquet` + `<table>.csv` per table, `meta.json` and `report.html`, atomically.
 
-        Everything is staged as hidden temp files in `out_dir` and renamed into place together; on any
-        error nothing new is left. Returns paths keyed `<table>.parquet`, `<table>.csv`, `meta`, `report`.
+        `figure_formats` ("svg,pdf,png" or a sequence of those) also writes every figure of the report as
+        `figures/<nn>-<slug>.<fmt>` (numbered in report order, slug from the figure title, caption printed
+        below the plot), with kaleido >= 1.0 and a system Chrome/Chromium (`posprobe.report.export`).
+        Everything is staged as hidden temp files and renamed into place together; on any error (a
+        missing exporter included, `FigureExportError`) nothing new is left. Returns paths keyed
+        `<table>.parquet`, `<table>.csv`, `meta`, `report` and, per exported file, `figures/<nn>-<slug>.<fmt>`.
         """
+        from posprobe.report.export import parse_formats
+
+        formats = parse_formats(figure_formats)  # a bad format fails before anything is written
         meta = {**self.meta, "tables": list(self.tables)}
-        return _write_bundle(out_dir, self.tables, meta, self.to_html)
+        return _write_bundle(out_dir, self.tables, meta, self.to_html,
+                             figures=self.report_figures if formats else None, figure_formats=formats)
+
+    def report_figures(self) -> list:
+        """Every figure of the HTML report, in page order (what `save(figure_formats=...)` exports)."""
+        from posprobe.report.pages import page_for
+
+        return [f for sec in page_for(self).sections(self) for f in (sec.figures or [])]
 
     @classmethod
     def load(cls, out_dir: str | os.PathLike) -> "Result":
@@ -186,6 +200,9 @@ def _write_bundle(
     tables: dict[str, pd.DataFrame],
     meta: dict,
     html: Callable[[], str] | str | None,
+    *,
+    figures: Callable[[], list] | None = None,
+    figure_formats: tuple[str, ...] = (),
 ) -> dict[str, Path]:
     """Write each table as ``<name>.parquet`` and ``<name>.csv``, plus ``meta.json`` and ``report.html``.
 
@@ -206,6 +223,8 @@ def _write_bundle(
     if html is not None:
         targets["report"] = out / "report.html"
     temps: dict[str, str] = {}
+    fig_dir = out / "figures"
+    fig_dir_created = False
 
     def stage(key: str, write: Callable[[str], None]) -> None:
         fd, tmp = _mkstemp_for(targets[key])
@@ -223,10 +242,34 @@ def _write_bundle(
         stage("meta", lambda p: Path(p).write_text(meta_json + "\n", encoding="utf-8"))
         if page is not None:
             stage("report", lambda p: Path(p).write_text(page, encoding="utf-8"))
+        if figures is not None and figure_formats:
+            from posprobe.report.export import export_figures, figure_names
+
+            figs = figures()
+            if figs:
+                fig_dir_created = not fig_dir.exists()
+                fig_dir.mkdir(exist_ok=True)
+                jobs = []
+                for name, fig in zip(figure_names(figs), figs):
+                    for fmt in figure_formats:
+                        key = f"figures/{name}.{fmt}"
+                        targets[key] = fig_dir / f"{name}.{fmt}"
+                        fd, tmp = _mkstemp_for(targets[key])
+                        os.close(fd)
+                        temps[key] = tmp
+                        jobs.append((fig, tmp, fmt))
+                export_figures([j[0] for j in jobs], [j[1] for j in jobs], [j[2] for j in jobs])
+                for _, tmp, _ in jobs:
+                    _fsync_path(tmp)
         _commit(temps, targets)
     except BaseException:
         for tmp in temps.values():
             Path(tmp).unlink(missing_ok=True)
+        if fig_dir_created:
+            try:
+                fig_dir.rmdir()
+            except OSError:
+                pass
         if created:
             try:
                 out.rmdir()  # only succeeds if we left it empty
@@ -234,6 +277,8 @@ def _write_bundle(
                 pass
         raise
     _fsync_path(out)  # persist the renames
+    if fig_dir_created or fig_dir in {t.parent for t in targets.values()}:
+        _fsync_path(fig_dir)
     return targets
 
 

@@ -84,6 +84,7 @@ COLUMNS: dict[str, str] = {
     "frequency": "angular frequency of the band (rad/token)",
     "wavelength": "2*pi/frequency (tokens)",
     "kind": "head class (rule in meta)",
+    "classes": "every class a head meets, comma-separated (rules in meta)",
     "base": "RoPE base of the layer (theta)",
     "eta2": "share of score variance explained by rel_pos bin",
     "fast_share": "abs score share of bands with wavelength <= window",
@@ -99,6 +100,7 @@ COLUMNS: dict[str, str] = {
     "fold": "cross-validation fold",
     "alpha": "ridge penalty picked by the inner cross-validation (NaN where none applies)",
     "preset": "surgery preset spec",
+    "section": "atlas section (facts, heads, frequency, geometry, probes, shift)",
 }
 
 REQUIRED_META: dict[str, type | tuple[type, ...]] = {

@@ -1,0 +1,160 @@
+"""The atlas: every positional analysis that applies to a model, run with bounded defaults, in one report.
+
+Sections: positional facts; head signatures; per-frequency RoPE usage (RoPE models); W_pos and
+residual geometry (learned positions); a position-probe summary; the shift test, which is the
+invariance control for RoPE models (a common shift of queries and keys cannot change anything) and
+the effect itself for learned positions. Each section is a full Result of its own analysis, saved in
+a subfolder; the atlas's own table holds the headline numbers its report turns into words.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from posprobe.analyses.configs import (AtlasConfig, FrequencyConfig, GeometryConfig, HeadsConfig, ProbeConfig,
+                                       ShiftConfig)
+from posprobe.backend.facts import ModelFacts, model_facts
+from posprobe.backend.model import device_of, dtype_of
+from posprobe.data import BUILTIN_SOURCE, BUILTIN_TEXT, builtin_pairs
+from posprobe.report.result import Result
+from posprobe.report.schema import data_meta, make_meta, text_sha256
+
+SECTIONS = ("facts", "heads", "frequency", "geometry", "probes", "shift")
+
+
+class AtlasResult(Result):
+    """The atlas's `atlas` table (section, metric, value) plus each section's own Result in `parts`,
+    saved by `save` into subfolders named after the sections."""
+
+    parts: dict[str, Result]
+
+    def __init__(self, tables: dict[str, pd.DataFrame], meta: dict, parts: dict[str, Result]):
+        super().__init__(tables, meta)
+        self.parts = parts
+
+    def save(self, out_dir: Any, *, figure_formats: Any = ()) -> dict[str, Path]:
+        """Each section's outputs in `<out_dir>/<section>/`, then the atlas's own files and report
+        (keys `<section>/<key>` for the sections, the usual keys for the atlas's own files)."""
+        from posprobe.report.export import parse_formats
+
+        formats = parse_formats(figure_formats)  # a bad format fails before anything is written
+        Path(out_dir).mkdir(exist_ok=True)
+        paths: dict[str, Path] = {}
+        for name, part in self.parts.items():
+            saved = part.save(Path(out_dir) / name, figure_formats=formats)
+            paths.update({f"{name}/{k}": v for k, v in saved.items()})
+        paths.update(super().save(out_dir, figure_formats=formats))
+        return paths
+
+
+def applicable(facts: ModelFacts, wanted: tuple[str, ...] | None) -> list[str]:
+    """The sections that apply to this model (frequency: RoPE; geometry: learned positions; shift:
+    learned or rotary positions), restricted to `wanted` when given."""
+    ok = {"facts": True, "heads": True, "frequency": facts.is_rotary, "geometry": facts.has_w_pos,
+          "probes": True, "shift": facts.positional_kind in ("learned_absolute", "rotary")}
+    return [s for s in SECTIONS if ok[s] and (wanted is None or s in wanted)]
+
+
+def run_atlas(model: Any, text: str | None = None, config: AtlasConfig | None = None, *,
+              source: str | None = None, spec: str | None = None) -> AtlasResult:
+    """Run every applicable section on `model` over `text` (default: the built-in text) and return the
+    atlas with its parts. `spec`, the model's name or path when known, lets the shift test take the fast
+    Hugging Face scoring path (native position ids, pair packing). Progress goes to stderr by stage."""
+    import sys
+    import time
+
+    from posprobe.analyses.frequency import run_frequency
+    from posprobe.analyses.geometry import run_geometry
+    from posprobe.analyses.heads import run_heads
+    from posprobe.analyses.probes import run_probes
+    from posprobe.analyses.shift import run_shift_test
+
+    cfg = config or AtlasConfig()
+    facts = model_facts(model)
+    body = BUILTIN_TEXT if text is None else text
+    src = source or ("built-in text" if text is None else "text")
+    quiet = not cfg.progress
+    w, nw = min(cfg.window, facts.n_ctx), cfg.max_windows
+    # Built-in sentences are < 64 tokens: a k that would push them past the context is lowered to fit.
+    ks = tuple(sorted({min(k, max(facts.n_ctx - 64, 0)) for k in cfg.ks}))
+    runs = {
+        "heads": lambda: run_heads(model, body, HeadsConfig(window=w, max_windows=nw, induction_len=min(
+            cfg.induction_len, (facts.n_ctx - 1) // 2), seed=cfg.seed, progress=cfg.progress), source=src),
+        "frequency": lambda: run_frequency(model, body, FrequencyConfig(window=w, max_windows=nw, queries=32,
+                                                                         ablate=False, progress=cfg.progress), source=src),
+        "geometry": lambda: run_geometry(model, body, GeometryConfig(window=w, max_windows=nw, progress=cfg.progress),
+                                         source=src),
+        "probes": lambda: run_probes(model, body, ProbeConfig(points=("resid_post",), n_splits=3, window=w,
+                                                              max_windows=max(nw, 6), max_tokens=cfg.probe_tokens,
+                                                              seed=cfg.seed, progress=cfg.progress), source=src),
+        "shift": lambda: run_shift_test(spec or model, builtin_pairs(max_pairs=cfg.max_pairs, seed=cfg.seed),
+                                        config=ShiftConfig(ks=ks, seed=cfg.seed, n_bootstrap=200,
+                                                           allow_beyond_context=False, progress=cfg.progress),
+                                        data_source=BUILTIN_SOURCE, device=str(device_of(model)),
+                                        dtype=str(dtype_of(model)).replace("torch.", "")),
+    }
+    sections = applicable(facts, cfg.sections)
+    parts: dict[str, Result] = {}
+    timings: dict[str, float] = {}
+    for i, name in enumerate(s for s in sections if s != "facts"):
+        if not quiet:
+            print(f"atlas [{i + 1}/{len(sections) - ('facts' in sections)}] {name} ...", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        parts[name] = runs[name]()
+        timings[name] = round(time.perf_counter() - t0, 2)
+    rows = _headlines(facts, parts)
+    meta = make_meta("atlas", model=facts.summary(), data=data_meta(src, n_items=nw, unit="windows",
+                                                                    sha256=text_sha256(body)),
+                     config=cfg, sections=sections, skipped=[s for s in SECTIONS if s not in sections],
+                     shift_ks=list(ks), seconds=timings)
+    return AtlasResult({"atlas": pd.DataFrame(rows, columns=["section", "metric", "value"])}, meta, parts)
+
+
+def _headlines(facts: ModelFacts, parts: dict[str, Result]) -> list[tuple[str, str, float]]:
+    rows: list[tuple[str, str, float]] = [("facts", "n_layers", facts.n_layers), ("facts", "n_heads", facts.n_heads),
+                                          ("facts", "n_ctx", facts.n_ctx)]
+    if "heads" in parts:
+        w = parts["heads"].tables["heads"].pivot_table(index=["layer", "head"], columns="metric", values="value")
+        kinds = parts["heads"].tables["head_classes"].kind.value_counts()
+        rows += [("heads", "max_prev_mass", float(w.prev_mass.max())),
+                 ("heads", "mean_first_mass", float(w.first_mass.mean())),
+                 ("heads", "sink_fraction", parts["heads"].meta["sink_fraction"])]
+        rows += [("heads", f"n_{k}", float(v)) for k, v in kinds.items()]
+    if "frequency" in parts:
+        b = parts["frequency"].tables["bands"]
+        share = b[(b.metric == "abs_share") & (b.band >= 0)]
+        n_bands = int(share.band.max()) + 1
+        q = n_bands // 4 or 1
+        rows += [("frequency", "abs_share_fastest_quarter", float(share[share.band < q].groupby(["layer", "head"]).value.sum().mean())),
+                 ("frequency", "abs_share_slowest_quarter",
+                  float(share[share.band >= n_bands - q].groupby(["layer", "head"]).value.sum().mean()))]
+        heads = parts["frequency"].tables["heads"]
+        rows += [("frequency", f"n_{k}", float(v)) for k, v in heads.kind.value_counts().items()]
+    if "geometry" in parts:
+        g = parts["geometry"].tables["geometry"]
+        ev = g[(g.source == "W_pos") & (g.metric == "explained_variance")].sort_values("k")
+        if len(ev):
+            rows.append(("geometry", "wpos_pc1_explained", float(ev.value.iloc[0])))
+    if "probes" in parts:
+        p = parts["probes"].tables["probes"]
+        mae = p[p.metric == "mae"].groupby(["layer", "condition"]).value.mean().unstack()
+        rows += [("probes", "mae_first_layer", float(mae["probe"].iloc[0])),
+                 ("probes", "mae_last_layer", float(mae["probe"].iloc[-1])),
+                 ("probes", "mae_control", float(mae["control"].mean())),
+                 ("probes", "mae_chance", float(mae["chance"].mean()))]
+    if "shift" in parts:
+        s = parts["shift"].tables.get("shift_summary", pd.DataFrame())
+        if len(s):
+            o = s[s.level == "overall"].sort_values("k")
+            rows += [("shift", f"accuracy_k{int(r.k)}", float(r.accuracy)) for r in o.itertuples()]
+        d = parts["shift"].tables.get("shift_drift", pd.DataFrame())
+        if len(d):
+            pooled = d[d.layer == "pooled"].sort_values("k")
+            rows += [("shift", f"pooled_cosine_k{int(r.k)}", float(r.cosine_to_k0)) for r in pooled.itertuples()]
+        dev = parts["shift"].meta.get("max_abs_logp_change_vs_k0")
+        if dev:
+            rows.append(("shift", "max_abs_logp_change", float(max(dev.values()))))
+    return rows

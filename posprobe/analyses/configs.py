@@ -1,0 +1,275 @@
+"""The analyses' options: one frozen, keyword-only Config per analysis, each field with its help text.
+
+Torch-free on purpose: the CLI builds its flags from these classes (`posprobe --help` stays instant)
+and checks them before any weights load. Each analysis module re-exports its own Config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Literal, get_args, get_origin, get_type_hints
+
+from posprobe.core.config import option
+from posprobe.core.presets_help import PRESET_HELP
+
+#: Residual-stream capture points a position probe can read.
+RESIDUAL_POINTS = ("resid_pre", "resid_mid", "resid_post")
+
+
+class ShiftError(ValueError):
+    """A shift test that cannot run as asked (k past the context, negative k, no data)."""
+
+
+def _check_choices(cfg: object) -> None:
+    # Literal-typed fields only take their listed values (a notebook user gets the CLI's check).
+    hints = get_type_hints(type(cfg))
+    for f in fields(cfg):  # type: ignore[arg-type]
+        if get_origin(hints[f.name]) is Literal and getattr(cfg, f.name) not in get_args(hints[f.name]):
+            raise ValueError(f"{f.name} must be one of {get_args(hints[f.name])}, got {getattr(cfg, f.name)!r}")
+
+
+def _at_least(cfg: object, minimum: int, *names: str) -> None:
+    for name in names:
+        v = getattr(cfg, name)
+        if v is not None and v < minimum:
+            raise ValueError(f"{name} must be >= {minimum}, got {v}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShiftConfig:
+    """Options of the shift test (Sinha et al. 2022). `ks` always gains 0, the baseline."""
+
+    ks: tuple[int, ...] = option((0, 100), "start positions k to test (0 is always added)", flag="--k")
+    prefix: Literal["auto", "bos", "eot", "none"] = option(
+        "auto", "token before each sentence: auto = <|endoftext|> if the vocabulary has it, else BOS; "
+                "none leaves the first token unscored")
+    prefix_position: Literal["with-sentence", "zero"] = option(
+        "with-sentence", "under a shift, the prefix moves to k with the sentence, or stays at position 0")
+    batch_size: int = option(32, "sequences per forward pass")
+    n_bootstrap: int = option(1000, "bootstrap resamples for the 95% CIs", flag="--bootstrap")
+    seed: int = option(0, "seed of the pair sample and the bootstrap")
+    window: int = option(64, "tokens per text window (perplexity, --text)")
+    max_windows: int = option(32, "text windows to score")
+    allow_beyond_context: bool = option(False, "RoPE only: allow positions past the trained context (extrapolation)")
+    progress: bool = option(True, "", cli=False)
+
+    def __post_init__(self) -> None:
+        _check_choices(self)
+        _at_least(self, 1, "batch_size", "n_bootstrap", "max_windows")
+        _at_least(self, 2, "window")
+
+    def all_ks(self) -> list[int]:
+        """Sorted distinct k values including the baseline 0."""
+        bad = [k for k in self.ks if int(k) != k or k < 0]
+        if bad:
+            raise ShiftError(f"k must be a whole number >= 0; got {bad}")
+        return sorted({0, *map(int, self.ks)})
+
+
+@dataclass(frozen=True, kw_only=True)
+class FrequencyConfig:
+    """Options of per-frequency RoPE usage (`run_frequency`, `posprobe freq-report`)."""
+
+    window: int = option(128, "tokens per window, incl. BOS")
+    max_windows: int = option(8, "windows cut from the text")
+    batch_size: int = option(4, "windows per forward pass")
+    queries: int | None = option(64, "score statistics from the last N query positions of each window, with all "
+                                     "their keys (0: every causal entry, exact but slower)")
+    ablate: bool = option(True, "also run band ablations (model-wide p sweep + the top heads) and report loss changes")
+    ablate_windows: int = option(2, "windows used for the ablations")
+    top_heads: int = option(4, "heads given their own report section and ablations")
+    layers: tuple[int, ...] | None = option(None, "layers to measure (default: all)")
+    progress: bool = option(True, "", cli=False)
+
+    def __post_init__(self) -> None:
+        _at_least(self, 1, "window", "max_windows", "batch_size", "ablate_windows", "top_heads")
+        _at_least(self, 0, "queries")
+        if self.queries == 0:  # "every query", as the flag documents
+            object.__setattr__(self, "queries", None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecomposeConfig:
+    """What to decompose (`run_decompose`, `posprobe decompose`). `text` is the corpus for positional
+    means (default: posprobe's built-in text; the CLI reads it from --text)."""
+
+    layer: int = option(0, "layer whose attention scores are split")
+    method: Literal["auto", "exact", "data"] = option(
+        "auto", "exact layer-0 split (learned positions) or data-driven split; auto picks exact where it applies")
+    text: str | None = option(None, "", cli=False)
+    sentence: str | None = option(None, "sentence to decompose (default: the corpus's first sentence)")
+    head: int | None = option(None, "head shown in the heatmaps (default: the most positional head)")
+    max_windows: int = option(32, "corpus windows for the positional mean")
+    progress: bool = option(True, "", cli=False)
+
+    def __post_init__(self) -> None:
+        _check_choices(self)
+        _at_least(self, 0, "layer", "head")
+        _at_least(self, 1, "max_windows")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProbeConfig:
+    """Position probes (`position_probes`, `run_probes`, `posprobe probe`).
+
+    `classifier`: "ridge" (one-vs-rest least squares on +-1 targets, shares the regression's solve;
+    fast) or "logistic" (multinomial logistic regression with inverse regularisation `C`; slower).
+    The ridge penalty (on standardised features) is picked from `alphas` per outer fold by an inner
+    GroupKFold over the training rows (`inner_splits`), separately for MAE and for accuracy.
+    `max_tokens` bounds memory: that many (row, pos) tokens are drawn once (seeded) and the same
+    tokens are used at every layer, so layers are comparable. `memory_mb` bounds the captured
+    activations held at once; more layers than fit are captured in further passes over the corpus.
+    """
+
+    points: tuple[str, ...] = option(RESIDUAL_POINTS, "residual points to probe")
+    layers: tuple[int, ...] | None = option(None, "layers to probe (default: all)")
+    n_buckets: int = option(8, "position buckets for the classifier")
+    n_splits: int = option(4, "GroupKFold splits over token rows", flag="--folds")
+    alphas: tuple[float, ...] = option((0.1, 1.0, 10.0, 100.0, 1e3, 1e4, 1e5), "ridge penalties to choose from")
+    inner_splits: int = option(3, "inner GroupKFold splits that pick the penalty")
+    classifier: Literal["ridge", "logistic"] = option("ridge", "bucket classifier")
+    C: float = option(1.0, "inverse regularisation of the logistic classifier")
+    max_tokens: int = option(2000, "tokens sampled (seeded) for the probes")
+    skip_first: int = option(0, "leave out the first N positions (e.g. 1 for BOS)")
+    batch_size: int = option(8, "rows per forward pass")
+    memory_mb: float = option(256.0, "activations held at once (MiB); more layers take more passes")
+    seed: int = option(0, "seed of the token sample, folds and shuffled control")
+    window: int = option(64, "tokens per row, incl. BOS/CLS if the tokenizer has one")
+    max_windows: int | None = option(32, "at most this many rows")
+    progress: bool = option(True, "", cli=False)
+
+    def __post_init__(self) -> None:
+        _check_choices(self)
+        # "resid_pre,resid_mid" given as one item splits like the space-separated form.
+        points = tuple(p.strip() for item in self.points for p in item.split(",") if p.strip())
+        object.__setattr__(self, "points", points)
+        bad = [p for p in self.points if p not in RESIDUAL_POINTS]
+        if bad or not self.points:
+            raise ValueError(f"Unknown or no residual points {bad}; choose from {RESIDUAL_POINTS}")
+        if (self.n_splits < 2 or self.inner_splits < 2 or self.max_tokens < self.n_splits
+                or min(self.alphas, default=0) <= 0 or self.batch_size < 1):
+            raise ValueError("Need n_splits >= 2, inner_splits >= 2, max_tokens >= n_splits, alphas > 0, batch_size >= 1")
+        _at_least(self, 0, "skip_first")
+        _at_least(self, 2, "window")
+        _at_least(self, 1, "max_windows")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GeometryConfig:
+    """Position geometry (`run_geometry`, `posprobe geometry`): W_pos (learned positions) and the
+    per-position mean of the residual stream."""
+
+    layers: tuple[int, ...] | None = option(None, "layers of the residual view (default: first, middle, last)")
+    point: Literal["resid_pre", "resid_mid", "resid_post"] = option("resid_post", "residual point of the residual view")
+    skip_first: int = option(1, "leave out the first N positions of the residual view (BOS/CLS outliers)")
+    components: int = option(6, "principal components to report")
+    max_pos: int | None = option(None, "W_pos rows to analyse (default: all)")
+    window: int = option(64, "tokens per row, incl. BOS/CLS if the tokenizer has one")
+    max_windows: int = option(32, "at most this many rows")
+    progress: bool = option(True, "", cli=False)
+
+    def __post_init__(self) -> None:
+        _check_choices(self)
+        _at_least(self, 0, "skip_first")
+        _at_least(self, 1, "components", "max_pos", "max_windows")
+        _at_least(self, 2, "window")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SquishConfig:
+    """Key squishing of an instruction span during generation (`squish_run`, `posprobe squish`)."""
+
+    to: float | None = option(None, "put every span key at this position (default 0)", flag="--squish-to")
+    range_: tuple[float, ...] | None = option(None, "spread the span keys linearly over LO HI", flag="--squish-range")
+    query_start: float | None = option(None, "position of the first token after the span (default: unchanged)")
+    variant: Literal["cache", "global"] = option(
+        "cache", "cache: the span sees itself normally, later tokens see it squished; global: everyone does")
+    max_new_tokens: int = option(8, "tokens to generate")
+    temperature: float = option(0.0, "sampling temperature; 0 = greedy")
+    top_k: int | None = option(None, "sample from the k most likely tokens")
+    seed: int = option(0, "sampling seed")
+    reference: str | None = option(None, "a reference continuation to score (nats/token)")
+    chat: bool | None = option(None, "use the tokenizer's chat template (default: when it has one)")
+
+    def __post_init__(self) -> None:
+        _check_choices(self)
+        if self.to is not None and self.range_ is not None:
+            raise ValueError("give --squish-to or --squish-range, not both")
+        if self.range_ is not None and len(self.range_) != 2:
+            raise ValueError(f"--squish-range takes two positions LO HI, got {len(self.range_)}")
+        _at_least(self, 1, "max_new_tokens", "top_k")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0; got {self.temperature}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SurgeryEvalConfig:
+    """Loss by position under surgery presets (`run_surgery_eval`, `posprobe surgery-eval`)."""
+
+    presets: tuple[str, ...] = option(("none",), f"surgery presets to compare (repeatable): {PRESET_HELP}",
+                                      flag="--preset")
+    window: int = option(256, "tokens per window")
+    max_windows: int = option(4, "windows cut from the text")
+
+    def __post_init__(self) -> None:
+        _at_least(self, 2, "window")
+        _at_least(self, 1, "max_windows")
+        if not self.presets:
+            raise ValueError("give at least one preset")
+
+
+@dataclass(frozen=True, kw_only=True)
+class HeadsConfig:
+    """Head signatures (`run_heads`, `posprobe heads`): attention-pattern statistics per layer and head
+    over text windows, an induction pass on repeated random tokens, and classes by written-out rules."""
+
+    window: int = option(128, "tokens per window, incl. BOS/CLS")
+    max_windows: int = option(16, "windows cut from the text")
+    batch_size: int = option(4, "windows per forward pass")
+    first_k: int = option(4, "the 'first few' tokens of first_k_mass")
+    max_offset: int = option(32, "longest relative offset reported in the offset profile")
+    induction_len: int = option(24, "length of the random sequence repeated for the induction score (0: skip)")
+    induction_batch: int = option(8, "repeated random sequences for the induction score")
+    seed: int = option(0, "seed of the random induction sequences")
+    sink_threshold: float = option(0.3, "sink head: attention sink score (Gu et al. 2024) above this")
+    prev_threshold: float = option(0.4, "previous-token head: mean attention to i-1 above this")
+    self_threshold: float = option(0.4, "current-token head: mean attention to i above this")
+    offset_threshold: float = option(0.4, "fixed-offset head: mean attention at one offset >= 2 above this")
+    induction_threshold: float = option(0.3, "induction head: induction score above this")
+    relative_r2: float = option(0.8, "relative-position head: R^2 of the pattern fitted by offset alone above this")
+    progress: bool = option(True, "", cli=False)
+
+    def __post_init__(self) -> None:
+        _at_least(self, 2, "window")
+        _at_least(self, 1, "max_windows", "batch_size", "first_k", "max_offset", "induction_batch")
+        _at_least(self, 0, "induction_len")
+        for name in ("sink_threshold", "prev_threshold", "self_threshold", "offset_threshold",
+                     "induction_threshold", "relative_r2"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be within [0, 1], got {getattr(self, name)}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AtlasConfig:
+    """`posprobe atlas`: every positional analysis that applies to the model, with bounded defaults
+    (a few minutes on a 2-core CPU for a 135M model), in one report."""
+
+    window: int = option(64, "tokens per text window of every section")
+    max_windows: int = option(6, "text windows per section")
+    ks: tuple[int, ...] = option((0, 100, 400), "shift-test start positions", flag="--k")
+    max_pairs: int = option(10, "built-in minimal pairs per paradigm for the shift test")
+    probe_tokens: int = option(600, "tokens sampled for the position probes")
+    induction_len: int = option(24, "repeated random sequence length for the induction score")
+    sections: tuple[str, ...] | None = option(None, "run only these sections (facts, heads, frequency, geometry, "
+                                                    "probes, shift; default: all that apply)")
+    seed: int = option(0, "seed of every sampled piece")
+    progress: bool = option(True, "", cli=False)
+
+    def __post_init__(self) -> None:
+        _at_least(self, 2, "window")
+        _at_least(self, 1, "max_windows", "max_pairs", "probe_tokens")
+        _at_least(self, 0, "induction_len")
+        known = {"facts", "heads", "frequency", "geometry", "probes", "shift"}
+        bad = sorted(set(self.sections or ()) - known)
+        if bad:
+            raise ValueError(f"unknown atlas sections {bad}; choose from {sorted(known)}")

@@ -1,0 +1,238 @@
+"""Head signatures: what every attention head does with position, read off its attention pattern.
+
+Per layer and head, streamed over text windows with fixed-size float64 accumulators (memory does not
+grow with the corpus): attention to itself (`self_mass`), to i-1 (`prev_mass`), to the first token
+(`first_mass`) and the first few (`first_k_mass`), the mean attention at each offset d = i - j (the
+offset profile) and the strongest offset >= 2, the mean attention distance, the attention entropy
+(nats) and the entropy relative to uniform over the keys a query sees, the attention-sink score of
+Gu et al. 2024 (the attention the first token receives, normalised by the number of queries that can
+see it), and the R^2 of the pattern explained by offset alone (a Toeplitz fit: each entry predicted by
+the mean of its diagonal over the corpus). A second pass on repeated random token sequences gives the
+induction and duplicate-token scores with TransformerLens's `head_detector` definitions ("mul":
+attention on the detection pattern / all attention, averaged over sequences); `prev_token_score` is
+that definition for previous-token heads on the text windows.
+
+Every statistic is a ratio of corpus-wide sums, so a chunked run equals a single full computation.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pandas as pd
+import torch
+
+from posprobe.analyses.configs import HeadsConfig
+from posprobe.backend.facts import model_facts
+from posprobe.backend.model import encode_text, first_token, tokenizer_of
+from posprobe.core.capture import Reducer, batches, capture, stream
+from posprobe.data import BUILTIN_TEXT, framed_windows
+from posprobe.report.result import Result
+from posprobe.report.schema import data_meta, make_meta, text_sha256
+
+#: Signature metrics in the `heads` table, in report order.
+METRICS = ("prev_mass", "self_mass", "first_mass", "first_k_mass", "sink_score", "fixed_offset",
+           "fixed_offset_mass", "mean_distance", "entropy", "relative_entropy", "relative_r2",
+           "prev_token_score", "induction_score", "duplicate_score")
+#: Head classes, in the priority order that picks a head's `kind`.
+CLASSES = ("sink", "previous-token", "current-token", "induction", "fixed-offset", "relative-position")
+
+
+def class_rules(cfg: HeadsConfig) -> dict[str, str]:
+    """Each class's rule in words, with the thresholds of `cfg` (written into meta and the report)."""
+    return {
+        "sink": f"sink_score > {cfg.sink_threshold} (Gu et al. 2024: attention on the first token per query that sees it)",
+        "previous-token": f"prev_mass > {cfg.prev_threshold} (mean attention from i to i-1)",
+        "current-token": f"self_mass > {cfg.self_threshold} (mean attention from i to itself)",
+        "induction": f"induction_score > {cfg.induction_threshold} (repeated random tokens, TL head_detector 'mul')",
+        "fixed-offset": f"fixed_offset_mass > {cfg.offset_threshold} (mean attention at one offset d >= 2)",
+        "relative-position": f"relative_r2 > {cfg.relative_r2} (pattern explained by offset i-j alone)",
+    }
+
+
+def _reducer(layers: list[int], n: int, encoder: bool) -> Reducer:
+    rel = (torch.arange(n)[:, None] - torch.arange(n)[None, :] + n - 1).reshape(-1)  # i - j, shifted to >= 0
+    visible = torch.full((n,), n) if encoder else torch.arange(1, n + 1)
+    keep = visible > 1  # a query that sees one key has no entropy to compare with uniform
+    log_visible = torch.log(visible[keep].double())
+
+    def fn(point: str, layer: int, x: torch.Tensor, state: dict) -> None:
+        p = x.double()  # [batch, head_index, query_pos, key_pos]; masked entries are exactly 0
+        H = p.shape[1]
+        s = state.get(layer)
+        if s is None:
+            z = lambda *shape: torch.zeros(*shape, dtype=torch.float64, device=p.device)  # noqa: E731
+            s = state[layer] = {"diag": z(H, 2 * n - 1), "col": z(H, n), "sq": z(H), "ent": z(H), "rel_ent": z(H),
+                                "rows": 0}
+        s["diag"].index_add_(1, rel.to(p.device), p.sum(0).reshape(H, n * n))
+        s["col"] += p.sum((0, 2))
+        s["sq"] += (p * p).sum((0, 2, 3))
+        h = -torch.special.xlogy(p, p).sum(-1)  # [batch, head, query] entropy in nats
+        s["ent"] += h.sum((0, 2))
+        s["rel_ent"] += (h[..., keep.to(p.device)] / log_visible.to(p.device)).sum((0, 2))
+        s["rows"] += p.shape[0]
+
+    return Reducer(["pattern"], layers, fn)
+
+
+def signature_frames(state: dict, n: int, encoder: bool, cfg: HeadsConfig) -> tuple[dict[int, dict], pd.DataFrame]:
+    """Per-layer signature values ({layer: {metric: [head] tensor}}) and the offset-profile table
+    (layer, head, rel_pos, value = mean attention at offset rel_pos) from the reducer's sums."""
+    out, prof = {}, []
+    d = torch.arange(-(n - 1), n)
+    for layer, s in sorted(state.items()):
+        if not isinstance(layer, int):
+            continue
+        diag, col, rows = s["diag"].cpu(), s["col"].cpu(), s["rows"]
+        count = (rows * (n - d.abs())).double()  # entries on each diagonal
+        if not encoder:
+            count = torch.where(d >= 0, count, torch.zeros_like(count))
+        queries = rows * n
+        mean_at = diag / count.clamp_min(1)
+        zero = n - 1
+        allowed = count > 0
+        total, n_entries = diag.sum(1), count[allowed].sum()
+        fit = (diag[:, allowed] ** 2 / count[allowed]).sum(1)
+        ss_tot = s["sq"].cpu() - total**2 / n_entries
+        ss_res = s["sq"].cpu() - fit
+        lo, hi = zero + 2, zero + min(cfg.max_offset, n - 1) + 1
+        far = mean_at[:, lo:hi]
+        best = far.argmax(1) if far.shape[1] else torch.zeros(diag.shape[0], dtype=torch.long)
+        out[layer] = {
+            "self_mass": mean_at[:, zero],
+            "prev_mass": mean_at[:, zero + 1] if n > 1 else torch.full_like(total, float("nan")),
+            "first_mass": col[:, 0] / queries,
+            "first_k_mass": col[:, : cfg.first_k].sum(1) / queries,
+            # Gu et al. 2024: alpha_k = sum_i A[i, k] / (number of queries that can see key k); k = first token.
+            "sink_score": col[:, 0] / queries,
+            "fixed_offset": (best + 2).double() if far.shape[1] else torch.full_like(total, float("nan")),
+            "fixed_offset_mass": far.gather(1, best[:, None])[:, 0] if far.shape[1] else torch.zeros_like(total),
+            "mean_distance": (diag * d.abs().double()).sum(1) / queries,
+            "entropy": s["ent"].cpu() / queries,
+            "relative_entropy": s["rel_ent"].cpu() / (rows * (n if encoder else n - 1)),
+            "relative_r2": 1 - ss_res / ss_tot.clamp_min(1e-300),
+            # TL head_detector "mul" score of the previous-token pattern: attention on (i, i-1) / all attention.
+            "prev_token_score": diag[:, zero + 1] / queries if n > 1 else torch.full_like(total, float("nan")),
+        }
+        lim = min(cfg.max_offset, n - 1)
+        keep = (d.abs() <= lim) & (count > 0)
+        for h in range(diag.shape[0]):
+            prof.append(pd.DataFrame({"layer": layer, "head": h, "rel_pos": d[keep].numpy(),
+                                      "value": mean_at[h, keep].numpy()}))
+    return out, pd.concat(prof, ignore_index=True)
+
+
+def detection_scores(patterns: torch.Tensor, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Induction and duplicate-token scores of each head, `[head]`, as TransformerLens's head_detector
+    defines them with error_measure "mul" and no exclusions, averaged over the batch of sequences.
+
+    patterns: `[batch, head_index, query_pos, key_pos]`; tokens: `[batch, pos]`.
+    """
+    tokens = tokens.to(patterns.device)
+    n = tokens.shape[1]
+    same = tokens[:, :, None] == tokens[:, None, :]
+    earlier = torch.ones(n, n, dtype=torch.bool, device=tokens.device).tril(-1)
+    duplicate = (same & earlier).double()  # key j < i holds the query's token
+    induction = torch.zeros_like(duplicate)
+    induction[:, :, 1:] = duplicate[:, :, :-1]  # the token after that earlier occurrence
+    induction = induction * earlier.logical_or(torch.eye(n, dtype=torch.bool, device=tokens.device)).double()
+    p = patterns.double()
+    total = p.sum((2, 3))  # [batch, head]
+    return {"induction_score": ((p * induction[:, None]).sum((2, 3)) / total).mean(0),
+            "duplicate_score": ((p * duplicate[:, None]).sum((2, 3)) / total).mean(0)}
+
+
+def repeated_random_tokens(model: Any, length: int, batch: int, seed: int) -> torch.Tensor:
+    """`[batch, 1 + 2*length]` (or without the leading BOS where the tokenizer has none): a random token
+    sequence (no special tokens) followed by itself, seeded."""
+    tok = tokenizer_of(model)
+    specials = set(tok.all_special_ids)
+    vocab = torch.tensor([i for i in range(len(tok)) if i not in specials])
+    g = torch.Generator().manual_seed(seed)
+    r = vocab[torch.randint(len(vocab), (batch, length), generator=g)]
+    first = first_token(model)
+    start = torch.full((batch, 1), first, dtype=torch.long) if first is not None else r[:, :0]
+    return torch.cat([start, r, r], dim=1)
+
+
+def _classes(values: dict[str, float], cfg: HeadsConfig) -> list[str]:
+    tests = {
+        "sink": values["sink_score"] > cfg.sink_threshold,
+        "previous-token": values["prev_mass"] > cfg.prev_threshold,
+        "current-token": values["self_mass"] > cfg.self_threshold,
+        "induction": values["induction_score"] > cfg.induction_threshold,
+        "fixed-offset": values["fixed_offset_mass"] > cfg.offset_threshold,
+        "relative-position": values["relative_r2"] > cfg.relative_r2,
+    }
+    return [c for c in CLASSES if tests[c]]
+
+
+@torch.no_grad()
+def head_signatures(model: Any, token_rows: Any, config: HeadsConfig | None = None) -> Result:
+    """Head signatures over equal-length `token_rows` (plus the induction pass unless
+    `config.induction_len` is 0). Returns a Result with tables `heads` (layer, head, metric, value),
+    `head_classes` (layer, head, kind, classes) and `offsets` (mean attention by rel_pos, top heads)."""
+    cfg = config or HeadsConfig()
+    facts = model_facts(model)
+    rows = torch.as_tensor(token_rows)
+    if rows.dim() != 2 or rows.shape[0] == 0 or rows.shape[1] < 2:
+        raise ValueError("token_rows must be a non-empty [batch, pos] set of equal-length rows with pos >= 2")
+    n = rows.shape[1]
+    if n > facts.n_ctx:
+        raise ValueError(f"windows of {n} tokens exceed the model's context n_ctx={facts.n_ctx}")
+    layers = list(range(facts.n_layers))
+    red = _reducer(layers, n, facts.is_encoder)
+    stream(model, batches(rows, cfg.batch_size), [red], total=math.ceil(rows.shape[0] / cfg.batch_size),
+           progress=cfg.progress, desc="head signatures")
+    values, offsets = signature_frames(red.state, n, facts.is_encoder, cfg)
+    if cfg.induction_len and not facts.is_encoder:
+        toks = repeated_random_tokens(model, cfg.induction_len, cfg.induction_batch, cfg.seed)
+        if toks.shape[1] > facts.n_ctx:
+            raise ValueError(f"induction sequences of {toks.shape[1]} tokens exceed n_ctx={facts.n_ctx}; "
+                             "lower induction_len")
+        got = capture(model, toks, ["pattern"], layers=layers)
+        for l in layers:
+            values[l].update({k: v.cpu() for k, v in detection_scores(got["pattern", l], toks).items()})
+    nan = torch.full((facts.n_heads,), float("nan"), dtype=torch.float64)
+    recs, kinds = [], []
+    for l in layers:
+        for m in METRICS:
+            v = values[l].get(m, nan)
+            recs.append(pd.DataFrame({"layer": l, "head": range(facts.n_heads), "metric": m, "value": v.numpy()}))
+        for h in range(facts.n_heads):
+            cls = _classes({m: float(values[l].get(m, nan)[h]) for m in METRICS}, cfg)
+            kinds.append((l, h, cls[0] if cls else "other", ",".join(cls)))
+    heads = pd.concat(recs, ignore_index=True)
+    classes = pd.DataFrame(kinds, columns=["layer", "head", "kind", "classes"])
+    for df in (heads, classes, offsets):
+        df.insert(0, "model", facts.name)
+    sinks = heads[heads.metric == "sink_score"]
+    meta = make_meta(
+        "heads", model=facts.summary(), data=data_meta("token rows", n_items=int(rows.shape[0]), unit="windows"),
+        config=cfg, window=n, n_windows=int(rows.shape[0]), n_tokens=int(rows.numel()), class_rules=class_rules(cfg),
+        class_order=list(CLASSES), sink_fraction=float((sinks.value > cfg.sink_threshold).mean()),
+        induction="skipped (encoder)" if facts.is_encoder else
+        ("skipped" if not cfg.induction_len else f"{cfg.induction_batch} random sequences of {cfg.induction_len} "
+                                                  "tokens, each repeated once"),
+    )
+    return Result({"heads": heads, "head_classes": classes, "offsets": offsets}, meta)
+
+
+def run_heads(model: Any, text: str | None = None, config: HeadsConfig | None = None, *,
+              source: str | None = None) -> Result:
+    """Head signatures over windows of `text` (default: posprobe's built-in text), each window framed
+    the way the model expects (BOS, or CLS ... SEP for encoders)."""
+    from posprobe.backend.model import special_tokens
+
+    cfg = config or HeadsConfig()
+    body = BUILTIN_TEXT if text is None else text
+    pre, post = special_tokens(model)
+    if not pre:
+        first = first_token(model)
+        pre = [first] if first is not None else []
+    rows = framed_windows(encode_text(model, body), cfg.window, pre=pre, post=post, max_windows=cfg.max_windows)
+    result = head_signatures(model, rows, cfg)
+    result.meta["data"] = data_meta(source or ("built-in text" if text is None else "text"), n_items=len(rows),
+                                    unit="windows", sha256=text_sha256(body))
+    return result

@@ -1,0 +1,44 @@
+"""`posprobe atlas`: every positional analysis that applies to a model, bounded, in one report."""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = ("One report on a model's positional machinery: facts, head signatures (sinks, previous-token, "
+        "induction...), RoPE frequency usage or learned-position geometry, position probes, and the shift test.")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from posprobe.analyses.configs import AtlasConfig
+    from posprobe.cli.args import add_config_arguments, add_model_arguments, add_output_arguments, add_text_argument
+
+    add_model_arguments(p)
+    add_text_argument(p)
+    add_config_arguments(p, AtlasConfig)
+    add_output_arguments(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    from posprobe.analyses.configs import AtlasConfig
+    from posprobe.cli import checks
+    from posprobe.cli.args import config_from_args
+
+    # Validation before torch / TransformerLens are imported: bad input fails in about a second.
+    checks.check_out(args.out)
+    config = config_from_args(AtlasConfig, args, progress=not args.no_progress)
+    early = checks.peek_model(args)
+    checks.check_window(early, args, config.window)
+    text = checks.read_text_early(args.text)  # None: the built-in text
+
+    from posprobe.analyses.atlas import run_atlas
+    from posprobe.backend.loading import load_model
+
+    model = load_model(args.model, device=args.device, dtype=args.dtype, n_ctx=args.n_ctx)
+    result = run_atlas(model, text, config, source=args.text, spec=args.model)
+    from posprobe.report.atlas import paragraph
+
+    for s in result.meta["sections"]:
+        print(f"[{s}] {paragraph(result, s)}")
+    paths = result.save(args.out, figure_formats=args.figures)
+    print(f"wrote {paths['report']} (and one folder per section)")
+    return 0

@@ -1,0 +1,42 @@
+"""`posprobe heads`: which heads are positional, and how (signatures and classes per head)."""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = ("Head signatures: attention to self, i-1 and the first token, attention sinks, offset profiles, "
+        "entropy, induction and relative-position fit per head, with classes by written-out rules.")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from posprobe.analyses.configs import HeadsConfig
+    from posprobe.cli.args import add_config_arguments, add_model_arguments, add_output_arguments, add_text_argument
+
+    add_model_arguments(p)
+    add_text_argument(p)
+    add_config_arguments(p, HeadsConfig)
+    add_output_arguments(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    from posprobe.analyses.configs import HeadsConfig
+    from posprobe.cli import checks
+    from posprobe.cli.args import config_from_args
+
+    # Validation before torch / TransformerLens are imported: bad input fails in about a second.
+    checks.check_out(args.out)
+    config = config_from_args(HeadsConfig, args, progress=not args.no_progress)
+    early = checks.peek_model(args)
+    checks.check_window(early, args, config.window)
+    checks.check_window(early, args, 1 + 2 * config.induction_len, "--induction-len (1 + 2 x)")
+    text = checks.read_text_early(args.text)  # None: the built-in text
+
+    from posprobe.analyses.heads import run_heads
+    from posprobe.backend.loading import load_model
+
+    model = load_model(args.model, device=args.device, dtype=args.dtype, n_ctx=args.n_ctx)
+    result = run_heads(model, text, config, source=args.text)
+    print(result.tables["head_classes"].kind.value_counts().to_string())
+    paths = result.save(args.out, figure_formats=args.figures)
+    print(f"wrote {paths['report']}")
+    return 0

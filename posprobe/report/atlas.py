@@ -1,0 +1,124 @@
+"""Report page of the atlas: a table of contents, one paragraph in words per section generated from
+the numbers, the key figure(s) of each section, and links to each section's full report."""
+
+from __future__ import annotations
+
+import html
+from typing import Any
+
+from posprobe.report.html import Section
+
+_TITLES = {"facts": "Positional facts", "heads": "Head signatures", "frequency": "RoPE frequency usage",
+           "geometry": "Learned-position geometry", "probes": "Position probes", "shift": "Shift test"}
+
+
+def title(result: Any) -> str:
+    """Report title."""
+    return f"Positional atlas: {result.meta['model']['name']}"
+
+
+def _num(result: Any, section: str, metric: str) -> float | None:
+    t = result.tables["atlas"]
+    v = t[(t.section == section) & (t.metric == metric)].value
+    return float(v.iloc[0]) if len(v) else None
+
+
+def paragraph(result: Any, section: str) -> str:
+    """The section's findings in one paragraph, from the atlas table and meta."""
+    m, f = result.meta, result.meta["model"]
+    n = lambda metric: _num(result, section, metric)  # noqa: E731
+    if section == "facts":
+        kind = f["positional_kind"].replace("_", " ")
+        rot = ""
+        if f.get("rotary_dim"):
+            base = f.get("rotary_base_per_layer")
+            rot = (f", rotary dim {f['rotary_dim']} ({f.get('rotary_pairing')} pairing), base "
+                   f"{base if not isinstance(base, list) else 'per layer ' + ', '.join(map(str, sorted(set(base))))}")
+        enc = "encoder" if f.get("is_encoder") else "decoder"
+        return (f"{f['name']} is a {f['n_layers']}-layer {enc} with {kind} positions{rot}; {f['n_heads']} query heads "
+                f"and {f.get('n_kv_heads', f['n_heads'])} key/value heads per layer; context {f['n_ctx']} positions.")
+    if section == "heads":
+        from posprobe.report.heads import summary_text
+
+        part = getattr(result, "parts", {}).get("heads")
+        if part is not None:
+            return summary_text(part)
+        return (f"Strongest previous-token attention {n('max_prev_mass'):.2f}; mean attention on the first token "
+                f"{n('mean_first_mass'):.2f}; {n('sink_fraction'):.0%} of heads are sink heads.")
+    if section == "frequency":
+        fast, slow = n("abs_share_fastest_quarter"), n("abs_share_slowest_quarter")
+        kinds = {r.metric[2:]: int(r.value) for r in result.tables["atlas"].itertuples()
+                 if r.section == "frequency" and r.metric.startswith("n_")}
+        return (f"On average a head draws {fast:.0%} of its score magnitude from the fastest quarter of rotary "
+                f"bands and {slow:.0%} from the slowest quarter. By how much of the score's variance relative "
+                f"distance explains: {', '.join(f'{v} {k}' for k, v in kinds.items())} heads.")
+    if section == "geometry":
+        pc1 = n("wpos_pc1_explained")
+        return (f"The first principal component of the learned position table explains {pc1:.0%} of its variance; "
+                "the report shows the trajectory of positions in the top components and their sinusoid fits."
+                if pc1 is not None else "Residual-stream position geometry (see the section report).")
+    if section == "probes":
+        first, last, ctrl, chance = (n(k) for k in ("mae_first_layer", "mae_last_layer", "mae_control", "mae_chance"))
+        return (f"A linear probe recovers a token's absolute position from the residual stream with a mean absolute "
+                f"error of {first:.1f} positions after the first block and {last:.1f} after the last, against "
+                f"{ctrl:.1f} for the shuffled-label control and {chance:.1f} for predicting the mean.")
+    if section == "shift":
+        cos = {int(r.metric.split("_k")[1]): r.value for r in result.tables["atlas"].itertuples()
+               if r.section == "shift" and r.metric.startswith("pooled_cosine_k")}
+        if cos:
+            far = max(cos)
+            return (f"An encoder has no LM head, so the shift test measures representation drift: the mean-pooled last "
+                    f"layer at start position k={far} has cosine {cos[far]:.3f} to the same sentences at k=0 "
+                    f"({', '.join(f'{v:.3f} at k={k}' for k, v in sorted(cos.items()) if k)}).")
+        accs = {int(r.metric.split("_k")[1]): r.value for r in result.tables["atlas"].itertuples()
+                if r.section == "shift" and r.metric.startswith("accuracy_k")}
+        dev = n("max_abs_logp_change")
+        ks = sorted(accs)
+        text = ("Minimal-pair accuracy (built-in pairs) " +
+                ", ".join(f"{accs[k]:.3f} at k={k}" for k in ks) + ".")
+        if f["positional_kind"] == "rotary":
+            text += (f" RoPE control: shifting queries and keys together cannot change relative positions, and the "
+                     f"largest change of any sentence's log-probability was {dev:.2g} nats (float rounding).")
+        elif len(ks) > 1:
+            text += (f" Learned absolute positions: starting the sentences at k={ks[-1]} instead of 0 changes "
+                     f"accuracy by {accs[ks[-1]] - accs[0]:+.3f}.")
+        return text
+    return ""
+
+
+def figures(result: Any) -> list:
+    """The key figure of each section that ran (needs the parts, i.e. a result fresh from run_atlas)."""
+    parts = getattr(result, "parts", {})
+    figs = []
+    if "heads" in parts:
+        figs += parts["heads"].figures()[:2]
+    if "frequency" in parts:
+        figs += parts["frequency"].figures()[:1]
+    if "geometry" in parts:
+        figs += parts["geometry"].figures()[:1]
+    if "probes" in parts:
+        figs += parts["probes"].figures()[:1]
+    if "shift" in parts:
+        figs += parts["shift"].figures()[:1]
+    return figs
+
+
+def sections(result: Any) -> list[Section]:
+    """Table of contents, then per section: heading, paragraph, key figure(s), link to the full report."""
+    m = result.meta
+    parts = getattr(result, "parts", {})
+    toc = "".join(f'<li><a href="#atlas-{s}">{html.escape(_TITLES[s])}</a></li>' for s in m["sections"])
+    skipped = ", ".join(_TITLES[s] for s in m.get("skipped", []))
+    intro = (f"<ol>{toc}</ol><p>Data: {html.escape(str(m['data']['source']))}; windows of {m['config']['window']} "
+             f"tokens. {('Not applicable to this model: ' + html.escape(skipped) + '.') if skipped else ''}</p>")
+    out = [Section("Contents", html=intro)]
+    keyfig = {"heads": 2, "frequency": 1, "geometry": 1, "probes": 1, "shift": 1}
+    for s in m["sections"]:
+        body = f'<a id="atlas-{s}"></a><p>{html.escape(paragraph(result, s))}</p>'
+        if s in parts:
+            secs = m.get("seconds", {}).get(s)
+            body += (f'<p><a href="{s}/report.html">Full {html.escape(_TITLES[s].lower())} report</a> '
+                     f"(tables in <code>{s}/</code>{f', {secs:.0f} s' if secs is not None else ''}).</p>")
+        figs = parts[s].figures()[: keyfig.get(s, 0)] if s in parts else []
+        out.append(Section(_TITLES[s], html=body, figures=figs))
+    return out

