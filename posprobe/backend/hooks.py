@@ -5,6 +5,7 @@ A move to another backend (TL 4's TransformerBridge) should only need a new vers
 
 from __future__ import annotations
 
+import itertools
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Sequence
 
@@ -195,6 +196,10 @@ def score_soft_cap(model: Any) -> float | None:
     return cap if cap > 0 else None
 
 
+# Context levels of posprobe's hooks, far above TL's own (which count up from 0 per nested `hooks()`).
+_LEVELS = itertools.count(1_000_000)
+
+
 def live_hook_count(model: Any) -> int:
     """Number of forward/backward hooks currently attached to the model's HookPoints."""
     # A bridge lists one HookPoint under several alias names: count each HookPoint once.
@@ -210,6 +215,16 @@ def hooked(model: Any, fwd_hooks: Sequence[tuple[str, Callable]]) -> Iterator[An
     for name, _ in fwd_hooks:
         if name not in known:
             raise ValueError(f"{model.cfg.model_name} has no hook {name!r}")
-    # TL's own context manager removes exactly the hooks it added, at its context level.
-    with model.hooks(fwd_hooks=list(fwd_hooks)):
+    # Attach straight to the HookPoints under a level of our own (TL's `model.hooks()` re-reads the hook
+    # dict per hook, ~5 s per forward on a bridge), and remove exactly that level on exit.
+    level = next(_LEVELS)
+    points = {}
+    try:
+        for name, fn in fwd_hooks:
+            hp = known[name]
+            points[id(hp)] = hp
+            hp.add_hook(fn, dir="fwd", level=level)
         yield model
+    finally:
+        for hp in points.values():
+            hp.remove_hooks("fwd", level=level)
