@@ -34,6 +34,15 @@ def add_output_arguments(p: argparse.ArgumentParser, *, required: bool = True) -
     p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
 
 
+def add_analysis_arguments(p: argparse.ArgumentParser, config_cls: type) -> None:
+    """The flags of a command that runs one analysis over a text: MODEL and loading options, --text,
+    one flag per field of `config_cls`, then --out/--figures/--no-progress."""
+    add_model_arguments(p)
+    add_text_argument(p)
+    add_config_arguments(p, config_cls)
+    add_output_arguments(p)
+
+
 def add_config_arguments(p: argparse.ArgumentParser, config_cls: type, *, skip: tuple[str, ...] = ()) -> None:
     """One flag per field of the frozen Config dataclass `config_cls`, its help text from the field's
     `posprobe.core.config.option(...)` docs; `dest` is the field name, so `config_from_args` can rebuild the config."""

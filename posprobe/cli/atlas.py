@@ -10,12 +10,9 @@ HELP = ("One report on a model's positional machinery: facts, head signatures (s
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from posprobe.analyses.configs import AtlasConfig
-    from posprobe.cli.args import add_config_arguments, add_model_arguments, add_output_arguments, add_text_argument
+    from posprobe.cli.args import add_analysis_arguments
 
-    add_model_arguments(p)
-    add_text_argument(p)
-    add_config_arguments(p, AtlasConfig)
-    add_output_arguments(p)
+    add_analysis_arguments(p, AtlasConfig)
 
 
 def run(args: argparse.Namespace) -> int:

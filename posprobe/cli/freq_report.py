@@ -7,12 +7,9 @@ HELP = "Per-frequency RoPE usage per head (band norms, score shares, rel-pos pro
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from posprobe.analyses.configs import FrequencyConfig
-    from posprobe.cli.args import add_config_arguments, add_model_arguments, add_output_arguments, add_text_argument
+    from posprobe.cli.args import add_analysis_arguments
 
-    add_model_arguments(p)
-    add_text_argument(p)
-    add_config_arguments(p, FrequencyConfig)
-    add_output_arguments(p)
+    add_analysis_arguments(p, FrequencyConfig)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -9,12 +9,9 @@ HELP = "PCA / cosine / sinusoid-fit geometry of W_pos and of per-position residu
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from posprobe.analyses.configs import GeometryConfig
-    from posprobe.cli.args import add_config_arguments, add_model_arguments, add_output_arguments, add_text_argument
+    from posprobe.cli.args import add_analysis_arguments
 
-    add_model_arguments(p)
-    add_text_argument(p)
-    add_config_arguments(p, GeometryConfig)
-    add_output_arguments(p)
+    add_analysis_arguments(p, GeometryConfig)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -10,12 +10,9 @@ HELP = ("Head signatures: attention to self, i-1 and the first token, attention 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from posprobe.analyses.configs import HeadsConfig
-    from posprobe.cli.args import add_config_arguments, add_model_arguments, add_output_arguments, add_text_argument
+    from posprobe.cli.args import add_analysis_arguments
 
-    add_model_arguments(p)
-    add_text_argument(p)
-    add_config_arguments(p, HeadsConfig)
-    add_output_arguments(p)
+    add_analysis_arguments(p, HeadsConfig)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -9,12 +9,9 @@ HELP = "Probe absolute position from the residual stream per layer (ridge MAE, b
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from posprobe.analyses.configs import ProbeConfig
-    from posprobe.cli.args import add_config_arguments, add_model_arguments, add_output_arguments, add_text_argument
+    from posprobe.cli.args import add_analysis_arguments
 
-    add_model_arguments(p)
-    add_text_argument(p)
-    add_config_arguments(p, ProbeConfig)
-    add_output_arguments(p)
+    add_analysis_arguments(p, ProbeConfig)
 
 
 def run(args: argparse.Namespace) -> int:
