@@ -34,6 +34,8 @@ _EXPORTS = {
     "apply_plan": "posprobe.core.surgery",
     "key_squish": "posprobe.core.surgery",
     "preset_plan": "posprobe.core.surgery",
+    "preset_pairs": "posprobe.core.surgery",
+    "long_attention": "posprobe.core.long_attention",
     # data
     "load_blimp": "posprobe.data",
     "builtin_pairs": "posprobe.data",
@@ -57,6 +59,8 @@ _EXPORTS = {
     "run_geometry": "posprobe.analyses.geometry",
     "run_squish": "posprobe.analyses.squish",
     "run_surgery_eval": "posprobe.analyses.squish",
+    "LongContextConfig": "posprobe.analyses.configs",
+    "run_long_context": "posprobe.analyses.long_context",
     # analysis building blocks
     "frequency_usage": "posprobe.analyses.frequency",
     "FrequencyUsage": "posprobe.analyses.frequency",

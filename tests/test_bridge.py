@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import need_package
+from conftest import need_hooked, need_package
 from test_models import gpt2_folder  # noqa: F401  (module-scoped fixture: random GPT-2, real tokenizer)
 from test_rope_positions import _complex_rotate
 
@@ -79,7 +79,8 @@ def test_smollm2_bridge_matches_hf_and_reads_rotary_facts_from_hf(smol_bridge, s
     assert (f.positional_kind, f.n_layers, f.n_heads, f.n_kv_heads, f.d_head) == ("rotary", 30, 9, 3, 64)
     # Every decoder capture point resolves to a bridge hook (alias names are TL 3's).
     decoder_points = [p for p in POINTS if p not in ("embed_normalized", "resid_post_normalized", "encoder_embed",
-                                                      "encoder_pos_embed", "token_type_embed", "embed_ln_scale", "pos_embed")]
+                                                      "encoder_pos_embed", "token_type_embed", "embed_ln_scale", "pos_embed")
+                      and not p.startswith("bridge_")]  # bridge_*: embedding parts of learned-position/encoder bridges
     assert [p for p in decoder_points if hook_name(p, 3) not in smol_bridge.hook_dict] == []
     # The residual after the last block (the bridge alone would run the unembedding) + posprobe's head = logits.
     resid = forward(smol_bridge, smol_tokens, stop_at_layer=n_layers(smol_bridge))
@@ -90,15 +91,24 @@ def test_smollm2_bridge_matches_hf_and_reads_rotary_facts_from_hf(smol_bridge, s
     assert (token_losses(smol_bridge, smol_tokens)[0] - ref).abs().max() <= 1e-5
 
 
-def test_bridge_refuses_what_it_cannot_do_yet(smol_bridge):
-    from posprobe.backend.model import forward_cached, new_kv_cache, qk_weights
+def test_bridge_decomposition_weights_and_cached_decoding_match_hf(smol_bridge, smol_hf, smol_tokens, smol_logits):
+    from posprobe.backend.model import forward_cached, new_kv_cache, pre_attention_norm, qk_weights
 
-    with pytest.raises(NotImplementedError, match="KV-cache"):
-        new_kv_cache(smol_bridge, 1)
-    with pytest.raises(NotImplementedError, match="KV-cache"):
-        forward_cached(smol_bridge, torch.tensor([[1]]), None)
-    with pytest.raises(NotImplementedError, match="decomposition"):
-        qk_weights(smol_bridge, 0)
+    W_Q, b_Q, W_K, b_K = qk_weights(smol_bridge, 3)
+    att = smol_hf.model.layers[3].self_attn
+    H, KV, dh = 9, 3, 64
+    # HF Linear: y = x @ W.T, rows grouped by head.
+    assert torch.equal(W_Q, att.q_proj.weight.detach().reshape(H, dh, -1).transpose(1, 2))
+    assert torch.equal(W_K, att.k_proj.weight.detach().reshape(KV, dh, -1).transpose(1, 2))
+    assert b_Q.abs().max() == 0 and b_K.abs().max() == 0  # Llama has no q/k bias
+    norm = pre_attention_norm(smol_bridge, 3)
+    assert not norm.centre and torch.equal(norm.weight, smol_hf.model.layers[3].input_layernorm.weight.detach())
+    # Decoding on a bridge recomputes the whole prefix per step (HF caches keys after rotation).
+    cache = new_kv_cache(smol_bridge, 1)
+    n = smol_tokens.shape[1]
+    parts = [forward_cached(smol_bridge, smol_tokens[:, :5], cache)]
+    parts += [forward_cached(smol_bridge, smol_tokens[:, i:i + 1], cache) for i in range(5, n)]
+    assert torch.equal(torch.cat(parts, 1)[:, -1], smol_logits[:, -1])
 
 
 def test_rope_plans_on_the_bridge(smol_bridge, smol_tokens, smol_logits):
@@ -171,14 +181,23 @@ def test_gpt2_bridge_learned_positions_equal_hf_position_ids(gpt2_bridge, gpt2_f
             pass
 
 
-def test_frequency_usage_on_bridge_equals_hooked_transformer(smol_bridge, smollm2):
+@pytest.fixture(scope="module")
+def smol_hooked():
+    """SmolLM2 as TL 3's HookedTransformer (the legacy adapter), where TL < 4 is installed."""
+    need_hooked()
+    from posprobe.backend.loading import load_model
+
+    return load_model("smollm2", backend="hooked")
+
+
+def test_frequency_usage_on_bridge_equals_hooked_transformer(smol_bridge, smol_hooked):
     from posprobe.analyses.frequency import frequency_usage
 
     text = "Position matters in language models, and rotary embeddings encode it by rotating queries and keys."
     ids = smol_bridge.tokenizer(text).input_ids
     rows = torch.tensor([ids[:12], ids[2:14]])
     a = frequency_usage(smol_bridge, rows, layers=[0, 7, 29], progress=False).df
-    b = frequency_usage(smollm2, rows, layers=[0, 7, 29], progress=False).df
+    b = frequency_usage(smol_hooked, rows, layers=[0, 7, 29], progress=False).df
     keys = ["layer", "head", "band", "metric"]
     m = a.merge(b, on=keys, suffixes=("_bridge", "_tl"))
     assert len(m) == len(a) == len(b)
@@ -187,7 +206,7 @@ def test_frequency_usage_on_bridge_equals_hooked_transformer(smol_bridge, smollm
     assert rel <= 1e-4
 
 
-def test_shift_test_on_bridge_equals_hooked_transformer(smol_bridge, smollm2):
+def test_shift_test_on_bridge_equals_hooked_transformer(smol_bridge, smol_hooked):
     from posprobe.analyses.configs import ShiftConfig
     from posprobe.analyses.shift import run_shift_test
     from posprobe.data import builtin_pairs
@@ -195,8 +214,34 @@ def test_shift_test_on_bridge_equals_hooked_transformer(smol_bridge, smollm2):
     pairs = builtin_pairs(max_pairs=1)[:3]
     cfg = ShiftConfig(ks=(0, 50), progress=False, n_bootstrap=50)
     a = run_shift_test(smol_bridge, pairs, config=cfg, backend="tl").pairs
-    b = run_shift_test(smollm2, pairs, config=cfg, backend="tl").pairs
+    b = run_shift_test(smol_hooked, pairs, config=cfg, backend="tl").pairs
     assert len(a) == len(b) == 2 * len(pairs)
     for col in ("logp_good", "logp_bad"):
         assert (a[col] - b[col]).abs().max() <= 1e-3
     assert (a.correct == b.correct).all()
+
+
+def test_device_map_split_model_gives_the_same_numbers(smol_bridge, smol_tokens, smol_logits):
+    """A model loaded through a device_map (several entries, all on the CPU: the loading path of a multi-GPU
+    split, which CI cannot have; transformers adds no dispatch hooks when every entry is one device) is one
+    posprobe model: same logits, same plans, same analysis."""
+    from posprobe.analyses.frequency import frequency_usage
+    from posprobe.backend.loading import load_model
+    from posprobe.backend.model import device_of
+
+    dm = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.norm": "cpu", "lm_head": "cpu",
+          **{f"model.layers.{i}": "cpu" for i in range(30)}}
+    split = load_model("smollm2", device_map=dm)
+    assert device_of(split) == torch.device("cpu")
+    with torch.no_grad():
+        assert torch.equal(split(smol_tokens), smol_logits)
+        n = smol_tokens.shape[1]
+        with rope_positions(split, shifted_plan(n, 50, q_only=True)):
+            a = split(smol_tokens)
+        with rope_positions(smol_bridge, shifted_plan(n, 50, q_only=True)):
+            b = smol_bridge(smol_tokens)
+    assert torch.equal(a, b) and (a - smol_logits).abs().max() > 1e-2
+    rows = smol_tokens[:, :12]
+    fa = frequency_usage(split, rows, layers=[0, 29], progress=False).df
+    fb = frequency_usage(smol_bridge, rows, layers=[0, 29], progress=False).df
+    assert fa.drop(columns="model").equals(fb.drop(columns="model"))  # names differ: "smollm2" vs the folder's

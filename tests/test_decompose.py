@@ -15,6 +15,9 @@ from posprobe.analyses.decompose import (
     DATA_TERMS, EXACT_TERMS, decompose_layer, decompose_layer0, head_summary, positional_mean, relative_fraction, summary_table,
 )
 from posprobe.backend.facts import WrongModelKind
+from posprobe.backend.loading import load_model
+from conftest import need_hooked
+from hf_util import W_E, W_pos, gpt2_layer0
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,10 +27,9 @@ def _tokens(n: int = 24, batch: int = 2, seed: int = 0, vocab: int = 256) -> tor
 
 
 def _assert_biases_nonzero(model) -> None:
-    a, ln = model.blocks[0].attn, model.blocks[0].ln1
-    assert a.b_Q.abs().min() > 0 and a.b_K.abs().min() > 0
-    if hasattr(ln, "w"):
-        assert (ln.w - 1).abs().min() > 0 and ln.b.abs().min() > 0
+    w = gpt2_layer0(model)
+    assert w["b_Q"].abs().min() > 0 and w["b_K"].abs().min() > 0
+    assert (w["ln_w"] - 1).abs().min() > 0 and w["ln_b"].abs().min() > 0
 
 
 def _plain_ln(x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -75,18 +77,20 @@ def test_layer0_identity_against_model_and_plain_torch(request, fixture, tol):
     _check_causal(dec, tol)
     terms = dec.terms()
     assert all(terms[t].abs().max() > 1e-3 for t in ("ww", "wp", "pw", "pp", "bias"))
-    ln, a = model.blocks[0].ln1, model.blocks[0].attn
+    w = gpt2_layer0(model)  # HF GPT-2 weights, split per head by hand
     n = toks.shape[1]
-    for head in (0, model.cfg.n_heads - 1):
-        full, ww, pp = _plain_terms(_d(model.W_E)[toks], _d(model.W_pos)[:n], _d(ln.w), _d(ln.b), model.cfg.eps,
-                                    _d(a.W_Q), _d(a.b_Q), _d(a.W_K), _d(a.b_K), head)
+    for head in (0, w["W_Q"].shape[0] - 1):
+        full, ww, pp = _plain_terms(_d(W_E(model))[toks], _d(W_pos(model))[:n], w["ln_w"], w["ln_b"], w["eps"],
+                                    w["W_Q"], w["b_Q"], w["W_K"], w["b_K"], head)
         causal = torch.tril(torch.ones(n, n, dtype=torch.bool))
         assert (dec.reconstructed()[:, head][:, causal] - full[:, causal]).abs().max() <= tol
         assert (terms["ww"][:, head] - ww).abs().max() <= tol
         assert (terms["pp"][:, head] - pp).abs().max() <= tol
 
 
-def test_layer0_processed_weights_same_terms(tiny_ape64):
+def test_layer0_processed_weights_same_terms():
+    need_hooked()  # TL 3's weight processing exists only on the legacy HookedTransformer
+    tiny_ape64 = load_model("tiny-ape", dtype="float64", backend="hooked")
     processed = copy.deepcopy(tiny_ape64)
     processed.load_and_process_state_dict(copy.deepcopy(tiny_ape64.state_dict()), fold_ln=True,
                                           center_writing_weights=True, center_unembed=True)
@@ -110,7 +114,9 @@ def test_rope_model_exact_split_is_refused(tiny_rope):
         decompose_layer0(tiny_rope, _tokens(8))
 
 
-@pytest.mark.parametrize("fixture,tol", [("tiny_ape64", 1e-10), ("tiny_rope64", 1e-10), ("tiny_rope", 1e-5)])
+# tiny_rope64 at 1e-6, not 1e-10: HF's Llama RMSNorm normalises in float32 whatever the weights' dtype, so the
+# model's own scores carry float32 rounding that no float64 split can reproduce (measured 3.4e-7).
+@pytest.mark.parametrize("fixture,tol", [("tiny_ape64", 1e-10), ("tiny_rope64", 1e-6), ("tiny_rope", 1e-5)])
 def test_data_driven_split_sums_exactly(request, fixture, tol):
     model = request.getfixturevalue(fixture)
     rows = _tokens(20, batch=6, seed=2)
@@ -334,16 +340,16 @@ def test_minilm_layer0_terms_match_hf_weights(request, bert_hf, fixture, rel_tol
 @pytest.mark.parametrize("fixture,rel_tol", [("tiny_ape64", 1e-10), ("tiny_ape", 2e-5)])
 def test_tiny_ape_layer0_terms_from_state_dict(request, fixture, rel_tol):
     model = request.getfixturevalue(fixture)
-    sd = {k: v.detach().to(torch.float64) for k, v in model.state_dict().items()}
-    W_Q, W_K = sd["blocks.0.attn.W_Q"], sd["blocks.0.attn.W_K"]  # [head_index, d_model, d_head]
+    w = gpt2_layer0(model)  # from HF's c_attn / ln_1, not from posprobe or TL
+    W_Q, W_K = w["W_Q"], w["W_K"]  # [head_index, d_model, d_head]
     dh = W_Q.shape[-1]
-    eps = model.cfg.eps
+    eps = w["eps"]
     toks = _tokens(20, batch=3, seed=5)
     n = toks.shape[1]
     dec = decompose_layer0(model, toks)
     tol = rel_tol * max(1.0, float(dec.scores[dec.allowed].abs().max()))
-    raw = {"w": sd["embed.W_E"][toks], "p": sd["pos_embed.W_pos"][:n].expand(toks.shape[0], n, -1)}
-    gamma, beta = sd["blocks.0.ln1.w"], sd["blocks.0.ln1.b"]
+    raw = {"w": _d(W_E(model))[toks], "p": _d(W_pos(model))[:n].expand(toks.shape[0], n, -1)}
+    gamma, beta = w["ln_w"], w["ln_b"]
     normed = _frozen_ln_parts(raw, gamma, beta, eps)
     assert _max_diff(sum(normed.values()), torch.nn.functional.layer_norm(raw["w"] + raw["p"], (raw["w"].shape[-1],),
                                                                           gamma, beta, eps)) < 1e-12
@@ -351,7 +357,7 @@ def test_tiny_ape_layer0_terms_from_state_dict(request, fixture, rel_tol):
     def proj(W):
         return lambda x: torch.einsum("bpd,hde->bphe", x, W)
 
-    pairs, grouped = _reference_terms(normed, proj(W_Q), proj(W_K), sd["blocks.0.attn.b_Q"], sd["blocks.0.attn.b_K"],
+    pairs, grouped = _reference_terms(normed, proj(W_Q), proj(W_K), w["b_Q"], w["b_K"],
                                       dh, constant="n")
     ok = dec.allowed
     assert _max_diff(grouped["full"][ok], dec.scores.double()[ok]) <= tol
@@ -365,6 +371,6 @@ def test_tiny_ape_layer0_terms_from_state_dict(request, fixture, rel_tol):
     # Mutations the comparison must catch: the LN bias labelled as word; the scale frozen from the word alone.
     assert _max_diff((got_pairs["ww"] + got_pairs["wn"] + got_pairs["nw"] + got_pairs["nn"])[ok], grouped["ww"][ok]) > 100 * tol
     wrong = _frozen_ln_parts(raw, gamma, beta, eps, scale_from=("w",))
-    _, wrong_grouped = _reference_terms(wrong, proj(W_Q), proj(W_K), sd["blocks.0.attn.b_Q"], sd["blocks.0.attn.b_K"],
+    _, wrong_grouped = _reference_terms(wrong, proj(W_Q), proj(W_K), w["b_Q"], w["b_K"],
                                         dh, constant="n")
     assert _max_diff(got["pp"][ok], wrong_grouped["pp"][ok]) > 10 * tol

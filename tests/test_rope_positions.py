@@ -11,6 +11,7 @@ from posprobe.backend.facts import WrongModelKind
 from posprobe.backend.hooks import hook_name, hooked, live_hook_count
 from posprobe.core.positions import KeyView, PositionError, PositionPlan, learned_positions, rope_positions, shifted_plan
 from posprobe.core.rope import RotarySpec, band_contributions, rotate, wavelength
+from hf_util import hf_of, masked
 
 TEXT = "The quick brown fox jumps over the lazy dog near the river bank."
 
@@ -83,8 +84,10 @@ def test_common_shift_is_invariant_and_query_only_shift_is_not(tiny_rope, tiny_r
         q_only = tiny_rope(toks)
     assert (q_only - base).abs().max() > 1e-2
     base64 = tiny_rope64(toks)
+    # Not 1e-10: HF (the bridge) computes RoPE angles and RMSNorm in float32 even for float64 weights, so at
+    # position ~12k the angles carry float32 rounding (measured 1.3e-4 on the logits; the q-only shift moves them >1e-2).
     with rope_positions(tiny_rope64, shifted_plan(n, 12345.5)):
-        assert (tiny_rope64(toks) - base64).abs().max() <= 1e-10
+        assert (tiny_rope64(toks) - base64).abs().max() <= 1e-3
 
 
 def test_plan_scores_match_plain_torch_rotation(tiny_rope64):
@@ -102,8 +105,10 @@ def test_plan_scores_match_plain_torch_rotation(tiny_rope64):
     k = _complex_rotate(seen["k"], k_pos, 10000.0, False).repeat_interleave(2, dim=2)
     expected = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(16)
     causal = torch.ones(n, n, dtype=torch.bool).tril()
-    torch.testing.assert_close(seen["scores"][..., causal], expected[..., causal], atol=1e-10, rtol=0)
-    assert torch.isinf(seen["scores"][..., ~causal]).all()
+    # atol 1e-5, not 1e-10: the model's own rotation (HF, replayed by posprobe) takes float32 angles whatever
+    # the dtype (measured 3.2e-6 at positions up to 50); the reference rotates in float64.
+    torch.testing.assert_close(seen["scores"][..., causal], expected[..., causal], atol=1e-5, rtol=0)
+    assert masked(seen["scores"][..., ~causal]).all()
 
 
 def test_key_view_changes_only_selected_query_rows(tiny_rope64):
@@ -127,16 +132,16 @@ def test_key_view_changes_only_selected_query_rows(tiny_rope64):
 
 
 def test_generation_with_kv_cache_under_a_plan_matches_full_forward(tiny_rope):
-    from transformer_lens.cache.key_value_cache import TransformerLensKeyValueCache
+    from posprobe.backend.model import forward_cached, new_kv_cache
 
     toks = tiny_rope.to_tokens(TEXT)
     n = toks.shape[1]
     plan = PositionPlan(torch.arange(n) * 0.5 + 3, torch.arange(n) * 0.5 + 3)
     with rope_positions(tiny_rope, plan):
         full = tiny_rope(toks)
-        cache = TransformerLensKeyValueCache.init_cache(tiny_rope.cfg, tiny_rope.cfg.device, 1)
-        parts = [tiny_rope(toks[:, :7], past_kv_cache=cache)]
-        parts += [tiny_rope(toks[:, i : i + 1], past_kv_cache=cache) for i in range(7, n)]
+        cache = new_kv_cache(tiny_rope, 1)
+        parts = [forward_cached(tiny_rope, toks[:, :7], cache)]
+        parts += [forward_cached(tiny_rope, toks[:, i : i + 1], cache) for i in range(7, n)]
     assert (torch.cat(parts, 1) - full).abs().max() <= 1e-5
 
 
@@ -162,9 +167,8 @@ def test_learned_shift_zero_is_bit_equal_and_shift_matches_manual_embedding(tiny
     k = 40
     with learned_positions(tiny_ape, torch.arange(n) + k):
         shifted = tiny_ape(toks)
-    # Independent: build the residual stream by hand and run the blocks from there.
-    resid = tiny_ape.W_E[toks] + tiny_ape.W_pos[k : k + n][None]
-    manual = tiny_ape(resid, start_at_layer=0)
+    # Independent: the wrapped HF GPT-2 given the shifted position ids itself.
+    manual = hf_of(tiny_ape)(toks, position_ids=torch.arange(n)[None] + k).logits
     torch.testing.assert_close(shifted, manual, atol=1e-5, rtol=0)
     assert (shifted - base).abs().max() > 1e-3
 

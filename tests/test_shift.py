@@ -17,6 +17,7 @@ from posprobe.data import DataError, builtin_pairs
 from posprobe.core.scoring import TLScorer
 from posprobe.analyses.shift import ShiftConfig, ShiftError, summarize
 from posprobe.analyses.shift import run_shift_test
+from hf_util import hf_of
 
 ROOT = Path(__file__).resolve().parents[1]
 PAIRS = builtin_pairs(max_pairs=6, seed=0)
@@ -41,12 +42,11 @@ def test_learned_absolute_scores_change_with_k_and_match_manual_embedding(tiny_a
     r = run_shift_test(tiny_ape, PAIRS, config=ShiftConfig(ks=(0, 100), **FAST))
     p0, p100 = (r.pairs[r.pairs.k == k].logp_good.to_numpy() for k in (0, 100))
     assert np.abs(p100 - p0).max() > 1e-2
-    # Independent: BOS + sentence at positions 100, 101, ... placed by hand, the residual stream built
-    # from W_E and W_pos[100:], the blocks run from there.
+    # Independent: BOS + sentence at positions 100, 101, ... given to the wrapped HF GPT-2 as position_ids.
     s = PAIRS[0].good
     ids = torch.tensor([[tiny_ape.tokenizer.bos_token_id] + tiny_ape.tokenizer(s, add_special_tokens=False).input_ids])
-    resid = tiny_ape.W_E[ids] + tiny_ape.W_pos[100:100 + ids.shape[1]][None]
-    lp = tiny_ape(resid, start_at_layer=0).log_softmax(-1)[0, :-1].gather(-1, ids[0, 1:, None]).sum()
+    logits = hf_of(tiny_ape)(ids, position_ids=torch.arange(ids.shape[1])[None] + 100).logits
+    lp = logits.log_softmax(-1)[0, :-1].gather(-1, ids[0, 1:, None]).sum()
     assert abs(float(lp) - p100[0]) < 1e-4
     assert r.meta["prefix"]["kind"] == "bos" and r.meta["model"]["positional_kind"] == "learned_absolute"
 

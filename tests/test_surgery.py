@@ -15,6 +15,7 @@ from posprobe.backend.facts import WrongModelKind
 from posprobe.core.generation import continuation_logprob, generate, logits_under
 from posprobe.core.positions import PositionError, PositionPlan
 from posprobe.core.rope import RotarySpec
+from hf_util import masked
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,8 +49,8 @@ def _scores(q, k, n_heads):
 
 def _max_diff(got, want):
     """Max |got - want| over finite entries, after checking both mask the same entries."""
-    assert torch.equal(torch.isinf(got), torch.isinf(want))
-    fin = torch.isfinite(want)
+    assert torch.equal(masked(got), masked(want))
+    fin = ~masked(want)
     return float((got[fin] - want[fin]).abs().max())
 
 
@@ -177,7 +178,8 @@ def test_presets_reach_the_scores(tiny_rope64, case):
         want = want.masked_fill(torch.triu(torch.ones(n, n, dtype=torch.bool), 1), float("-inf"))
     if case == "streaming":
         want = want.masked_fill(S.evicted(i, i, 2, 4), float("-inf"))
-    assert _max_diff(got, want) <= 1e-10
+    # 1e-6, not 1e-10: HF (the bridge) builds cos/sin in float32 even for float64 weights (measured ~1e-7).
+    assert _max_diff(got, want) <= 1e-6
 
 
 # ---------- views: cache vs global squish ----------

@@ -273,3 +273,49 @@ class AtlasConfig:
         bad = sorted(set(self.sections or ()) - known)
         if bad:
             raise ValueError(f"unknown atlas sections {bad}; choose from {sorted(known)}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LongContextConfig:
+    """Long-context harness (`run_long_context`, `posprobe long-context`): loss by position past the trained
+    context per surgery preset, and passkey retrieval by length x depth."""
+
+    lengths: tuple[int, ...] = option((2048,), "sequence lengths to evaluate (tokens; repeatable)", flag="--length",
+                                      aliases=("--lengths",))
+    presets: tuple[str, ...] = option(("none",), f"surgery presets to compare (repeatable): {PRESET_HELP}",
+                                      flag="--preset")
+    max_windows: int = option(1, "text windows per length (fewer if the text is short)")
+    bin_size: int = option(256, "query positions per loss bin (tokens)")
+    warmup: int = option(512, "break position: search bins from this position on, against the mean loss over "
+                              "[warmup, trained context) (tokens)")
+    margin: float = option(0.5, "break position: first bin from which the mean loss over --break-span positions "
+                                "exceeds that mean by this (nats/token)")
+    break_span: int = option(1024, "break position: query positions the excess is averaged over (tokens)")
+    trained_ctx: int | None = option(None, "trained context (tokens; default: the model config's)")
+    passkey_lengths: tuple[int, ...] | None = option(None, "passkey prompt lengths (tokens; default: no passkey test)",
+                                              flag="--passkey-length", aliases=("--passkey-lengths",))
+    depths: tuple[float, ...] = option((0.0, 0.25, 0.5, 0.75, 1.0), "passkey depths: fraction of the filler "
+                                       "before the needle (0 = start, 1 = end)", flag="--depth")
+    trials: int = option(1, "passkeys per length x depth x preset")
+    new_tokens: int = option(8, "greedy tokens decoded for a passkey answer")
+    seed: int = option(0, "seed of the passkeys")
+    chunk: int = option(256, "query rows per attention chunk (memory grows with chunk x length)")
+    progress: bool = option(True, "", cli=False)
+
+    def __post_init__(self) -> None:
+        _at_least(self, 2, "bin_size")
+        _at_least(self, 1, "max_windows", "trials", "new_tokens", "chunk", "trained_ctx", "break_span")
+        _at_least(self, 0, "warmup")
+        if not self.presets:
+            raise ValueError("give at least one preset")
+        if not self.lengths:
+            raise ValueError("give at least one length")
+        bad = [x for x in (*self.lengths, *(self.passkey_lengths or ())) if x < 2]
+        if bad:
+            raise ValueError(f"lengths must be >= 2 tokens; got {bad}")
+        if any(not 0 <= d <= 1 for d in self.depths):
+            raise ValueError(f"depths must be within [0, 1]; got {list(self.depths)}")
+        if self.passkey_lengths and not self.depths:
+            raise ValueError("give at least one --depth for the passkey test")
+        if self.margin < 0:
+            raise ValueError(f"margin must be >= 0; got {self.margin}")

@@ -45,7 +45,7 @@ import torch
 from jaxtyping import Float, Int
 
 from posprobe.backend.facts import WrongModelKind, model_facts
-from posprobe.backend.hooks import attention_scores
+from posprobe.backend.hooks import attention_scores, kept_scores, rotate_at, scores_hook_is_pattern
 from posprobe.backend.model import (
     NormSpec, device_of, embedding_norm, embedding_points, encode_text, n_layers, pre_attention_norm, qk_weights,
     scores_not_bilinear, special_tokens, tokenizer_of,
@@ -154,8 +154,17 @@ def _as_tokens(tokens: Any) -> torch.Tensor:
 
 def _capture(model: Any, tokens: torch.Tensor, points: Sequence[str], layer: int) -> dict[str, torch.Tensor]:
     # The maths below runs on the CPU (float64), wherever the model lives.
+    derive = "scores" in points and scores_hook_is_pattern(model)
+    if derive:  # the hook carries the pattern: rebuild the scores from this layer's q and k (BERT: unrotated)
+        points = [p for p in points if p != "scores"] + ["q", "k"]
     got = capture(model, tokens.to(device_of(model)), list(dict.fromkeys(points)), layers=[layer])
-    return {p: x.cpu() for (p, _), x in got.items()}
+    out = {p: x.cpu() for (p, _), x in got.items()}
+    if derive:
+        out["scores"] = attention_scores(model, layer, got[("q", layer)], got[("k", layer)]).cpu()
+    if "scores" in out:  # masked entries as -inf on every backend (a bridge fills the dtype's minimum)
+        s = out["scores"]
+        out["scores"] = s.masked_fill(~kept_scores(model, s), float("-inf"))
+    return out
 
 
 def _f64(x: torch.Tensor) -> torch.Tensor:
@@ -193,8 +202,9 @@ def _pair_scores(
     k["b"] = b_K.expand(batch, pos, *b_K.shape)
     if rotary is not None:
         positions = torch.arange(pos, dtype=torch.float64)
-        q = {n: rotate(v, positions, rotary) for n, v in q.items()}
-        k = {n: rotate(v, positions, rotary) for n, v in k.items()}
+        # The layer's own rotation recipe (on a bridge HF's float32 cos/sin): linear, so the parts still add up.
+        q = {n: rotate_at(model, layer, v, positions, rotary) for n, v in q.items()}
+        k = {n: rotate_at(model, layer, v, positions, rotary) for n, v in k.items()}
     pairs = torch.stack([torch.stack([attention_scores(model, layer, q[x], k[y]) for y in names]) for x in names])
     return names, pairs
 
@@ -297,7 +307,8 @@ def relative_fraction(
     """Fraction of `term`'s variance (over unmasked entries) explained by its mean on each diagonal
     i - j, and those diagonal means indexed by rel_pos + (n - 1)."""
     n = term.shape[-1]
-    rel = (torch.arange(n)[:, None] - torch.arange(n)[None, :] + n - 1).expand_as(term)[ok]
+    ar = torch.arange(n, device=term.device)  # on the term's device: a CPU range cannot take a device mask
+    rel = (ar[:, None] - ar[None, :] + n - 1).expand_as(term)[ok.to(term.device)]
     v = term[ok].to(torch.float64)
     cnt = torch.bincount(rel, minlength=2 * n - 1).to(torch.float64)
     means = torch.bincount(rel, weights=v, minlength=2 * n - 1) / cnt.clamp_min(1)

@@ -17,14 +17,15 @@ import pandas as pd
 import torch
 from jaxtyping import Float
 
-from posprobe.core.capture import Reducer, batches, stream
+from posprobe.core import distributed
+from posprobe.core.capture import Reducer, stream, to_cpu_once
 from posprobe.analyses.configs import FrequencyConfig
 from posprobe.backend.facts import ModelFacts, model_facts, require_rotary
 from posprobe.backend.hooks import score_scale, score_soft_cap
 from posprobe.report.result import Result
 from posprobe.report.schema import data_meta, make_meta, text_sha256
 from posprobe.core.rope import RotarySpec, _grouped_band_products, angular_frequency, band_norms, wavelength
-from posprobe.backend.model import context_length
+from posprobe.backend.model import context_length, device_of
 
 #: Elements of one [head, band, query_pos, key_pos] block processed at once (bounds transient memory).
 CHUNK_ELEMENTS = 1 << 24
@@ -120,13 +121,6 @@ class _Acc:
         self.s2 = z(n_heads)
         self.diag, self.prev, self.first, self.n_rows = z(n_heads), z(n_heads), z(n_heads), 0
 
-    def cpu(self) -> "_Acc":
-        """The same sums on the CPU (the tables are built with numpy)."""
-        for name, v in vars(self).items():
-            if isinstance(v, torch.Tensor):
-                setattr(self, name, v.cpu())
-        return self
-
 
 class _Scratch:
     """Reusable flat buffers for the per-band block. A fresh tens-of-MB tensor per layer and batch costs
@@ -159,20 +153,21 @@ def _reducer(model: Any, facts: ModelFacts, layers: list[int], edges: list[int],
     n_bins = len(edges)
     scratch = _Scratch()
     plans: dict[tuple, tuple[torch.Tensor, ...]] = {}
-    counts: dict[tuple[int, int], torch.Tensor] = {}
+    counts: dict[tuple[int, int, torch.device], torch.Tensor] = {}
 
     def plan(q0: int, m: int, device: torch.device) -> tuple[torch.Tensor, ...]:
         if (q0, m, device) not in plans:
             plans[q0, m, device] = tuple(t.to(device) for t in _bin_plan(q0, m, edges))
         return plans[q0, m, device]
 
-    def bin_count(n: int, start: int) -> torch.Tensor:
-        # Causal entries per bin in one window when queries start..n-1 are scored.
-        if (n, start) not in counts:
+    def bin_count(n: int, start: int, device: torch.device) -> torch.Tensor:
+        # Causal entries per bin in one window when queries start..n-1 are scored (built on the CPU,
+        # copied to the device once, not per layer and batch).
+        if (n, start, device) not in counts:
             bin_of = torch.bucketize(torch.arange(n), torch.tensor(edges), right=True) - 1
             per_rel = (n - torch.clamp(torch.arange(n), min=start)).double()
-            counts[n, start] = torch.bincount(bin_of, weights=per_rel, minlength=n_bins)
-        return counts[n, start]
+            counts[n, start, device] = torch.bincount(bin_of, weights=per_rel, minlength=n_bins).to(device)
+        return counts[n, start, device]
 
     def bin_sums(x: torch.Tensor, pl: tuple[torch.Tensor, ...]) -> torch.Tensor:
         # Contiguous [rows, m, n_k] -> float64 [rows, bin]. Per-rel sums over the m queries stay in the
@@ -228,7 +223,7 @@ def _reducer(model: Any, facts: ModelFacts, layers: list[int], edges: list[int],
         acc.n_tok += B * n
         # Score statistics use the last `queries` query positions (all their keys): they see every rel_pos.
         start = n - min(n, queries or n)
-        acc.bin_n += bin_count(n, start).to(x.device) * B
+        acc.bin_n += bin_count(n, start, x.device) * B
         scale = score_scale(model, layer)
         # Blocks of query rows x batch rows keep the [head, band, query_pos, key_pos] block under
         # CHUNK_ELEMENTS whatever the window. A block only needs the keys up to its last query (later
@@ -283,6 +278,9 @@ def frequency_usage(
     """
     facts = model_facts(model)
     require_rotary(facts, "Per-frequency RoPE usage")
+    if device_of(model).type == "mps":  # say so before any work, not deep inside the first batch
+        raise NotImplementedError("The frequency pass accumulates in float64 on the model's device, which mps "
+                                  "does not support; run it with --device cpu or cuda")
     rows = _check_rows(model, token_rows)
     layers = list(range(facts.n_layers)) if layers is None else list(layers)
     if not layers or any(not 0 <= l < facts.n_layers for l in layers):
@@ -294,11 +292,20 @@ def frequency_usage(
     if queries is not None and queries < 1:
         raise ValueError(f"queries must be >= 1 or None, got {queries}")
     red = _reducer(model, facts, layers, edges, queries)
-    n_batches = math.ceil(rows.shape[0] / batch_size)
-    stream(model, batches(rows, batch_size), [red], total=n_batches, progress=progress, desc="freq-usage")
+    # Under torchrun each process streams its share of the batches and the sums are added up over
+    # processes (core.distributed); a single process takes every batch.
+    spans = distributed.shard_batches(rows.shape[0], batch_size)
+    stream(model, (rows[a:b] for a, b in spans), [red], total=len(spans), progress=progress, desc="freq-usage")
     state = red.state
     state.pop("_q", None)
-    band_df, prof_df, head_df = _tables(facts, {l: state[l].cpu() for l in layers}, edges, window)
+    if distributed.active():
+        accs = [state[l] for l in layers]
+        distributed.all_reduce_sums([v for a in accs for v in vars(a).values() if isinstance(v, torch.Tensor)])
+        counts = distributed.all_reduce_ints([c for a in accs for c in (a.n_tok, a.n_rows)])
+        for a, n_tok, n_rows in zip(accs, counts[::2], counts[1::2]):
+            a.n_tok, a.n_rows = n_tok, n_rows
+    # Every layer's sums cross to the CPU in one copy (the tables are built with numpy).
+    band_df, prof_df, head_df = _tables(facts, to_cpu_once({l: state[l] for l in layers}), edges, window)
     data = data_meta("token rows", n_items=int(rows.shape[0]), unit="windows")
     config = dict(batch_size=batch_size, layers=layers, queries=queries)
     meta = {

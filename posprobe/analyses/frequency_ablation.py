@@ -17,7 +17,6 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from posprobe.core.capture import batches
 from posprobe.backend.facts import ModelFacts, model_facts, require_rotary
 from posprobe.analyses.frequency import _check_rows
 from posprobe.core.rope import band_contributions, expand_kv
@@ -89,15 +88,19 @@ def _score_hooks(model: Any, facts: ModelFacts, layer: int, heads: list[int], ab
 
         return hook
 
+    on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # (head index, band index) per device, copied once
+
     def scores(s: torch.Tensor, hook: Any) -> torch.Tensor:
         if bands.numel() == 0:
             return s
-        idx = torch.tensor(heads, device=s.device)
+        if s.device not in on:
+            on[s.device] = (torch.tensor(heads, device=s.device), bands.to(s.device))
+        idx, band_idx = on[s.device]
 
         def part(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
             k = expand_kv(k, facts.n_heads)
             b, _ = band_contributions(q[:, :, idx], k[:, :, idx], spec, scale)
-            return b[:, :, bands.to(s.device)].sum(2)
+            return b[:, :, band_idx].sum(2)
 
         delta = -part(seen["rot_q"], seen["rot_k"])
         if ab.mode == "unrotate":
@@ -113,13 +116,26 @@ def _score_hooks(model: Any, facts: ModelFacts, layer: int, heads: list[int], ab
 
 
 def _loss(model: Any, rows: torch.Tensor, batch_size: int, bar: Any) -> float:
-    total, n = 0.0, 0
-    for toks in batches(rows, batch_size):
-        per_tok = token_losses(model, toks)
-        total += float(per_tok.double().sum())
+    # The sum stays on the model's device; one host read per condition, not one per batch. Under torchrun
+    # each process takes its share of the batches (when there are enough) and the sums are added up.
+    from posprobe.core import distributed
+
+    n_batches = -(-rows.shape[0] // batch_size)
+    split = distributed.active() and n_batches >= distributed.world()[1]
+    spans = distributed.shard_batches(rows.shape[0], batch_size) if split else \
+        [(i, min(i + batch_size, rows.shape[0])) for i in range(0, rows.shape[0], batch_size)]
+    total: torch.Tensor | float = 0.0
+    n = 0
+    for a, b in spans:
+        per_tok = token_losses(model, rows[a:b])
+        total = total + per_tok.double().sum()
         n += per_tok.numel()
         bar.update(1)
-    return total / n
+    if split:
+        both = torch.stack([total, torch.full_like(total, float(n))])  # on the model's device
+        distributed.all_reduce_sums([both])
+        return float(both[0]) / float(both[1])
+    return float(total) / n
 
 
 @torch.no_grad()

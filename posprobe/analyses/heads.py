@@ -17,7 +17,6 @@ Every statistic is a ratio of corpus-wide sums, so a chunked run equals a single
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import pandas as pd
@@ -26,7 +25,8 @@ import torch
 from posprobe.analyses.configs import HeadsConfig
 from posprobe.backend.facts import model_facts
 from posprobe.backend.model import encode_text, first_token, tokenizer_of
-from posprobe.core.capture import Reducer, batches, capture, stream
+from posprobe.core import distributed
+from posprobe.core.capture import Reducer, capture, float64_device, stream, to_cpu_once
 from posprobe.data import BUILTIN_TEXT, framed_windows
 from posprobe.report.result import Result
 from posprobe.report.schema import data_meta, make_meta, text_sha256
@@ -56,21 +56,28 @@ def _reducer(layers: list[int], n: int, encoder: bool) -> Reducer:
     visible = torch.full((n,), n) if encoder else torch.arange(1, n + 1)
     keep = visible > 1  # a query that sees one key has no entropy to compare with uniform
     log_visible = torch.log(visible[keep].double())
+    on: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # the index tables, copied once per device
 
     def fn(point: str, layer: int, x: torch.Tensor, state: dict) -> None:
-        p = x.double()  # [batch, head_index, query_pos, key_pos]; masked entries are exactly 0
+        # [batch, head_index, query_pos, key_pos]; masked entries are exactly 0. float64 on the device
+        # (the CPU for mps, which has no float64).
+        p = x.to(float64_device(x.device), torch.float64)
         H = p.shape[1]
+        if p.device not in on:
+            # `keep` as indices, not a bool mask: masked indexing is data-dependent (a device sync).
+            on[p.device] = (rel.to(p.device), keep.nonzero()[:, 0].to(p.device), log_visible.to(p.device))
+        rel_d, keep_d, log_visible_d = on[p.device]
         s = state.get(layer)
         if s is None:
             z = lambda *shape: torch.zeros(*shape, dtype=torch.float64, device=p.device)  # noqa: E731
             s = state[layer] = {"diag": z(H, 2 * n - 1), "col": z(H, n), "sq": z(H), "ent": z(H), "rel_ent": z(H),
                                 "rows": 0}
-        s["diag"].index_add_(1, rel.to(p.device), p.sum(0).reshape(H, n * n))
+        s["diag"].index_add_(1, rel_d, p.sum(0).reshape(H, n * n))
         s["col"] += p.sum((0, 2))
         s["sq"] += (p * p).sum((0, 2, 3))
         h = -torch.special.xlogy(p, p).sum(-1)  # [batch, head, query] entropy in nats
         s["ent"] += h.sum((0, 2))
-        s["rel_ent"] += (h[..., keep.to(p.device)] / log_visible.to(p.device)).sum((0, 2))
+        s["rel_ent"] += (h[..., keep_d] / log_visible_d).sum((0, 2))
         s["rows"] += p.shape[0]
 
     return Reducer(["pattern"], layers, fn)
@@ -129,7 +136,8 @@ def detection_scores(patterns: torch.Tensor, tokens: torch.Tensor) -> dict[str, 
 
     patterns: `[batch, head_index, query_pos, key_pos]`; tokens: `[batch, pos]`.
     """
-    tokens = tokens.to(patterns.device)
+    p = patterns.to(float64_device(patterns.device), torch.float64)  # the CPU for mps (no float64 there)
+    tokens = tokens.to(p.device)
     n = tokens.shape[1]
     same = tokens[:, :, None] == tokens[:, None, :]
     earlier = torch.ones(n, n, dtype=torch.bool, device=tokens.device).tril(-1)
@@ -137,7 +145,6 @@ def detection_scores(patterns: torch.Tensor, tokens: torch.Tensor) -> dict[str, 
     induction = torch.zeros_like(duplicate)
     induction[:, :, 1:] = duplicate[:, :, :-1]  # the token after that earlier occurrence
     induction = induction * earlier.logical_or(torch.eye(n, dtype=torch.bool, device=tokens.device)).double()
-    p = patterns.double()
     total = p.sum((2, 3))  # [batch, head]
     return {"induction_score": ((p * induction[:, None]).sum((2, 3)) / total).mean(0),
             "duplicate_score": ((p * duplicate[:, None]).sum((2, 3)) / total).mean(0)}
@@ -183,17 +190,25 @@ def head_signatures(model: Any, token_rows: Any, config: HeadsConfig | None = No
         raise ValueError(f"windows of {n} tokens exceed the model's context n_ctx={facts.n_ctx}")
     layers = list(range(facts.n_layers))
     red = _reducer(layers, n, facts.is_encoder)
-    stream(model, batches(rows, cfg.batch_size), [red], total=math.ceil(rows.shape[0] / cfg.batch_size),
-           progress=cfg.progress, desc="head signatures")
-    values, offsets = signature_frames(red.state, n, facts.is_encoder, cfg)
+    # Under torchrun each process streams its share of the batches; the sums are added over processes.
+    spans = distributed.shard_batches(rows.shape[0], cfg.batch_size)
+    stream(model, (rows[a:b] for a, b in spans), [red], total=len(spans), progress=cfg.progress,
+           desc="head signatures")
+    if distributed.active():
+        sums = [red.state[l] for l in layers]
+        distributed.all_reduce_sums([v for s in sums for v in s.values() if isinstance(v, torch.Tensor)])
+        for s, r in zip(sums, distributed.all_reduce_ints([s["rows"] for s in sums])):
+            s["rows"] = r
+    values, offsets = signature_frames(to_cpu_once(red.state), n, facts.is_encoder, cfg)
     if cfg.induction_len and not facts.is_encoder:
         toks = repeated_random_tokens(model, cfg.induction_len, cfg.induction_batch, cfg.seed)
         if toks.shape[1] > facts.n_ctx:
             raise ValueError(f"induction sequences of {toks.shape[1]} tokens exceed n_ctx={facts.n_ctx}; "
                              "lower induction_len")
         got = capture(model, toks, ["pattern"], layers=layers)
+        scores = to_cpu_once({l: detection_scores(got["pattern", l], toks) for l in layers})
         for l in layers:
-            values[l].update({k: v.cpu() for k, v in detection_scores(got["pattern", l], toks).items()})
+            values[l].update(scores[l])
     nan = torch.full((facts.n_heads,), float("nan"), dtype=torch.float64)
     recs, kinds = [], []
     for l in layers:

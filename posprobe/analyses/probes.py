@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from posprobe.analyses.configs import RESIDUAL_POINTS, ProbeConfig
 from posprobe.backend.model import encode_text, first_token
-from posprobe.core.capture import Reducer, batches, stream
+from posprobe.core.capture import Reducer, batches, stream, to_cpu_once
 from posprobe.data import framed_windows
 from posprobe.report.result import Result
 from posprobe.report.schema import data_meta, make_meta, text_sha256
@@ -102,7 +102,7 @@ def collect_residuals(
 
     Only the sampled tokens of each batch are kept, so memory is len(keys) x n_tokens x d_model."""
     n_pos = rows.shape[1]
-    out: dict[tuple[str, int], list[np.ndarray]] = {k: [] for k in keys}
+    out: dict[tuple[str, int], list[torch.Tensor]] = {k: [] for k in keys}
     offset = {"row": 0}
     layer_points: dict[int, list[str]] = {}
     for p, l in keys:
@@ -114,7 +114,9 @@ def collect_residuals(
         r0 = offset["row"]
         lo, hi = r0 * n_pos, (r0 + x.shape[0]) * n_pos
         sel = flat_idx[(flat_idx >= lo) & (flat_idx < hi)] - lo
-        out[(point, layer)].append(x.reshape(-1, x.shape[-1])[torch.as_tensor(sel)].float().cpu().numpy())
+        # The sampled rows stay on the model's device; all of them cross to the CPU once, after the pass.
+        idx = torch.as_tensor(sel).to(x.device, non_blocking=True)
+        out[(point, layer)].append(x.reshape(-1, x.shape[-1]).index_select(0, idx).float())
 
     reducers = [Reducer(sorted(set(layer_points[l])), [l], fn) for l in layer_points]
 
@@ -124,7 +126,8 @@ def collect_residuals(
             offset["row"] += b.shape[0]
 
     stream(model, counted(), reducers, total=-(-rows.shape[0] // batch_size), progress=progress, desc="capture")
-    return {k: np.concatenate(v) for k, v in out.items()}
+    done = to_cpu_once({k: torch.cat(v) for k, v in out.items()})
+    return {k: v.numpy() for k, v in done.items()}
 
 
 def ridge_path(xtr: np.ndarray, Ytr: np.ndarray, xte: np.ndarray, alphas: Sequence[float]) -> np.ndarray:

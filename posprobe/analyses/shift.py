@@ -115,7 +115,8 @@ def score_pairs(scorer: Any, tokenizer: Any, pairs: Sequence[MinimalPair], cfg: 
     items = [(place(prefix, ids[p.good], k, cfg.prefix_position), place(prefix, ids[p.bad], k, cfg.prefix_position))
              for k, p in at_k]
     # Pair-aware scoring: the shared start of a pair is computed once, identical sentences once.
-    lps = scorer.pair_logprobs(items, batch_size=cfg.batch_size, progress=cfg.progress, desc="pairs")
+    lps = _sharded(lambda its: scorer.pair_logprobs(its, batch_size=cfg.batch_size, progress=cfg.progress,
+                                                    desc="pairs"), items)
     rows = []
     for (k, p), (lp_good, lp_bad) in zip(at_k, lps):
         rows.append((p.paradigm, p.field, p.phenomenon, p.pair_id, k, float(lp_good[first:].sum()),
@@ -125,6 +126,18 @@ def score_pairs(scorer: Any, tokenizer: Any, pairs: Sequence[MinimalPair], cfg: 
     df["margin"] = df.logp_good - df.logp_bad
     df["correct"] = df.margin > 0
     return df
+
+
+def _sharded(score: Any, items: list) -> list:
+    # Under torchrun each process scores every world-size-th item and all processes receive every result
+    # in the original order (core.distributed); a single process scores everything in one call.
+    from posprobe.core import distributed
+
+    if not distributed.active():
+        return score(items)
+    mine = distributed.shard(items)
+    got = score([it for _, it in mine]) if mine else []
+    return distributed.gather_indexed([(i, lp) for (i, _), lp in zip(mine, got)])
 
 
 def summarize(pairs: pd.DataFrame, *, n_boot: int, seed: int) -> pd.DataFrame:
@@ -160,7 +173,8 @@ def score_text(scorer: Any, tokenizer: Any, text: str, cfg: ShiftConfig, prefix:
     ids = tokenizer(text[:chars], add_special_tokens=False).input_ids
     windows = token_windows(ids, cfg.window, max_windows=cfg.max_windows)
     items = [place(prefix, w, k, cfg.prefix_position) for k in ks for w in windows]
-    lps = scorer.token_logprobs(items, batch_size=cfg.batch_size, progress=cfg.progress, desc="text windows")
+    lps = _sharded(lambda its: scorer.token_logprobs(its, batch_size=cfg.batch_size, progress=cfg.progress,
+                                                     desc="text windows"), items)
     rows = []
     first = len(prefix) - 1 if prefix else 0
     for j, (item, lp) in enumerate(zip(items, lps)):
@@ -335,12 +349,12 @@ def encoder_drift(model: Any, sentences: Sequence[str], ks: Sequence[int], cfg: 
     from posprobe.backend.hooks import hooked
     from posprobe.core.positions import learned_positions
 
-    from posprobe.backend.hooks import hook_name
+    from posprobe.backend.hooks import encoder_layer_hooks
 
     tok = tokenizer_of(model)
     enc = [tok(s).input_ids for s in sentences]
     layers = n_layers(model)
-    names = [hook_name("embed_normalized", 0)] + [hook_name("resid_post_normalized", l) for l in range(layers)]
+    names = encoder_layer_hooks(model)
     reps: dict[int, list[list[torch.Tensor]]] = {}
     for k in ks:
         out: list[list[torch.Tensor]] = [[] for _ in names]

@@ -69,7 +69,9 @@ def span_attention(model: Any, tokens: torch.Tensor, span: tuple[int, int], firs
     layers = range(n_layers(model))
     with apply_plan(model, plan) if plan is not None else nullcontext():
         pats = capture(model, tokens[None], ["pattern"], layers=list(layers))
-    return [float(pats[("pattern", l)][0, :, first_query:, span[0]:span[1]].sum(-1).mean()) for l in layers]
+    # One host read for all layers, not one per layer.
+    return torch.stack([pats[("pattern", l)][0, :, first_query:, span[0]:span[1]].sum(-1).mean()
+                        for l in layers]).tolist()
 
 
 def _decode(model: Any, ids: torch.Tensor) -> str:
@@ -120,9 +122,9 @@ def squish_run(model: Any, instruction: str, prompt: str, *, to: float | None = 
     lp_base = torch.log_softmax(logits_under(model, seq).float(), -1)
     for v, pl in plans.items():
         lp_sq = torch.log_softmax(logits_under(model, seq, pl.extended(seq.shape[1])).float(), -1)
-        kl = (lp_base.exp() * (lp_base - lp_sq)).sum(-1)[0]
+        kl = (lp_base.exp() * (lp_base - lp_sq)).sum(-1)[0].tolist()  # one host read, not one per query
         for q in range(n - 1, seq.shape[1]):
-            rows.append(dict(model=name, variant=v, metric="kl", layer=-1, query_pos=q, value=float(kl[q])))
+            rows.append(dict(model=name, variant=v, metric="kl", layer=-1, query_pos=q, value=kl[q]))
     config = dict(to=to, range_=range_, query_start=query_start, variant=list(variants), max_new_tokens=max_new_tokens,
                   reference=reference, temperature=temperature, top_k=top_k, seed=seed, chat=chat)
     data = data_meta("instruction + prompt", n_items=1, unit="prompts", sha256=text_sha256(p.text))

@@ -23,36 +23,53 @@ _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 def is_bridge(model: Any) -> bool:
     """True when `model` is a TransformerLens TransformerBridge (checked without importing TL)."""
-    mod = sys.modules.get("transformer_lens.model_bridge.bridge")
-    return mod is not None and isinstance(model, mod.TransformerBridge)
+    # The class lives in model_bridge.bridge (TL 3.9) or model_bridge.transformer_bridge (TL 4); both
+    # packages re-export it from model_bridge, which is loaded whenever a bridge exists.
+    mod = sys.modules.get("transformer_lens.model_bridge")
+    cls = getattr(mod, "TransformerBridge", None) if mod is not None else None
+    return cls is not None and isinstance(model, cls)
 
 
 def load_bridge(spec: Union[str, os.PathLike], *, device: str = "cpu", dtype: str | torch.dtype = "float32") -> Any:
-    """Boot a TransformerBridge offline from posprobe's resolved Hugging Face folder for `spec` (a local
-    folder, a `.gguf` file converted once, or a packaged alias such as "smollm2").
+    """`posprobe.load_model(spec)`: a TransformerBridge, booted offline where the weights are on disk."""
+    from posprobe.backend.loading import load_model
 
-    The tokenizer is loaded from the folder and passed in (otherwise the bridge asks the hub).
-    `model.posprobe_source` records where the model came from; `cfg.model_name` is set to posprobe's name.
-    """
-    from posprobe.backend.loading import as_dtype, hf_folder
-    from posprobe.backend.sources import ModelLoadError, resolve
+    return load_model(spec, device=device, dtype=dtype)
 
-    dt = as_dtype(dtype)
-    source = resolve(spec)
-    if source.kind != "hf-dir":
-        raise ModelLoadError(f"{spec} has no Hugging Face weights on disk; a TransformerBridge boots from a local folder")
-    folder = hf_folder(source)
+
+def boot(source: Any, folder: Any, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
+         n_ctx: int | None = None, n_devices: int = 1, device_map: Any = None) -> Any:
+    """Boot a TransformerBridge for a resolved source: a local Hugging Face folder (offline; the tokenizer
+    is loaded from the folder and passed in, otherwise the bridge asks the hub) or a hub name."""
     from transformer_lens.model_bridge import TransformerBridge
-    from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    try:
-        model = TransformerBridge.boot_transformers(str(folder), device=device, dtype=dt, tokenizer=tokenizer)
-    except Exception as e:  # noqa: BLE001 - the bridge raises many types for unsupported architectures
-        raise ModelLoadError(f"TransformerBridge could not boot {folder}: {e}") from e
+    from posprobe.backend.sources import ModelLoadError, official_name, read_hf_config
+
+    kwargs: dict[str, Any] = dict(device=device, dtype=dtype) if device_map is None else dict(dtype=dtype, device_map=device_map)
+    if n_ctx is not None:
+        kwargs["n_ctx"] = n_ctx
+    if n_devices > 1:
+        kwargs["n_devices"] = n_devices
+    if folder is not None:
+        from transformers import AutoTokenizer
+
+        arch = (read_hf_config(folder).get("architectures") or [""])[0]
+        try:
+            model = TransformerBridge.boot_transformers(str(folder), tokenizer=AutoTokenizer.from_pretrained(folder), **kwargs)
+        except Exception as e:  # noqa: BLE001 - the bridge raises many types for unsupported architectures
+            raise ModelLoadError(f"TransformerBridge could not boot {folder} ({arch or 'no architecture'}): {e}") from e
+        # A bare encoder folder (BertModel) gets a randomly initialised MLM head from the bridge.
+        model.has_lm_head = not arch.endswith("Model")
+    else:
+        try:
+            model = TransformerBridge.boot_transformers(official_name(source.name), **kwargs)
+        except OSError as e:
+            raise ModelLoadError(f"Could not download '{source.name}': {e}") from e
+        except ValueError as e:
+            raise ModelLoadError(f"TransformerBridge cannot build '{source.name}': {e}") from e
+        model.has_lm_head = model.cfg.attention_dir != "bidirectional" or hasattr(model.original_model, "cls")
     model.eval()
     model.cfg.model_name = source.name
-    model.posprobe_source = source.origin or source.name
     return model
 
 
@@ -100,7 +117,15 @@ def rotary_freqs(model: Any, layer: int) -> tuple[torch.Tensor, float]:
 
 def rotary_spec(model: Any, layer: int) -> RotarySpec:
     """The rotation `layer` applies, from the HF config and HF's own frequency table (the bridge's
-    `cfg.rotary_base` is not reliable: 10000 for SmolLM2, whose base is 1e5)."""
+    `cfg.rotary_base` is not reliable: 10000 for SmolLM2, whose base is 1e5). Cached per model and layer:
+    reading HF's table is a device-to-host copy, and position control asks once per rotation."""
+    cache = model.__dict__.setdefault("_posprobe_rotary_specs", {})
+    if layer not in cache:
+        cache[layer] = _rotary_spec(model, layer)
+    return cache[layer]
+
+
+def _rotary_spec(model: Any, layer: int) -> RotarySpec:
     rp = _rope_parameters(model, layer)
     kind = rp.get("rope_type", rp.get("type", "default"))
     if kind not in _STATIC_ROPE_TYPES:

@@ -43,7 +43,24 @@ POINTS = {
     "encoder_pos_embed": "embed.hook_pos_embed",
     "token_type_embed": "embed.hook_token_type_embed",
     "embed_ln_scale": "embed.ln.hook_scale",
+    # The same parts on a TransformerBridge (its `hook_embed` alias is not the word part on BERT).
+    "bridge_embed": "embed.hook_out",
+    "bridge_pos_embed": "pos_embed.hook_out",
+    "bridge_token_type_embed": "token_type_embed.hook_out",
+    "bridge_embed_ln_scale": "embed_ln.hook_scale",
+    "bridge_embed_normalized": "embed_ln.hook_normalized",
+    "bridge_resid_post_normalized": "blocks.{l}.hook_resid_post",  # a post-LN block's output is normalised
 }
+
+
+def encoder_layer_hooks(model: Any) -> list[str]:
+    """Hook names of an encoder's per-layer token representations: the normalised embedding (before the
+    LN's affine part), then each block's normalised output."""
+    prefix = "bridge_" if is_bridge(model) else ""
+    from posprobe.backend.model import n_layers
+
+    return [hook_name(prefix + "embed_normalized", 0)] + [
+        hook_name(prefix + "resid_post_normalized", l) for l in range(n_layers(model))]
 
 
 def hook_name(point: str, layer: int) -> str:
@@ -97,9 +114,16 @@ def rotate_at(model: Any, layer: int, x: torch.Tensor, positions: torch.Tensor, 
     (angle = position * inv_freq, not position / freq: the one-ulp angle difference alone moved
     SmolLM2's logits by 4e-5). Other specs (new base, scaled or removed bands) use `core.rope.rotate`.
     """
-    if is_bridge(model) and spec == layer_rotary_spec(model, layer):
+    if is_bridge(model) and _plain(spec) == _plain(layer_rotary_spec(model, layer)):
         return _bridge_rotate(model, layer, x, positions)
     return rotate(x, positions, spec)
+
+
+def _plain(spec: RotarySpec) -> RotarySpec:
+    # A per-band scale of exactly 1 everywhere (YaRN or NTK at scale 1) is the unscaled rotation.
+    if spec.freq_scale is not None and all(f == 1.0 for f in spec.freq_scale):
+        return RotarySpec(rotary_dim=spec.rotary_dim, base=spec.base, adjacent=spec.adjacent, removed=spec.removed)
+    return spec
 
 
 def _bridge_rotate(model: Any, layer: int, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -159,6 +183,17 @@ def attention_scores(model: Any, layer: int, q_rot: torch.Tensor, k_rot: torch.T
     return attn(model, layer).calculate_attention_scores(q_rot, k_rot)
 
 
+def scores_hook_is_pattern(model: Any) -> bool:
+    """True where the model's `hook_attn_scores` carries the softmax pattern instead of the pre-softmax
+    scores: TransformerBridge BERT encoders (TL 3.9 and 4.3; measured: equal to hook_pattern, rows sum
+    to 1). Callers then compute the scores from hook_q/hook_k with `attention_scores`."""
+    if not is_bridge(model):
+        return False
+    from posprobe.backend.model import is_encoder
+
+    return is_encoder(model)
+
+
 def kept_scores(model: Any, scores: torch.Tensor) -> torch.Tensor:
     """Boolean mask of the `hook_attn_scores` entries the layer did not mask out (causal, padding)."""
     if is_bridge(model):
@@ -171,7 +206,10 @@ def _bridge_scaling(model: Any, layer: int) -> float:
     from posprobe.backend.bridge import hf_attention
 
     a = hf_attention(model, layer)
-    return float(getattr(a, "scaling", a.head_dim ** -0.5))
+    a = getattr(a, "self", a)  # BERT: BertAttention holds BertSelfAttention
+    if hasattr(a, "scaling"):
+        return float(a.scaling)
+    return float(getattr(a, "head_dim", getattr(a, "attention_head_size", 0)) ** -0.5)
 
 
 def _bridge_soft_cap(model: Any, layer: int) -> float | None:
@@ -203,8 +241,9 @@ _LEVELS = itertools.count(1_000_000)
 def live_hook_count(model: Any) -> int:
     """Number of forward/backward hooks currently attached to the model's HookPoints."""
     # A bridge lists one HookPoint under several alias names: count each HookPoint once.
+    # Permanent hooks are the model's own wiring (TL 4's BERT bridge routes hook_mlp_in that way), not ours.
     points = {id(hp): hp for hp in model.hook_dict.values()}.values()
-    return sum(len(hp.fwd_hooks) + len(hp.bwd_hooks) for hp in points)
+    return sum(not getattr(h, "is_permanent", False) for hp in points for h in (*hp.fwd_hooks, *hp.bwd_hooks))
 
 
 @contextmanager

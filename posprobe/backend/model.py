@@ -50,6 +50,11 @@ def tokenizer_of(model: Any) -> Any:
 
 def is_encoder(model: Any) -> bool:
     """True for bidirectional encoders (BERT-like), False for causal decoders."""
+    if is_bridge(model):  # TL 3.9's bridge leaves cfg.attention_dir "causal" for BERT: ask HF's attention
+        from posprobe.backend.bridge import hf_attention
+
+        a = hf_attention(model, 0)
+        return getattr(a, "is_causal", getattr(getattr(a, "self", None), "is_causal", True)) is False
     return type(model).__name__ == "HookedEncoder" or model.cfg.attention_dir == "bidirectional"
 
 
@@ -125,26 +130,31 @@ def token_losses(model: Any, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def new_kv_cache(model: Any, batch: int) -> Any:
-    """An empty key/value cache for incremental decoding, to pass as `past_kv_cache=`."""
-    _no_bridge_kv_cache(model)
+    """An empty key/value cache for incremental decoding, to pass to `forward_cached`.
+
+    On a TransformerBridge this is a token record and each step recomputes the full forward: HF's cache
+    stores keys after rotation, and position control must be able to re-rotate every key (exact, O(n^2)).
+    """
+    if is_bridge(model):
+        return _Recompute()
     from transformer_lens.cache.key_value_cache import TransformerLensKeyValueCache
 
     return TransformerLensKeyValueCache.init_cache(model.cfg, model.cfg.device, batch)
 
 
+class _Recompute:
+    """The bridge's stand-in for a KV cache: the tokens seen so far."""
+
+    def __init__(self) -> None:
+        self.tokens: torch.Tensor | None = None
+
+
 def forward_cached(model: Any, tokens: torch.Tensor, cache: Any) -> torch.Tensor:
     """Logits of `tokens` continuing the sequence held in `cache` (which is extended in place)."""
-    _no_bridge_kv_cache(model)
+    if isinstance(cache, _Recompute):
+        cache.tokens = tokens if cache.tokens is None else torch.cat([cache.tokens, tokens], dim=1)
+        return model(cache.tokens)[:, -tokens.shape[1]:]
     return model(tokens, past_kv_cache=cache)
-
-def _no_bridge_kv_cache(model: Any) -> None:
-    # HF's cache (the bridge's) stores keys after rotation, posprobe's position control relies on TL 3's
-    # cache storing them before: a plan could not re-rotate cached keys. Refuse rather than mis-rotate.
-    if is_bridge(model):
-        raise NotImplementedError(
-            "KV-cache decoding (past_kv_cache) is not supported on a TransformerBridge yet: HF caches keys "
-            "after rotation; run full forwards or load the model with posprobe.load_model"
-        )
 
 
 def encode_text(model: Any, text: str) -> list[int]:
@@ -155,6 +165,8 @@ def encode_text(model: Any, text: str) -> list[int]:
 def first_token(model: Any) -> int | None:
     """The token a text window should start with: the tokenizer's BOS, else its CLS, else None."""
     tok = model.tokenizer
+    if is_encoder(model) and getattr(tok, "cls_token_id", None) is not None:
+        return tok.cls_token_id  # a bridge gives BERT's tokenizer a BOS ([UNK]); the model was trained with [CLS]
     if tok.bos_token_id is not None:
         return tok.bos_token_id
     return getattr(tok, "cls_token_id", None)
@@ -184,15 +196,17 @@ class NormSpec:
     scale_point: str
 
 
-def _no_bridge_decomposition(model: Any) -> None:
-    if is_bridge(model):
-        raise NotImplementedError(
-            "The score decomposition (qk_weights, norms, embedding parts) is not supported on a "
-            "TransformerBridge yet; load the model with posprobe.load_model"
-        )
-
-
 def _norm_spec(module: Any, scale_point: str) -> NormSpec:
+    orig = getattr(module, "original_component", None)
+    if orig is not None:  # a bridge's NormalizationBridge around the HF norm
+        kind = type(orig).__name__
+        w, b = getattr(orig, "weight", None), getattr(orig, "bias", None)
+        if kind.startswith("Gemma") and w is not None:
+            w = 1.0 + w  # Gemma's RMSNorm multiplies by (1 + weight)
+        if not ("LayerNorm" in kind or "RMSNorm" in kind):
+            raise NotImplementedError(f"Cannot freeze a {kind} norm")
+        return NormSpec(centre="LayerNorm" in kind, weight=None if w is None else w.detach(),
+                        bias=None if b is None else b.detach(), scale_point=scale_point)
     kind = type(module).__name__
     if kind not in ("LayerNorm", "LayerNormPre", "RMSNorm", "RMSNormPre"):
         raise NotImplementedError(f"Cannot freeze a {kind} norm")
@@ -204,8 +218,12 @@ def _norm_spec(module: Any, scale_point: str) -> NormSpec:
 def qk_weights(model: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(W_Q, b_Q, W_K, b_K) of `layer` in TL layout: W `[head_index, d_model, d_head]`, b `[head_index, d_head]`;
     the key side in the layout `hooks.attention_scores` expects (GQA: at the key/value-head count, it expands)."""
-    _no_bridge_decomposition(model)
     a = model.blocks[layer].attn
+    if is_bridge(model):  # the bridge's W_* views of the HF projections (keys at the KV-head count)
+        W_Q, W_K = a.W_Q.detach(), a.W_K.detach()
+        b_Q, b_K = (b.detach() if b is not None else W.new_zeros(W.shape[0], W.shape[2])
+                    for b, W in ((a.b_Q, W_Q), (a.b_K, W_K)))  # no bias (Llama): zeros
+        return W_Q, b_Q, W_K, b_K
     grouped = hasattr(a, "_W_K") and not getattr(model.cfg, "ungroup_grouped_query_attention", False)
     W_K, b_K = (a._W_K, a._b_K) if grouped else (a.W_K, a.b_K)
     return a.W_Q.detach(), a.b_Q.detach(), W_K.detach(), b_K.detach()
@@ -214,8 +232,12 @@ def qk_weights(model: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor, torc
 def pre_attention_norm(model: Any, layer: int) -> NormSpec | None:
     """The norm between `resid_pre` of `layer` and its attention (scale at capture point "ln1_scale"),
     or None where attention reads `resid_pre` directly (no norm; BERT's post-LN blocks)."""
-    _no_bridge_decomposition(model)
-    if is_encoder(model) or model.cfg.normalization_type is None:
+    if is_encoder(model):
+        return None
+    if is_bridge(model):
+        ln1 = getattr(model.blocks[layer], "ln1", None)
+        return None if ln1 is None else _norm_spec(ln1, "ln1_scale")
+    if model.cfg.normalization_type is None:
         return None
     return _norm_spec(model.blocks[layer].ln1, "ln1_scale")
 
@@ -224,7 +246,9 @@ def embedding_norm(model: Any) -> NormSpec | None:
     """The norm applied to the sum of the `embedding_points` parts before block 0 (BERT's embedding
     LayerNorm, scale at capture point "embed_ln_scale"), or None where that sum is the residual stream
     (decoders; a decoder's post-embedding LN, if any, acts on the word part before its hook)."""
-    _no_bridge_decomposition(model)
+    if is_bridge(model):
+        ln = getattr(model, "embed_ln", None)
+        return None if ln is None else _norm_spec(ln, "bridge_embed_ln_scale")
     if not _bert_embed(model):
         return None
     return _norm_spec(model.embed.ln, "embed_ln_scale")
@@ -233,7 +257,12 @@ def embedding_norm(model: Any) -> NormSpec | None:
 def embedding_points(model: Any) -> dict[str, str]:
     """Capture points of the additive embedding parts, `[batch pos d_model]` each, residual units:
     {"word": ..., "position": ...} and "token_type" where the model adds a segment embedding."""
-    _no_bridge_decomposition(model)
+    if is_bridge(model):
+        known = model.hook_dict
+        out = {"word": "bridge_embed", "position": "bridge_pos_embed", "token_type": "bridge_token_type_embed"}
+        from posprobe.backend.hooks import hook_name
+
+        return {k: v for k, v in out.items() if hook_name(v, 0) in known}
     if _bert_embed(model):
         return {"word": "encoder_embed", "position": "encoder_pos_embed", "token_type": "token_type_embed"}
     return {"word": "embed", "position": "pos_embed"}
@@ -247,7 +276,17 @@ def _bert_embed(model: Any) -> bool:
 def scores_not_bilinear(model: Any) -> str | None:
     """Why attention scores are not bilinear in the (normalised) attention input (QK-norm, soft-cap,
     log-n scaling, q/k/v clipping), or None when they are."""
-    _no_bridge_decomposition(model)
+    if is_bridge(model):
+        from posprobe.backend.bridge import qk_norms, unsupported_qk_path
+        from posprobe.backend.hooks import score_soft_cap
+
+        for layer in range(n_layers(model)):
+            if any(n is not None for n in qk_norms(model, layer)):
+                return "normalises q/k (QK-norm)"
+            why = unsupported_qk_path(model, layer)
+            if why is not None:
+                return why
+        return "soft-caps attention scores" if score_soft_cap(model) else None
     cfg = model.cfg
     if cfg.use_qk_norm or cfg.original_architecture in ("OlmoeForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM"):
         return "normalises q/k (QK-norm)"
@@ -256,4 +295,3 @@ def scores_not_bilinear(model: Any) -> str | None:
     if cfg.use_logn_attn or cfg.clip_qkv:
         return "uses log-n attention scaling or q/k/v clipping"
     return None
-

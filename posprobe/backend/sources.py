@@ -42,8 +42,8 @@ _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$"
 def tl_model_names() -> tuple[tuple[str, ...], dict[str, str]]:
     """(TransformerLens's official model names, alias -> official name), read from its source as text.
 
-    `import transformer_lens` takes ~12 s; the two literals in `supported_models.py` (TL 3.9) or
-    `loading_from_pretrained.py` (older) are parsed without importing it. Empty when TL is absent.
+    `import transformer_lens` takes ~12 s; the two literals in `supported_models.py` (TL 3.9, 4.x; TL 4's aliases are
+    JSON in its model registry) or `loading_from_pretrained.py` (older) are parsed without importing it. Empty when TL is absent.
     """
     import ast
     import importlib.util
@@ -71,10 +71,32 @@ def tl_model_names() -> tuple[tuple[str, ...], dict[str, str]]:
                     pass
         names = found.get("OFFICIAL_MODEL_NAMES")
         if isinstance(names, list) and names:
-            aliases = found.get("MODEL_ALIASES") or {}
+            aliases = found.get("MODEL_ALIASES") or _registry_aliases(root)
             alias_map = {a: n for n, al in aliases.items() for a in al} if isinstance(aliases, dict) else {}
             return tuple(names), alias_map
     return (), {}
+
+
+def _registry_aliases(root: Path) -> dict:
+    # TL 4 keeps the alias table as JSON in its model registry (MODEL_ALIASES is computed from it).
+    import json
+
+    try:
+        data = json.loads((root / "tools" / "model_registry" / "data" / "model_aliases.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    aliases = data.get("aliases", data) if isinstance(data, dict) else {}
+    return aliases if isinstance(aliases, dict) else {}
+
+
+def official_name(name: str) -> str:
+    """TransformerLens's official (Hugging Face) name for an alias such as "gpt2-small"; `name` itself otherwise."""
+    names, aliases = tl_model_names()
+    low = name.lower()
+    for n in names:
+        if n.lower() == low:
+            return n
+    return next((n for a, n in aliases.items() if a.lower() == low), name)
 
 
 def known_model_name(name: str) -> bool:
@@ -222,7 +244,7 @@ def resolve_local(spec: str | os.PathLike[str], *, assemble: bool = True) -> Sou
         raise ModelLoadError(f"{path} is neither a .gguf file nor a Hugging Face model folder")
     if text.startswith((".", "/", "~")) or text.endswith(("/", ".safetensors", ".bin")):
         raise ModelLoadError(f"No such file or folder: {text}")
-    snapshot = _cached_snapshot(text)
+    snapshot = _cached_snapshot(official_name(text))  # the HF cache is keyed by repo id, not by TL alias
     if snapshot is not None:
         return Source("hf-dir", text, snapshot, origin=f"hf-cache:{text}")
     return None

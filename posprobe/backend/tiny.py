@@ -60,21 +60,63 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(bs, map(chr, cs)))
 
 
-def build_tiny(name: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Any:
-    """A seeded random HookedTransformer for spec `name` ("tiny-ape" or "tiny-rope"), all weights random."""
-    from transformer_lens import HookedTransformer, HookedTransformerConfig
+def tiny_hf_config(name: str) -> Any:
+    """The Hugging Face config of tiny spec `name`: GPT-2 layout for "tiny-ape", Llama for "tiny-rope"
+    (with q/k/v/o and MLP biases, so bias handling is exercised)."""
+    import transformers
 
     if name not in SPECS:
         raise ValueError(f"Unknown tiny spec {name!r}; choose one of {sorted(SPECS)}")
-    cfg = HookedTransformerConfig(**SPECS[name], d_vocab=259, seed=seed, dtype=dtype, device=device,
-                                  default_prepend_bos=True, model_name=name)
-    model = HookedTransformer(cfg, tokenizer=byte_tokenizer())
+    s = SPECS[name]
+    # TL's default init scale (0.8 / sqrt(d_model)), not HF's 0.02: attention far from uniform, as in the
+    # HookedTransformer tiny models the tests' effect sizes were set on.
+    common = dict(vocab_size=259, bos_token_id=256, eos_token_id=257, pad_token_id=258, tie_word_embeddings=False,
+                  initializer_range=0.8 / s["d_model"] ** 0.5)
+    if s["positional_embedding_type"] == "standard":
+        return transformers.GPT2Config(n_positions=s["n_ctx"], n_embd=s["d_model"], n_layer=s["n_layers"],
+                                       n_head=s["n_heads"], n_inner=s["d_mlp"], activation_function=s["act_fn"],
+                                       layer_norm_epsilon=1e-5, **common)
+    return transformers.LlamaConfig(
+        hidden_size=s["d_model"], intermediate_size=s["d_mlp"], num_hidden_layers=s["n_layers"],
+        num_attention_heads=s["n_heads"], num_key_value_heads=s["n_key_value_heads"], head_dim=s["d_head"],
+        max_position_embeddings=s["n_ctx"], rope_theta=float(s["rotary_base"]), rms_norm_eps=1e-5,
+        attention_bias=True, mlp_bias=True, hidden_act=s["act_fn"], **common,
+    )
+
+
+def tiny_hf_model(name: str, *, seed: int = 0, dtype: torch.dtype = torch.float32) -> Any:
+    """A seeded random Hugging Face causal LM for tiny spec `name`, every parameter random (eval mode)."""
+    import transformers
+
+    cfg = tiny_hf_config(name)
+    cls = transformers.GPT2LMHeadModel if cfg.model_type == "gpt2" else transformers.LlamaForCausalLM
+    with torch.random.fork_rng(devices=[]):  # leave the caller's RNG stream alone
+        torch.manual_seed(seed)
+        model = cls(cfg)
+    randomize_(model, seed)
+    return model.to(dtype).eval()
+
+
+def randomize_(model: Any, seed: int) -> None:
+    """Draw norm weights (1 + 0.2 N(0,1)) and every bias (0.1 N(0,1)) at random, seeded: default inits
+    (unit norms, zero biases) would hide bias-handling bugs."""
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if pname.endswith((".w", "ln_final.w")):
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype))
-            elif pname.split(".")[-1].startswith("b"):
-                p.copy_(0.1 * torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype))
+        for module in model.modules():
+            norm = "Norm" in type(module).__name__
+            for pname, p in module.named_parameters(recurse=False):
+                if norm and pname in ("w", "weight"):
+                    p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype))
+                elif pname.startswith("b"):
+                    p.copy_(0.1 * torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype))
+
+
+def build_tiny(name: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Any:
+    """A seeded random tiny model ("tiny-ape": GPT-2 layout, "tiny-rope": Llama layout) as a TransformerBridge."""
+    from transformer_lens.model_bridge import TransformerBridge
+
+    hf = tiny_hf_model(name, seed=seed, dtype=dtype)
+    model = TransformerBridge.boot_transformers(name, hf_model=hf, tokenizer=byte_tokenizer(), device=device, dtype=dtype)
+    model.cfg.model_name = name
     model.has_lm_head = True
     return model

@@ -13,9 +13,27 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """MODEL plus the loading options every model-taking subcommand shares."""
     p.add_argument("model", help="TL model name, HF folder, .gguf file, packaged alias (smollm2, gemma3-270m, "
                                  "minilm) or built-in random spec (tiny-ape, tiny-rope)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, mps (default: cpu)")
+    p.add_argument("--device", default="cpu", type=device_choice,
+                   help="cpu, cuda, cuda:1, mps, or auto (the best present: cuda > mps > cpu); default: cpu")
     p.add_argument("--dtype", default="float32", choices=["float64", "float32", "bfloat16", "float16"])
     p.add_argument("--n-ctx", type=int, default=None, help="cap the context length (bounds buffers)")
+
+
+def best_device() -> str:
+    """The best device present: "cuda" > "mps" > "cpu" (imports torch)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return "cuda"
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        return "mps"
+    return "cpu"
+
+
+def device_choice(text: str) -> str:
+    """--device value: "auto" resolved by `best_device` (torch is imported only then), others as given."""
+    return best_device() if text.strip().lower() == "auto" else text
 
 
 def add_text_argument(p: argparse.ArgumentParser, *, required: bool = False) -> None:

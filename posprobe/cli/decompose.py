@@ -13,7 +13,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     add_text_argument(p)
     add_config_arguments(p, DecomposeConfig)
-    p.add_argument("--process-weights", action="store_true", help="load with TL's LN folding / weight centring")
+    p.add_argument("--process-weights", action="store_true", help="load as TL 3's HookedTransformer with LN folding / weight centring (needs transformer-lens<4)")
     add_output_arguments(p)
 
 
@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     from posprobe.backend.loading import load_model
 
     model = load_model(args.model, device=args.device, dtype=args.dtype, n_ctx=args.n_ctx,
-                       process_weights=args.process_weights)
+                       process_weights=args.process_weights, backend="hooked" if args.process_weights else "bridge")
     result = run_decompose(model, config, source=args.text)
     paths = result.save(out, figure_formats=args.figures)
     print(f"Wrote {paths['report']} (max |terms - scores| = {result.meta['max_abs_error']:.2e})")

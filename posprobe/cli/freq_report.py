@@ -33,8 +33,12 @@ def run(args: argparse.Namespace) -> int:
     from posprobe.analyses.frequency import run_frequency
     from posprobe.backend.loading import load_model
 
-    model = load_model(args.model, device=args.device, dtype=args.dtype, n_ctx=args.n_ctx)
+    from posprobe.core import distributed
+
+    model = load_model(args.model, device=distributed.local_device(args.device), dtype=args.dtype, n_ctx=args.n_ctx)
     result = run_frequency(model, text, config, source=args.text)
+    if not distributed.is_writer():  # under torchrun every rank holds the merged result; rank 0 writes it
+        return 0
     paths = result.save(args.out, figure_formats=args.figures)
     print(f"wrote {len(paths)} files to {args.out} (report: {paths['report']})")
     return 0

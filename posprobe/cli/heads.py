@@ -31,8 +31,12 @@ def run(args: argparse.Namespace) -> int:
     from posprobe.analyses.heads import run_heads
     from posprobe.backend.loading import load_model
 
-    model = load_model(args.model, device=args.device, dtype=args.dtype, n_ctx=args.n_ctx)
+    from posprobe.core import distributed
+
+    model = load_model(args.model, device=distributed.local_device(args.device), dtype=args.dtype, n_ctx=args.n_ctx)
     result = run_heads(model, text, config, source=args.text)
+    if not distributed.is_writer():  # under torchrun every rank holds the merged result; rank 0 writes it
+        return 0
     print(result.tables["head_classes"].kind.value_counts().to_string())
     paths = result.save(args.out, figure_formats=args.figures)
     print(f"wrote {paths['report']}")

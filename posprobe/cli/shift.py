@@ -101,8 +101,12 @@ def run(args: argparse.Namespace) -> int:
     from posprobe.analyses.shift import run_shift_test
     from posprobe.report.shift import console_table
 
+    from posprobe.core import distributed
+
     result = run_shift_test(args.model, pairs, text=text, config=cfg, data_source=source, backend=args.backend,
-                            device=args.device, dtype=args.dtype)
+                            device=distributed.local_device(args.device), dtype=args.dtype)
+    if not distributed.is_writer():  # under torchrun every rank holds the merged result; rank 0 writes it
+        return 0
     model = result.meta["model"]
     print(f"shift test: {model['name']} ({model['positional_kind']}), data: {source or args.text}")
     print(console_table(result))

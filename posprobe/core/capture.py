@@ -10,7 +10,7 @@ from jaxtyping import Int
 from tqdm.auto import tqdm
 
 from posprobe.backend.hooks import hook_name, hooked
-from posprobe.backend.model import forward, n_layers
+from posprobe.backend.model import device_of, forward, n_layers
 
 
 def _heads(x: torch.Tensor, point: str, heads: Sequence[int] | None) -> torch.Tensor:
@@ -26,7 +26,8 @@ def _heads(x: torch.Tensor, point: str, heads: Sequence[int] | None) -> torch.Te
 
 def _run_through(model: Any, tokens: torch.Tensor, layers: Sequence[int]) -> None:
     # Later layers cannot affect earlier activations, so a decoder need not run them (nor the unembedding).
-    forward(model, tokens, stop_at_layer=max(layers) + 1)
+    # The batch's one host->device copy; everything the hooks compute from it then stays on the device.
+    forward(model, tokens.to(device_of(model)), stop_at_layer=max(layers) + 1)
 
 
 @torch.no_grad()
@@ -64,6 +65,13 @@ def capture(
     return out
 
 
+def float64_device(device: torch.device | str) -> torch.device:
+    """Where float64 accumulators for activations on `device` live: the device itself, except mps, which
+    has no float64 (there: the CPU, at the price of one copy per update)."""
+    device = torch.device(device)
+    return torch.device("cpu") if device.type == "mps" else device
+
+
 @dataclass
 class RunningMean:
     """Streaming mean and variance (Chan et al. parallel update) of a tensor over a leading axis.
@@ -77,15 +85,20 @@ class RunningMean:
     m2: torch.Tensor | None = None
 
     def update(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> None:
-        x = x.detach().to(torch.float64)
+        x = x.detach().to(float64_device(x.device), torch.float64)
         w = torch.ones(x.shape[:1] + (1,) * (x.dim() - 1), dtype=torch.float64, device=x.device) if weight is None \
-            else weight.to(torch.float64).reshape(x.shape[:1] + (1,) * (x.dim() - 1))
-        n_b = w.sum(0)
-        if float(n_b.sum()) == 0:
+            else weight.to(x.device, torch.float64).reshape(x.shape[:1] + (1,) * (x.dim() - 1))
+        if weight is None and x.shape[0] == 0:
             return
+        n_b = w.sum(0)
+        # No host read of n_b (a device sync per update on a GPU): an all-zero-weight batch leaves the
+        # state unchanged anyway (n_b = 0 gives delta terms of 0; mean_b = 0 is only used where n_b > 0).
         mean_b = (w * x).sum(0) / n_b.clamp_min(1e-300)
         m2_b = (w * (x - mean_b) ** 2).sum(0)
-        n_b = n_b.expand_as(mean_b).clone()
+        self._fold(n_b.expand_as(mean_b).clone(), mean_b, m2_b)
+
+    def _fold(self, n_b: torch.Tensor, mean_b: torch.Tensor, m2_b: torch.Tensor) -> None:
+        # Chan et al.'s pairwise update: one batch's (count, mean, M2) into the running ones.
         if self.count is None:
             self.count, self.mean, self.m2 = n_b, mean_b, m2_b
             return
@@ -100,6 +113,15 @@ class RunningMean:
     def var(self) -> torch.Tensor:
         assert self.count is not None and self.m2 is not None, "no data seen"
         return self.m2 / self.count.clamp_min(1)
+
+    def merge(self, other: "RunningMean") -> "RunningMean":
+        """Fold another RunningMean's samples into this one (Chan et al. pairwise update; exact up to
+        float64 rounding), e.g. the states of several data-parallel ranks. Returns self."""
+        if other.count is None:
+            return self
+        device = other.mean.device if self.mean is None else self.mean.device
+        self._fold(*(t.to(device).clone() for t in (other.count, other.mean, other.m2)))
+        return self
 
 
 @dataclass
@@ -178,3 +200,54 @@ def mean_by_position(point: str, layers: Sequence[int]) -> Reducer:
         state.setdefault(layer, RunningMean()).update(x)
 
     return Reducer([point], list(layers), fn)
+
+
+def to_cpu_once(tree: Any) -> Any:
+    """`tree` (nested dicts / lists / tuples / objects with tensor attributes, e.g. reducer states) with
+    every tensor moved to the CPU in one device->host copy per dtype instead of one per tensor (each
+    copy is a device sync on a GPU). Non-tensor leaves are kept; CPU tensors are returned as they are."""
+    found: list[torch.Tensor] = []
+
+    def collect(x: Any) -> None:
+        if isinstance(x, torch.Tensor):
+            if x.device.type != "cpu":
+                found.append(x)
+        elif isinstance(x, dict):
+            for v in x.values():
+                collect(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                collect(v)
+        elif hasattr(x, "__dict__") and not isinstance(x, type):
+            for v in vars(x).values():
+                collect(v)
+
+    collect(tree)
+    moved: dict[int, torch.Tensor] = {}
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in found:
+        if id(t) not in moved:
+            moved[id(t)] = t
+            by_dtype.setdefault(t.dtype, []).append(t)
+    done: dict[int, torch.Tensor] = {}
+    for dtype, ts in by_dtype.items():
+        flat = torch.cat([t.detach().reshape(-1) for t in ts]).cpu()
+        for t, piece in zip(ts, flat.split([t.numel() for t in ts])):
+            done[id(t)] = piece.view(t.shape)
+
+    def rebuild(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return done.get(id(x), x)
+        if isinstance(x, dict):
+            return {k: rebuild(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [rebuild(v) for v in x]
+        if isinstance(x, tuple):
+            return type(x)(*[rebuild(v) for v in x]) if hasattr(x, "_fields") else tuple(rebuild(v) for v in x)
+        if hasattr(x, "__dict__") and not isinstance(x, type):
+            for k, v in vars(x).items():
+                setattr(x, k, rebuild(v))
+            return x
+        return x
+
+    return rebuild(tree)

@@ -86,15 +86,16 @@ class Generation:
     plan: PositionPlan | None
 
 
-def _pick(logits: torch.Tensor, temperature: float, top_k: int | None, gen: torch.Generator) -> torch.Tensor:
+def _pick(logits: torch.Tensor, temperature: float, top_k: int | None, gen: torch.Generator | None) -> torch.Tensor:
     if temperature <= 0:
         return logits.argmax(-1)
     logits = logits.float() / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, -1).cpu()
-    return torch.multinomial(probs, 1, generator=gen)[..., 0].to(logits.device)
+    # Sampled on the logits' device with a generator living there (a CPU copy of the softmax per token
+    # was a device sync per token). On the CPU this is the same generator and the same draws as before.
+    return torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)[..., 0]
 
 
 @torch.no_grad()
@@ -116,7 +117,8 @@ def generate(model: Any, tokens: Int[torch.Tensor, "batch pos"], *, max_new_toke
         raise PositionError(f"prompt ({n}) + max_new_tokens ({max_new_tokens}) = {total} exceeds n_ctx {context_length(model)}")
     # A PositionPlan describes the prompt; the new tokens continue after it.
     p = plan_for(plan, total, given=n)
-    gen = torch.Generator().manual_seed(seed)
+    # Greedy decoding draws nothing: a generator only where sampling needs one, on the tokens' device.
+    gen = torch.Generator(device=tokens.device).manual_seed(seed) if temperature > 0 else None
     seq, steps = tokens, []
     done = torch.zeros(batch, dtype=torch.bool, device=tokens.device)
     with _context(model, p):

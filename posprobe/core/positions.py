@@ -27,6 +27,11 @@ def _as_tensor(x: Any, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype) if isinstance(x, torch.Tensor) else torch.as_tensor(x, dtype=dtype)
 
 
+def _position_dtype(x: Any) -> torch.dtype:
+    # float64 positions, except on mps, which has no float64 (float32 is exact for positions < 2**24).
+    return torch.float32 if isinstance(x, torch.Tensor) and x.device.type == "mps" else torch.float64
+
+
 def check_learned_positions(model: Any, position_ids: torch.Tensor) -> None:
     """Raise PositionError unless every id indexes a row of W_pos (0 <= id < n_ctx)."""
     n_ctx = context_length(model)
@@ -52,12 +57,13 @@ def learned_positions(model: Any, position_ids: Int[torch.Tensor, "pos"] | Int[t
     ids = _as_tensor(position_ids, torch.long)
     check_learned_positions(model, ids)
     W_pos = position_table(model)
+    on_device = ids.to(W_pos.device)  # once, not per forward
 
     def hook(pos_embed: torch.Tensor, hook: Any) -> torch.Tensor:
         n = pos_embed.shape[1]
         if ids.shape[-1] != n:
             raise PositionError(f"{ids.shape[-1]} position ids given for a sequence of {n} tokens")
-        out = W_pos[ids.to(W_pos.device)]
+        out = W_pos[on_device]
         return out.expand(pos_embed.shape[0], -1, -1) if out.dim() == 2 else out
 
     with hooked(model, [(pos_embed_hook(model), hook)]):
@@ -92,7 +98,7 @@ class PositionPlan:
     meta: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        q, k = _as_tensor(self.q_pos, torch.float64), _as_tensor(self.k_pos, torch.float64)
+        q, k = _as_tensor(self.q_pos, _position_dtype(self.q_pos)), _as_tensor(self.k_pos, _position_dtype(self.k_pos))
         if q.shape != k.shape:
             raise PositionError(f"q_pos has shape {tuple(q.shape)} but k_pos has {tuple(k.shape)}")
         object.__setattr__(self, "q_pos", q)
@@ -136,14 +142,46 @@ class _RopeControl:
         self.k_all: dict[int, torch.Tensor] = {}
         self.q_buf: dict[int, torch.Tensor] = {}
         self.specs = {l: (plan.rotary or {}).get(l) or layer_rotary_spec(model, l) for l in range(n_layers(model))}
+        # The plan's tensors (CPU, float64) copied once per device and reused by every layer and batch:
+        # a copy per rotation was one host->device transfer per layer on a GPU.
+        self._on: dict[tuple[str, int, torch.device], torch.Tensor] = {}
+        # Per view and query window: the selected query rows, worked out on the plan's CPU tensors so
+        # the scores hook never reads a device tensor back (see _view_rows).
+        self._rows: dict[tuple[int, int, int, torch.device], tuple[torch.Tensor | None, torch.Tensor | None]] = {}
 
-    def _positions(self, pos: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    def _device(self, name: str, i: int, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        key = (name, i, device)
+        got = self._on.get(key)
+        if got is None:
+            # mps has no float64; the rotation computes its angles in float32 there anyway (hp of a
+            # non-float64 model), so casting first loses nothing.
+            if torch.device(device).type == "mps" and t.dtype == torch.float64:
+                t = t.to(torch.float32)
+            got = self._on[key] = t.to(device)
+        return got
+
+    def _positions(self, which: str, start: int, stop: int, device: torch.device) -> torch.Tensor:
         if stop > len(self.plan):
             raise PositionError(
                 f"The position plan covers {len(self.plan)} tokens but the sequence has {stop}; "
                 "build the plan for the full length (PositionPlan.extended)"
             )
-        return pos[..., start:stop]
+        pos = self.plan.q_pos if which == "q" else self.plan.k_pos
+        return self._device(which, 0, pos, device)[..., start:stop]
+
+    def _view_rows(self, i: int, off: int, total: int, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        # (row indices on the device, None) for a 1-D selection, (None, device mask) for a per-batch one,
+        # (None, None) when the view selects no query in this window.
+        key = (i, off, total, device)
+        if key not in self._rows:
+            rows = self.plan.views[i].queries[..., off:total]
+            if not bool(rows.any()):  # a CPU tensor: no device sync
+                self._rows[key] = (None, None)
+            elif rows.dim() == 1:
+                self._rows[key] = (rows.nonzero()[:, 0].to(device), None)
+            else:
+                self._rows[key] = (None, rows.to(device))
+        return self._rows[key]
 
     def stash(self, layer: int, which: str):
         def hook(x: torch.Tensor, hook: Any) -> torch.Tensor:
@@ -176,8 +214,9 @@ class _RopeControl:
             q = self.q_new.pop(layer)
             off = total - q.shape[1]
             spec = self.specs[layer]
-            self.q_buf[layer].copy_(rotate_at(self.model, layer, q, self._positions(self.plan.q_pos, off, total), spec))
-            return rotate_at(self.model, layer, k_all, self._positions(self.plan.k_pos, 0, total), spec)
+            dev = k_rot.device
+            self.q_buf[layer].copy_(rotate_at(self.model, layer, q, self._positions("q", off, total, dev), spec))
+            return rotate_at(self.model, layer, k_all, self._positions("k", 0, total, dev), spec)
 
         return hook
 
@@ -188,14 +227,14 @@ class _RopeControl:
             total, n_q = k_all.shape[1], q_rot.shape[1]
             off = total - n_q
             out = scores
-            for v in self.plan.views:
-                rows = v.queries[..., off:total].to(scores.device)
-                if not bool(rows.any()):
+            for i, v in enumerate(self.plan.views):
+                idx, rows = self._view_rows(i, off, total, scores.device)
+                if idx is None and rows is None:
                     continue
-                k_rot = rotate_at(self.model, layer, k_all, v.k_pos[..., :total], self.specs[layer])
-                if rows.dim() == 1:
+                k_pos = self._device("view", i, v.k_pos, scores.device)[..., :total]
+                k_rot = rotate_at(self.model, layer, k_all, k_pos, self.specs[layer])
+                if idx is not None:
                     # Only the selected query rows: one view per query stays O(n^2) per view, not O(n^3).
-                    idx = rows.nonzero()[:, 0]
                     alt = attention_scores(self.model, layer, q_rot[:, idx], k_rot).to(scores.dtype)
                     part = out[:, :, idx]
                     out = out.clone() if out is scores else out

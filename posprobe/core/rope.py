@@ -63,19 +63,42 @@ def band_dims(spec: RotarySpec, band: int) -> tuple[int, int]:
     return band, band + spec.n_bands
 
 
+#: Per-dim frequency rows and removed-band masks already on a device, keyed by (spec, dtype, device).
+#: Small (rotary_dim numbers each) and few (one per distinct layer rotation), so never evicted. Without
+#: it every rotation rebuilt the row on the CPU and copied it over: ~65 host->device copies per batch
+#: on a GPU (issue 13).
+_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor | None]] = {}
+
+
+def _device_tables(spec: RotarySpec, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    key = (spec, dtype, torch.device(device))
+    got = _TABLES.get(key)
+    if got is None:
+        # Built once on the CPU (the same float recipe as TL's tables), then copied once.
+        freq = inv_freq_table(spec, dtype)
+        freq = einops.repeat(freq, "d -> (d 2)") if spec.adjacent else einops.repeat(freq, "d -> (2 d)")
+        gone = None
+        if spec.removed:
+            gone = torch.zeros(spec.rotary_dim, dtype=torch.bool)
+            for b in spec.removed:
+                gone[list(band_dims(spec, b))] = True
+            gone = gone.to(device)
+        got = _TABLES[key] = (freq.to(device), gone)
+    return got
+
+
 def sin_cos(
     positions: Float[torch.Tensor, "*shape"], spec: RotarySpec, dtype: torch.dtype
 ) -> tuple[Float[torch.Tensor, "*shape rotary_dim"], Float[torch.Tensor, "*shape rotary_dim"]]:
-    """sin and cos tables for arbitrary (float) positions, laid out like TL's `rotary_sin/cos`."""
+    """sin and cos tables for arbitrary (float) positions, laid out like TL's `rotary_sin/cos`.
+
+    Computed on `positions.device` from a per-(spec, dtype, device) cached frequency row: no host
+    round trip when the positions already live on the model's device."""
     hp = torch.float64 if dtype == torch.float64 else torch.float32
-    freq = inv_freq_table(spec, dtype).to(positions.device)
-    freq = einops.repeat(freq, "d -> (d 2)") if spec.adjacent else einops.repeat(freq, "d -> (2 d)")
+    freq, gone = _device_tables(spec, dtype, positions.device)
     angles = positions.to(hp)[..., None] / freq
     sin, cos = torch.sin(angles).to(dtype), torch.cos(angles).to(dtype)
-    if spec.removed:
-        gone = torch.zeros(spec.rotary_dim, dtype=torch.bool, device=positions.device)
-        for b in spec.removed:
-            gone[list(band_dims(spec, b))] = True
+    if gone is not None:
         sin = torch.where(gone, torch.zeros_like(sin), sin)
         cos = torch.where(gone, torch.ones_like(cos), cos)
     return sin, cos

@@ -109,7 +109,8 @@ def _tree_mask(rows: Sequence[_Row], idx: list[int], n: int, dtype: torch.dtype)
 
 
 class _Scorer:
-    """Shared batching logic; subclasses implement `_hidden_and_head`."""
+    """Shared batching logic; subclasses implement `_hidden_and_head` (ids and mask on the model's device,
+    positions on the CPU)."""
 
     pad_id: int = 0
 
@@ -170,30 +171,43 @@ class _Scorer:
     def _score_rows(self, rows: list[_Row], n_out: int, batch_size: int, progress: bool, desc: str) -> list[torch.Tensor]:
         out: list[torch.Tensor | None] = [None] * n_out
         batches = list(_length_batches(rows, batch_size))
+        # Log-probs stay on the model's device until every batch is done, then cross to the CPU in one
+        # copy: a copy per batch was a device sync per batch.
+        parts: list[torch.Tensor] = []
+        spans: list[tuple[int, int]] = []  # (output index, start in the concatenated log-probs)
+        done = 0
         for idx in tqdm(batches, desc=desc, unit="batch", disable=not progress):
             ids, pos, lengths = _pad(rows, idx, self.pad_id)
             n = ids.shape[1]
             mask = _tree_mask(rows, idx, n, self.dtype) if any(len(rows[i].members) == 2 for i in idx) else None
-            hidden, head = self._hidden_and_head(ids.to(self.device), pos.to(self.device),
-                                                 None if mask is None else mask.to(self.device))
             # Each scored token is predicted from the row index of the member's previous token;
             # shared prefix tokens give the same (source, target) twice and are projected once.
-            src, tgt, spans = [], [], []
+            src, tgt = [], []
             for r, i in enumerate(idx):
                 for o, where in rows[i].members:
-                    spans.append((o, len(src)))
+                    spans.append((o, done + len(src)))
                     src += [r * n + w for w in where[:-1]]
                     tgt += [rows[i].ids[w] for w in where[1:]]
             uniq_src, inverse = torch.unique(torch.tensor(src, dtype=torch.long), return_inverse=True)
-            logits = head(hidden.reshape(-1, hidden.shape[-1])[uniq_src.to(hidden.device)])
+            # Token ids and the three index vectors cross to the device in one copy (each host->device
+            # copy from pageable memory is a stream sync on cuda), then are split there.
+            sizes = [ids.numel(), uniq_src.numel(), inverse.numel(), len(tgt)]
+            packed = torch.cat([ids.reshape(-1), uniq_src, inverse, torch.tensor(tgt, dtype=torch.long)]).to(self.device)
+            ids_d, src_d, inv_d, tgt_d = packed.split(sizes)
+            # Positions stay on the CPU: each backend decides there (no device read) and moves what it needs.
+            hidden, head = self._hidden_and_head(ids_d.view(ids.shape), pos,
+                                                 None if mask is None else mask.to(self.device))
+            logits = head(hidden.reshape(-1, hidden.shape[-1])[src_d.to(hidden.device)])
             if logits.dtype in (torch.float16, torch.bfloat16):
                 logits = logits.float()  # log-softmax in at least single precision
             lse = torch.logsumexp(logits, -1)
-            inv = inverse.to(logits.device)
-            lp = (logits[inv, torch.tensor(tgt, device=logits.device)] - lse[inv]).double().cpu()
-            ends = [s for _, s in spans[1:]] + [len(src)]
-            for (o, s), e in zip(spans, ends):
-                out[o] = lp[s:e]
+            inv = inv_d.to(logits.device)
+            parts.append((logits[inv, tgt_d.to(logits.device)] - lse[inv]).double())
+            done += len(src)
+        lp = torch.cat(parts).cpu()
+        ends = [s for _, s in spans[1:]] + [done]
+        for (o, s), e in zip(spans, ends):
+            out[o] = lp[s:e]
         return out  # type: ignore[return-value]
 
 
@@ -228,7 +242,7 @@ class HFScorer(_Scorer):
             # An all-ones mask rather than None: HF may read a jump in position ids (prefix at 0,
             # sentence at k) as the start of a packed sequence; all-ones still takes SDPA's is_causal path.
             mask = torch.ones(ids.shape, dtype=torch.long, device=ids.device)
-        hidden = self.model.base_model(input_ids=ids, position_ids=pos, attention_mask=mask,
+        hidden = self.model.base_model(input_ids=ids, position_ids=pos.to(ids.device), attention_mask=mask,
                                        use_cache=False).last_hidden_state
 
         def head(h: torch.Tensor) -> torch.Tensor:
@@ -256,6 +270,7 @@ class TLScorer(_Scorer):
             raise NotImplementedError(f"Scoring at chosen positions needs learned or rotary positions, not {self.facts.positional_kind}")
 
     def _position_context(self, pos: torch.Tensor):
+        # `pos` is the CPU copy: torch.equal on a device tensor would be a device sync per batch.
         from posprobe.core.positions import PositionPlan, learned_positions, rope_positions
 
         default = torch.arange(pos.shape[1], device=pos.device)[None].expand_as(pos)
@@ -263,7 +278,9 @@ class TLScorer(_Scorer):
             return nullcontext()  # unshifted: leave the model untouched
         if self.facts.positional_kind == "learned_absolute":
             return learned_positions(self.model, pos)
-        p = pos.to(torch.float64)
+        # One host->device copy for both q and k positions (the plan keeps them on the device). mps has
+        # no float64: float32 there holds every integer position below 2**24 exactly.
+        p = pos.to(self.device, torch.float32 if self.device.type == "mps" else torch.float64)
         return rope_positions(self.model, PositionPlan(p, p.clone(), label="scoring"))
 
     def _hidden_and_head(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None):

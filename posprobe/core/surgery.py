@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator
 
 import torch
@@ -94,11 +94,16 @@ def _specs(model: Any) -> dict[int, RotarySpec]:
     return {l: layer_rotary_spec(model, l) for l in range(n_layers(model))}
 
 
+def ntk_rotary(spec: RotarySpec, scale: float) -> RotarySpec:
+    """NTK-aware base change of one layer's rotation: base' = base * s ** (d / (d - 2)), d = rotary_dim."""
+    return replace(spec, base=spec.base * scale ** (spec.rotary_dim / (spec.rotary_dim - 2)))
+
+
 def ntk_aware(model: Any, n: int, scale: float) -> PositionPlan:
     """NTK-aware scaling (bloc97 2023): base' = base * s ** (d / (d - 2)), d = rotary_dim; positions unchanged."""
     if scale <= 0:
         raise ValueError(f"scale must be > 0; got {scale}")
-    rot = {l: replace(s, base=s.base * scale ** (s.rotary_dim / (s.rotary_dim - 2))) for l, s in _specs(model).items()}
+    rot = {l: ntk_rotary(s, scale) for l, s in _specs(model).items()}
     plan = PositionPlan.default(n, label=f"ntk:{scale:g}")
     return replace(plan, rotary=rot, meta={"preset": "ntk", "scale": scale})
 
@@ -118,6 +123,20 @@ def yarn_factors(spec: RotarySpec, scale: float, original_ctx: int, beta_fast: f
     return tuple(out)
 
 
+def yarn_rotary(spec: RotarySpec, scale: float, original_ctx: int, beta_fast: float = 32.0,
+                beta_slow: float = 1.0) -> RotarySpec:
+    """One layer's rotation under YaRN: `yarn_factors` times any per-band scale the layer already has."""
+    base = spec.freq_scale or (1.0,) * spec.n_bands
+    f = yarn_factors(spec, scale, original_ctx, beta_fast, beta_slow)
+    return replace(spec, freq_scale=tuple(x * y for x, y in zip(base, f)))
+
+
+def yarn_score_scale(scale: float) -> float:
+    """YaRN's multiplier of the pre-softmax scores, m**2 with m = sqrt(1/t) = 0.1 ln(s) + 1 (1 for s <= 1)."""
+    m = 0.1 * math.log(scale) + 1.0 if scale > 1 else 1.0
+    return m * m
+
+
 def yarn(model: Any, n: int, scale: float, original_ctx: int, *, beta_fast: float = 32.0,
          beta_slow: float = 1.0) -> PositionPlan:
     """YaRN: per-band interpolation (`yarn_factors`) plus attention temperature sqrt(1/t) = 0.1 ln(s) + 1.
@@ -128,15 +147,18 @@ def yarn(model: Any, n: int, scale: float, original_ctx: int, *, beta_fast: floa
     """
     if scale <= 0:
         raise ValueError(f"scale must be > 0; got {scale}")
-    rot = {}
-    for l, s in _specs(model).items():
-        base = s.freq_scale or (1.0,) * s.n_bands
-        f = yarn_factors(s, scale, original_ctx, beta_fast, beta_slow)
-        rot[l] = replace(s, freq_scale=tuple(x * y for x, y in zip(base, f)))
-    m = 0.1 * math.log(scale) + 1.0 if scale > 1 else 1.0
+    rot = {l: yarn_rotary(s, scale, original_ctx, beta_fast, beta_slow) for l, s in _specs(model).items()}
     meta = {"preset": "yarn", "scale": scale, "original_ctx": original_ctx, "beta_fast": beta_fast,
-            "beta_slow": beta_slow, "score_scale": m * m}
+            "beta_slow": beta_slow, "score_scale": yarn_score_scale(scale)}
     return replace(PositionPlan.default(n, label=f"yarn:{scale:g}"), rotary=rot, meta=meta)
+
+
+def drop_rotary(spec: RotarySpec, lowest: int, highest: int) -> RotarySpec:
+    """One layer's rotation without its `lowest` slowest and `highest` fastest bands (band 0 = fastest)."""
+    if lowest < 0 or highest < 0 or lowest + highest > spec.n_bands:
+        raise ValueError(f"cannot drop {lowest} + {highest} of {spec.n_bands} bands")
+    gone = set(range(highest)) | set(range(spec.n_bands - lowest, spec.n_bands))
+    return replace(spec, removed=frozenset(spec.removed | gone))
 
 
 def drop_frequencies(model: Any, n: int, *, lowest: int = 0, highest: int = 0) -> PositionPlan:
@@ -144,12 +166,7 @@ def drop_frequencies(model: Any, n: int, *, lowest: int = 0, highest: int = 0) -
 
     Band 0 is the fastest (TL ordering), so lowest = the last `lowest` bands.
     """
-    rot = {}
-    for l, s in _specs(model).items():
-        if lowest < 0 or highest < 0 or lowest + highest > s.n_bands:
-            raise ValueError(f"cannot drop {lowest} + {highest} of {s.n_bands} bands")
-        gone = set(range(highest)) | set(range(s.n_bands - lowest, s.n_bands))
-        rot[l] = replace(s, removed=frozenset(s.removed | gone))
+    rot = {l: drop_rotary(s, lowest, highest) for l, s in _specs(model).items()}
     meta = {"preset": "drop_frequencies", "lowest": lowest, "highest": highest}
     return replace(PositionPlan.default(n, label=f"drop:low{lowest},high{highest}"), rotary=rot, meta=meta)
 
@@ -281,3 +298,141 @@ def preset_plan(spec: str, model: Any, n: int) -> PositionPlan:
     except KeyError as e:
         raise ValueError(f"preset {spec!r} needs argument {e.args[0]!r}; presets: {PRESET_HELP}") from None
     return replace(plan, label=spec if name != "none" else "none")
+
+
+# ---- Pairwise (relative) form of the presets --------------------------------------------------------------
+# A KeyView per query is exact but O(n) views and an n x n score tensor per view: fine for a few hundred
+# tokens, hopeless at 16k. The same presets as a small set of (query position, key position) rules plus a
+# per-pair selector let an engine work in query chunks (posprobe.core.long_attention). Every constant below
+# is the one of the plan builder above; tests check that both forms give the same relative position for
+# every (query, key) pair.
+
+PosFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _same(p: torch.Tensor) -> torch.Tensor:
+    return p
+
+
+def _const(value: float) -> PosFn:
+    return lambda p: torch.full_like(p, float(value))
+
+
+@dataclass(frozen=True)
+class PairRule:
+    """A preset as rotation rules per (query i, key j) pair, in tokens.
+
+    `views[v] = (q_pos, k_pos)` map query / key indices to rotation positions; `select(i, j)` gives, per
+    pair, the view whose rotated q.k is the score (-1: the key is dropped, e.g. StreamingLLM eviction);
+    None means view 0 everywhere. `rotary` maps a layer's RotarySpec to the preset's (None: unchanged),
+    `score_scale` multiplies the pre-softmax scores (YaRN temperature). `identity` marks preset "none".
+    """
+
+    label: str
+    views: tuple[tuple[PosFn, PosFn], ...] = ((_same, _same),)
+    select: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    rotary: Callable[[RotarySpec], RotarySpec] | None = None
+    score_scale: float = 1.0
+    identity: bool = False
+    meta: dict = field(default_factory=dict)
+
+    def relative(self, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+        """`[query, key]` relative position q_pos - k_pos of the selected view (NaN where dropped)."""
+        i, j = i.to(torch.float64), j.to(torch.float64)
+        rel = [q(i)[:, None] - k(j)[None, :] for q, k in self.views]
+        if self.select is None:
+            return rel[0]
+        sel = self.select(i, j)
+        out = torch.full(sel.shape, float("nan"), dtype=torch.float64)
+        for v, r in enumerate(rel):
+            out = torch.where(sel == v, r, out)
+        return out
+
+
+def self_extend_pairs(group: int, window: int) -> PairRule:
+    """Self-Extend: neighbours (i - j < W) at their own positions; farther keys at j // G, the query at
+    i // G + W - W // G, so rel = i//G - j//G + W - W//G as in `self_extend`."""
+    if group < 1 or window < 1:
+        raise ValueError(f"group and window must be >= 1; got {group}, {window}")
+    grouped = (lambda i: torch.div(i, group, rounding_mode="floor") + window - window // group,
+               lambda j: torch.div(j, group, rounding_mode="floor"))
+    return PairRule(f"self-extend:G{group},W{window}", ((_same, _same), grouped),
+                    select=lambda i, j: (i[:, None] - j[None, :] >= window).long(),
+                    meta={"preset": "self_extend", "group": group, "window": window})
+
+
+def rerope_pairs(window: int) -> PairRule:
+    """ReRoPE: rel = min(i - j, w): pairs at distance >= w use the query at w and the key at 0."""
+    if window < 1:
+        raise ValueError(f"window must be >= 1; got {window}")
+    return PairRule(f"rerope:{window}", ((_same, _same), (_const(window), _const(0.0))),
+                    select=lambda i, j: (i[:, None] - j[None, :] >= window).long(),
+                    meta={"preset": "rerope", "window": window})
+
+
+def streaming_pairs(sink: int, window: int) -> PairRule:
+    """StreamingLLM: recent keys at their positions, sinks j < S (queries i >= S + W) at rel S + W - 1 - j,
+    evicted keys (`evicted`) dropped, as in `streaming`."""
+    if sink < 0 or window < 1:
+        raise ValueError(f"need sink >= 0 and window >= 1; got {sink}, {window}")
+
+    def select(i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+        sel = ((j[None, :] < sink) & (i[:, None] >= sink + window)).long()
+        return sel.masked_fill(evicted(i, j, sink, window), -1)
+
+    return PairRule(f"streaming:S{sink},W{window}", ((_same, _same), (_const(sink + window - 1), _same)),
+                    select=select, meta={"preset": "streaming", "sink": sink, "window": window})
+
+
+def p_rope_rotary(spec: RotarySpec, p: float) -> RotarySpec:
+    """p-RoPE on one layer: remove the round((1 - p) * bands) slowest bands."""
+    if not 0 <= p <= 1:
+        raise ValueError(f"p must be in [0, 1]; got {p}")
+    return drop_rotary(spec, round((1 - p) * spec.n_bands), 0)
+
+
+def preset_pairs(spec: str) -> PairRule:
+    """The pairwise form of a CLI-style preset spec (same grammar as `preset_plan`; no key squish)."""
+    name, a = _kv(spec)
+    i = lambda key: int(a[key])  # noqa: E731
+
+    def scaled(s: float) -> PairRule:
+        if s <= 0:
+            raise ValueError(f"scale must be > 0; got {s}")
+        return PairRule(spec, ((lambda p: p / s, lambda p: p / s),), meta={"preset": "pi", "scale": s})
+
+    def shifted(k: float) -> PairRule:
+        return PairRule(spec, ((lambda p: p + k, lambda p: p + k),), meta={"preset": "shift", "k": k})
+
+    def rotary(fn: Callable[[RotarySpec], RotarySpec], meta: dict, score_scale: float = 1.0) -> PairRule:
+        if "scale" in a and a["scale"] <= 0:
+            raise ValueError(f"scale must be > 0; got {a['scale']}")
+        return PairRule(spec, rotary=fn, score_scale=score_scale, meta=meta)
+
+    try:
+        builders: dict[str, Callable[[], PairRule]] = {
+            "none": lambda: PairRule("none", identity=True, meta={"preset": "none"}),
+            "shift": lambda: shifted(a["k"]),
+            "pi": lambda: scaled(a["scale"]),
+            "ntk": lambda: rotary(lambda s: ntk_rotary(s, a["scale"]), {"preset": "ntk", "scale": a["scale"]}),
+            "yarn": lambda: rotary(
+                lambda s: yarn_rotary(s, a["scale"], i("original"), a.get("beta_fast", 32.0), a.get("beta_slow", 1.0)),
+                {"preset": "yarn", "scale": a["scale"], "original_ctx": i("original"),
+                 "beta_fast": a.get("beta_fast", 32.0), "beta_slow": a.get("beta_slow", 1.0)},
+                score_scale=yarn_score_scale(a["scale"])),
+            "self-extend": lambda: self_extend_pairs(i("group"), i("window")),
+            "rerope": lambda: rerope_pairs(i("window")),
+            "streaming": lambda: streaming_pairs(i("sink"), i("window")),
+            "p-rope": lambda: rotary(lambda s: p_rope_rotary(s, a["p"]), {"preset": "p_rope", "p": a["p"]}),
+            "drop": lambda: rotary(lambda s: drop_rotary(s, int(a.get("lowest", 0)), int(a.get("highest", 0))),
+                                   {"preset": "drop_frequencies", "lowest": int(a.get("lowest", 0)),
+                                    "highest": int(a.get("highest", 0))}),
+        }
+        if name not in builders:
+            raise ValueError(f"unknown preset {name!r}; presets: {PRESET_HELP}")
+        rule = builders[name]()
+    except KeyError as e:
+        raise ValueError(f"preset {spec!r} needs argument {e.args[0]!r}; presets: {PRESET_HELP}") from None
+    if name == "p-rope" and not 0 <= a["p"] <= 1:
+        raise ValueError(f"p must be in [0, 1]; got {a['p']}")
+    return replace(rule, label=spec if name != "none" else "none")

@@ -17,6 +17,7 @@ PAGES = {
     "geometry": "posprobe.report.geometry",
     "squish": "posprobe.report.squish",
     "surgery-eval": "posprobe.report.squish",
+    "long-context": "posprobe.report.long_context",
     "heads": "posprobe.report.heads",
     "atlas": "posprobe.report.atlas",
 }

@@ -3,7 +3,7 @@
 meta.json (every analysis; extra analysis-specific keys are allowed beside these):
 
     analysis          str   which analysis made it ("shift-test", "frequency", "decompose", "probes",
-                            "geometry", "squish", "surgery-eval")
+                            "geometry", "squish", "surgery-eval", "long-context")
     posprobe_version  str
     created_utc       str   ISO 8601 time the result was made
     model             dict  the model's positional facts (`ModelFacts.summary()`): name, source,
@@ -101,6 +101,16 @@ COLUMNS: dict[str, str] = {
     "alpha": "ridge penalty picked by the inner cross-validation (NaN where none applies)",
     "preset": "surgery preset spec",
     "section": "atlas section (facts, heads, frequency, geometry, probes, shift)",
+    # long-context harness
+    "length": "sequence length of the window or prompt (tokens)",
+    "bin_start": "first query_pos of a bin of query positions",
+    "bin_end": "end (exclusive) of a bin of query positions",
+    "depth": "passkey depth: fraction of the filler placed before the needle (0 = start, 1 = end)",
+    "trial": "index of a repeated random trial",
+    "target": "the passkey (digits) the model should return",
+    "prediction": "first run of digits in the greedy answer ('' if none)",
+    "exact_match": "prediction equals target exactly",
+    "needle_pos": "token position where the passkey sentence starts",
 }
 
 REQUIRED_META: dict[str, type | tuple[type, ...]] = {

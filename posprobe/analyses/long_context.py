@@ -1,0 +1,234 @@
+"""Long-context harness: how far past its trained context does each surgery preset keep a RoPE model
+working, and what does it cost inside the trained context?
+
+Two measurements, both on one plain Hugging Face model run through `posprobe.core.long_attention`
+(no T x T tensors, memory linear in length):
+  * loss by position: NLL (nats/token) of token t+1 at query position t on long windows of a text,
+    binned (`long_context` table), plus per preset and length the mean inside the trained context, the mean
+    beyond it, and the break position (`long_context_summary`);
+  * passkey retrieval (Mohtashami & Jaggi 2023; the format Self-Extend and others report): a 5-digit key
+    hidden at a depth in built-in filler, asked for at the end; the greedy answer's first run of digits must
+    equal the key exactly (`passkey` per trial, `passkey_accuracy` per length x depth x preset).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+from tqdm.auto import tqdm
+
+from posprobe.analyses.configs import LongContextConfig
+from posprobe.core import long_attention as LA
+from posprobe.core.surgery import PairRule, preset_pairs
+from posprobe.report.result import Result
+from posprobe.report.schema import data_meta, make_meta, text_sha256
+
+__all__ = ["LongContextConfig", "run_long_context", "passkey_prompt", "PasskeyPrompt", "binned_loss",
+           "summarise", "PASSKEY_INTRO", "PASSKEY_FILLER", "PASSKEY_NEEDLE", "PASSKEY_QUESTION"]
+
+# The standard passkey prompt (Mohtashami & Jaggi 2023, as used by Self-Extend, LongLoRA, ...).
+PASSKEY_INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+                 "I will quiz you about the important information there.\n\n")
+PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+PASSKEY_NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key. "
+PASSKEY_QUESTION = "\n\nWhat is the pass key? The pass key is"
+
+
+@dataclass(frozen=True)
+class PasskeyPrompt:
+    """Token ids of one passkey prompt (exactly `length` tokens), its key, and where the needle starts."""
+
+    ids: list[int]
+    key: str
+    needle_pos: int
+    depth: float
+
+
+def _bos(tokenizer: Any) -> list[int]:
+    # The BOS the tokenizer adds by itself (Gemma: <bos>; SmolLM2: none), found by encoding an empty string.
+    return list(tokenizer("", add_special_tokens=True)["input_ids"])
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def passkey_prompt(tokenizer: Any, length: int, depth: float, key: str) -> PasskeyPrompt:
+    """The passkey prompt of exactly `length` tokens: [BOS] intro, filler with the needle after the fraction
+    `depth` of it (snapped to a filler-sentence boundary), question. Pieces are tokenised separately."""
+    if not 0 <= depth <= 1:
+        raise ValueError(f"depth must be within [0, 1]; got {depth}")
+    head = _bos(tokenizer) + _encode(tokenizer, PASSKEY_INTRO)
+    needle = _encode(tokenizer, PASSKEY_NEEDLE.format(key=key))
+    question = _encode(tokenizer, PASSKEY_QUESTION)
+    unit = _encode(tokenizer, PASSKEY_FILLER)
+    n_fill = length - len(head) - len(needle) - len(question)
+    if n_fill < 0:
+        raise ValueError(f"a passkey prompt needs at least {length - n_fill} tokens; got length {length}")
+    filler = (unit * (n_fill // len(unit) + 1))[:n_fill]
+    cut = min(round(depth * n_fill / len(unit)) * len(unit), n_fill)
+    ids = head + filler[:cut] + needle + filler[cut:] + question
+    return PasskeyPrompt(ids, key, len(head) + cut, depth)
+
+
+def binned_loss(nll: torch.Tensor, bin_size: int) -> list[tuple[int, int, float, int]]:
+    """(bin_start, bin_end exclusive, mean, count) of a `[window, query_pos]` NLL array, bins of query_pos."""
+    out = []
+    for a in range(0, nll.shape[-1], bin_size):
+        part = nll[..., a:a + bin_size]
+        out.append((a, a + part.shape[-1], float(part.mean()), int(part.numel())))
+    return out
+
+
+def summarise(nll: torch.Tensor, ctx: int, *, bin_size: int, warmup: int, margin: float,
+              span: int | None = None) -> dict[str, float]:
+    """Per preset and length (NLL `[window, query_pos]`, nats/token): `in_context_nll` (query_pos < ctx),
+    `beyond_context_nll` (query_pos >= ctx; NaN if the windows stay inside), `break_pos`: first bin start
+    a >= warmup where the mean over query positions [a, a + span) exceeds the mean over [warmup, ctx) by
+    `margin` (-1: none; NaN: no reference span). `span` (default one bin) averages out hard passages of the
+    text, which single bins of one window do not."""
+    inside = nll[..., :ctx]
+    beyond = nll[..., ctx:]
+    ref_span = nll[..., warmup:ctx]
+    out = {"in_context_nll": float(inside.mean()),
+           "beyond_context_nll": float(beyond.mean()) if beyond.numel() else float("nan")}
+    if not ref_span.numel():
+        out["break_pos"] = float("nan")
+        return out
+    ref = float(ref_span.mean())
+    span = span or bin_size
+    hits = [a for a in range(0, nll.shape[-1], bin_size)
+            if a >= warmup and float(nll[..., a:a + span].mean()) > ref + margin]
+    out["break_pos"] = float(hits[0]) if hits else -1.0
+    return out
+
+
+def _parts(model: Any, tokenizer: Any) -> tuple[Any, Any]:
+    if hasattr(model, "original_model"):
+        # The bridge wraps HF's modules in place; a custom attention implementation does not reach them.
+        raise ValueError("the long-context harness runs a plain Hugging Face model: load it with "
+                         "posprobe.backend.loading.load_hf_model(spec), not load_model")
+    hf, tok = model, tokenizer
+    if tok is None:
+        raise ValueError("give the tokenizer (run_long_context(model, text, config, tokenizer=...))")
+    if not hasattr(hf, "get_decoder") or not hasattr(hf, "get_output_embeddings"):
+        raise ValueError(f"the long-context harness needs a Hugging Face causal LM; got {type(hf).__name__}")
+    return hf, tok
+
+
+def _model_meta(hf: Any, name: str, ctx: int | None) -> dict[str, Any]:
+    cfg = LA.text_config(hf)
+    rotary = bool(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_theta", None))
+    n = len(LA.attention_modules(hf))
+    bases = sorted({LA.hf_rotary_spec(hf, l).base for l in range(n)}) if rotary else []
+    return {"name": name, "source": str(getattr(cfg, "_name_or_path", "") or name),
+            "positional_kind": "rotary" if rotary else "other", "n_ctx": ctx, "n_layers": n,
+            "n_heads": getattr(cfg, "num_attention_heads", None), "n_kv_heads": getattr(cfg, "num_key_value_heads", None),
+            "rotary_bases": bases, "model_type": getattr(cfg, "model_type", None)}
+
+
+def _check(hf: Any, tok: Any, n_tokens: int, rules: dict[str, PairRule], cfg: LongContextConfig) -> int:
+    """Every check that can fail, before any forward; returns the trained context."""
+    if any(not r.identity for r in rules.values()):
+        LA.require_supported(hf)
+    mc = LA.text_config(hf)
+    if not (getattr(mc, "rope_parameters", None) or getattr(mc, "rope_theta", None)):
+        table = getattr(mc, "n_positions", None) or getattr(mc, "max_position_embeddings", None)
+        longest_any = max((*cfg.lengths, *(cfg.passkey_lengths or ())))
+        if table and longest_any > table:
+            raise ValueError(f"length {longest_any} is past this model's {table} learned positions")
+    ctx = cfg.trained_ctx or LA.trained_context(hf)
+    if ctx is None:
+        raise ValueError("the model config does not give its trained context; pass trained_ctx (--trained-ctx)")
+    longest = max(cfg.lengths)
+    if n_tokens < longest:
+        raise ValueError(f"the text has {n_tokens} tokens, shorter than the longest length {longest}; "
+                         "give a longer text or shorter lengths")
+    for rule in rules.values():
+        for L in cfg.lengths:
+            LA.check_memory(hf, L, rule, chunk=cfg.chunk)
+        for L in cfg.passkey_lengths or ():
+            LA.check_memory(hf, L, rule, chunk=cfg.chunk, cache=True)
+    for L in cfg.passkey_lengths or ():
+        passkey_prompt(tok, L, 0.5, "12345")  # long enough for the prompt's fixed parts
+    return ctx
+
+
+def _keys(cfg: LongContextConfig) -> dict[tuple[int, float, int], str]:
+    # One key per (length, depth, trial), the same for every preset: presets are compared on the same prompts.
+    rng = random.Random(cfg.seed)
+    return {(L, d, t): str(rng.randint(10000, 99999)) for L in cfg.passkey_lengths or () for d in cfg.depths
+            for t in range(cfg.trials)}
+
+
+def run_long_context(model: Any, text: str, config: LongContextConfig | None = None, *, tokenizer: Any = None,
+                     name: str | None = None, source: str | None = None) -> Result:
+    """Loss by position and passkey retrieval per preset and length; a Result with tables `long_context`,
+    `long_context_summary` and (with passkey lengths) `passkey`, `passkey_accuracy`.
+
+    `model`: a plain Hugging Face causal LM and its `tokenizer` (`load_hf_model`). Batch of one sequence;
+    every check (presets, learned positions, text length, memory) runs before the first forward pass.
+    """
+    cfg = config or LongContextConfig()
+    hf, tok = _parts(model, tokenizer)
+    rules = {spec: preset_pairs(spec) for spec in cfg.presets}
+    ids = _bos(tok) + _encode(tok, text)
+    ctx = _check(hf, tok, len(ids), rules, cfg)
+    name = name or Path(str(getattr(LA.text_config(hf), "_name_or_path", "") or "model")).name
+    bos = _bos(tok)
+    body = ids[len(bos):]
+    rows, summary = [], []
+    todo = [(L, spec) for L in cfg.lengths for spec in cfg.presets]
+    windows: dict[int, list[list[int]]] = {}
+    for L in cfg.lengths:
+        n = max(1, min(cfg.max_windows, len(body) // (L - len(bos))))
+        windows[L] = [bos + body[s:s + L - len(bos)] for s in range(0, n * (L - len(bos)), L - len(bos))]
+    for L, spec in tqdm(todo, desc="long-context loss", disable=not cfg.progress):
+        nll = torch.stack([LA.token_nll(hf, torch.tensor(w), rules[spec], chunk=cfg.chunk) for w in windows[L]])
+        for a, b, v, c in binned_loss(nll, cfg.bin_size):
+            rows.append(dict(model=name, preset=spec, length=L, bin_start=a, bin_end=b, metric="nll", value=v, count=c))
+        stats = summarise(nll, ctx, bin_size=cfg.bin_size, warmup=cfg.warmup, margin=cfg.margin, span=cfg.break_span)
+        for metric, v in stats.items():
+            summary.append(dict(model=name, preset=spec, length=L, metric=metric, value=v, count=len(windows[L])))
+    tables = {"long_context": pd.DataFrame(rows), "long_context_summary": pd.DataFrame(summary)}
+    if cfg.passkey_lengths:
+        tables.update(_passkey(hf, tok, rules, cfg, name))
+    n_win = sum(len(w) for w in windows.values())
+    data = data_meta(source or "text", n_items=n_win, unit="windows", sha256=text_sha256(text))
+    meta = make_meta("long-context", model=_model_meta(hf, name, ctx), data=data, config=cfg, trained_ctx=ctx,
+                     plan={spec: r.label for spec, r in rules.items()},
+                     plan_meta={spec: dict(r.meta) for spec, r in rules.items()},
+                     passkey_format={"intro": PASSKEY_INTRO, "filler": PASSKEY_FILLER, "needle": PASSKEY_NEEDLE,
+                                     "question": PASSKEY_QUESTION})
+    return Result(tables, meta)
+
+
+def _passkey(hf: Any, tok: Any, rules: dict[str, PairRule], cfg: LongContextConfig, name: str) -> dict[str, pd.DataFrame]:
+    keys = _keys(cfg)
+    rows = []
+    eos = getattr(tok, "eos_token_id", None)
+    todo = [(spec, L, d, t) for spec in cfg.presets for (L, d, t) in keys]
+    for spec, L, d, t in tqdm(todo, desc="passkey", disable=not cfg.progress):
+        p = passkey_prompt(tok, L, d, keys[(L, d, t)])
+        new = LA.greedy_decode(hf, torch.tensor(p.ids), rules[spec], cfg.new_tokens, chunk=cfg.chunk, stop_token=eos)
+        answer = tok.decode(new.tolist(), skip_special_tokens=True)
+        digits = re.search(r"\d+", answer)
+        pred = digits.group(0) if digits else ""
+        rows.append(dict(model=name, preset=spec, length=L, depth=d, trial=t, target=p.key, prediction=pred,
+                         exact_match=pred == p.key, needle_pos=p.needle_pos))
+    trials = pd.DataFrame(rows)
+    acc = (trials.groupby(["model", "preset", "length", "depth"], sort=False)
+           .agg(value=("exact_match", "mean"), count=("exact_match", "size")).reset_index())
+    acc.insert(4, "metric", "accuracy")
+    return {"passkey": trials, "passkey_accuracy": acc}
+
+
+def trained_context_of(model: Any) -> int | None:
+    """The trained context (tokens) the harness uses by default for a plain HF `model`."""
+    return LA.trained_context(model)

@@ -1,0 +1,62 @@
+"""`posprobe long-context`: loss by position beyond the trained context and passkey retrieval, per preset."""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = ("Loss by position past the trained context and passkey retrieval (length x depth) under each "
+        "surgery preset, on the plain Hugging Face model with chunked attention (memory linear in length).")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from posprobe.analyses.configs import LongContextConfig
+    from posprobe.cli.args import add_config_arguments, add_model_arguments, add_output_arguments, add_text_argument
+
+    add_model_arguments(p)
+    add_text_argument(p, required=True)
+    add_config_arguments(p, LongContextConfig)
+    add_output_arguments(p, required=False)
+
+
+def run(args: argparse.Namespace) -> int:
+    import sys
+
+    from posprobe.analyses.configs import LongContextConfig
+    from posprobe.cli import checks
+    from posprobe.cli.args import config_from_args
+
+    # Validation before torch is imported: bad input fails in about a second.
+    if args.n_ctx is not None:
+        raise ValueError("--n-ctx does not apply to long-context (the model runs at full length); "
+                         "use --trained-ctx to set the trained context")
+    config = config_from_args(LongContextConfig, args, progress=not args.no_progress)
+    checks.check_presets(config.presets)
+    checks.check_out(args.out)
+    early = checks.peek_model(args)
+    if any(p.strip().lower() != "none" for p in config.presets):
+        checks.require_rotary(early, "long-context presets")
+    text = checks.read_text_early(args.text)
+
+    from posprobe.analyses.long_context import run_long_context
+    from posprobe.backend.loading import load_hf_model
+    from posprobe.core.surgery import preset_pairs
+
+    for spec in config.presets:  # every preset's arguments, before the weights load
+        preset_pairs(spec)
+
+    print(f"loading {args.model} ...", file=sys.stderr)
+    model, tokenizer = load_hf_model(args.model, dtype=args.dtype, device=args.device)
+    result = run_long_context(model, text, config, tokenizer=tokenizer, name=str(args.model), source=args.text)
+    s = result.tables["long_context_summary"]
+    table = s.pivot_table(index=["length", "preset"], columns="metric", values="value", sort=False, dropna=False)
+    print(f"trained context {result.meta['trained_ctx']} tokens; NLL in nats/token; break_pos -1 = never")
+    print(table.to_string(float_format=lambda v: f"{v:.4f}"))
+    acc = result.tables.get("passkey_accuracy")
+    if acc is not None:
+        print("passkey accuracy (exact match), rows preset x length, columns depth:")
+        grid = acc.pivot_table(index=["preset", "length"], columns="depth", values="value", sort=False, dropna=False)
+        print(grid.to_string(float_format=lambda v: f"{v:.2f}"))
+    if args.out:
+        paths = result.save(args.out, figure_formats=args.figures)
+        print(f"wrote {paths['report']}")
+    return 0

@@ -1,0 +1,64 @@
+"""Weights and facts read straight from the Hugging Face model a TransformerBridge wraps (plain tensors,
+no posprobe or TransformerLens code): the independent side of the identity tests."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def hf_of(model):
+    """The wrapped Hugging Face model (bridge fixtures) — tests on legacy HookedTransformers do not use this."""
+    return model.original_model
+
+
+def W_E(model) -> torch.Tensor:
+    """Token embedding `[d_vocab, d_model]`."""
+    return hf_of(model).get_input_embeddings().weight.detach()
+
+
+def W_pos(model) -> torch.Tensor:
+    """Learned position table `[n_ctx, d_model]` (GPT-2 `wpe`, BERT `position_embeddings`)."""
+    hf = hf_of(model)
+    if hasattr(hf, "transformer"):
+        return hf.transformer.wpe.weight.detach()
+    return hf.bert.embeddings.position_embeddings.weight.detach()
+
+
+def attn_scale(model, layer: int = 0) -> float:
+    """The divisor of q.k in HF's attention: sqrt(head_dim) for the tiny models and SmolLM2."""
+    attn = _hf_layers(model)[layer].self_attn if hasattr(_hf_layers(model)[layer], "self_attn") else None
+    if attn is not None and hasattr(attn, "scaling"):
+        return 1.0 / float(attn.scaling)
+    cfg = hf_of(model).config
+    return math.sqrt(cfg.hidden_size // cfg.num_attention_heads)
+
+
+def _hf_layers(model):
+    hf = hf_of(model)
+    return hf.transformer.h if hasattr(hf, "transformer") else hf.model.layers
+
+
+def gpt2_layer0(model) -> dict[str, torch.Tensor | float]:
+    """GPT-2 block 0 in float64: ln_1 (w, b, eps) and W_Q/b_Q/W_K/b_K split per head from `c_attn`
+    (`[head, d_model, d_head]`, `[head, d_head]`)."""
+    hf = hf_of(model)
+    blk = hf.transformer.h[0]
+    d, H = hf.config.n_embd, hf.config.n_head
+    dh = d // H
+    W = blk.attn.c_attn.weight.detach().double()  # Conv1D: [d_model, 3 d_model], x @ W
+    b = blk.attn.c_attn.bias.detach().double()
+
+    def heads(i):
+        return (W[:, i * d:(i + 1) * d].reshape(d, H, dh).permute(1, 0, 2).contiguous(),
+                b[i * d:(i + 1) * d].reshape(H, dh))
+
+    (W_Q, b_Q), (W_K, b_K) = heads(0), heads(1)
+    return dict(ln_w=blk.ln_1.weight.detach().double(), ln_b=blk.ln_1.bias.detach().double(), eps=blk.ln_1.eps,
+                W_Q=W_Q, b_Q=b_Q, W_K=W_K, b_K=b_K)
+
+
+def masked(scores: torch.Tensor) -> torch.Tensor:
+    """Entries a layer masked out: -inf (TL 3) or the dtype's most negative value (HF / TransformerBridge)."""
+    return scores <= torch.finfo(scores.dtype).min
