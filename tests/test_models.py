@@ -177,6 +177,35 @@ def test_gpt2_architecture_folder_with_real_tokenizer(gpt2_folder):
     assert (shifted - ref).abs().max() <= 1e-4
 
 
+@pytest.mark.real
+def test_gpt2_folder_without_n_ctx_loads_and_runs_the_shift_test(gpt2_folder, tmp_path):
+    """transformers 5 writes GPT-2 configs without `n_ctx` (TL 3's converter needed it): the bridge loads them."""
+    import json
+    import shutil
+
+    from transformers import GPT2LMHeadModel
+
+    from posprobe.analyses.configs import ShiftConfig
+    from posprobe.analyses.shift import run_shift_test
+    from posprobe.data import builtin_pairs
+
+    folder = tmp_path / "gpt2-no-n_ctx"
+    shutil.copytree(gpt2_folder, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.pop("n_ctx", None)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    model = load_model(folder)
+    pairs = builtin_pairs(max_pairs=1)[:2]
+    r = run_shift_test(model, pairs, config=ShiftConfig(ks=(0, 50), n_bootstrap=10, progress=False))
+    p0, p50 = (r.pairs[r.pairs.k == k].logp_good.to_numpy() for k in (0, 50))
+    # Independent: HF's GPT-2 with position_ids 50, 51, ... on BOS + the first good sentence.
+    hf = GPT2LMHeadModel.from_pretrained(folder).eval()
+    tok = model.tokenizer
+    ids = torch.tensor([[tok.bos_token_id] + tok(pairs[0].good, add_special_tokens=False).input_ids])
+    lp = hf(ids, position_ids=torch.arange(ids.shape[1])[None] + 50).logits.log_softmax(-1)[0, :-1]
+    assert abs(float(lp.gather(-1, ids[0, 1:, None]).sum()) - p50[0]) < 1e-3 and abs(p50[0] - p0[0]) > 1e-3
+
+
 def test_process_weights_folds_layer_norm_without_changing_predictions():
     need_hooked()
     raw = load_model("tiny-ape", dtype="float64", backend="hooked")

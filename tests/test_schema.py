@@ -98,6 +98,29 @@ def test_every_analysis_follows_the_schema(name, tiny_ape, tiny_rope, tmp_path):
     assert back.to_html().count("Plotly.newPlot") >= len(result.figures())  # figures rebuilt from saved tables
 
 
+@pytest.fixture(scope="module")
+def doc_bridges():
+    """tiny-ape and tiny-rope booted exactly as the TransformerLens docs show a user (boot_transformers with an
+    HF model and its tokenizer), not through posprobe's loader."""
+    from transformer_lens.model_bridge import TransformerBridge
+
+    from posprobe.backend.tiny import byte_tokenizer, tiny_hf_model
+
+    return tuple(TransformerBridge.boot_transformers(n, hf_model=tiny_hf_model(n), tokenizer=byte_tokenizer())
+                 for n in ("tiny-ape", "tiny-rope"))
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_every_analysis_runs_on_a_bridge_booted_as_the_tl_docs_show(name, doc_bridges):
+    from posprobe.backend.hooks import live_hook_count
+
+    ape, rope = doc_bridges
+    result = RUNS[name](ape, rope)
+    validate_meta(result.meta)
+    assert all(len(df) for df in result.tables.values())
+    assert live_hook_count(ape) == live_hook_count(rope) == 0
+
+
 def test_schema_rejects_what_it_should():
     with pytest.raises(ValueError, match="missing 'data'.*model lacks 'positional_kind'"):
         validate_meta({"analysis": "x", "posprobe_version": "0", "created_utc": "t", "model": {"name": "m"},

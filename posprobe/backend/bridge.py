@@ -58,8 +58,8 @@ def boot(source: Any, folder: Any, *, device: str = "cpu", dtype: torch.dtype = 
             model = TransformerBridge.boot_transformers(str(folder), tokenizer=AutoTokenizer.from_pretrained(folder), **kwargs)
         except Exception as e:  # noqa: BLE001 - the bridge raises many types for unsupported architectures
             raise ModelLoadError(f"TransformerBridge could not boot {folder} ({arch or 'no architecture'}): {e}") from e
-        # A bare encoder folder (BertModel) gets a randomly initialised MLM head from the bridge.
-        model.has_lm_head = not arch.endswith("Model")
+        # A bare model folder (BertModel, GPT2Model) gets a randomly initialised head from the bridge.
+        model.has_lm_head = not (arch.endswith("Model") and not arch.endswith("LMHeadModel"))
     else:
         try:
             model = TransformerBridge.boot_transformers(official_name(source.name), **kwargs)
