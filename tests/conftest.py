@@ -129,4 +129,4 @@ def need_hooked() -> None:
     from posprobe.backend.legacy import has_hooked
 
     if not has_hooked():
-        pytest.skip("TransformerLens >= 4 has no HookedTransformer; legacy-adapter tests run under TL 3.9 (.ci/run)")
+        pytest.skip("TransformerLens >= 4 has no HookedTransformer; legacy-adapter tests run under TL 3.9 (.ci/legacy)")
