@@ -1,11 +1,17 @@
 """TransformerBridge (posprobe's model type) vs the plain Hugging Face model it wraps: forward time, and the
 start-up cost of the CLI (run by hand).
 
-Forward: the same HF weights, once as `posprobe.load_model(spec)` (a bridge) and once as the bare
-`AutoModelForCausalLM`, one `[batch, length]` forward each, rounds interleaved (order alternating), CPU and wall
-seconds per round; the ratio is taken within a round. Start-up: seconds from process start to the end of
-`import torch, transformers` vs to the end of `posprobe info tiny-rope --json` (argument parsing, validation,
-TransformerLens import and a tiny model build included). Peak memory after loading is `bench_loading.py`.
+Forward: the same HF weights, once as `posprobe.load_model(spec)` (a bridge) and twice as the bare
+`AutoModelForCausalLM` -- with its default attention (SDPA) and with `attn_implementation="eager"`, which is what
+the bridge computes (TransformerLens forces eager attention so `hook_attn_scores`/`hook_pattern` see the scores
+and the pattern). One `[batch, length]` forward each, rounds interleaved (order rotating), CPU and wall seconds
+per round; ratios are taken within a round.
+
+Start-up: seconds from process start to exit, best of 3, for
+  `import torch, transformers` (the floor: nothing from transformers' modelling code is imported yet),
+  the same tiny random Llama as plain HF (import, build, tokenizer, one forward; no TransformerLens), and
+  `posprobe info tiny-rope --json` (argument parsing, validation, TransformerLens import, bridge boot, facts).
+Peak memory after loading is `bench_loading.py`.
 
 Usage: python benchmarks/bench_bridge.py [--spec smollm2] [--length 512] [--batch 4] [--rounds 5]
 """
@@ -13,6 +19,7 @@ Usage: python benchmarks/bench_bridge.py [--spec smollm2] [--length 512] [--batc
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import time
@@ -25,11 +32,17 @@ sys.path.insert(0, str(ROOT))
 from _timing import Timed, loadavg, ratio_summary, rotate  # noqa: E402
 
 
+# The model `posprobe info tiny-rope` builds, as plain transformers: no TransformerLens anywhere.
+PLAIN_HF_TINY = ("import torch; from posprobe.backend.tiny import tiny_hf_model, byte_tokenizer; "
+                 "m = tiny_hf_model('tiny-rope').eval(); tok = byte_tokenizer(); "
+                 "m(input_ids=torch.tensor([tok.encode('hello')]))")
+
+
 def _startup(cmd: list[str], repeats: int) -> float:
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
-        subprocess.run(cmd, check=True, capture_output=True, env={"HF_HUB_OFFLINE": "1", "PATH": str(Path(sys.executable).parent)})
+        subprocess.run(cmd, check=True, capture_output=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
         best = min(best, time.perf_counter() - t0)
     return best
 
@@ -49,14 +62,17 @@ def main(argv: list[str] | None = None) -> int:
     from posprobe.backend.sources import resolve
 
     bridge = load_model(a.spec)
-    hf = AutoModelForCausalLM.from_pretrained(hf_folder(resolve(a.spec)), dtype=torch.float32).eval()
+    folder = hf_folder(resolve(a.spec))
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    hf_eager = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
     toks = torch.randint(0, 1000, (a.batch, a.length), generator=torch.Generator().manual_seed(0))
-    runs = {"hf": lambda: hf(input_ids=toks).logits, "bridge": lambda: bridge(toks)}
+    runs = {"hf": lambda: hf(input_ids=toks).logits, "hf_eager": lambda: hf_eager(input_ids=toks).logits,
+            "bridge": lambda: bridge(toks)}
     with torch.inference_mode():
         for f in runs.values():  # warm-up
             f()
-        times: dict[str, list[float]] = {"hf": [], "bridge": []}
-        walls: dict[str, list[float]] = {"hf": [], "bridge": []}
+        times: dict[str, list[float]] = {k: [] for k in runs}
+        walls: dict[str, list[float]] = {k: [] for k in runs}
         print(f"before: {loadavg()}", file=sys.stderr)
         for r in range(a.rounds):
             for name in rotate(list(runs), r):
@@ -65,15 +81,18 @@ def main(argv: list[str] | None = None) -> int:
                 times[name].append(t.cpu)
                 walls[name].append(t.wall)
         print(f"after: {loadavg()}", file=sys.stderr)
-    med, lo, hi = ratio_summary(times["bridge"], times["hf"])
-    wmed, _, _ = ratio_summary(walls["bridge"], walls["hf"])
     print(f"forward {a.spec} batch {a.batch} x {a.length} tokens, {a.threads} thread(s), {a.rounds} rounds:")
-    print(f"  bridge / plain HF: CPU time {med:.3f}x (range {lo:.3f}-{hi:.3f}), wall {wmed:.3f}x")
+    for num, den, label in (("bridge", "hf", "bridge / plain HF (SDPA)"), ("bridge", "hf_eager", "bridge / plain HF eager"),
+                            ("hf_eager", "hf", "plain HF eager / SDPA")):
+        med, lo, hi = ratio_summary(times[num], times[den])
+        wmed, _, _ = ratio_summary(walls[num], walls[den])
+        print(f"  {label}: CPU time {med:.3f}x (range {lo:.3f}-{hi:.3f}), wall {wmed:.3f}x")
     exe = str(Path(sys.executable).parent / "posprobe")
     base = _startup([sys.executable, "-c", "import torch, transformers"], 3)
+    plain = _startup([sys.executable, "-c", PLAIN_HF_TINY], 3)
     cli = _startup([exe, "info", "tiny-rope", "--json"], 3)
-    print(f"start-up: import torch+transformers {base:.2f} s; posprobe info tiny-rope --json {cli:.2f} s "
-          f"({cli / base:.2f}x)")
+    print(f"start-up (best of 3): import torch+transformers {base:.2f} s; the tiny Llama as plain HF {plain:.2f} s; "
+          f"posprobe info tiny-rope --json {cli:.2f} s ({cli / base:.2f}x the imports, {cli / plain:.2f}x plain HF)")
     return 0
 
 

@@ -3,6 +3,8 @@
 Each load runs in a fresh subprocess, which reports its peak resident set size (ru_maxrss) and its
 resident size right after the imports (so the import cost of TransformerLens is visible on its own).
 The HF folder is the one posprobe caches (GGUF dequantised once), so both read the same fp32 weights.
+posprobe's load includes the model's tokenizer (a bridge boots with one), so the plain-HF child loads the
+tokenizer too, after its forward, and reports the peak with and without it (Gemma 3's is ~300 MB).
 Rounds are interleaved; medians are printed. The load is also timed in CPU seconds of the child
 (process time; one torch thread by default, `--threads`) beside wall seconds, and the load average is
 printed before and after each round, so a quiet run can be told from a loaded one.
@@ -57,7 +59,11 @@ peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kB on Linux
 with torch.inference_mode():
     m(torch.tensor([[1, 2, 3, 4]])) if kind == "posprobe" else m(input_ids=torch.tensor([[1, 2, 3, 4]]))
 peak_fwd = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-print(json.dumps(dict(peak_mb=peak, peak_fwd_mb=peak_fwd, imports_mb=after_imports, seconds=secs, cpu_seconds=cpu_secs,
+if kind == "hf":  # the bridge holds the model's tokenizer (it cannot boot offline without one): count it here too
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(folder)
+peak_tok = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+print(json.dumps(dict(peak_mb=peak, peak_fwd_mb=peak_fwd, peak_tok_mb=peak_tok, imports_mb=after_imports, seconds=secs, cpu_seconds=cpu_secs,
                       n_params=n_params)))
 """
 
@@ -91,14 +97,15 @@ def main(argv=None) -> int:
         med = {k: {f: statistics.median(x[f] for x in v) for f in v[0]} for k, v in res.items()}
         rows.append((spec, n_ctx, med))
     print("\nPeak RSS in MB (median of rounds); 'load' = after from_pretrained/load_model, 'fwd' = after one "
-          "4-token forward (touches every mmapped weight); '-imp' = minus the RSS right after imports")
-    cols = ("load", "fwd", "load-imp", "fwd-imp")
+          "4-token forward (touches every mmapped weight); 'tok' = 'fwd' with the model's tokenizer loaded too "
+          "(posprobe loads it while booting; HF after the forward); '-imp' = minus the RSS right after imports")
+    cols = ("load", "fwd", "tok", "fwd-imp", "tok-imp")
     print(f"{'model':13} {'n_ctx':>5} " + " ".join(f"{'HF ' + c:>12} {'pp ' + c:>12} {'ratio':>6}" for c in cols)
           + f" {'HF s':>6} {'pp s':>6} {'HF cpu':>6} {'pp cpu':>6}")
     for spec, n_ctx, m in rows:
         line = f"{spec:13} {str(n_ctx or '-'):>5} "
         for c in cols:
-            key = "peak_mb" if c.startswith("load") else "peak_fwd_mb"
+            key = {"load": "peak_mb", "fwd": "peak_fwd_mb", "tok": "peak_tok_mb"}[c.split("-")[0]]
             h, p = m["hf"][key], m["posprobe"][key]
             if c.endswith("-imp"):
                 h, p = h - m["hf"]["imports_mb"], p - m["posprobe"]["imports_mb"]

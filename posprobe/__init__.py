@@ -35,7 +35,7 @@ _EXPORTS = {
     "key_squish": "posprobe.core.surgery",
     "preset_plan": "posprobe.core.surgery",
     "preset_pairs": "posprobe.core.surgery",
-    "long_attention": "posprobe.core.long_attention",
+    "long_attention": "posprobe.backend.long_attention",
     # data
     "load_blimp": "posprobe.data",
     "builtin_pairs": "posprobe.data",

@@ -181,6 +181,29 @@ def test_gpt2_bridge_learned_positions_equal_hf_position_ids(gpt2_bridge, gpt2_f
             pass
 
 
+def test_load_model_reads_the_tokenizer_once_and_tokenizes_as_the_bridge_itself(smol_folder, smol_bridge, gpt2_folder,  # noqa: F811
+                                                                                 monkeypatch):
+    # Given a tokenizer without add_bos_token, the bridge reloads it from disk with the flag (Gemma 3: ~4.5 s);
+    # posprobe loads it that way once. The reference is the bridge's own set-up of a plainly loaded tokenizer.
+    from transformers import AutoTokenizer
+
+    from posprobe.backend.loading import load_model
+
+    texts = [TEXT, "  two  spaces\nand a newline, ünïcödé 123", ""]
+    for folder, reference in ((smol_folder, smol_bridge), (gpt2_folder, _boot(gpt2_folder))):
+        calls: list = []
+        real = AutoTokenizer.from_pretrained
+        monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
+        model = load_model(folder)
+        monkeypatch.undo()
+        assert len(calls) == 1, calls
+        ours, theirs = model.tokenizer, reference.tokenizer
+        assert (ours.bos_token, ours.eos_token, ours.pad_token) == (theirs.bos_token, theirs.eos_token, theirs.pad_token)
+        for t in texts:
+            assert ours(t).input_ids == theirs(t).input_ids
+            assert torch.equal(model.to_tokens(t), reference.to_tokens(t))
+
+
 @pytest.fixture(scope="module")
 def smol_hooked():
     """SmolLM2 as TL 3's HookedTransformer (the legacy adapter), where TL < 4 is installed."""

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from posprobe.core import long_attention as LA
+from posprobe.backend import long_attention as LA
 from posprobe.core import surgery as S
 
 V, T = 61, 40

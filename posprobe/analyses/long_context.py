@@ -1,7 +1,7 @@
 """Long-context harness: how far past its trained context does each surgery preset keep a RoPE model
 working, and what does it cost inside the trained context?
 
-Two measurements, both on one plain Hugging Face model run through `posprobe.core.long_attention`
+Two measurements, both on one plain Hugging Face model run through `posprobe.backend.long_attention`
 (no T x T tensors, memory linear in length):
   * loss by position: NLL (nats/token) of token t+1 at query position t on long windows of a text,
     binned (`long_context` table), plus per preset and length the mean inside the trained context, the mean
@@ -24,7 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from posprobe.analyses.configs import LongContextConfig
-from posprobe.core import long_attention as LA
+from posprobe.backend import long_attention as LA
 from posprobe.core.surgery import PairRule, preset_pairs
 from posprobe.report.result import Result
 from posprobe.report.schema import data_meta, make_meta, text_sha256

@@ -51,11 +51,9 @@ def boot(source: Any, folder: Any, *, device: str = "cpu", dtype: torch.dtype = 
     if n_devices > 1:
         kwargs["n_devices"] = n_devices
     if folder is not None:
-        from transformers import AutoTokenizer
-
         arch = (read_hf_config(folder).get("architectures") or [""])[0]
         try:
-            model = TransformerBridge.boot_transformers(str(folder), tokenizer=AutoTokenizer.from_pretrained(folder), **kwargs)
+            model = TransformerBridge.boot_transformers(str(folder), tokenizer=_tokenizer_with_bos(folder), **kwargs)
         except Exception as e:  # noqa: BLE001 - the bridge raises many types for unsupported architectures
             raise ModelLoadError(f"TransformerBridge could not boot {folder} ({arch or 'no architecture'}): {e}") from e
         # A bare model folder (BertModel, GPT2Model) gets a randomly initialised head from the bridge.
@@ -71,6 +69,20 @@ def boot(source: Any, folder: Any, *, device: str = "cpu", dtype: torch.dtype = 
     model.eval()
     model.cfg.model_name = source.name
     return model
+
+
+def _tokenizer_with_bos(folder: Any) -> Any:
+    """The folder's tokenizer as the bridge keeps it: with `add_bos_token=True`.
+
+    Given a tokenizer without that flag, the bridge reloads it from disk with the flag set, so loading it
+    that way here saves a second load (Gemma 3's 262k-entry tokenizer: ~4.5 s and ~300 MB of transient
+    memory). Tokenizers that cannot take the flag (no BOS token) load as they are, as the bridge keeps them."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(folder, add_bos_token=True)
+    except ValueError:
+        return AutoTokenizer.from_pretrained(folder)
 
 
 def hf_config(model: Any) -> Any:

@@ -97,7 +97,26 @@ def load_model(
             model = boot(source, folder, device=device, dtype=dt, n_ctx=n_ctx, n_devices=n_devices, device_map=device_map)
     model.eval()
     model.posprobe_source = source.origin or source.name
+    release_freed_heap()
     return model
+
+
+def release_freed_heap() -> bool:
+    """Hand memory freed during loading back to the OS; True where that was possible (glibc).
+
+    Booting frees state dicts and tokenizer scratch, but glibc keeps freed blocks in its arenas, so the
+    process stays that much larger for the rest of the run (~130 MB after booting Gemma 3 270M)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        return True
+    except (OSError, AttributeError):  # musl and other libcs have no malloc_trim
+        return False
 
 
 def hf_folder(source: Source) -> Path:

@@ -303,7 +303,7 @@ def preset_plan(spec: str, model: Any, n: int) -> PositionPlan:
 # ---- Pairwise (relative) form of the presets --------------------------------------------------------------
 # A KeyView per query is exact but O(n) views and an n x n score tensor per view: fine for a few hundred
 # tokens, hopeless at 16k. The same presets as a small set of (query position, key position) rules plus a
-# per-pair selector let an engine work in query chunks (posprobe.core.long_attention). Every constant below
+# per-pair selector let an engine work in query chunks (posprobe.backend.long_attention). Every constant below
 # is the one of the plan builder above; tests check that both forms give the same relative position for
 # every (query, key) pair.
 
