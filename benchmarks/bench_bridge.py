@@ -5,7 +5,9 @@ Forward: the same HF weights, once as `posprobe.load_model(spec)` (a bridge) and
 `AutoModelForCausalLM` -- with its default attention (SDPA) and with `attn_implementation="eager"`, which is what
 the bridge computes (TransformerLens forces eager attention so `hook_attn_scores`/`hook_pattern` see the scores
 and the pattern). One `[batch, length]` forward each, rounds interleaved (order rotating), CPU and wall seconds
-per round; ratios are taken within a round.
+per round; ratios are taken within a round. A fourth run is posprobe's own forward on the bridge with
+`fused_attention=True` (what capture passes use: the wrapped HF attention modules with SDPA, since nothing inside
+attention is hooked; `posprobe.backend.fast_attention`).
 
 Start-up: seconds from process start to exit, best of 3, for
   `import torch, transformers` (the floor: nothing from transformers' modelling code is imported yet),
@@ -59,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM
 
     from posprobe.backend.loading import hf_folder, load_model
+    from posprobe.backend.model import forward
     from posprobe.backend.sources import resolve
 
     bridge = load_model(a.spec)
@@ -67,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     hf_eager = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
     toks = torch.randint(0, 1000, (a.batch, a.length), generator=torch.Generator().manual_seed(0))
     runs = {"hf": lambda: hf(input_ids=toks).logits, "hf_eager": lambda: hf_eager(input_ids=toks).logits,
-            "bridge": lambda: bridge(toks)}
+            "bridge": lambda: bridge(toks), "fused": lambda: forward(bridge, toks, fused_attention=True)}
     with torch.inference_mode():
         for f in runs.values():  # warm-up
             f()
@@ -83,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"after: {loadavg()}", file=sys.stderr)
     print(f"forward {a.spec} batch {a.batch} x {a.length} tokens, {a.threads} thread(s), {a.rounds} rounds:")
     for num, den, label in (("bridge", "hf", "bridge / plain HF (SDPA)"), ("bridge", "hf_eager", "bridge / plain HF eager"),
-                            ("hf_eager", "hf", "plain HF eager / SDPA")):
+                            ("hf_eager", "hf", "plain HF eager / SDPA"),
+                            ("fused", "hf", "posprobe forward(fused_attention=True) on the bridge / plain HF (SDPA)")):
         med, lo, hi = ratio_summary(times[num], times[den])
         wmed, _, _ = ratio_summary(walls[num], walls[den])
         print(f"  {label}: CPU time {med:.3f}x (range {lo:.3f}-{hi:.3f}), wall {wmed:.3f}x")

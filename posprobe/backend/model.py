@@ -74,10 +74,17 @@ def special_tokens(model: Any) -> tuple[list[int], list[int]]:
 
 
 def forward(model: Any, tokens: torch.Tensor, *, stop_at_layer: int | None = None,
-            attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+            attention_mask: torch.Tensor | None = None, fused_attention: bool = False) -> torch.Tensor:
     """One forward pass: logits, or the residual stream entering block `stop_at_layer` (decoders only:
-    the blocks after it are not run). `attention_mask` is a [batch, pos] 1/0 padding mask (encoders)."""
+    the blocks after it are not run). `attention_mask` is a [batch, pos] 1/0 padding mask (encoders).
+    `fused_attention`: on a TransformerBridge, run attention with PyTorch SDPA where no hook sits inside an
+    attention layer (`backend.fast_attention`; otherwise, and on other models, it changes nothing)."""
     if is_bridge(model):
+        if fused_attention:
+            from posprobe.backend.fast_attention import sdpa_attention
+
+            with sdpa_attention(model):
+                return _bridge_forward(model, tokens, stop_at_layer=stop_at_layer, attention_mask=attention_mask)
         return _bridge_forward(model, tokens, stop_at_layer=stop_at_layer, attention_mask=attention_mask)
     kwargs: dict[str, Any] = {}
     if attention_mask is not None:

@@ -27,7 +27,8 @@ def _heads(x: torch.Tensor, point: str, heads: Sequence[int] | None) -> torch.Te
 def _run_through(model: Any, tokens: torch.Tensor, layers: Sequence[int]) -> None:
     # Later layers cannot affect earlier activations, so a decoder need not run them (nor the unembedding).
     # The batch's one host->device copy; everything the hooks compute from it then stays on the device.
-    forward(model, tokens.to(device_of(model)), stop_at_layer=max(layers) + 1)
+    # Fused attention (SDPA) unless a hook sits inside attention: then the bridge computes it step by step.
+    forward(model, tokens.to(device_of(model)), stop_at_layer=max(layers) + 1, fused_attention=True)
 
 
 @torch.no_grad()
