@@ -482,8 +482,42 @@ def test_engine_matches_the_hook_based_apply_plan(tiny_rope, spec):
     assert (got - want.float()).abs().max() <= 1e-4  # float32; bridge vs HF kernels differ by ~1e-6
 
 
-def test_a_bridge_is_refused_with_the_way_out(tiny_rope):
+def test_a_bridge_whose_attention_cannot_be_bypassed_is_refused(tiny_ape):
     from posprobe.analyses.long_context import LongContextConfig, run_long_context
 
-    with pytest.raises(ValueError, match="load_hf_model"):
-        run_long_context(tiny_rope, TEXT, LongContextConfig(lengths=(32,), progress=False), tokenizer=None)
+    with pytest.raises(ValueError, match="q/k/v/o projection modules"):  # GPT-2's fused c_attn
+        run_long_context(tiny_ape, TEXT, LongContextConfig(lengths=(32,), progress=False))
+
+
+def test_run_long_context_on_a_bridge_equals_the_plain_model(byte_llama):
+    # A TransformerBridge over an identical copy of the weights: the harness runs the HF model inside it with HF's
+    # attention modules (the bridge re-implements attention, which a registered attention function never reaches).
+    import copy
+    from dataclasses import replace
+
+    from transformer_lens.model_bridge import TransformerBridge
+
+    from posprobe.analyses.long_context import LongContextConfig, run_long_context
+    from posprobe.backend.hooks import hook_name, hooked
+
+    model, tok = byte_llama
+    twin = copy.deepcopy(model)
+    twin.config.architectures = ["LlamaForCausalLM"]
+    bridge = TransformerBridge.boot_transformers("tiny", hf_model=twin, tokenizer=tok, device="cpu").eval()
+    cfg = LongContextConfig(lengths=(96,), presets=("none", "pi:scale=2", "self-extend:group=2,window=16",
+                                                    "streaming:sink=4,window=16"),
+                            max_windows=1, bin_size=16, warmup=16, passkey_lengths=(260,), depths=(0.5,), trials=1,
+                            new_tokens=4, chunk=32, progress=False)
+    want = run_long_context(model, TEXT, cfg, tokenizer=tok, name="m")
+    impl = bridge.original_model.config._attn_implementation  # TL 4 forces "eager"; TL 3.9 leaves HF's default
+    got = run_long_context(bridge, TEXT, cfg, tokenizer=tok, name="m")
+    for name in ("long_context", "long_context_summary", "passkey"):
+        assert got.tables[name].equals(want.tables[name]), name
+    # Without a tokenizer the bridge's own is used, and with it TL's convention: BOS first.
+    own = run_long_context(bridge, TEXT, replace(cfg, passkey_lengths=()), name="m")
+    assert own.meta["data"]["n_items"] == 1 and bridge.tokenizer("", add_special_tokens=True)["input_ids"] == [256]
+    assert bridge.original_model.config._attn_implementation == impl  # the bridge's own state is back
+    assert not any("forward" in b.attn.__dict__ for b in bridge.blocks)
+    with hooked(bridge, [(hook_name("pattern", 0), lambda x, hook: x)]):
+        with pytest.raises(ValueError, match="no hook inside attention"):
+            run_long_context(bridge, TEXT, cfg)

@@ -25,6 +25,8 @@ from tqdm.auto import tqdm
 
 from posprobe.analyses.configs import LongContextConfig
 from posprobe.backend import long_attention as LA
+from posprobe.backend.bridge import is_bridge
+from posprobe.backend.model import model_name, tokenizer_of
 from posprobe.core.surgery import PairRule, preset_pairs
 from posprobe.report.result import Result
 from posprobe.report.schema import data_meta, make_meta, text_sha256
@@ -110,10 +112,6 @@ def summarise(nll: torch.Tensor, ctx: int, *, bin_size: int, warmup: int, margin
 
 
 def _parts(model: Any, tokenizer: Any) -> tuple[Any, Any]:
-    if hasattr(model, "original_model"):
-        # The bridge wraps HF's modules in place; a custom attention implementation does not reach them.
-        raise ValueError("the long-context harness runs a plain Hugging Face model: load it with "
-                         "posprobe.backend.loading.load_hf_model(spec), not load_model")
     hf, tok = model, tokenizer
     if tok is None:
         raise ValueError("give the tokenizer (run_long_context(model, text, config, tokenizer=...))")
@@ -172,10 +170,20 @@ def run_long_context(model: Any, text: str, config: LongContextConfig | None = N
     """Loss by position and passkey retrieval per preset and length; a Result with tables `long_context`,
     `long_context_summary` and (with passkey lengths) `passkey`, `passkey_accuracy`.
 
-    `model`: a plain Hugging Face causal LM and its `tokenizer` (`load_hf_model`). Batch of one sequence;
+    `model`: a plain Hugging Face causal LM and its `tokenizer` (`load_hf_model`), or a TransformerBridge over a
+    RoPE decoder (`load_model`; its wrapped HF model runs, with the same numbers; the tokenizer defaults to the
+    bridge's, which, as TL does, puts BOS first). Batch of one sequence;
     every check (presets, learned positions, text length, memory) runs before the first forward pass.
     """
     cfg = config or LongContextConfig()
+    if is_bridge(model):
+        # A bridge re-implements attention, which a registered attention function would never reach: run the HF
+        # model it wraps with HF's own attention modules (the bridge's other components stay in place).
+        from posprobe.backend.fast_attention import hf_model_inside
+
+        with hf_model_inside(model) as hf:
+            return run_long_context(hf, text, cfg, tokenizer=tokenizer or tokenizer_of(model),
+                                    name=name or model_name(model), source=source)
     hf, tok = _parts(model, tokenizer)
     rules = {spec: preset_pairs(spec) for spec in cfg.presets}
     ids = _bos(tok) + _encode(tok, text)

@@ -94,3 +94,16 @@ def sdpa_attention(model: Any) -> Iterator[bool]:
         for attn in plan.attns:
             if "forward" in attn.__dict__:
                 object.__delattr__(attn, "forward")
+
+
+@contextmanager
+def hf_model_inside(model: Any) -> Iterator[Any]:
+    """The Hugging Face model a TransformerBridge wraps, made runnable with HF's own attention modules inside the
+    block (SDPA, or any function registered with transformers' `AttentionInterface`, as posprobe's long-context
+    engine does). The bridge's projections, norms and MLPs still run; hooks outside attention still fire.
+    ValueError where the bridge's attention cannot be bypassed (see `sdpa_attention`)."""
+    with sdpa_attention(model) as fused:
+        if not fused:
+            raise ValueError("this model's attention cannot run as Hugging Face's own modules here: it needs a "
+                             "decoder TransformerBridge with q/k/v/o projection modules and no hook inside attention")
+        yield model.original_model

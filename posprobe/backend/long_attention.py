@@ -60,7 +60,10 @@ def trained_context(model: Any) -> int | None:
 
 def attention_modules(model: Any) -> list[Any]:
     """The decoder's attention modules in layer order (each has `layer_idx`)."""
-    mods = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "q_proj")]
+    # Inside a TransformerBridge each HF attention module sits in a bridge component that forwards attribute
+    # reads to it: count the HF modules only (the bridge's own has `original_component`).
+    mods = [m for m in model.modules()
+            if hasattr(m, "layer_idx") and hasattr(m, "q_proj") and not hasattr(m, "original_component")]
     return sorted(mods, key=lambda m: m.layer_idx)
 
 
