@@ -178,15 +178,20 @@ class _Engine:
             lo = max(0, int(ii[0]) - window + 1) if window else 0
             jj = j[lo:hi]
             sel = self.rule.select(ii, jj).to(query.device) if self.rule.select is not None else None
-            scores = None
+            scores = query.new_full((B, H, b - a, hi - lo), float("-inf"))
             for v, (qf, _) in enumerate(views):
-                if sel is not None and not bool((sel == v).any()):
-                    continue
+                # Only the key columns where some query of the chunk uses view v (Self-Extend's neighbours lie
+                # within W of the chunk, StreamingLLM's sinks are the first S keys): each pair is scored once.
+                c0, c1 = 0, hi - lo
+                if sel is not None:
+                    cols = (sel == v).any(dim=0).nonzero()
+                    if cols.numel() == 0:
+                        continue
+                    c0, c1 = int(cols[0]), int(cols[-1]) + 1
                 q_r = rotate_hf(query[:, :, a:b], qf(ii), inv).reshape(B, KV, g * (b - a), d)
-                s = torch.matmul(q_r, k_rot[v][:, :, lo:hi].transpose(-1, -2)).view(B, H, b - a, hi - lo) * scale
-                scores = s if scores is None else torch.where(sel == v, s, scores)
-            if scores is None:  # every key of the chunk dropped: cannot happen for causal rules (self is kept)
-                raise RuntimeError("a query chunk has no visible key")
+                s = torch.matmul(q_r, k_rot[v][:, :, lo + c0:lo + c1].transpose(-1, -2)).view(B, H, b - a, c1 - c0)
+                part = scores[..., c0:c1]
+                scores[..., c0:c1] = s * scale if sel is None else torch.where(sel[:, c0:c1] == v, s * scale, part)
             if softcap:
                 scores = torch.tanh(scores / softcap) * softcap
             keep = (jj[None, :] <= ii[:, None]).to(query.device)
