@@ -177,14 +177,16 @@ class _Engine:
             hi = int(ii[-1]) + 1
             lo = max(0, int(ii[0]) - window + 1) if window else 0
             jj = j[lo:hi]
-            sel = self.rule.select(ii, jj).to(query.device) if self.rule.select is not None else None
+            # The selector is computed from host indices: column ranges are read there (no device sync).
+            sel_host = self.rule.select(ii, jj) if self.rule.select is not None else None
+            sel = sel_host.to(query.device) if sel_host is not None else None
             scores = query.new_full((B, H, b - a, hi - lo), float("-inf"))
             for v, (qf, _) in enumerate(views):
                 # Only the key columns where some query of the chunk uses view v (Self-Extend's neighbours lie
                 # within W of the chunk, StreamingLLM's sinks are the first S keys): each pair is scored once.
                 c0, c1 = 0, hi - lo
-                if sel is not None:
-                    cols = (sel == v).any(dim=0).nonzero()
+                if sel_host is not None:
+                    cols = (sel_host == v).any(dim=0).nonzero()
                     if cols.numel() == 0:
                         continue
                     c0, c1 = int(cols[0]), int(cols[-1]) + 1
