@@ -125,6 +125,10 @@ def test_everything_is_restored_also_on_error(pair):
     with pytest.raises(RuntimeError, match="boom"):
         with sdpa_attention(bridge) as fused:
             assert fused and bridge.original_model.config._attn_implementation == "sdpa"
+            with sdpa_attention(bridge) as inner:  # nesting leaves the outer context in force
+                assert inner
+            assert all("forward" in b.attn.__dict__ for b in bridge.blocks)
+            assert bridge.original_model.config._attn_implementation == "sdpa"
             raise RuntimeError("boom")
     assert {k: c._attn_implementation for k, c in configs.items()} == before
     assert not any("forward" in b.attn.__dict__ for b in bridge.blocks)

@@ -80,6 +80,9 @@ def sdpa_attention(model: Any) -> Iterator[bool]:
         return
     plan = _plan(model)
     assert plan is not None
+    if "forward" in plan.attns[0].__dict__:  # nested inside another sdpa_attention: the outer one restores
+        yield True
+        return
     before = [c._attn_implementation for c in plan.configs]
     try:
         for attn in plan.attns:
