@@ -192,8 +192,8 @@ class _Engine:
                     c0, c1 = int(cols[0]), int(cols[-1]) + 1
                 q_r = rotate_hf(query[:, :, a:b], qf(ii), inv).reshape(B, KV, g * (b - a), d)
                 s = torch.matmul(q_r, k_rot[v][:, :, lo + c0:lo + c1].transpose(-1, -2)).view(B, H, b - a, c1 - c0)
-                part = scores[..., c0:c1]
-                scores[..., c0:c1] = s * scale if sel is None else torch.where(sel[:, c0:c1] == v, s * scale, part)
+                s = s * scale
+                scores[..., c0:c1] = s if sel is None else torch.where(sel[:, c0:c1] == v, s, scores[..., c0:c1])
             if softcap:
                 scores = torch.tanh(scores / softcap) * softcap
             keep = (jj[None, :] <= ii[:, None]).to(query.device)

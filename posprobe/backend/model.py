@@ -7,6 +7,8 @@ module, `hooks.py` and `facts.py`, and nothing else.
 
 from __future__ import annotations
 
+import contextlib
+
 from typing import Any
 
 import torch
@@ -80,12 +82,10 @@ def forward(model: Any, tokens: torch.Tensor, *, stop_at_layer: int | None = Non
     `fused_attention`: on a TransformerBridge, run attention with PyTorch SDPA where no hook sits inside an
     attention layer (`backend.fast_attention`; otherwise, and on other models, it changes nothing)."""
     if is_bridge(model):
-        if fused_attention:
-            from posprobe.backend.fast_attention import sdpa_attention
+        from posprobe.backend.fast_attention import sdpa_attention
 
-            with sdpa_attention(model):
-                return _bridge_forward(model, tokens, stop_at_layer=stop_at_layer, attention_mask=attention_mask)
-        return _bridge_forward(model, tokens, stop_at_layer=stop_at_layer, attention_mask=attention_mask)
+        with sdpa_attention(model) if fused_attention else contextlib.nullcontext():
+            return _bridge_forward(model, tokens, stop_at_layer=stop_at_layer, attention_mask=attention_mask)
     kwargs: dict[str, Any] = {}
     if attention_mask is not None:
         kwargs["one_zero_attention_mask"] = attention_mask
