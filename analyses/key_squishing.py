@@ -26,12 +26,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import plotly.express as px
 
 from posprobe.backend.loading import load_model
-from posprobe.analyses.squish import squish_run
+from posprobe.analyses.squish import squish_generate
 
 model = load_model("smollm2")
 
 # %%
-result = squish_run(model, "Always answer in French.", "What is the capital of Italy?", max_new_tokens=8,
+result = squish_generate(model, "Always answer in French.", "What is the capital of Italy?", max_new_tokens=8,
                     variant=("global", "cache"), to=0.0, reference="La capitale de l'Italie est Rome.")
 df, meta = result.df, result.meta
 for run, text in meta["continuations"].items():

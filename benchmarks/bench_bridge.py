@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(a.threads)
     from transformers import AutoModelForCausalLM
 
-    from posprobe.backend.loading import hf_folder, load_model
+    from posprobe.backend.hf import hf_folder
+    from posprobe.backend.loading import load_model
     from posprobe.backend.model import forward
     from posprobe.backend.sources import resolve
 

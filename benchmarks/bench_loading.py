@@ -39,7 +39,7 @@ def rss_mb():
 import torch
 torch.set_num_threads(threads)
 from posprobe.backend.sources import resolve
-from posprobe.backend.loading import hf_folder
+from posprobe.backend.hf import hf_folder
 folder = hf_folder(resolve(spec))  # cached by an earlier run; no conversion is timed here
 if kind == "posprobe":
     import transformer_lens  # noqa: F401 - counted in the import baseline, not in the load

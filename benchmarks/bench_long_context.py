@@ -22,7 +22,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 CHILD = r"""
 import json, resource, sys, time, torch
 from transformers import LlamaConfig, LlamaForCausalLM
-from posprobe.backend import long_attention as LA
+from posprobe.core import long_engine as LA
 from posprobe.core import surgery as S
 route, length, preset, threads = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
 torch.set_num_threads(threads)

@@ -64,7 +64,7 @@ def identities(model, device: str, dtype: str, n: int) -> list[dict]:
     from posprobe.backend.model import forward
     from posprobe.core.capture import capture
     from posprobe.core.positions import PositionPlan, rope_positions, shifted_plan
-    from posprobe.core.rope import band_contributions
+    from posprobe.rope import band_contributions
 
     facts = model_facts(model)
     toks = torch.randint(3, 250, (2, n), generator=torch.Generator().manual_seed(0)).to(device)

@@ -29,13 +29,13 @@ _EXPORTS = {
     "PositionPlan": "posprobe.core.positions",
     "KeyView": "posprobe.core.positions",
     "PositionError": "posprobe.core.positions",
-    "RotarySpec": "posprobe.core.rope",
+    "RotarySpec": "posprobe.rope",
     "generate": "posprobe.core.generation",
     "apply_plan": "posprobe.core.surgery",
     "key_squish": "posprobe.core.surgery",
     "preset_plan": "posprobe.core.surgery",
     "preset_pairs": "posprobe.core.surgery",
-    "long_attention": "posprobe.backend.long_attention",
+    "long_attention": "posprobe.core.long_engine",
     # data
     "load_blimp": "posprobe.data",
     "builtin_pairs": "posprobe.data",
@@ -76,7 +76,7 @@ _EXPORTS = {
     "position_probes": "posprobe.analyses.probes",
     "wpos_geometry": "posprobe.analyses.geometry",
     "residual_geometry": "posprobe.analyses.geometry",
-    "squish_run": "posprobe.analyses.squish",
+    "squish_generate": "posprobe.analyses.squish",
     # results
     "Result": "posprobe.report.result",
 }

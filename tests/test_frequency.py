@@ -15,7 +15,7 @@ from posprobe.core.capture import capture
 from posprobe.backend.facts import WrongModelKind, model_facts
 from posprobe.analyses.frequency import frequency_usage, rel_pos_edges, top_heads
 from posprobe.analyses.frequency_ablation import BandAblation, ablate_bands, band_ablation, head_ablations, p_sweep
-from posprobe.core.rope import RotarySpec, band_contributions, band_norms, rotate
+from posprobe.rope import RotarySpec, band_contributions, band_norms, rotate
 from posprobe.data import BUILTIN_TEXT
 from hf_util import attn_scale, masked
 

@@ -13,7 +13,8 @@ import math
 import pytest
 import torch
 
-from posprobe.backend import long_attention as LA
+from posprobe.backend import hf as HF
+from posprobe.core import long_engine as LA
 from posprobe.core import surgery as S
 
 V, T = 61, 40
@@ -208,8 +209,8 @@ def test_yarn_machinery_equals_hf_yarn_and_the_ramp_difference_is_measured(llama
     # 1) With HF's own yarn frequency table, the engine (rotation + temperature m^2, m = 0.1 ln s + 1) is HF's yarn.
     hf_inv = hf.model.rotary_emb.inv_freq.double()
     assert hf.model.rotary_emb.attention_scaling == pytest.approx(0.1 * math.log(s) + 1)
-    spec = LA.hf_rotary_spec(llama, 0)
-    from posprobe.core.rope import inv_freq_table
+    spec = HF.rotary_spec(llama, 0)
+    from posprobe.rope import inv_freq_table
 
     table = tuple((1 / hf_inv / inv_freq_table(spec, torch.float64)).tolist())
     from dataclasses import replace
@@ -240,7 +241,7 @@ def _gemma3():
 
 def test_gemma3_local_global_bases_and_sliding_window(ids):
     m = _gemma3()
-    assert [LA.hf_rotary_spec(m, l).base for l in range(3)] == [1e4, 1e4, 1e6]
+    assert [HF.rotary_spec(m, l).base for l in range(3)] == [1e4, 1e4, 1e6]
     ref = LA.token_nll(m, ids, S.preset_pairs("none"))
     for chunk in (4, 256):
         assert (LA.token_nll(m, ids, S.preset_pairs("shift:k=0"), chunk=chunk) - ref).abs().max() <= 1e-5
@@ -271,7 +272,7 @@ def test_attention_implementation_restored_after_an_error(llama, ids):
             raise RuntimeError("boom")
     assert llama.config._attn_implementation == "sdpa"
     with pytest.raises(RuntimeError, match="outside"):
-        LA._attention(llama.model.layers[0].self_attn, None, None, None, None)
+        HF._attention(llama.model.layers[0].self_attn, None, None, None, None)
 
 
 def test_learned_position_model_and_memory_are_refused_before_any_forward():
@@ -368,19 +369,19 @@ def test_run_long_context_tables_summary_and_report(byte_llama, tmp_path):
 
 
 def test_summary_break_position():
-    from posprobe.analyses.long_context import summarise
+    from posprobe.analyses.long_context import summarize_nll
 
     nll = torch.cat([torch.full((1, 40), 2.0), torch.full((1, 24), 2.05), torch.full((1, 16), 3.0)], -1)
-    s = summarise(nll, 48, bin_size=8, warmup=8, margin=0.5)
+    s = summarize_nll(nll, 48, bin_size=8, warmup=8, margin=0.5)
     assert s["break_pos"] == 64 and s["in_context_nll"] == pytest.approx((40 * 2 + 8 * 2.05) / 48)
     assert s["beyond_context_nll"] == pytest.approx((16 * 2.05 + 16 * 3) / 32)
-    assert summarise(nll[:, :40], 48, bin_size=8, warmup=8, margin=0.5)["break_pos"] == -1
+    assert summarize_nll(nll[:, :40], 48, bin_size=8, warmup=8, margin=0.5)["break_pos"] == -1
     # A single hard bin does not count once the excess is averaged over a span of 3 bins.
     bump = nll.clone()
     bump[0, 16:24] = 3.0
-    assert summarise(bump, 48, bin_size=8, warmup=8, margin=0.5)["break_pos"] == 16
-    assert summarise(bump, 48, bin_size=8, warmup=8, margin=0.5, span=24)["break_pos"] == 64
-    assert math.isnan(summarise(nll[:, :40], 48, bin_size=8, warmup=8, margin=0.5)["beyond_context_nll"])
+    assert summarize_nll(bump, 48, bin_size=8, warmup=8, margin=0.5)["break_pos"] == 16
+    assert summarize_nll(bump, 48, bin_size=8, warmup=8, margin=0.5, span=24)["break_pos"] == 64
+    assert math.isnan(summarize_nll(nll[:, :40], 48, bin_size=8, warmup=8, margin=0.5)["beyond_context_nll"])
 
 
 def test_bad_input_fails_before_any_forward(byte_llama, monkeypatch):
@@ -446,7 +447,7 @@ def test_notebook_executes(tmp_path):
 
 def test_a_scaling_already_in_the_config_is_kept(llama, ids):
     hf = _hf_variant(llama, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 100.0})
-    spec = LA.hf_rotary_spec(hf, 0)
+    spec = HF.rotary_spec(hf, 0)
     assert spec.freq_scale is not None and max(abs(f - 2.0) for f in spec.freq_scale) <= 1e-6
     same = LA.token_nll(hf, ids, S.preset_pairs("shift:k=0"))
     assert (same - LA.token_nll(hf, ids, S.preset_pairs("none"))).abs().max() <= 1e-5

@@ -94,7 +94,7 @@ def test_smollm2_gguf_predicts_paris_and_matches_hf(smollm2):
 
 @pytest.mark.real
 def test_gguf_conversion_is_cached(smollm2, monkeypatch):
-    import posprobe.backend.loading as models
+    import posprobe.backend.hf as models
 
     monkeypatch.setattr(models, "_convert_gguf", lambda *a: pytest.fail("converted the GGUF again"))
     folder = models.hf_folder(resolve("smollm2"))

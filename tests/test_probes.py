@@ -18,7 +18,7 @@ from posprobe.analyses.probes import (
     position_probes,
     sample_tokens,
     shuffle_within_groups,
-    summarize,
+    fold_summary,
     text_rows,
 )
 from posprobe.data import BUILTIN_TEXT
@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _means(df, metric: str, point: str = None, layer: int = None):
-    s = summarize(df)
+    s = fold_summary(df)
     s = s[s.metric == metric]
     if point is not None:
         s = s[(s.point == point) & (s.layer == layer)]
@@ -98,7 +98,7 @@ def test_control_near_chance_and_probe_far_from_it(ape_probe, tiny_ape):
     # The real probe reads position off W_pos at layer 0; its spread over folds is reported.
     assert float(acc["probe"]["mean"].iloc[0]) > 0.8
     assert float(mae["probe"]["mean"].iloc[0]) < 0.6 * chance_mae
-    s = summarize(df)
+    s = fold_summary(df)
     assert set(s.n_folds) == {cfg.n_splits}
     assert np.isfinite(s["std"]).all() and (s[s.condition == "probe"]["std"] > 0).any()
     assert set(df.columns) >= {"model", "point", "layer", "condition", "fold", "metric", "value"}
@@ -261,7 +261,7 @@ def test_minilm_probe_and_wpos_geometry(minilm):
     assert rows[0][0] == m.tokenizer.cls_token_id
     res = position_probes(m, rows, ProbeConfig(points=("resid_pre", "resid_post"), layers=(0, 5), skip_first=1,
                                                 progress=False))
-    mae = summarize(res.df).query("metric == 'mae'")
+    mae = fold_summary(res.df).query("metric == 'mae'")
     probe = mae[(mae.condition == "probe") & (mae.point == "resid_pre") & (mae.layer == 0)]["mean"].item()
     control = mae[(mae.condition == "control") & (mae.point == "resid_pre") & (mae.layer == 0)]["mean"].item()
     assert probe < 0.5 * control

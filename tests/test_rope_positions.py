@@ -10,7 +10,7 @@ import torch
 from posprobe.backend.facts import WrongModelKind
 from posprobe.backend.hooks import hook_name, hooked, live_hook_count
 from posprobe.core.positions import KeyView, PositionError, PositionPlan, learned_positions, rope_positions, shifted_plan
-from posprobe.core.rope import RotarySpec, band_contributions, rotate, wavelength
+from posprobe.rope import RotarySpec, band_contributions, rotate, wavelength
 from hf_util import hf_of, masked
 
 TEXT = "The quick brown fox jumps over the lazy dog near the river bank."

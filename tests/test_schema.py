@@ -58,9 +58,9 @@ def _geometry(tiny_ape, tiny_rope):
 
 
 def _squish(tiny_ape, tiny_rope):
-    from posprobe.analyses.squish import squish_run
+    from posprobe.analyses.squish import squish_generate
 
-    return squish_run(tiny_rope, "Answer briefly.", "Hi?", max_new_tokens=2, reference="Yes")
+    return squish_generate(tiny_rope, "Answer briefly.", "Hi?", max_new_tokens=2, reference="Yes")
 
 
 def _surgery(tiny_ape, tiny_rope):

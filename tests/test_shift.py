@@ -15,7 +15,7 @@ import torch
 from conftest import shared_data
 from posprobe.data import DataError, builtin_pairs
 from posprobe.core.scoring import TLScorer
-from posprobe.analyses.shift import ShiftConfig, ShiftError, summarize
+from posprobe.analyses.shift import ShiftConfig, ShiftError, summarize_pairs
 from posprobe.analyses.shift import run_shift_test
 from hf_util import hf_of
 
@@ -62,7 +62,7 @@ def test_summary_counts_flips_and_mcnemar_by_hand():
         for i, c in enumerate(truth):
             rows.append(dict(paradigm="p", field="f", phenomenon="x", pair_id=str(i), k=k, logp_good=0.0,
                              logp_bad=-1.0 if c else 1.0, margin=1.0 if c else -1.0, correct=c))
-    s = summarize(pd.DataFrame(rows), n_boot=200, seed=0)
+    s = summarize_pairs(pd.DataFrame(rows), n_boot=200, seed=0)
     row = s[(s.k == 7) & (s.level == "overall")].iloc[0]
     assert (row.flips_to_wrong, row.flips_to_correct, row.flips) == (2, 1, 3)
     assert row.mcnemar_p == pytest.approx(binomtest(1, 3, 0.5).pvalue)

@@ -14,7 +14,7 @@ from posprobe.core.capture import capture
 from posprobe.backend.facts import WrongModelKind
 from posprobe.core.generation import continuation_logprob, generate, logits_under
 from posprobe.core.positions import PositionError, PositionPlan
-from posprobe.core.rope import RotarySpec
+from posprobe.rope import RotarySpec
 from hf_util import masked
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -234,10 +234,10 @@ def test_learned_absolute_model_is_refused(tiny_ape):
         logits_under(tiny_ape, toks, PositionPlan.default(6))
     with pytest.raises(WrongModelKind):
         S.ntk_aware(tiny_ape, 6, 2.0)
-    from posprobe.analyses.squish import squish_run
+    from posprobe.analyses.squish import squish_generate
 
     with pytest.raises(WrongModelKind):
-        squish_run(tiny_ape, "Be brief.", "Hi", max_new_tokens=2)
+        squish_generate(tiny_ape, "Be brief.", "Hi", max_new_tokens=2)
 
 
 def test_plan_length_mismatch_names_both_lengths(tiny_rope):

@@ -177,7 +177,7 @@ class GeometryConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class SquishConfig:
-    """Key squishing of an instruction span during generation (`squish_run`, `posprobe squish`)."""
+    """Key squishing of an instruction span during generation (`squish_generate`, `posprobe squish`)."""
 
     to: float | None = option(None, "put every span key at this position (default 0)", flag="--squish-to")
     range_: tuple[float, ...] | None = option(None, "spread the span keys linearly over LO HI", flag="--squish-range")

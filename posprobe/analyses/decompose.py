@@ -52,8 +52,9 @@ from posprobe.backend.model import (
 )
 from posprobe.analyses.configs import DecomposeConfig
 from posprobe.core.capture import batches, capture, mean_by_position, stream
-from posprobe.core.rope import RotarySpec, rotate
+from posprobe.rope import RotarySpec, rotate
 from posprobe.data import BUILTIN_TEXT, framed_windows
+from posprobe.report.decompose import summary_table
 from posprobe.report.result import Result
 from posprobe.report.schema import data_meta, make_meta, text_sha256
 
@@ -357,16 +358,6 @@ def head_summary(dec: Decomposition, *, row_centred: bool = True) -> pd.DataFram
     return df
 
 
-def summary_table(summary: pd.DataFrame) -> pd.DataFrame:
-    """Wide per-head table (one row per head, ranked): var_share per term, pp rel_pos_fraction, rank."""
-    share = summary[summary.metric == "var_share"].pivot(index="head", columns="term", values="value")
-    terms = [t for t in list(EXACT_TERMS) + list(DATA_TERMS) + ["positional"] if t in share.columns]
-    wide = share[list(dict.fromkeys(terms))].add_prefix("share_")
-    extra = summary[summary.metric.isin(["rel_pos_fraction", "rank"])].pivot(index="head", columns="metric", values="value")
-    wide = wide.join(extra.rename(columns={"rel_pos_fraction": "pp_rel_pos_fraction"}))
-    return wide.sort_values("rank").reset_index().round(4)
-
-
 # --------------------------------------------------------------------------- the analysis as a command runs it
 
 
@@ -392,7 +383,7 @@ def _first_sentence(text: str) -> str:
     return head if head.endswith(".") else head + "."
 
 
-def run_decomposition(model: Any, config: DecomposeConfig) -> tuple[Decomposition, pd.DataFrame]:
+def decompose_heads(model: Any, config: DecomposeConfig) -> tuple[Decomposition, pd.DataFrame]:
     """Run the chosen split on the sentence; returns (Decomposition, tidy head summary)."""
     facts = model_facts(model)
     if not 0 <= config.layer < facts.n_layers:
@@ -426,7 +417,7 @@ def run_decompose(model: Any, config: DecomposeConfig | None = None, *, source: 
     the term maps of the chosen head (metric = "score", query_pos/key_pos/rel_pos set), in score units.
     """
     config = config or DecomposeConfig()
-    dec, summary = run_decomposition(model, config)
+    dec, summary = decompose_heads(model, config)
     table = summary_table(summary)
     head = config.head if config.head is not None else int(table["head"].iloc[0])
     maps = dec.frame(batch=0, heads=[head]).assign(metric="score")

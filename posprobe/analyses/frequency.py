@@ -18,13 +18,14 @@ import torch
 from jaxtyping import Float
 
 from posprobe.core import distributed
-from posprobe.core.capture import Reducer, stream, to_cpu_once
+from posprobe.core.capture import Reducer, check_rows, stream, to_cpu_once
 from posprobe.analyses.configs import FrequencyConfig
+from posprobe.analyses.frequency_ablation import band_ablation, head_ablations, p_sweep
 from posprobe.backend.facts import ModelFacts, model_facts, require_rotary
 from posprobe.backend.hooks import score_scale, score_soft_cap
 from posprobe.report.result import Result
 from posprobe.report.schema import data_meta, make_meta, text_sha256
-from posprobe.core.rope import RotarySpec, _grouped_band_products, angular_frequency, band_norms, wavelength
+from posprobe.rope import RotarySpec, _grouped_band_products, angular_frequency, band_norms, wavelength
 from posprobe.backend.model import context_length, device_of
 
 #: Elements of one [head, band, query_pos, key_pos] block processed at once (bounds transient memory).
@@ -82,7 +83,6 @@ def run_frequency(model: Any, text: str | None = None, config: FrequencyConfig |
                   source: str | None = None) -> FrequencyUsage:
     """Per-band RoPE usage of every head over windows of `text` (default: the built-in text), plus band
     ablations (loss change in nats/token) when `config.ablate`. Returns a FrequencyUsage result."""
-    from posprobe.analyses.frequency_ablation import band_ablation, head_ablations, p_sweep
     from posprobe.backend.model import encode_text, tokenizer_of
     from posprobe.data import BUILTIN_TEXT, framed_windows
 
@@ -241,15 +241,6 @@ def _reducer(model: Any, facts: ModelFacts, layers: list[int], edges: list[int],
     return Reducer(["rot_q", "rot_k", "pattern"], layers, fn)
 
 
-def _check_rows(model: Any, token_rows: Any) -> torch.Tensor:
-    rows = torch.as_tensor(token_rows) if not isinstance(token_rows, torch.Tensor) else token_rows
-    if rows.dim() != 2 or rows.shape[0] == 0 or rows.shape[1] < 2:
-        raise ValueError("token_rows must be a non-empty [batch, pos] set of equal-length rows with pos >= 2")
-    if rows.shape[1] > context_length(model):
-        raise ValueError(f"windows of {rows.shape[1]} tokens exceed the model's n_ctx={context_length(model)}")
-    return rows
-
-
 @torch.no_grad()
 def frequency_usage(
     model: Any,
@@ -281,7 +272,7 @@ def frequency_usage(
     if device_of(model).type == "mps":  # say so before any work, not deep inside the first batch
         raise NotImplementedError("The frequency pass accumulates in float64 on the model's device, which mps "
                                   "does not support; run it with --device cpu or cuda")
-    rows = _check_rows(model, token_rows)
+    rows = check_rows(model, token_rows)
     layers = list(range(facts.n_layers)) if layers is None else list(layers)
     if not layers or any(not 0 <= l < facts.n_layers for l in layers):
         raise ValueError(f"layers must be within 0..{facts.n_layers - 1}; got {layers}")

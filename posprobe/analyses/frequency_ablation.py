@@ -18,8 +18,8 @@ import torch
 from tqdm.auto import tqdm
 
 from posprobe.backend.facts import ModelFacts, model_facts, require_rotary
-from posprobe.analyses.frequency import _check_rows
-from posprobe.core.rope import band_contributions, expand_kv
+from posprobe.core.capture import check_rows
+from posprobe.rope import band_contributions, expand_kv
 from posprobe.backend.hooks import hook_name, hooked, pre_rotation, score_scale, score_soft_cap
 from posprobe.core.positions import PositionPlan, rope_positions
 from posprobe.backend.model import context_length, token_losses
@@ -157,7 +157,7 @@ def band_ablation(
     require_rotary(facts, "Band ablation")
     if not facts.has_lm_head or facts.is_encoder:
         raise ValueError(f"Band ablation measures LM loss; {facts.name} has no causal LM head")
-    rows = _check_rows(model, token_rows)
+    rows = check_rows(model, token_rows)
     for ab in ablations:
         _validate(facts, ab)
     nb = facts.rotary[0].n_bands

@@ -1,7 +1,7 @@
 """Long-context harness: how far past its trained context does each surgery preset keep a RoPE model
 working, and what does it cost inside the trained context?
 
-Two measurements, both on one plain Hugging Face model run through `posprobe.backend.long_attention`
+Two measurements, both on one plain Hugging Face model run through `posprobe.core.long_engine`
 (no T x T tensors, memory linear in length):
   * loss by position: NLL (nats/token) of token t+1 at query position t on long windows of a text,
     binned (`long_context` table), plus per preset and length the mean inside the trained context, the mean
@@ -24,15 +24,16 @@ import torch
 from tqdm.auto import tqdm
 
 from posprobe.analyses.configs import LongContextConfig
-from posprobe.backend import long_attention as LA
-from posprobe.backend.bridge import is_bridge
+from posprobe.backend import hf as HF
+from posprobe.backend.kind import is_bridge
+from posprobe.core import long_engine as LA
 from posprobe.backend.model import model_name, tokenizer_of
 from posprobe.core.surgery import PairRule, preset_pairs
 from posprobe.report.result import Result
 from posprobe.report.schema import data_meta, make_meta, text_sha256
 
 __all__ = ["LongContextConfig", "run_long_context", "passkey_prompt", "PasskeyPrompt", "binned_loss",
-           "summarise", "PASSKEY_INTRO", "PASSKEY_FILLER", "PASSKEY_NEEDLE", "PASSKEY_QUESTION"]
+           "summarize_nll", "PASSKEY_INTRO", "PASSKEY_FILLER", "PASSKEY_NEEDLE", "PASSKEY_QUESTION"]
 
 # The standard passkey prompt (Mohtashami & Jaggi 2023, as used by Self-Extend, LongLoRA, ...).
 PASSKEY_INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
@@ -88,7 +89,7 @@ def binned_loss(nll: torch.Tensor, bin_size: int) -> list[tuple[int, int, float,
     return out
 
 
-def summarise(nll: torch.Tensor, ctx: int, *, bin_size: int, warmup: int, margin: float,
+def summarize_nll(nll: torch.Tensor, ctx: int, *, bin_size: int, warmup: int, margin: float,
               span: int | None = None) -> dict[str, float]:
     """Per preset and length (NLL `[window, query_pos]`, nats/token): `in_context_nll` (query_pos < ctx),
     `beyond_context_nll` (query_pos >= ctx; NaN if the windows stay inside), `break_pos`: first bin start
@@ -121,10 +122,10 @@ def _parts(model: Any, tokenizer: Any) -> tuple[Any, Any]:
 
 
 def _model_meta(hf: Any, name: str, ctx: int | None) -> dict[str, Any]:
-    cfg = LA.text_config(hf)
-    rotary = bool(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_theta", None))
-    n = len(LA.attention_modules(hf))
-    bases = sorted({LA.hf_rotary_spec(hf, l).base for l in range(n)}) if rotary else []
+    cfg = HF.text_config(hf)
+    rotary = HF.is_rotary(hf)
+    n = len(HF.attention_modules(hf))
+    bases = sorted({HF.rotary_spec(hf, l).base for l in range(n)}) if rotary else []
     return {"name": name, "source": str(getattr(cfg, "_name_or_path", "") or name),
             "positional_kind": "rotary" if rotary else "other", "n_ctx": ctx, "n_layers": n,
             "n_heads": getattr(cfg, "num_attention_heads", None), "n_kv_heads": getattr(cfg, "num_key_value_heads", None),
@@ -135,13 +136,12 @@ def _check(hf: Any, tok: Any, n_tokens: int, rules: dict[str, PairRule], cfg: Lo
     """Every check that can fail, before any forward; returns the trained context."""
     if any(not r.identity for r in rules.values()):
         LA.require_supported(hf)
-    mc = LA.text_config(hf)
-    if not (getattr(mc, "rope_parameters", None) or getattr(mc, "rope_theta", None)):
-        table = getattr(mc, "n_positions", None) or getattr(mc, "max_position_embeddings", None)
+    if not HF.is_rotary(hf):
+        table = HF.position_table_size(hf)
         longest_any = max((*cfg.lengths, *(cfg.passkey_lengths or ())))
         if table and longest_any > table:
             raise ValueError(f"length {longest_any} is past this model's {table} learned positions")
-    ctx = cfg.trained_ctx or LA.trained_context(hf)
+    ctx = cfg.trained_ctx or HF.trained_context(hf)
     if ctx is None:
         raise ValueError("the model config does not give its trained context; pass trained_ctx (--trained-ctx)")
     longest = max(cfg.lengths)
@@ -188,7 +188,7 @@ def run_long_context(model: Any, text: str, config: LongContextConfig | None = N
     rules = {spec: preset_pairs(spec) for spec in cfg.presets}
     ids = _bos(tok) + _encode(tok, text)
     ctx = _check(hf, tok, len(ids), rules, cfg)
-    name = name or Path(str(getattr(LA.text_config(hf), "_name_or_path", "") or "model")).name
+    name = name or Path(str(getattr(HF.text_config(hf), "_name_or_path", "") or "model")).name
     bos = _bos(tok)
     body = ids[len(bos):]
     rows, summary = [], []
@@ -201,7 +201,7 @@ def run_long_context(model: Any, text: str, config: LongContextConfig | None = N
         nll = torch.stack([LA.token_nll(hf, torch.tensor(w), rules[spec], chunk=cfg.chunk) for w in windows[L]])
         for a, b, v, c in binned_loss(nll, cfg.bin_size):
             rows.append(dict(model=name, preset=spec, length=L, bin_start=a, bin_end=b, metric="nll", value=v, count=c))
-        stats = summarise(nll, ctx, bin_size=cfg.bin_size, warmup=cfg.warmup, margin=cfg.margin, span=cfg.break_span)
+        stats = summarize_nll(nll, ctx, bin_size=cfg.bin_size, warmup=cfg.warmup, margin=cfg.margin, span=cfg.break_span)
         for metric, v in stats.items():
             summary.append(dict(model=name, preset=spec, length=L, metric=metric, value=v, count=len(windows[L])))
     tables = {"long_context": pd.DataFrame(rows), "long_context_summary": pd.DataFrame(summary)}
@@ -239,4 +239,4 @@ def _passkey(hf: Any, tok: Any, rules: dict[str, PairRule], cfg: LongContextConf
 
 def trained_context_of(model: Any) -> int | None:
     """The trained context (tokens) the harness uses by default for a plain HF `model`."""
-    return LA.trained_context(model)
+    return HF.trained_context(model)

@@ -17,14 +17,13 @@ import torch
 from jaxtyping import Int
 from tqdm.auto import tqdm
 
-from posprobe.analyses.configs import RESIDUAL_POINTS, ProbeConfig
+from posprobe.analyses.configs import ProbeConfig
 from posprobe.backend.model import encode_text, first_token
 from posprobe.core.capture import Reducer, batches, stream, to_cpu_once
 from posprobe.data import framed_windows
+from posprobe.report.probes import fold_summary  # noqa: F401 - part of this module's API
 from posprobe.report.result import Result
 from posprobe.report.schema import data_meta, make_meta, text_sha256
-
-POINTS = RESIDUAL_POINTS
 
 def text_rows(model: Any, text: str, window: int = 64, max_windows: int | None = None) -> list[list[int]]:
     """Token rows of exactly `window` ids: the text's tokens cut into windows, each row starting with the
@@ -210,7 +209,7 @@ def position_probes(model: Any, token_rows: Sequence[Sequence[int]] | torch.Tens
 
     Returns a Result whose df has one row per model, point, layer, condition (probe/control/chance), fold,
     metric (mae: mean absolute error in positions; accuracy: fraction of held-out tokens in the right
-    bucket), value. Folds group by token row; `summarize(result.df)` gives mean and std over folds.
+    bucket), value. Folds group by token row; `report.probes.fold_summary(result.df)` gives mean and std over folds.
     """
     from posprobe.backend.facts import model_facts
 
@@ -257,11 +256,3 @@ def position_probes(model: Any, token_rows: Sequence[Sequence[int]] | torch.Tens
                      n_tokens=len(flat), control="training positions shuffled within each token row (test labels true)",
                      folds="GroupKFold by token row")
     return Result({"probes": df}, meta)
-
-
-def summarize(df: pd.DataFrame) -> pd.DataFrame:
-    """Mean and std over folds per (model, point, layer, condition, metric), plus the fold count."""
-    keys = ["model", "point", "layer", "condition", "metric"]
-    g = df.groupby(keys, sort=False)["value"]
-    return pd.concat([g.mean().rename("mean"), g.std(ddof=0).rename("std"), g.size().rename("n_folds")],
-                     axis=1).reset_index()

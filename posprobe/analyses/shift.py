@@ -18,6 +18,7 @@ from posprobe.data import BUILTIN_SOURCE, DataError, MinimalPair, pairs_fingerpr
 from posprobe.core.scoring import Positioned
 from posprobe.analyses.configs import ShiftConfig, ShiftError
 from posprobe.report.result import Result
+from posprobe.report.shift import ppl_by_k
 from posprobe.report.schema import data_meta, make_meta, text_sha256
 from posprobe.backend.model import forward, n_layers, tokenizer_of
 
@@ -140,7 +141,7 @@ def _sharded(score: Any, items: list) -> list:
     return distributed.gather_indexed([(i, lp) for (i, _), lp in zip(mine, got)])
 
 
-def summarize(pairs: pd.DataFrame, *, n_boot: int, seed: int) -> pd.DataFrame:
+def summarize_pairs(pairs: pd.DataFrame, *, n_boot: int, seed: int) -> pd.DataFrame:
     """Accuracy (with percentile bootstrap 95% CI), mean margin, flips and exact McNemar p vs k=0."""
     from posprobe.core.stats import bootstrap_ci, mcnemar_exact
 
@@ -185,13 +186,6 @@ def score_text(scorer: Any, tokenizer: Any, text: str, cfg: ShiftConfig, prefix:
     return pd.DataFrame(rows, columns=["k", "window", "pos", "loss"])
 
 
-def ppl_by_k(tokens: pd.DataFrame) -> pd.DataFrame:
-    """Mean loss and perplexity per k."""
-    g = tokens.groupby("k").loss.mean().rename("mean_loss").reset_index()
-    g["perplexity"] = np.exp(g.mean_loss)
-    return g
-
-
 def config_meta(cfg: ShiftConfig) -> dict:
     """The config as a JSON-able dict."""
     d = asdict(cfg)
@@ -219,33 +213,24 @@ class Prepared:
     tl_model: Any = None
 
 
-def _hf_kind(config: Any) -> str:
-    d = config.to_dict()
-    if d.get("model_type") in ("bloom", "mpt"):
-        return "alibi"
-    if any(key in d for key in ("rope_theta", "rope_parameters", "rotary_dim", "rotary_pct", "rope_scaling")):
-        return "rotary"
-    return "learned_absolute"
-
-
 def prepare(model: Any, *, backend: str = "auto", device: str = "cpu", dtype: str = "float32",
             n_ctx: int | None = None) -> Prepared:
     """Pick the scoring backend: HF with native position_ids when weights are on disk, else TL hooks."""
+    from posprobe.backend import hf as HF
+    from posprobe.backend.sources import resolve
     from posprobe.core.scoring import HFScorer, TLScorer
-    from posprobe.backend.sources import read_hf_config, resolve
 
     if backend not in ("auto", "hf", "tl"):
         raise ShiftError(f"backend must be auto, hf or tl; got {backend!r}")
     if isinstance(model, str):
         src = resolve(model)
         if src.kind == "hf-dir" and backend != "tl":
-            from posprobe.backend.loading import hf_folder, load_hf_model
+            from posprobe.backend.loading import load_hf_model
 
-            arch = (read_hf_config(hf_folder(src)).get("architectures") or [""])[0]
-            if not arch.startswith("Bert"):
+            if not HF.folder_architecture(HF.hf_folder(src)).startswith("Bert"):
                 hf, tok = load_hf_model(model, dtype=dtype, device=device)
-                ctx = getattr(hf.config, "max_position_embeddings", None) or getattr(hf.config, "n_positions")
-                return Prepared(src.name, HFScorer(hf, tok), tok, _hf_kind(hf.config), min(ctx, n_ctx or ctx), False, "hf")
+                ctx = HF.position_table_size(hf)
+                return Prepared(src.name, HFScorer(hf, tok), tok, HF.positional_kind(hf), min(ctx, n_ctx or ctx), False, "hf")
         elif backend == "hf":
             raise ShiftError(f"{model} has no Hugging Face weights on disk; use backend 'tl'")
     from posprobe.backend.facts import model_facts
@@ -301,7 +286,7 @@ def run_shift_test(
     else:
         if pairs is not None:
             pair_df = score_pairs(prep.scorer, prep.tokenizer, pairs, cfg, prefix, ks)
-            summary = summarize(pair_df, n_boot=cfg.n_bootstrap, seed=cfg.seed)
+            summary = summarize_pairs(pair_df, n_boot=cfg.n_bootstrap, seed=cfg.seed)
         if text is not None:
             tokens = score_text(prep.scorer, prep.tokenizer, text, cfg, prefix, ks)
     for df in (pair_df, tokens, drift):

@@ -79,16 +79,16 @@ def _decode(model: Any, ids: torch.Tensor) -> str:
 
 
 def run_squish(model: Any, instruction: str, prompt: str, config: SquishConfig | None = None) -> Result:
-    """`squish_run` with its options from a SquishConfig (what `posprobe squish` calls)."""
+    """`squish_generate` with its options from a SquishConfig (what `posprobe squish` calls)."""
     cfg = config or SquishConfig()
-    return squish_run(model, instruction, prompt, to=0.0 if cfg.to is None and cfg.range_ is None else cfg.to,
+    return squish_generate(model, instruction, prompt, to=0.0 if cfg.to is None and cfg.range_ is None else cfg.to,
                       range_=cfg.range_, query_start=cfg.query_start, variant=cfg.variant,
                       max_new_tokens=cfg.max_new_tokens, reference=cfg.reference, temperature=cfg.temperature,
                       top_k=cfg.top_k, seed=cfg.seed, chat=cfg.chat)
 
 
 @torch.no_grad()
-def squish_run(model: Any, instruction: str, prompt: str, *, to: float | None = 0.0,
+def squish_generate(model: Any, instruction: str, prompt: str, *, to: float | None = 0.0,
                range_: tuple[float, float] | None = None, query_start: float | None = None,
                variant: str | Sequence[str] = "cache", max_new_tokens: int = 16, reference: str | None = None,
                temperature: float = 0.0, top_k: int | None = None, seed: int = 0, chat: bool | None = None

@@ -5,8 +5,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
+from posprobe.backend.bridge import layer_type
+from posprobe.backend.hooks import layer_rotary_spec
+from posprobe.backend.kind import is_bridge, is_encoder
+from posprobe.backend.model import has_lm_head
 from posprobe.backend.peek import WrongModelKind  # one class, torch-free, so the CLI can raise it before loading
-from posprobe.core.rope import RotarySpec
+from posprobe.rope import RotarySpec
 
 PositionalKind = Literal["learned_absolute", "rotary", "shortformer", "sinusoidal", "alibi", "relative_bias", "none"]
 
@@ -58,14 +62,10 @@ class ModelFacts:
 
 def model_facts(model: Any) -> ModelFacts:
     """Read positional facts from a TransformerLens HookedTransformer, HookedEncoder or TransformerBridge."""
-    from posprobe.backend.bridge import is_bridge
-    from posprobe.backend.hooks import layer_rotary_spec
-
     if is_bridge(model):
         return _bridge_facts(model)
 
     cfg = model.cfg
-    is_encoder = type(model).__name__ == "HookedEncoder" or cfg.attention_dir == "bidirectional"
     pet = cfg.positional_embedding_type
     kind = _KINDS.get(pet, pet)
     rotary = tuple(layer_rotary_spec(model, layer) for layer in range(cfg.n_layers)) if pet == "rotary" else None
@@ -74,7 +74,7 @@ def model_facts(model: Any) -> ModelFacts:
         name=cfg.model_name,
         source=str(getattr(model, "posprobe_source", "object")),
         positional_kind=kind,
-        is_encoder=is_encoder,
+        is_encoder=is_encoder(model),
         n_ctx=cfg.n_ctx,
         n_layers=cfg.n_layers,
         d_model=cfg.d_model,
@@ -92,10 +92,6 @@ def model_facts(model: Any) -> ModelFacts:
 def _bridge_facts(model: Any) -> ModelFacts:
     # The bridge's cfg is right about shapes and the positional kind; rotary facts and layer types come
     # from the wrapped HF model (cfg.rotary_base is wrong for SmolLM2).
-    from posprobe.backend.bridge import layer_type
-    from posprobe.backend.hooks import layer_rotary_spec
-    from posprobe.backend.model import has_lm_head, is_encoder
-
     cfg = model.cfg
     pet = cfg.positional_embedding_type
     kind = _KINDS.get(pet, pet)

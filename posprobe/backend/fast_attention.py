@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from posprobe.backend.bridge import is_bridge
+from posprobe.backend.kind import is_bridge, is_encoder
 
 # TL options under which the bridge's attention computes something HF's module does not.
 _TL_OPTIONS = ("use_split_qkv_input", "use_attn_in", "use_attn_result", "use_hook_mlp_in")
@@ -44,8 +44,6 @@ def _plan(model: Any) -> _Plan | None:
 
 def _build_plan(model: Any) -> _Plan | None:
     from transformer_lens.hook_points import HookPoint
-
-    from posprobe.backend.model import is_encoder
 
     if not is_bridge(model) or is_encoder(model):
         return None

@@ -1,6 +1,6 @@
 """TransformerLens hook names and the few TL internals posprobe relies on, in one place.
 
-A move to another backend (TL 4's TransformerBridge) should only need a new version of this module.
+Each function takes the TransformerBridge path first and the TL 3 legacy path second.
 """
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from posprobe.backend.bridge import is_bridge
-from posprobe.core.rope import RotarySpec, rotate
+from posprobe.backend.bridge import qk_norms, rotary_adjacent, rotary_freqs, rotary_spec, unsupported_qk_path
+from posprobe.backend.kind import hf_attention, is_bridge, is_encoder, n_layers
+from posprobe.rope import RotarySpec, hf_cos_sin, hf_rotate, rotate
 
 # What a capture can ask for, mapped to TL 3 hook names (per layer unless noted). A TransformerBridge
 # registers the same names as aliases (e.g. "blocks.{l}.attn.hook_q" -> "blocks.{l}.attn.q.hook_out",
@@ -57,8 +58,6 @@ def encoder_layer_hooks(model: Any) -> list[str]:
     """Hook names of an encoder's per-layer token representations: the normalised embedding (before the
     LN's affine part), then each block's normalised output."""
     prefix = "bridge_" if is_bridge(model) else ""
-    from posprobe.backend.model import n_layers
-
     return [hook_name(prefix + "embed_normalized", 0)] + [
         hook_name(prefix + "resid_post_normalized", l) for l in range(n_layers(model))]
 
@@ -85,8 +84,6 @@ def layer_rotary_spec(model: Any, layer: int) -> RotarySpec:
     """The rotation layer `layer` applies, read from TL's config (per-layer base for local/global); on a
     TransformerBridge from the wrapped HF config and rotary table."""
     if is_bridge(model):
-        from posprobe.backend.bridge import rotary_spec
-
         return rotary_spec(model, layer)
     cfg = model.cfg
     if cfg.use_NTK_by_parts_rope or cfg.use_yarn_rope or cfg.use_dynamic_ntk_rope:
@@ -110,9 +107,9 @@ def rotate_at(model: Any, layer: int, x: torch.Tensor, positions: torch.Tensor, 
     """Rotate `x` (`batch pos head_index d_head`) to `positions` (`[pos]` or `[batch, pos]`) with `spec`.
 
     Where `spec` is the layer's own rotation, the result is bit-equal to the model's: TL 3's tables follow
-    posprobe's `core.rope` convention, and on a TransformerBridge HF's cos/sin recipe is replayed
+    posprobe's `posprobe.rope` convention, and on a TransformerBridge HF's cos/sin recipe is replayed
     (angle = position * inv_freq, not position / freq: the one-ulp angle difference alone moved
-    SmolLM2's logits by 4e-5). Other specs (new base, scaled or removed bands) use `core.rope.rotate`.
+    SmolLM2's logits by 4e-5). Other specs (new base, scaled or removed bands) use `posprobe.rope.rotate`.
     """
     if is_bridge(model) and _plain(spec) == _plain(layer_rotary_spec(model, layer)):
         return _bridge_rotate(model, layer, x, positions)
@@ -127,24 +124,10 @@ def _plain(spec: RotarySpec) -> RotarySpec:
 
 
 def _bridge_rotate(model: Any, layer: int, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    from posprobe.backend.bridge import rotary_freqs
-
     inv_freq, scaling = rotary_freqs(model, layer)
-    freqs = positions.to(x.device, torch.float32)[..., None] * inv_freq.to(x.device, torch.float32)
-    adjacent = bool(getattr(model.cfg, "rotary_adjacent_pairs", False))
-    emb = freqs.repeat_interleave(2, dim=-1) if adjacent else torch.cat((freqs, freqs), dim=-1)
-    cos, sin = (emb.cos() * scaling)[..., None, :], (emb.sin() * scaling)[..., None, :]  # broadcast over heads
-    rd = emb.shape[-1]
-    xr, rest = x[..., :rd], x[..., rd:]
-    if adjacent:  # the bridge rotates GLM/GPT-J style pairs in float32
-        x1, x2 = xr[..., 0::2], xr[..., 1::2]
-        turned = torch.stack((-x2, x1), dim=-1).flatten(-2)
-        out = (xr.float() * cos + turned.float() * sin).to(x.dtype)
-    else:  # HF's apply_rotary_pos_emb, in the activations' dtype
-        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-        turned = torch.cat((-xr[..., rd // 2:], xr[..., : rd // 2]), dim=-1)
-        out = xr * cos + turned * sin
-    return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
+    adjacent = rotary_adjacent(model)
+    cos, sin = hf_cos_sin(positions.to(x.device), inv_freq.to(x.device), adjacent=adjacent, scaling=scaling)
+    return hf_rotate(x, cos[..., None, :], sin[..., None, :], adjacent=adjacent)  # broadcast over heads
 
 
 def pre_rotation(model: Any, layer: int, x: torch.Tensor, which: str) -> torch.Tensor:
@@ -161,8 +144,6 @@ def pre_rotation(model: Any, layer: int, x: torch.Tensor, which: str) -> torch.T
 
 
 def _bridge_pre_rotation(model: Any, layer: int, x: torch.Tensor, which: str) -> torch.Tensor:
-    from posprobe.backend.bridge import qk_norms, unsupported_qk_path
-
     why = unsupported_qk_path(model, layer)
     if why is not None:
         raise NotImplementedError(f"Position control on a TransformerBridge whose attention {why} is not supported yet")
@@ -189,8 +170,6 @@ def scores_hook_is_pattern(model: Any) -> bool:
     to 1). Callers then compute the scores from hook_q/hook_k with `attention_scores`."""
     if not is_bridge(model):
         return False
-    from posprobe.backend.model import is_encoder
-
     return is_encoder(model)
 
 
@@ -203,8 +182,6 @@ def kept_scores(model: Any, scores: torch.Tensor) -> torch.Tensor:
 
 
 def _bridge_scaling(model: Any, layer: int) -> float:
-    from posprobe.backend.bridge import hf_attention
-
     a = hf_attention(model, layer)
     a = getattr(a, "self", a)  # BERT: BertAttention holds BertSelfAttention
     if hasattr(a, "scaling"):
@@ -213,8 +190,6 @@ def _bridge_scaling(model: Any, layer: int) -> float:
 
 
 def _bridge_soft_cap(model: Any, layer: int) -> float | None:
-    from posprobe.backend.bridge import hf_attention
-
     cap = getattr(hf_attention(model, layer), "attn_logit_softcapping", None)
     return float(cap) if cap else None
 

@@ -91,7 +91,7 @@ def _load_folder(folder: Path, source: Source, *, device: str, dtype: torch.dtyp
     from transformer_lens import HookedEncoder, HookedTransformer, loading
     from transformers import AutoTokenizer
 
-    from posprobe.backend.loading import _hf_auto
+    from posprobe.backend.hf import auto_model
 
     hf_cfg = read_hf_config(folder)
     arch = (hf_cfg.get("architectures") or [""])[0]
@@ -99,7 +99,7 @@ def _load_folder(folder: Path, source: Source, *, device: str, dtype: torch.dtyp
     if is_bert and process:
         raise ModelLoadError("process_weights=True is not supported for BERT encoders (post-LN blocks cannot be folded)")
     tl_name = _tl_name_for(folder, hf_cfg)
-    hf = _hf_auto(folder, dtype)
+    hf = auto_model(folder, dtype)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     if is_bert:
         # TL dispatches on BertForMaskedLM for every BERT variant.

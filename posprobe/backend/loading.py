@@ -5,18 +5,14 @@ default (`bridge.py`), a TL 3 HookedTransformer on request (`legacy.py`).
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
-import shutil
 import sys
-from pathlib import Path
 from typing import Any, Union
 
 import torch
 
-from posprobe.backend.sources import ModelLoadError, Source, gguf_cache_path, read_hf_config, resolve
-
-log = logging.getLogger(__name__)
+from posprobe.backend.hf import auto_model, hf_folder
+from posprobe.backend.sources import ModelLoadError, resolve
 
 Model = Any  # TransformerBridge | HookedTransformer | HookedEncoder; typed loosely so importing this module stays cheap
 ModelSpec = Union[str, os.PathLike, Model]
@@ -119,45 +115,6 @@ def release_freed_heap() -> bool:
         return False
 
 
-def hf_folder(source: Source) -> Path:
-    """A Hugging Face folder for `source`, converting (and caching) a GGUF file on first use."""
-    assert source.path is not None
-    if source.path.suffix != ".gguf":
-        return source.path
-    target = gguf_cache_path(source.path)
-    if (target / "config.json").is_file():
-        return target
-    return _convert_gguf(source.path, target)
-
-
-def _convert_gguf(gguf: Path, target: Path) -> Path:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    log.info("Converting %s once to %s (dequantising)", gguf, target)
-    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-    try:
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    except Exception as e:  # noqa: BLE001 - transformers raises many types here
-        raise ModelLoadError(f"Could not read GGUF file {gguf}: {e}") from e
-    # save_pretrained refuses quantised models; after dequantisation the weights are plain fp32.
-    hf.hf_quantizer = None
-    if hasattr(hf.config, "quantization_config"):
-        del hf.config.quantization_config
-    hf.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    del hf
-    target.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.replace(tmp, target)
-    except OSError:
-        # Another process converted the same file meanwhile; its copy is identical.
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not (target / "config.json").is_file():
-            raise
-    return target
-
-
 def load_hf_model(spec: str | os.PathLike, *, dtype: str | torch.dtype = "float32", device: str = "cpu") -> tuple[Any, Any]:
     """Return (Hugging Face model, tokenizer) for a folder, GGUF file or packaged alias (no TL)."""
     from transformers import AutoTokenizer
@@ -166,19 +123,6 @@ def load_hf_model(spec: str | os.PathLike, *, dtype: str | torch.dtype = "float3
     if source.kind != "hf-dir":
         raise ModelLoadError(f"{spec} has no Hugging Face weights on disk")
     folder = hf_folder(source)
-    model = _hf_auto(folder, as_dtype(dtype)).to(device).eval()
+    model = auto_model(folder, as_dtype(dtype)).to(device).eval()
     return model, AutoTokenizer.from_pretrained(folder)
-
-
-def _hf_auto(folder: Path, dtype: torch.dtype) -> Any:
-    import transformers
-
-    arch = (read_hf_config(folder).get("architectures") or ["AutoModelForCausalLM"])[0]
-    if arch in ("BertModel", "BertForMaskedLM", "BertForPreTraining"):
-        # TL's BERT converter wants the pre-training heads; a bare encoder gets fresh heads,
-        # recorded as absent in ModelFacts (has_lm_head=False).
-        return transformers.BertForPreTraining.from_pretrained(folder, dtype=dtype)
-    cls = getattr(transformers, arch, None) or transformers.AutoModelForCausalLM
-    return cls.from_pretrained(folder, dtype=dtype)
-
 

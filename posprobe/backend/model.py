@@ -1,24 +1,23 @@
-"""What the rest of posprobe may ask of a model object, in one place.
+"""What the rest of posprobe may ask of a model object (a TransformerBridge or a TL 3 model), in one place.
 
-Analyses and core code never read `model.cfg`, `model.blocks`, class names or TL caches
-themselves; they call these functions. A new backend (TL 4's TransformerBridge) re-implements this
-module, `hooks.py` and `facts.py`, and nothing else.
+Analyses and core code never read `model.cfg`, `model.blocks`, class names or TL caches themselves; they
+call these functions (with `hooks.py` for hook names and position-control internals, `facts.py` for the
+positional facts). Each function takes the bridge path first and the TL 3 legacy path second.
 """
 
 from __future__ import annotations
 
 import contextlib
-
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from posprobe.backend.bridge import is_bridge
-
-
-def n_layers(model: Any) -> int:
-    """Number of transformer blocks."""
-    return int(model.cfg.n_layers)
+from posprobe.backend import hf
+from posprobe.backend.bridge import qk_norms, unsupported_qk_path
+from posprobe.backend.fast_attention import sdpa_attention
+from posprobe.backend.hooks import hook_name, score_soft_cap
+from posprobe.backend.kind import is_bridge, is_encoder, n_layers  # noqa: F401 - re-exported for the layers above
 
 
 def context_length(model: Any) -> int:
@@ -50,16 +49,6 @@ def tokenizer_of(model: Any) -> Any:
     return model.tokenizer
 
 
-def is_encoder(model: Any) -> bool:
-    """True for bidirectional encoders (BERT-like), False for causal decoders."""
-    if is_bridge(model):  # TL 3.9's bridge leaves cfg.attention_dir "causal" for BERT: ask HF's attention
-        from posprobe.backend.bridge import hf_attention
-
-        a = hf_attention(model, 0)
-        return getattr(a, "is_causal", getattr(getattr(a, "self", None), "is_causal", True)) is False
-    return type(model).__name__ == "HookedEncoder" or model.cfg.attention_dir == "bidirectional"
-
-
 def has_lm_head(model: Any) -> bool:
     """False where the model has no trained vocabulary head (a bare encoder)."""
     return bool(getattr(model, "has_lm_head", True))
@@ -82,8 +71,6 @@ def forward(model: Any, tokens: torch.Tensor, *, stop_at_layer: int | None = Non
     `fused_attention`: on a TransformerBridge, run attention with PyTorch SDPA where no hook sits inside an
     attention layer (`backend.fast_attention`; otherwise, and on other models, it changes nothing)."""
     if is_bridge(model):
-        from posprobe.backend.fast_attention import sdpa_attention
-
         with sdpa_attention(model) if fused_attention else contextlib.nullcontext():
             return _bridge_forward(model, tokens, stop_at_layer=stop_at_layer, attention_mask=attention_mask)
     kwargs: dict[str, Any] = {}
@@ -121,13 +108,11 @@ def residual_to_logits(model: Any, resid: torch.Tensor) -> torch.Tensor:
     flat = resid.reshape(-1, 1, shape[-1])
     logits = model.unembed(model.ln_final(flat))[:, 0]
     if is_bridge(model):
-        from posprobe.backend.bridge import hf_config
-
-        cap = getattr(hf_config(model), "final_logit_softcapping", None) or -1.0
+        cap = hf.final_logit_softcap(model.original_model)
     else:
-        cap = getattr(model.cfg, "output_logits_soft_cap", -1.0)
-    if cap and cap > 0:
-        logits = torch.tanh(logits / cap) * cap
+        tl_cap = float(getattr(model.cfg, "output_logits_soft_cap", -1.0))
+        cap = tl_cap if tl_cap > 0 else None
+    logits = hf.softcap_logits(logits, cap)
     return logits.reshape(*shape[:-1], logits.shape[-1])
 
 
@@ -188,8 +173,6 @@ def position_table(model: Any) -> torch.Tensor:
 
 
 # --- weights and norms used by the score decomposition
-
-from dataclasses import dataclass  # noqa: E402  (kept with the section that needs it)
 
 
 @dataclass(frozen=True)
@@ -267,8 +250,6 @@ def embedding_points(model: Any) -> dict[str, str]:
     if is_bridge(model):
         known = model.hook_dict
         out = {"word": "bridge_embed", "position": "bridge_pos_embed", "token_type": "bridge_token_type_embed"}
-        from posprobe.backend.hooks import hook_name
-
         return {k: v for k, v in out.items() if hook_name(v, 0) in known}
     if _bert_embed(model):
         return {"word": "encoder_embed", "position": "encoder_pos_embed", "token_type": "token_type_embed"}
@@ -284,9 +265,6 @@ def scores_not_bilinear(model: Any) -> str | None:
     """Why attention scores are not bilinear in the (normalised) attention input (QK-norm, soft-cap,
     log-n scaling, q/k/v clipping), or None when they are."""
     if is_bridge(model):
-        from posprobe.backend.bridge import qk_norms, unsupported_qk_path
-        from posprobe.backend.hooks import score_soft_cap
-
         for layer in range(n_layers(model)):
             if any(n is not None for n in qk_norms(model, layer)):
                 return "normalises q/k (QK-norm)"

@@ -10,7 +10,7 @@ from jaxtyping import Int
 from tqdm.auto import tqdm
 
 from posprobe.backend.hooks import hook_name, hooked
-from posprobe.backend.model import device_of, forward, n_layers
+from posprobe.backend.model import context_length, device_of, forward, n_layers
 
 
 def _heads(x: torch.Tensor, point: str, heads: Sequence[int] | None) -> torch.Tensor:
@@ -145,6 +145,17 @@ def batches(token_rows: Sequence[Sequence[int]] | torch.Tensor, batch_size: int)
         raise ValueError("Need a non-empty 2-D set of equal-length token rows")
     for i in range(0, rows.shape[0], batch_size):
         yield rows[i : i + batch_size]
+
+
+def check_rows(model: Any, token_rows: Sequence[Sequence[int]] | torch.Tensor) -> torch.Tensor:
+    """`token_rows` as a `[batch, pos]` tensor, checked before any forward: non-empty, pos >= 2 (a query needs
+    a key before it), and no longer than the model's context."""
+    rows = torch.as_tensor(token_rows) if not isinstance(token_rows, torch.Tensor) else token_rows
+    if rows.dim() != 2 or rows.shape[0] == 0 or rows.shape[1] < 2:
+        raise ValueError("token_rows must be a non-empty [batch, pos] set of equal-length rows with pos >= 2")
+    if rows.shape[1] > context_length(model):
+        raise ValueError(f"windows of {rows.shape[1]} tokens exceed the model's n_ctx={context_length(model)}")
+    return rows
 
 
 @torch.no_grad()

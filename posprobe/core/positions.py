@@ -15,7 +15,7 @@ from jaxtyping import Int
 from posprobe.backend.facts import model_facts, require_learned, require_rotary
 from posprobe.backend.hooks import (attention_scores, hook_name, hooked, kept_scores, layer_rotary_spec, pos_embed_hook,
                                     pre_rotation, rotate_at)
-from posprobe.core.rope import RotarySpec
+from posprobe.rope import RotarySpec
 from posprobe.backend.model import context_length, model_name, n_layers, position_table
 
 

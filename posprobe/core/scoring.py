@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from jaxtyping import Float
 from tqdm.auto import tqdm
+from posprobe.backend import hf
 from posprobe.backend.model import device_of, dtype_of, forward, n_layers, residual_to_logits, tokenizer_of
 
 
@@ -227,9 +228,9 @@ class HFScorer(_Scorer):
         self.device, self.dtype = p.device, p.dtype
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.head = model.get_output_embeddings()
-        self.softcap = getattr(model.config, "final_logit_softcapping", None)
+        self.softcap = hf.final_logit_softcap(model)
         # A custom mask replaces HF's sliding-window mask, which only equals it while rows fit the window.
-        self.window = getattr(model.config, "sliding_window", None)
+        self.window = hf.sliding_window(model)
 
     def _tree_row(self, i: int, a: Positioned, j: int, b: Positioned) -> _Row | None:
         row = _tree(i, a, j, b)
@@ -246,10 +247,7 @@ class HFScorer(_Scorer):
                                        use_cache=False).last_hidden_state
 
         def head(h: torch.Tensor) -> torch.Tensor:
-            logits = self.head(h)
-            if self.softcap:
-                logits = torch.tanh(logits / self.softcap) * self.softcap
-            return logits
+            return hf.softcap_logits(self.head(h), self.softcap)
 
         return hidden, head
 

@@ -22,7 +22,7 @@ from posprobe.backend.facts import model_facts, require_rotary
 from posprobe.backend.hooks import hook_name, hooked, layer_rotary_spec
 from posprobe.core.presets_help import PRESET_HELP  # torch-free, so `posprobe --help` stays fast
 from posprobe.core.positions import KeyView, PositionError, PositionPlan, rope_positions, shifted_plan
-from posprobe.core.rope import RotarySpec, wavelength
+from posprobe.rope import RotarySpec, wavelength
 from posprobe.backend.model import n_layers
 
 VARIANTS = ("cache", "global")
@@ -303,7 +303,7 @@ def preset_plan(spec: str, model: Any, n: int) -> PositionPlan:
 # ---- Pairwise (relative) form of the presets --------------------------------------------------------------
 # A KeyView per query is exact but O(n) views and an n x n score tensor per view: fine for a few hundred
 # tokens, hopeless at 16k. The same presets as a small set of (query position, key position) rules plus a
-# per-pair selector let an engine work in query chunks (posprobe.backend.long_attention). Every constant below
+# per-pair selector let an engine work in query chunks (posprobe.core.long_engine). Every constant below
 # is the one of the plan builder above; tests check that both forms give the same relative position for
 # every (query, key) pair.
 

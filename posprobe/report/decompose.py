@@ -7,9 +7,20 @@ from typing import Any
 
 import pandas as pd
 
-from posprobe.analyses.decompose import summary_table
 from posprobe.report.html import Section, table_html
 from posprobe.report.style import COLORS, caption, reference_line, style
+
+def summary_table(summary: pd.DataFrame) -> pd.DataFrame:
+    """Wide per-head table (one row per head, ranked) from a `head_summary` frame: var_share per term (terms in
+    the order the decomposition lists them, "positional" last), pp rel_pos_fraction, rank."""
+    shares = summary[summary.metric == "var_share"]
+    share = shares.pivot(index="head", columns="term", values="value")
+    terms = [t for t in dict.fromkeys(shares.term) if t != "positional"] + ["positional"]
+    wide = share[[t for t in terms if t in share.columns]].add_prefix("share_")
+    extra = summary[summary.metric.isin(["rel_pos_fraction", "rank"])].pivot(index="head", columns="metric", values="value")
+    wide = wide.join(extra.rename(columns={"rel_pos_fraction": "pp_rel_pos_fraction"}))
+    return wide.sort_values("rank").reset_index().round(4)
+
 
 _WHAT = {
     "exact-layer0": ("exact layer-0 split: w = token embedding, p = position embedding, bias = everything constant "

@@ -9,6 +9,9 @@ from typing import Any
 
 from posprobe.report.html import Section
 
+#: Rows of a table shown on a page or printed to the console (the saved table has them all).
+PREVIEW_ROWS = 50
+
 PAGES = {
     "shift-test": "posprobe.report.shift",
     "frequency": "posprobe.report.frequency",
@@ -36,8 +39,6 @@ class _Generic:
 
     @staticmethod
     def sections(result: Any) -> list[Section]:
-        from posprobe.report.result import PREVIEW_ROWS
-
         out = []
         for name, df in result.tables.items():
             head = f"{name} ({len(df)} rows)" if len(df) <= PREVIEW_ROWS else f"{name} (first {PREVIEW_ROWS} of {len(df)} rows)"

@@ -7,9 +7,17 @@ from typing import Any
 
 import pandas as pd
 
-from posprobe.analyses.probes import POINTS, summarize
 from posprobe.report.html import Section, table_html
 from posprobe.report.style import COLORS, REFERENCE_COLOR, caption, style
+
+
+def fold_summary(df: pd.DataFrame) -> pd.DataFrame:
+    """Mean and std over folds per (model, point, layer, condition, metric) of a `probes` table, plus the
+    fold count (`n_folds`)."""
+    keys = ["model", "point", "layer", "condition", "metric"]
+    g = df.groupby(keys, sort=False)["value"]
+    return pd.concat([g.mean().rename("mean"), g.std(ddof=0).rename("std"), g.size().rename("n_folds")],
+                     axis=1).reset_index()
 
 
 def title(result: Any) -> str:
@@ -36,7 +44,7 @@ def figure_caption(meta: dict | None) -> str:
 def sections(result: Any) -> list[Section]:
     """Summary (data, folds, control, per point/layer means and stds) and the figures."""
     m = result.meta
-    s = summarize(result.tables["probes"])
+    s = fold_summary(result.tables["probes"])
     table = s.pivot_table(index=["point", "layer"], columns=["metric", "condition"], values=["mean", "std"])
     table.columns = [f"{metric} {cond} ({stat})" for stat, metric, cond in table.columns]
     summary = (f"<p>{m['n_rows']} rows of {m['n_pos']} tokens from {html.escape(str(m['data']['source']))}; "
@@ -49,9 +57,10 @@ def probe_figures(df: pd.DataFrame, meta: dict | None = None) -> list:
     """Plotly figures from a probe df: MAE and accuracy by layer (probe, control, chance; bars = fold std)."""
     import plotly.graph_objects as go
 
-    s = summarize(df)
-    order = {p: i for i, p in enumerate(POINTS)}
-    s = s.assign(x=s.layer + s.point.map(order).fillna(0) / len(POINTS)).sort_values("x")
+    s = fold_summary(df)
+    points = list(dict.fromkeys(s.point))  # in the order the probes ran them (resid_pre, resid_mid, resid_post)
+    order = {p: i for i, p in enumerate(points)}
+    s = s.assign(x=s.layer + s.point.map(order).fillna(0) / len(points)).sort_values("x")
     figs = []
     for metric, title in (("mae", "Held-out MAE (positions)"), ("accuracy", "Held-out bucket accuracy")):
         fig = go.Figure()

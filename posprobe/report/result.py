@@ -17,11 +17,9 @@ from typing import Any, Callable
 import pandas as pd
 
 from posprobe.report.html import Section, _has_trivial_index, render_html
+from posprobe.report.pages import page_for
 
 __all__ = ["Result", "environment_meta"]
-
-#: Rows of a table shown in a generic report (a page module of its own shows what it chooses).
-PREVIEW_ROWS = 50
 
 # Distributions whose versions every meta.json records, by their PyPI names.
 _DISTS = ("torch", "transformers", "transformer-lens", "numpy", "pandas", "posprobe")
@@ -123,14 +121,10 @@ class Result:
 
     def figures(self) -> list:
         """The analysis's plotly figures, built from the tables and meta."""
-        from posprobe.report.pages import page_for
-
         return list(page_for(self).figures(self))
 
     def to_html(self) -> str:
         """The self-contained HTML report (plotly.js inline, no network)."""
-        from posprobe.report.pages import page_for
-
         page = page_for(self)
         sections = list(page.sections(self))
         n_rows = {k: len(v) for k, v in self.tables.items()}
@@ -157,8 +151,6 @@ class Result:
 
     def report_figures(self) -> list:
         """Every figure of the HTML report, in page order (what `save(figure_formats=...)` exports)."""
-        from posprobe.report.pages import page_for
-
         return [f for sec in page_for(self).sections(self) for f in (sec.figures or [])]
 
     @classmethod

@@ -6,10 +6,17 @@ import html
 import math
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
-from posprobe.analyses.shift import ppl_by_k
 from posprobe.report.style import COLORS, REFERENCE_COLOR, caption, reference_line, small_multiples_grid, style
+
+
+def ppl_by_k(tokens: pd.DataFrame) -> pd.DataFrame:
+    """Mean loss (nats/token) and perplexity per k of a `shift_tokens` table."""
+    g = tokens.groupby("k").loss.mean().rename("mean_loss").reset_index()
+    g["perplexity"] = np.exp(g.mean_loss)
+    return g
 
 
 #: Largest |Δ log p| (nats, summed over a sentence) that float32 rounding explains; the control's band.

@@ -1,9 +1,9 @@
-"""Long inputs under a surgery preset without T x T tensors: a posprobe attention function for plain
-Hugging Face models, registered through transformers' `AttentionInterface`.
+"""Long inputs under a surgery preset without T x T tensors: the chunked attention engine for plain Hugging
+Face models, plugged into HF's attention interface by `backend.hf.custom_attention`.
 
 How it works. Inside `long_attention(model, rule)` the model is run with position ids all zero, so HF's
 own rotation is the identity (cos = 1, sin = 0) and every attention layer hands this module its query and
-key *before* rotation (after QK-norm, as HF computes them). The function rotates them itself, to the
+key *before* rotation (after QK-norm, as HF computes them). The engine rotates them itself, to the
 positions and with the frequencies of the preset's `PairRule` (posprobe.core.surgery), with the layer's own
 HF inverse-frequency table where the preset keeps the frequencies. Then:
   * one view, no per-pair selector, no sliding window or soft-cap (none, shift, PI, NTK, YaRN, p-RoPE):
@@ -28,123 +28,41 @@ import torch
 import torch.nn.functional as F
 from jaxtyping import Float, Int
 
+from posprobe.backend import hf
 from posprobe.core.positions import PositionError
-from posprobe.core.rope import RotarySpec, inv_freq_table
 from posprobe.core.surgery import PairRule
-
-#: Name under which the attention function is registered in transformers' AttentionInterface.
-IMPLEMENTATION = "posprobe_long"
+from posprobe.rope import hf_cos_sin, hf_rotate, inv_freq_of
 
 # HF model types whose attention rotates the whole head with half-split pairs (`rotate_half`) and passes
 # q/k to the attention interface unchanged after rotation. Others are refused rather than guessed.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo", "olmo2",
                          "granite", "smollm3")
 
-_ENGINES: dict[int, "_Engine"] = {}  # id(attention module) -> engine in force
-
-
-def text_config(model: Any) -> Any:
-    """The decoder's HF config (the text config of multimodal wrappers)."""
-    cfg = model.config
-    return cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
-
-
-def trained_context(model: Any) -> int | None:
-    """Context length the model was trained for (tokens): the config's original_max_position_embeddings
-    (rope scaling) or max_position_embeddings."""
-    cfg = text_config(model)
-    rp = getattr(cfg, "rope_parameters", None) or {}
-    orig = rp.get("original_max_position_embeddings") if isinstance(rp, dict) else None
-    return int(orig or getattr(cfg, "max_position_embeddings", 0) or 0) or None
-
-
-def attention_modules(model: Any) -> list[Any]:
-    """The decoder's attention modules in layer order (each has `layer_idx`)."""
-    # Inside a TransformerBridge each HF attention module sits in a bridge component that forwards attribute
-    # reads to it: count the HF modules only (the bridge's own has `original_component`).
-    mods = [m for m in model.modules()
-            if hasattr(m, "layer_idx") and hasattr(m, "q_proj") and not hasattr(m, "original_component")]
-    return sorted(mods, key=lambda m: m.layer_idx)
-
 
 def require_supported(model: Any, what: str = "Long-context presets") -> None:
     """Raise PositionError (learned positions) or NotImplementedError (other layouts) before any forward."""
-    cfg = text_config(model)
-    mt = str(getattr(cfg, "model_type", "")).lower()
-    rotary = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_theta", None)
-    if not rotary:
+    mt = str(getattr(hf.text_config(model), "model_type", "")).lower()
+    if not hf.is_rotary(model):
         raise PositionError(f"{what} rotate queries and keys; this {mt or type(model).__name__} model has no rotary "
                             "positions (learned or other position embeddings)")
     if mt not in SUPPORTED_MODEL_TYPES:
         raise NotImplementedError(f"{what}: {mt!r} models are not supported "
                                   f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
-    for l in range(len(attention_modules(model))):
-        inv, scaling = hf_inv_freq(model, l)
+    for l in range(len(hf.attention_modules(model))):
+        inv, scaling = hf.inv_freq(model, l)
         if scaling != 1.0:
             raise NotImplementedError(f"{what}: layer {l} scales cos/sin by {scaling} (its config's RoPE scaling); "
                                       "position ids 0 would not give unrotated q/k")
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        if 2 * inv.numel() != head_dim:
-            raise NotImplementedError(f"{what}: partial rotary (rotary dim {2 * inv.numel()} of {head_dim}) "
+        if 2 * inv.numel() != hf.head_dim(model):
+            raise NotImplementedError(f"{what}: partial rotary (rotary dim {2 * inv.numel()} of {hf.head_dim(model)}) "
                                       "is not supported")
-
-
-def _layer_type(model: Any, layer: int) -> str | None:
-    types = getattr(text_config(model), "layer_types", None)
-    return types[layer] if types else None
-
-
-def _rotary_emb(model: Any) -> Any:
-    dec = model.get_decoder() if hasattr(model, "get_decoder") else model
-    emb = getattr(dec, "rotary_emb", None)
-    if emb is None:
-        raise NotImplementedError(f"cannot find the rotary embedding of {type(model).__name__}")
-    return emb
-
-
-def hf_inv_freq(model: Any, layer: int) -> tuple[torch.Tensor, float]:
-    """(inverse frequencies in rad/token `[band]`, cos/sin multiplier) HF rotates `layer` with."""
-    emb, lt = _rotary_emb(model), _layer_type(model, layer)
-    if lt is not None and hasattr(emb, f"{lt}_inv_freq"):  # Gemma 3: one table per layer type
-        return getattr(emb, f"{lt}_inv_freq"), float(getattr(emb, f"{lt}_attention_scaling", 1.0))
-    return emb.inv_freq, float(getattr(emb, "attention_scaling", 1.0))
-
-
-def hf_rotary_spec(model: Any, layer: int) -> RotarySpec:
-    """The layer's rotation as a posprobe RotarySpec (base from the config, half-split, full head)."""
-    cfg = text_config(model)
-    rp = getattr(cfg, "rope_parameters", None) or {}
-    lt = _layer_type(model, layer)
-    if lt is not None and isinstance(rp.get(lt), dict):
-        rp = rp[lt]
-    base = float(rp.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
-    inv, _ = hf_inv_freq(model, layer)
-    spec = RotarySpec(rotary_dim=2 * inv.numel(), base=base)
-    # A static scaling already in the config (linear, llama3, ...) is a per-band factor on the default table;
-    # keep it, so NTK / YaRN act on the frequencies the model was actually trained with.
-    ratio = (1.0 / inv.detach().double().cpu()) / inv_freq_table(spec, torch.float64)
-    if (ratio - 1).abs().max() > 1e-5:
-        spec = RotarySpec(rotary_dim=spec.rotary_dim, base=base, freq_scale=tuple(ratio.tolist()))
-    return spec
-
-
-def inv_freq_of(spec: RotarySpec) -> Float[torch.Tensor, "band"]:
-    """Angular frequency per band (rad/token, float32) of a RotarySpec; removed bands get 0 (no rotation)."""
-    inv = 1.0 / inv_freq_table(spec, torch.float64)
-    for b in spec.removed:
-        inv[b] = 0.0
-    return inv.float()
 
 
 def rotate_hf(x: Float[torch.Tensor, "batch head pos d_head"], positions: Float[torch.Tensor, "pos"],
               inv_freq: Float[torch.Tensor, "band"]) -> Float[torch.Tensor, "batch head pos d_head"]:
     """Rotate head vectors to `positions` exactly as HF's Llama/Gemma code does (float32 angles, half-split)."""
-    freqs = positions.to(x.device, torch.float32)[:, None] * inv_freq.to(x.device, torch.float32)[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    cos, sin = hf_cos_sin(positions.to(x.device), inv_freq.to(x.device))
+    return hf_rotate(x, cos, sin)
 
 
 @dataclass
@@ -155,6 +73,9 @@ class _Engine:
 
     def attend(self, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
                window: int | None, softcap: float | None) -> torch.Tensor:
+        """Attention output `[batch, head, query_pos, d_head]` of one layer under the rule (batch of one)."""
+        if query.shape[0] != 1:
+            raise ValueError("long-context attention takes one sequence at a time (batch 1)")
         B, H, n_q, d = query.shape
         KV, n_k = key.shape[1], key.shape[2]
         g = H // KV
@@ -206,28 +127,6 @@ class _Engine:
         return out
 
 
-def _attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
-               scaling: float | None = None, dropout: float = 0.0, sliding_window: int | None = None,
-               softcap: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
-    # The mask HF would build is ignored on purpose: the engine masks (causal, window, eviction) itself.
-    engine = _ENGINES.get(id(module))
-    if engine is None:
-        raise RuntimeError("posprobe's long-context attention ran outside `long_attention(...)`")
-    if query.shape[0] != 1:
-        raise ValueError("long-context attention takes one sequence at a time (batch 1)")
-    cap = softcap if softcap is not None else getattr(module, "attn_logit_softcapping", None)
-    window = sliding_window if sliding_window is not None else getattr(module, "sliding_window", None)
-    s = scaling if scaling is not None else module.scaling
-    out = engine.attend(module, query, key, value, s, window, cap)
-    return out.transpose(1, 2).contiguous(), None
-
-
-def _register() -> None:
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(IMPLEMENTATION, _attention)
-
-
 @contextmanager
 def long_attention(model: Any, rule: PairRule, *, chunk: int = 256) -> Iterator[None]:
     """Within the block, `model` (plain HF, batch 1) attends under `rule`; call it with position ids all 0
@@ -237,29 +136,14 @@ def long_attention(model: Any, rule: PairRule, *, chunk: int = 256) -> Iterator[
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1; got {chunk}")
     require_supported(model)
-    mods = attention_modules(model)
     inv = {}
-    for m in mods:
+    for m in hf.attention_modules(model):
         l = m.layer_idx
-        if rule.rotary is None:
-            inv[l] = hf_inv_freq(model, l)[0].detach().float()
-        else:
-            inv[l] = inv_freq_of(rule.rotary(hf_rotary_spec(model, l))).to(hf_inv_freq(model, l)[0].device)
+        own = hf.inv_freq(model, l)[0]
+        inv[l] = own.detach().float() if rule.rotary is None else inv_freq_of(rule.rotary(hf.rotary_spec(model, l))).to(own.device)
     engine = _Engine(rule, inv, chunk)
-    _register()
-    before = model.config._attn_implementation
-    model.set_attn_implementation(IMPLEMENTATION)
-    try:
-        if any(getattr(m.config, "_attn_implementation", None) != IMPLEMENTATION for m in mods):
-            # Running on would rotate nothing (position ids 0) and attend with the model's own kernel.
-            raise NotImplementedError(f"{type(model).__name__} does not accept a custom attention implementation")
-        for m in mods:
-            _ENGINES[id(m)] = engine
+    with hf.custom_attention(model, {l: engine.attend for l in inv}):
         yield
-    finally:
-        for m in mods:
-            _ENGINES.pop(id(m), None)
-        model.set_attn_implementation(before)
 
 
 def zero_positions(n: int, device: Any = "cpu") -> Int[torch.Tensor, "batch pos"]:
@@ -275,8 +159,7 @@ def _hidden(model: Any, ids: torch.Tensor, engine_on: bool, cache: Any = None, s
 
 def _logits(model: Any, hidden: torch.Tensor) -> torch.Tensor:
     logits = model.get_output_embeddings()(hidden)
-    cap = getattr(text_config(model), "final_logit_softcapping", None)
-    return torch.tanh(logits / cap) * cap if cap else logits
+    return hf.softcap_logits(logits, hf.final_logit_softcap(model))
 
 
 @torch.no_grad()
@@ -336,7 +219,7 @@ def estimate_bytes(model: Any, length: int, rule: PairRule, *, chunk: int = 256,
     activations + the chunked score blocks + a logit block (+ the KV cache when generating).
 
     Deliberately generous (x1.5 on activations): it only has to refuse lengths that cannot fit."""
-    cfg = text_config(model)
+    cfg = hf.text_config(model)
     e = next(model.parameters()).element_size()
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     D, F_ = cfg.hidden_size, getattr(cfg, "intermediate_size", 4 * cfg.hidden_size)
@@ -372,6 +255,5 @@ def check_memory(model: Any, length: int, rule: PairRule, *, chunk: int = 256, c
     return need
 
 
-__all__ = ["IMPLEMENTATION", "long_attention", "token_nll", "greedy_decode", "rotate_hf", "hf_inv_freq",
-           "hf_rotary_spec", "trained_context", "require_supported", "estimate_bytes", "check_memory",
-           "zero_positions", "inv_freq_of"]
+__all__ = ["long_attention", "token_nll", "greedy_decode", "rotate_hf", "require_supported", "estimate_bytes",
+           "check_memory", "zero_positions"]

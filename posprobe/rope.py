@@ -136,6 +136,45 @@ def rotate(
     return torch.cat([out, x_pass], dim=-1)
 
 
+def hf_cos_sin(positions: Float[torch.Tensor, "*shape"], inv_freq: Float[torch.Tensor, "band"], *,
+               adjacent: bool = False, scaling: float = 1.0
+               ) -> tuple[Float[torch.Tensor, "*shape rotary_dim"], Float[torch.Tensor, "*shape rotary_dim"]]:
+    """(cos, sin) in float32 exactly as Hugging Face builds them: angle = position * inv_freq (rad/token) in
+    float32, each band's angle written to both of its dims (half-split or adjacent layout), times `scaling`.
+
+    HF's recipe, not posprobe's `sin_cos` (angle = position / freq): the one-ulp difference between the two
+    alone moved SmolLM2's logits by 4e-5, so replaying a model's own rotation must use this one."""
+    freqs = positions.to(torch.float32)[..., None] * inv_freq.to(positions.device, torch.float32)
+    emb = freqs.repeat_interleave(2, dim=-1) if adjacent else torch.cat((freqs, freqs), dim=-1)
+    return emb.cos() * scaling, emb.sin() * scaling
+
+
+def hf_rotate(x: Float[torch.Tensor, "... d_head"], cos: Float[torch.Tensor, "... rotary_dim"],
+              sin: Float[torch.Tensor, "... rotary_dim"], *, adjacent: bool = False) -> Float[torch.Tensor, "... d_head"]:
+    """Rotate the first `rotary_dim` dims of `x` with HF-style (cos, sin) tables that broadcast to them, as HF
+    does: half-split pairs (`rotate_half`) in the activations' dtype; adjacent pairs (GPT-J / GLM) in float32.
+    Dims past `rotary_dim` pass through (partial rotary)."""
+    rd = cos.shape[-1]
+    xr, rest = x[..., :rd], x[..., rd:]
+    if adjacent:
+        turned = torch.stack((-xr[..., 1::2], xr[..., 0::2]), dim=-1).flatten(-2)
+        out = (xr.float() * cos + turned.float() * sin).to(x.dtype)
+    else:
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        turned = torch.cat((-xr[..., rd // 2:], xr[..., : rd // 2]), dim=-1)
+        out = xr * cos + turned * sin
+    return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
+
+
+def inv_freq_of(spec: RotarySpec) -> Float[torch.Tensor, "band"]:
+    """Angular frequency per band (rad/token, float32, HF's `inv_freq` layout) of a RotarySpec; removed bands
+    get 0 (no rotation)."""
+    inv = 1.0 / inv_freq_table(spec, torch.float64)
+    for b in spec.removed:
+        inv[b] = 0.0
+    return inv.float()
+
+
 def band_index(spec: RotarySpec) -> torch.Tensor:
     """`[band, 2]` head-dim indices of each band's pair, honouring half-split vs adjacent pairing."""
     return torch.tensor([band_dims(spec, b) for b in range(spec.n_bands)])
