@@ -10,6 +10,7 @@ import pytest
 from posprobe.analyses import configs as C
 from posprobe.cli.args import config_from_args
 from posprobe.cli.main import build_parser
+from posprobe.core.config import option_help
 
 COMMANDS = {
     "shift-test": (C.ShiftConfig, ["tiny-ape"]),
@@ -34,7 +35,7 @@ def test_defaults_and_help_come_from_the_config(command):
     for f in fields(cls):
         if f.metadata.get("cli", True):
             assert f.name in dests, f"{command}: no flag for {cls.__name__}.{f.name}"
-            assert f.metadata["help"].replace("%", "%%") in dests[f.name].help
+            assert option_help(f).replace("%", "%%") in dests[f.name].help
 
 
 def test_flags_reach_the_config():

@@ -15,6 +15,7 @@ import torch
 
 from posprobe.backend import hf as HF
 from posprobe.core import long_engine as LA
+from posprobe.core.presets import PRESETS
 from posprobe.core import surgery as S
 
 V, T = 61, 40
@@ -466,8 +467,7 @@ def _unwrapped(bridge):
     return plain
 
 
-@pytest.mark.parametrize("spec", ["none", "self-extend:group=2,window=6", "rerope:window=5", "streaming:sink=2,window=6",
-                                  "pi:scale=2", "ntk:scale=2", "yarn:scale=2,original=16", "p-rope:p=0.5"])
+@pytest.mark.parametrize("spec", [p.example for p in PRESETS.values()])  # every registered preset
 def test_engine_matches_the_hook_based_apply_plan(tiny_rope, spec):
     # Same weights, two independent routes: posprobe's TL-hook surgery on the TransformerBridge (one KeyView per
     # query, full score matrices) and the chunked engine on the plain HF model the bridge wraps.

@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 from typing import Literal, get_args, get_origin, get_type_hints
 
 from posprobe.core.config import option
-from posprobe.core.presets_help import PRESET_HELP
+from posprobe.core import presets
 
 #: Residual-stream capture points a position probe can read.
 RESIDUAL_POINTS = ("resid_pre", "resid_mid", "resid_post")
@@ -33,6 +33,10 @@ def _at_least(cfg: object, minimum: int, *names: str) -> None:
         v = getattr(cfg, name)
         if v is not None and v < minimum:
             raise ValueError(f"{name} must be >= {minimum}, got {v}")
+
+
+def _preset_help() -> str:
+    return f"surgery presets to compare (repeatable): {presets.help_text()}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -206,7 +210,7 @@ class SquishConfig:
 class SurgeryEvalConfig:
     """Loss by position under surgery presets (`run_surgery_eval`, `posprobe surgery-eval`)."""
 
-    presets: tuple[str, ...] = option(("none",), f"surgery presets to compare (repeatable): {PRESET_HELP}",
+    presets: tuple[str, ...] = option(("none",), _preset_help,
                                       flag="--preset")
     window: int = option(256, "tokens per window")
     max_windows: int = option(4, "windows cut from the text")
@@ -216,6 +220,8 @@ class SurgeryEvalConfig:
         _at_least(self, 1, "max_windows")
         if not self.presets:
             raise ValueError("give at least one preset")
+        for spec in self.presets:
+            presets.parse(spec)  # every preset's name, arguments and bounds, before any model loads
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -282,7 +288,7 @@ class LongContextConfig:
 
     lengths: tuple[int, ...] = option((2048,), "sequence lengths to evaluate (tokens; repeatable)", flag="--length",
                                       aliases=("--lengths",))
-    presets: tuple[str, ...] = option(("none",), f"surgery presets to compare (repeatable): {PRESET_HELP}",
+    presets: tuple[str, ...] = option(("none",), _preset_help,
                                       flag="--preset")
     max_windows: int = option(1, "text windows per length (fewer if the text is short)")
     bin_size: int = option(256, "query positions per loss bin (tokens)")
@@ -308,6 +314,8 @@ class LongContextConfig:
         _at_least(self, 0, "warmup")
         if not self.presets:
             raise ValueError("give at least one preset")
+        for spec in self.presets:
+            presets.parse(spec)  # every preset's name, arguments and bounds, before any model loads
         if not self.lengths:
             raise ValueError("give at least one length")
         bad = [x for x in (*self.lengths, *(self.passkey_lengths or ())) if x < 2]

@@ -8,6 +8,8 @@ from dataclasses import MISSING, fields
 from types import UnionType
 from typing import Any, Callable, Literal, Union, get_args, get_origin, get_type_hints
 
+from posprobe.core.config import option_help
+
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """MODEL plus the loading options every model-taking subcommand shares."""
@@ -72,7 +74,7 @@ def add_config_arguments(p: argparse.ArgumentParser, config_cls: type, *, skip: 
         names = [meta.get("flag") or "--" + f.name.replace("_", "-"), *meta.get("aliases", ())]
         default = f.default if f.default is not MISSING else None
         kind, choices = _kind(hints[f.name])
-        help_text = meta["help"] + ("" if default is None or kind is bool else f" (default: {_show(default)})")
+        help_text = option_help(f) + ("" if default is None or kind is bool else f" (default: {_show(default)})")
         help_text = help_text.replace("%", "%%")  # argparse formats help with %
         if kind is bool:
             p.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=help_text)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from posprobe.backend.peek import PeekedFacts, WrongModelKind, peek
 
-__all__ = ["WrongModelKind", "check_at_least", "check_layers", "check_out", "check_presets", "check_window", "context",
+__all__ = ["WrongModelKind", "check_at_least", "check_layers", "check_out", "check_window", "context",
            "peek_model", "read_text_early", "require_rotary"]
 
 
@@ -86,23 +86,3 @@ def read_text_early(path: str | None) -> str | None:
     from posprobe.data import read_text
 
     return read_text(path) if path else None
-
-
-def check_presets(specs: Sequence[str]) -> None:
-    """Each --preset must name a known preset with key=value numeric arguments (the full check,
-    which needs the model's rotary facts, runs after loading)."""
-    from posprobe.core.presets_help import PRESET_HELP  # torch-free
-
-    names = {alt.strip().partition(":")[0].strip() for alt in PRESET_HELP.split("|")}
-    for spec in specs:
-        name, _, rest = spec.partition(":")
-        if name.strip().lower() not in names:
-            raise ValueError(f"unknown preset {name.strip()!r} in --preset {spec!r}; presets: {PRESET_HELP}")
-        for part in filter(None, rest.split(",")):
-            key, eq, value = part.partition("=")
-            try:
-                float(value)
-            except ValueError:
-                eq = ""
-            if not eq or not key.strip():
-                raise ValueError(f"preset argument {part!r} in --preset {spec!r} must look like key=number")

@@ -30,7 +30,6 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--n-ctx does not apply to long-context (the model runs at full length); "
                          "use --trained-ctx to set the trained context")
     config = config_from_args(LongContextConfig, args, progress=not args.no_progress)
-    checks.check_presets(config.presets)
     checks.check_out(args.out)
     early = checks.peek_model(args)
     if any(p.strip().lower() != "none" for p in config.presets):
@@ -39,10 +38,6 @@ def run(args: argparse.Namespace) -> int:
 
     from posprobe.analyses.long_context import run_long_context
     from posprobe.backend.loading import load_hf_model
-    from posprobe.core.surgery import preset_pairs
-
-    for spec in config.presets:  # every preset's arguments, before the weights load
-        preset_pairs(spec)
 
     print(f"loading {args.model} ...", file=sys.stderr)
     model, tokenizer = load_hf_model(args.model, dtype=args.dtype, device=args.device)

@@ -26,7 +26,6 @@ def run(args: argparse.Namespace) -> int:
     checks.check_at_least(args, 2, "window")
     checks.check_at_least(args, 1, "max_windows")
     config = config_from_args(SurgeryEvalConfig, args)
-    checks.check_presets(config.presets)
     checks.check_out(args.out)
     early = checks.peek_model(args)
     checks.require_rotary(early, "surgery-eval")

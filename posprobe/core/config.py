@@ -6,16 +6,23 @@ a notebook user and a shell user set the same options, documented once.
 
 from __future__ import annotations
 
-from dataclasses import field
-from typing import Any
+from dataclasses import Field, field
+from typing import Any, Callable
 
 
-def option(default: Any, help: str, *, flag: str | None = None, aliases: tuple[str, ...] = (), cli: bool = True) -> Any:
+def option(default: Any, help: str | Callable[[], str], *, flag: str | None = None, aliases: tuple[str, ...] = (), cli: bool = True) -> Any:
     """A Config field with its command-line help: `x: int = option(3, "what x is (unit)")`.
 
-    flag: the option's name when it differs from `--field-name`; aliases: further accepted names;
-    cli=False keeps the field out of the command line (set by the command itself)."""
+    help: the text, or a function returning it where it is generated when the CLI is built (the preset grammar
+    from the preset registry); flag: the option's name when it differs from `--field-name`; aliases: further
+    accepted names; cli=False keeps the field out of the command line (set by the command itself)."""
     meta = {"help": help, "flag": flag, "aliases": aliases, "cli": cli}
     if isinstance(default, (list, dict, set)):
         raise TypeError("use a tuple or None for sequence defaults (configs are frozen)")
     return field(default=default, metadata=meta)
+
+
+def option_help(f: Field) -> str:
+    """The help text of a Config field made with `option` ("" where it has none)."""
+    h = f.metadata.get("help", "")
+    return h() if callable(h) else h

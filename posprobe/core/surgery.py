@@ -20,7 +20,7 @@ from jaxtyping import Bool
 
 from posprobe.backend.facts import model_facts, require_rotary
 from posprobe.backend.hooks import hook_name, hooked, layer_rotary_spec
-from posprobe.core.presets_help import PRESET_HELP  # torch-free, so `posprobe --help` stays fast
+from posprobe.core.presets import parse as parse_preset
 from posprobe.core.positions import KeyView, PositionError, PositionPlan, rope_positions, shifted_plan
 from posprobe.rope import RotarySpec, wavelength
 from posprobe.backend.model import n_layers
@@ -261,43 +261,17 @@ def apply_plan(model: Any, plan: PositionPlan) -> Iterator[PositionPlan]:
             yield plan
 
 
-def _kv(spec: str) -> tuple[str, dict[str, float]]:
-    name, _, rest = spec.partition(":")
-    args = {}
-    for part in filter(None, rest.split(",")):
-        k, eq, v = part.partition("=")
-        if not eq:
-            raise ValueError(f"preset argument {part!r} in {spec!r} must look like key=value")
-        args[k.strip().replace("-", "_")] = float(v)
-    return name.strip().lower(), args
-
-
+def identity_plan(n: int) -> PositionPlan:
+    """Preset "none": every token at its own position."""
+    return PositionPlan.default(n, label="none")
 
 
 def preset_plan(spec: str, model: Any, n: int) -> PositionPlan:
-    """Build a preset from a CLI-style spec such as "yarn:scale=4,original=64" (see PRESET_HELP)."""
-    name, a = _kv(spec)
-    i = lambda key: int(a[key])  # noqa: E731
-    try:
-        builders: dict[str, Callable[[], PositionPlan]] = {
-            "none": lambda: PositionPlan.default(n, label="none"),
-            "shift": lambda: shift(n, a["k"]),
-            "pi": lambda: position_interpolation(n, a["scale"]),
-            "ntk": lambda: ntk_aware(model, n, a["scale"]),
-            "yarn": lambda: yarn(model, n, a["scale"], i("original"), beta_fast=a.get("beta_fast", 32.0),
-                                 beta_slow=a.get("beta_slow", 1.0)),
-            "self-extend": lambda: self_extend(n, i("group"), i("window")),
-            "rerope": lambda: rerope(n, i("window")),
-            "streaming": lambda: streaming(n, i("sink"), i("window")),
-            "p-rope": lambda: p_rope(model, n, a["p"]),
-            "drop": lambda: drop_frequencies(model, n, lowest=int(a.get("lowest", 0)), highest=int(a.get("highest", 0))),
-        }
-        if name not in builders:
-            raise ValueError(f"unknown preset {name!r}; presets: {PRESET_HELP}")
-        plan = builders[name]()
-    except KeyError as e:
-        raise ValueError(f"preset {spec!r} needs argument {e.args[0]!r}; presets: {PRESET_HELP}") from None
-    return replace(plan, label=spec if name != "none" else "none")
+    """The per-query plan of a preset spec such as "yarn:scale=4,original=64" over `n` tokens (grammar and
+    checks: `posprobe.core.presets`)."""
+    preset, params = parse_preset(spec)
+    plan = preset.plan(model, n, params)
+    return replace(plan, label=spec if preset.name != "none" else "none")
 
 
 # ---- Pairwise (relative) form of the presets --------------------------------------------------------------
@@ -391,48 +365,54 @@ def p_rope_rotary(spec: RotarySpec, p: float) -> RotarySpec:
     return drop_rotary(spec, round((1 - p) * spec.n_bands), 0)
 
 
+def identity_pairs() -> PairRule:
+    """Preset "none" (the model's own forward runs; the engine is never entered)."""
+    return PairRule("none", identity=True, meta={"preset": "none"})
+
+
+def shift_pairs(k: float) -> PairRule:
+    """q = k = i + k for every pair."""
+    return PairRule(f"shift:{k:g}", ((lambda p: p + k, lambda p: p + k),), meta={"preset": "shift", "k": k})
+
+
+def pi_pairs(scale: float) -> PairRule:
+    """Position Interpolation: q = k = i / s for every pair."""
+    if scale <= 0:
+        raise ValueError(f"scale must be > 0; got {scale}")
+    return PairRule(f"pi:{scale:g}", ((lambda p: p / scale, lambda p: p / scale),), meta={"preset": "pi", "scale": scale})
+
+
+def ntk_pairs(scale: float) -> PairRule:
+    """NTK-aware scaling: positions kept, each layer's base changed by `ntk_rotary`."""
+    if scale <= 0:
+        raise ValueError(f"scale must be > 0; got {scale}")
+    return PairRule(f"ntk:{scale:g}", rotary=lambda s: ntk_rotary(s, scale), meta={"preset": "ntk", "scale": scale})
+
+
+def yarn_pairs(scale: float, original_ctx: int, beta_fast: float = 32.0, beta_slow: float = 1.0) -> PairRule:
+    """YaRN: `yarn_rotary` frequencies and the `yarn_score_scale` temperature, positions kept."""
+    if scale <= 0:
+        raise ValueError(f"scale must be > 0; got {scale}")
+    return PairRule(f"yarn:{scale:g}", rotary=lambda s: yarn_rotary(s, scale, original_ctx, beta_fast, beta_slow),
+                    score_scale=yarn_score_scale(scale),
+                    meta={"preset": "yarn", "scale": scale, "original_ctx": original_ctx, "beta_fast": beta_fast,
+                          "beta_slow": beta_slow})
+
+
+def p_rope_pairs(p: float) -> PairRule:
+    """p-RoPE: `p_rope_rotary` in every layer, positions kept."""
+    if not 0 <= p <= 1:
+        raise ValueError(f"p must be in [0, 1]; got {p}")
+    return PairRule(f"p-rope:{p:g}", rotary=lambda s: p_rope_rotary(s, p), meta={"preset": "p_rope", "p": p})
+
+
+def drop_pairs(lowest: int, highest: int) -> PairRule:
+    """`drop_rotary` in every layer, positions kept."""
+    return PairRule(f"drop:low{lowest},high{highest}", rotary=lambda s: drop_rotary(s, lowest, highest),
+                    meta={"preset": "drop_frequencies", "lowest": lowest, "highest": highest})
+
+
 def preset_pairs(spec: str) -> PairRule:
-    """The pairwise form of a CLI-style preset spec (same grammar as `preset_plan`; no key squish)."""
-    name, a = _kv(spec)
-    i = lambda key: int(a[key])  # noqa: E731
-
-    def scaled(s: float) -> PairRule:
-        if s <= 0:
-            raise ValueError(f"scale must be > 0; got {s}")
-        return PairRule(spec, ((lambda p: p / s, lambda p: p / s),), meta={"preset": "pi", "scale": s})
-
-    def shifted(k: float) -> PairRule:
-        return PairRule(spec, ((lambda p: p + k, lambda p: p + k),), meta={"preset": "shift", "k": k})
-
-    def rotary(fn: Callable[[RotarySpec], RotarySpec], meta: dict, score_scale: float = 1.0) -> PairRule:
-        if "scale" in a and a["scale"] <= 0:
-            raise ValueError(f"scale must be > 0; got {a['scale']}")
-        return PairRule(spec, rotary=fn, score_scale=score_scale, meta=meta)
-
-    try:
-        builders: dict[str, Callable[[], PairRule]] = {
-            "none": lambda: PairRule("none", identity=True, meta={"preset": "none"}),
-            "shift": lambda: shifted(a["k"]),
-            "pi": lambda: scaled(a["scale"]),
-            "ntk": lambda: rotary(lambda s: ntk_rotary(s, a["scale"]), {"preset": "ntk", "scale": a["scale"]}),
-            "yarn": lambda: rotary(
-                lambda s: yarn_rotary(s, a["scale"], i("original"), a.get("beta_fast", 32.0), a.get("beta_slow", 1.0)),
-                {"preset": "yarn", "scale": a["scale"], "original_ctx": i("original"),
-                 "beta_fast": a.get("beta_fast", 32.0), "beta_slow": a.get("beta_slow", 1.0)},
-                score_scale=yarn_score_scale(a["scale"])),
-            "self-extend": lambda: self_extend_pairs(i("group"), i("window")),
-            "rerope": lambda: rerope_pairs(i("window")),
-            "streaming": lambda: streaming_pairs(i("sink"), i("window")),
-            "p-rope": lambda: rotary(lambda s: p_rope_rotary(s, a["p"]), {"preset": "p_rope", "p": a["p"]}),
-            "drop": lambda: rotary(lambda s: drop_rotary(s, int(a.get("lowest", 0)), int(a.get("highest", 0))),
-                                   {"preset": "drop_frequencies", "lowest": int(a.get("lowest", 0)),
-                                    "highest": int(a.get("highest", 0))}),
-        }
-        if name not in builders:
-            raise ValueError(f"unknown preset {name!r}; presets: {PRESET_HELP}")
-        rule = builders[name]()
-    except KeyError as e:
-        raise ValueError(f"preset {spec!r} needs argument {e.args[0]!r}; presets: {PRESET_HELP}") from None
-    if name == "p-rope" and not 0 <= a["p"] <= 1:
-        raise ValueError(f"p must be in [0, 1]; got {a['p']}")
-    return replace(rule, label=spec if name != "none" else "none")
+    """The pairwise form of a preset spec (same grammar and checks as `preset_plan`: `posprobe.core.presets`)."""
+    preset, params = parse_preset(spec)
+    return replace(preset.pairs(params), label=spec if preset.name != "none" else "none")
