@@ -24,6 +24,7 @@ import json, resource, sys, time, torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from posprobe.core import long_engine as LA
 from posprobe.core import surgery as S
+from posprobe.core.presets import preset_pairs, preset_plan
 route, length, preset, threads = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
 torch.set_num_threads(threads)
 torch.manual_seed(0)
@@ -35,7 +36,7 @@ base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 t, c = time.perf_counter(), time.process_time()
 with torch.no_grad():
     if route == "engine":
-        LA.token_nll(m, ids, S.preset_pairs(preset))
+        LA.token_nll(m, ids, preset_pairs(preset))
     else:  # HF eager at default positions: the T x T pattern per layer
         m.get_decoder()(input_ids=ids[None])
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -33,8 +33,8 @@ _EXPORTS = {
     "generate": "posprobe.core.generation",
     "apply_plan": "posprobe.core.surgery",
     "key_squish": "posprobe.core.surgery",
-    "preset_plan": "posprobe.core.surgery",
-    "preset_pairs": "posprobe.core.surgery",
+    "preset_plan": "posprobe.core.presets",
+    "preset_pairs": "posprobe.core.presets",
     "long_attention": "posprobe.core.long_engine",
     # data
     "load_blimp": "posprobe.data",

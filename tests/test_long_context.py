@@ -17,6 +17,7 @@ from posprobe.backend import hf as HF
 from posprobe.core import long_engine as LA
 from posprobe.core.presets import PRESETS
 from posprobe.core import surgery as S
+from posprobe.core.presets import preset_pairs, preset_plan
 
 V, T = 61, 40
 
@@ -135,15 +136,15 @@ def test_reference_reproduces_hf_forward(llama64, ids):
 def test_preset_none_is_the_plain_forward(llama, ids):
     logits = llama(ids[None]).logits[0, :-1]
     want = -torch.log_softmax(logits, -1).gather(-1, ids[1:, None])[:, 0]
-    assert torch.equal(LA.token_nll(llama, ids, S.preset_pairs("none")), want)  # bit-equal: HF's own forward
+    assert torch.equal(LA.token_nll(llama, ids, preset_pairs("none")), want)  # bit-equal: HF's own forward
 
 
 @pytest.mark.parametrize("spec", ["shift:k=0", "pi:scale=1", "self-extend:group=1,window=4", "rerope:window=100",
                                   "streaming:sink=0,window=1000"])
 def test_engine_with_identity_positions_is_the_plain_forward(llama, ids, spec):
-    ref = LA.token_nll(llama, ids, S.preset_pairs("none"))
+    ref = LA.token_nll(llama, ids, preset_pairs("none"))
     for chunk in (7, 256):
-        assert (LA.token_nll(llama, ids, S.preset_pairs(spec), chunk=chunk) - ref).abs().max() <= 1e-5  # measured 4.8e-7
+        assert (LA.token_nll(llama, ids, preset_pairs(spec), chunk=chunk) - ref).abs().max() <= 1e-5  # measured 4.8e-7
     assert llama.config._attn_implementation == "sdpa"  # restored
 
 
@@ -152,9 +153,9 @@ def test_chunked_engine_equals_plain_torch_per_pair_reference(llama, llama64, id
     ref = reference_nll(llama64, ids, RULES[spec])
     assert (ref - _plain_nll(llama64, ids)).abs().max() > 1e-2  # the rule changes the model (not vacuous)
     for chunk in (5, 256):
-        got64 = LA.token_nll(llama64, ids, S.preset_pairs(spec), chunk=chunk)
+        got64 = LA.token_nll(llama64, ids, preset_pairs(spec), chunk=chunk)
         assert (got64 - ref).abs().max() <= 1e-6
-        got32 = LA.token_nll(llama, ids, S.preset_pairs(spec), chunk=chunk)
+        got32 = LA.token_nll(llama, ids, preset_pairs(spec), chunk=chunk)
         assert (got32.double() - ref).abs().max() <= 1e-4
 
 
@@ -172,7 +173,7 @@ def test_pair_rules_give_the_per_query_plans_relative_positions(spec, plan):
     if p.meta.get("keep"):
         ref = ref.masked_fill(S.evicted(i, i, *p.meta["keep"]), float("nan"))
     causal = torch.tril(torch.ones(n, n, dtype=torch.bool))
-    got = S.preset_pairs(spec).relative(i, i)
+    got = preset_pairs(spec).relative(i, i)
     assert torch.equal(got[causal].nan_to_num(-999.0), ref[causal].nan_to_num(-999.0))
 
 
@@ -184,7 +185,7 @@ def _hf_variant(model, **rope):
 
 def test_pi_equals_hf_linear_scaling(llama, ids):
     hf = _hf_variant(llama, rope_parameters={"rope_type": "linear", "factor": 2.5, "rope_theta": 100.0})
-    got = LA.token_nll(llama, ids, S.preset_pairs("pi:scale=2.5"))
+    got = LA.token_nll(llama, ids, preset_pairs("pi:scale=2.5"))
     assert (got.double() - _plain_nll(hf, ids)).abs().max() <= 1e-5  # measured 4.8e-7 (angle rounding)
     assert (got.double() - _plain_nll(llama, ids)).abs().max() > 1e-2
 
@@ -193,12 +194,12 @@ def test_ntk_equals_hf_dynamic_where_the_definitions_coincide(llama, ids):
     # HF "dynamic" rescales the base only for T > max_position_embeddings (32), by
     # s = factor * T / 32 - (factor - 1); posprobe's NTK uses a fixed s at every length. At T = 40, factor 2: s = 1.5.
     hf = _hf_variant(llama, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 100.0})
-    got = LA.token_nll(llama, ids, S.preset_pairs("ntk:scale=1.5"))
+    got = LA.token_nll(llama, ids, preset_pairs("ntk:scale=1.5"))
     assert (got.double() - _plain_nll(hf, ids)).abs().max() <= 1e-5
     # Below the threshold HF leaves the base alone; NTK does not (the documented difference).
     short = ids[:30]
     assert (_plain_nll(hf, short) - _plain_nll(llama, short)).abs().max() == 0
-    ntk_short = LA.token_nll(llama, short, S.preset_pairs("ntk:scale=1.5")).double()
+    ntk_short = LA.token_nll(llama, short, preset_pairs("ntk:scale=1.5")).double()
     assert (ntk_short - _plain_nll(llama, short)).abs().max() > 1e-3
 
 
@@ -225,7 +226,7 @@ def test_yarn_machinery_equals_hf_yarn_and_the_ramp_difference_is_measured(llama
     r = L / (2 * math.pi / (1.0 / inv_freq_table(spec, torch.float64)))
     outside = (r > 32) | (r < 1)
     assert torch.allclose(ours[outside], hf_inv[outside], rtol=1e-6)
-    diff = (LA.token_nll(llama, ids, S.preset_pairs(f"yarn:scale={s:g},original={L}")).double() - want).abs().max()
+    diff = (LA.token_nll(llama, ids, preset_pairs(f"yarn:scale={s:g},original={L}")).double() - want).abs().max()
     assert 0 < diff <= 0.5, diff
 
 
@@ -243,21 +244,21 @@ def _gemma3():
 def test_gemma3_local_global_bases_and_sliding_window(ids):
     m = _gemma3()
     assert [HF.rotary_spec(m, l).base for l in range(3)] == [1e4, 1e4, 1e6]
-    ref = LA.token_nll(m, ids, S.preset_pairs("none"))
+    ref = LA.token_nll(m, ids, preset_pairs("none"))
     for chunk in (4, 256):
-        assert (LA.token_nll(m, ids, S.preset_pairs("shift:k=0"), chunk=chunk) - ref).abs().max() <= 1e-5
+        assert (LA.token_nll(m, ids, preset_pairs("shift:k=0"), chunk=chunk) - ref).abs().max() <= 1e-5
     # The window matters at 40 tokens (not vacuous): without it the loss changes.
     m.model.layers[0].self_attn.sliding_window = None
     try:
-        assert (LA.token_nll(m, ids, S.preset_pairs("shift:k=0")) - ref).abs().max() > 1e-4
+        assert (LA.token_nll(m, ids, preset_pairs("shift:k=0")) - ref).abs().max() > 1e-4
     finally:
         m.model.layers[0].self_attn.sliding_window = 6
-    assert torch.equal(LA.greedy_decode(m, ids, S.preset_pairs("none"), 5),
-                       LA.greedy_decode(m, ids, S.preset_pairs("shift:k=0"), 5, chunk=4))
+    assert torch.equal(LA.greedy_decode(m, ids, preset_pairs("none"), 5),
+                       LA.greedy_decode(m, ids, preset_pairs("shift:k=0"), 5, chunk=4))
 
 
 def test_greedy_decode_with_cache_equals_recomputation(llama, ids):
-    rule = S.preset_pairs("self-extend:group=2,window=5")
+    rule = preset_pairs("self-extend:group=2,window=5")
     got = LA.greedy_decode(llama, ids, rule, 6, chunk=7)
     seq = ids.clone()
     for _ in range(6):  # no cache: recompute the whole sequence each step
@@ -269,7 +270,7 @@ def test_greedy_decode_with_cache_equals_recomputation(llama, ids):
 
 def test_attention_implementation_restored_after_an_error(llama, ids):
     with pytest.raises(RuntimeError, match="boom"):
-        with LA.long_attention(llama, S.preset_pairs("pi:scale=2")):
+        with LA.long_attention(llama, preset_pairs("pi:scale=2")):
             raise RuntimeError("boom")
     assert llama.config._attn_implementation == "sdpa"
     with pytest.raises(RuntimeError, match="outside"):
@@ -283,13 +284,13 @@ def test_learned_position_model_and_memory_are_refused_before_any_forward():
 
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=V, n_embd=32, n_layer=1, n_head=2, n_positions=64)).eval()
     with pytest.raises(PositionError, match="no rotary positions"):
-        with LA.long_attention(gpt2, S.preset_pairs("pi:scale=2")):
+        with LA.long_attention(gpt2, preset_pairs("pi:scale=2")):
             pass
     m = _llama()
-    need = LA.estimate_bytes(m, 16384, S.preset_pairs("rerope:window=8"))
-    assert need > LA.estimate_bytes(m, 16384, S.preset_pairs("pi:scale=2"))  # chunked scores counted
+    need = LA.estimate_bytes(m, 16384, preset_pairs("rerope:window=8"))
+    assert need > LA.estimate_bytes(m, 16384, preset_pairs("pi:scale=2"))  # chunked scores counted
     with pytest.raises(ValueError, match="GiB"):
-        LA.check_memory(m, 16384, S.preset_pairs("pi:scale=2"), available=10**6)
+        LA.check_memory(m, 16384, preset_pairs("pi:scale=2"), available=10**6)
 
 
 # ---- the analysis: Result, passkey prompts, errors before any forward, report, CLI ----------------------------
@@ -351,8 +352,8 @@ def test_run_long_context_tables_summary_and_report(byte_llama, tmp_path):
     part = lc[(lc.preset == "pi:scale=2") & (lc.length == 96)]
     assert part.bin_start.tolist() == list(range(0, 95, 16)) and part.bin_end.iloc[-1] == 95
     ids = list(tok(TEXT, add_special_tokens=False)["input_ids"])  # the byte tokenizer adds no BOS
-    w = torch.stack([LA.token_nll(model, torch.tensor(ids[:96]), S.preset_pairs("pi:scale=2")),
-                     LA.token_nll(model, torch.tensor(ids[96:192]), S.preset_pairs("pi:scale=2"))])
+    w = torch.stack([LA.token_nll(model, torch.tensor(ids[:96]), preset_pairs("pi:scale=2")),
+                     LA.token_nll(model, torch.tensor(ids[96:192]), preset_pairs("pi:scale=2"))])
     assert part.value.iloc[0] == pytest.approx(float(w[:, :16].mean()), abs=1e-6)
     sm = res.tables["long_context_summary"]
     row = sm[(sm.preset == "pi:scale=2") & (sm.length == 96)].set_index("metric").value
@@ -450,11 +451,11 @@ def test_a_scaling_already_in_the_config_is_kept(llama, ids):
     hf = _hf_variant(llama, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 100.0})
     spec = HF.rotary_spec(hf, 0)
     assert spec.freq_scale is not None and max(abs(f - 2.0) for f in spec.freq_scale) <= 1e-6
-    same = LA.token_nll(hf, ids, S.preset_pairs("shift:k=0"))
-    assert (same - LA.token_nll(hf, ids, S.preset_pairs("none"))).abs().max() <= 1e-5
+    same = LA.token_nll(hf, ids, preset_pairs("shift:k=0"))
+    assert (same - LA.token_nll(hf, ids, preset_pairs("none"))).abs().max() <= 1e-5
     # NTK on top of linear 2 == NTK on the unscaled model with positions halved (PI 2 + NTK s, one rotation).
     both = S.PairRule("pi+ntk", ((lambda p: p / 2, lambda p: p / 2),), rotary=lambda s_: S.ntk_rotary(s_, 1.5))
-    assert (LA.token_nll(hf, ids, S.preset_pairs("ntk:scale=1.5")) - LA.token_nll(llama, ids, both)).abs().max() <= 1e-5
+    assert (LA.token_nll(hf, ids, preset_pairs("ntk:scale=1.5")) - LA.token_nll(llama, ids, both)).abs().max() <= 1e-5
 
 
 def _unwrapped(bridge):
@@ -476,9 +477,9 @@ def test_engine_matches_the_hook_based_apply_plan(tiny_rope, spec):
     hf = _unwrapped(tiny_rope)
     n = 40
     tokens = torch.randint(0, hf.config.vocab_size, (n,), generator=torch.Generator().manual_seed(3))
-    plan = S.preset_plan(spec, tiny_rope, n)
+    plan = preset_plan(spec, tiny_rope, n)
     want = -token_logprobs(logits_under(tiny_rope, tokens[None], plan), tokens[None])[0]
-    got = LA.token_nll(hf, tokens, S.preset_pairs(spec), chunk=7)
+    got = LA.token_nll(hf, tokens, preset_pairs(spec), chunk=7)
     assert got.shape == want.shape
     assert (got - want.float()).abs().max() <= 1e-4  # float32; bridge vs HF kernels differ by ~1e-6
 

@@ -8,6 +8,7 @@ import torch
 
 from posprobe.core import presets as P
 from posprobe.core import surgery as S
+from posprobe.core.presets import preset_pairs, preset_plan
 
 
 def _relative_of_plan(plan, n):
@@ -29,7 +30,7 @@ def test_both_forms_of_every_preset_agree(tiny_rope, name):
 
     spec = P.PRESETS[name].example
     n = 37
-    plan, rule = S.preset_plan(spec, tiny_rope, n), S.preset_pairs(spec)
+    plan, rule = preset_plan(spec, tiny_rope, n), preset_pairs(spec)
     i = torch.arange(n, dtype=torch.float64)
     causal = torch.tril(torch.ones(n, n, dtype=torch.bool))
     want = _relative_of_plan(plan, n)[causal].nan_to_num(-999.0)
@@ -119,13 +120,13 @@ def test_a_registered_preset_reaches_help_validation_and_both_forms(stretch, tin
         P.parse("stretch:factor=0")
     n = 30
     tokens = torch.randint(0, 200, (n,), generator=torch.Generator().manual_seed(0))
-    plan = S.preset_plan("stretch:factor=0.5", tiny_rope, n)
+    plan = preset_plan("stretch:factor=0.5", tiny_rope, n)
     want = -token_logprobs(logits_under(tiny_rope, tokens[None], plan), tokens[None])[0]
     from test_long_context import _unwrapped
 
-    got = LA.token_nll(_unwrapped(tiny_rope), tokens, S.preset_pairs("stretch:factor=0.5"), chunk=7)
+    got = LA.token_nll(_unwrapped(tiny_rope), tokens, preset_pairs("stretch:factor=0.5"), chunk=7)
     assert (got - want.float()).abs().max() <= 1e-4  # float32; bridge vs HF kernels (as for the built-in presets)
-    plain = -token_logprobs(logits_under(tiny_rope, tokens[None], S.preset_plan("none", tiny_rope, n)), tokens[None])[0]
+    plain = -token_logprobs(logits_under(tiny_rope, tokens[None], preset_plan("none", tiny_rope, n)), tokens[None])[0]
     assert (plain - want).abs().max() > 1e-3  # the preset changes the model: the comparison is not vacuous
 
 

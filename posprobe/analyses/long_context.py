@@ -28,7 +28,8 @@ from posprobe.backend import hf as HF
 from posprobe.backend.kind import is_bridge
 from posprobe.core import long_engine as LA
 from posprobe.backend.model import model_name, tokenizer_of
-from posprobe.core.surgery import PairRule, preset_pairs
+from posprobe.core.presets import preset_pairs
+from posprobe.core.surgery import PairRule
 from posprobe.report.result import Result
 from posprobe.report.schema import data_meta, make_meta, text_sha256
 

@@ -20,7 +20,8 @@ from posprobe.core.capture import capture
 from posprobe.backend.facts import model_facts, require_rotary
 from posprobe.core.generation import Generation, continuation_logprob, generate, logits_under, token_logprobs
 from posprobe.core.positions import PositionPlan
-from posprobe.core.surgery import apply_plan, key_squish, preset_plan
+from posprobe.core.presets import preset_plan
+from posprobe.core.surgery import apply_plan, key_squish
 from posprobe.backend.model import encode_text, model_name, n_layers, tokenizer_of
 from posprobe.analyses.configs import SquishConfig, SurgeryEvalConfig
 from posprobe.report.result import Result

@@ -14,7 +14,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
-__all__ = ["Param", "Preset", "PRESETS", "register", "unregister", "parse", "parse_with", "help_text", "is_identity"]
+__all__ = ["Param", "Preset", "PRESETS", "register", "unregister", "parse", "parse_with", "help_text", "is_identity",
+           "preset_plan", "preset_pairs"]
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,19 @@ def parse_with(preset: Preset, spec: str) -> dict[str, float | int]:
             raise ValueError(f"preset {spec!r} needs argument {p.name!r}; {preset.usage}")
         out[p.name] = p.check(given.get(p.name, p.default), spec)  # type: ignore[arg-type]
     return out
+
+
+def preset_plan(spec: str, model: Any, n: int) -> Any:
+    """The per-query `PositionPlan` of a preset spec such as "yarn:scale=4,original=64" over `n` tokens of
+    `model` (presets that change frequencies read the model's rotary facts), labelled with the spec."""
+    preset, params = parse(spec)
+    return replace(preset.plan(model, n, params), label=spec if preset.name != "none" else "none")
+
+
+def preset_pairs(spec: str) -> Any:
+    """The per-pair `PairRule` of a preset spec (the long-context engine's form), labelled with the spec."""
+    preset, params = parse(spec)
+    return replace(preset.pairs(params), label=spec if preset.name != "none" else "none")
 
 
 def is_identity(spec: str) -> bool:

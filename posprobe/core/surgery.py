@@ -20,7 +20,6 @@ from jaxtyping import Bool
 
 from posprobe.backend.facts import model_facts, require_rotary
 from posprobe.backend.hooks import hook_name, hooked, layer_rotary_spec
-from posprobe.core.presets import parse as parse_preset
 from posprobe.core.positions import KeyView, PositionError, PositionPlan, rope_positions, shifted_plan
 from posprobe.rope import RotarySpec, wavelength
 from posprobe.backend.model import n_layers
@@ -266,14 +265,6 @@ def identity_plan(n: int) -> PositionPlan:
     return PositionPlan.default(n, label="none")
 
 
-def preset_plan(spec: str, model: Any, n: int) -> PositionPlan:
-    """The per-query plan of a preset spec such as "yarn:scale=4,original=64" over `n` tokens (grammar and
-    checks: `posprobe.core.presets`)."""
-    preset, params = parse_preset(spec)
-    plan = preset.plan(model, n, params)
-    return replace(plan, label=spec if preset.name != "none" else "none")
-
-
 # ---- Pairwise (relative) form of the presets --------------------------------------------------------------
 # A KeyView per query is exact but O(n) views and an n x n score tensor per view: fine for a few hundred
 # tokens, hopeless at 16k. The same presets as a small set of (query position, key position) rules plus a
@@ -410,9 +401,3 @@ def drop_pairs(lowest: int, highest: int) -> PairRule:
     """`drop_rotary` in every layer, positions kept."""
     return PairRule(f"drop:low{lowest},high{highest}", rotary=lambda s: drop_rotary(s, lowest, highest),
                     meta={"preset": "drop_frequencies", "lowest": lowest, "highest": highest})
-
-
-def preset_pairs(spec: str) -> PairRule:
-    """The pairwise form of a preset spec (same grammar and checks as `preset_plan`: `posprobe.core.presets`)."""
-    preset, params = parse_preset(spec)
-    return replace(preset.pairs(params), label=spec if preset.name != "none" else "none")
