@@ -23,12 +23,12 @@ import os
 
 import torch
 
-from posprobe.data import BUILTIN_TEXT, framed_windows
-from posprobe.backend.facts import model_facts
 from posprobe.analyses.frequency import frequency_usage, top_heads
 from posprobe.analyses.frequency_ablation import band_ablation, head_ablations, p_sweep
-from posprobe.report.frequency import band_head_heatmap, head_band_profile, layer_band_overview, sweep_figure
+from posprobe.backend.facts import model_facts
 from posprobe.backend.loading import load_model
+from posprobe.data import BUILTIN_TEXT, framed_windows
+from posprobe.report.frequency import band_head_heatmap, head_band_profile, layer_band_overview, sweep_figure
 
 MODEL = os.environ.get("POSPROBE_FREQ_MODEL", "smollm2")
 model = load_model(MODEL)

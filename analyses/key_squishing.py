@@ -25,8 +25,8 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import plotly.express as px
 
-from posprobe.backend.loading import load_model
 from posprobe.analyses.squish import squish_generate
+from posprobe.backend.loading import load_model
 
 model = load_model("smollm2")
 

@@ -44,11 +44,20 @@ else:  # a fresh checkout has no data folder: the built-in text, repeated (copyi
 print(source)
 
 # %%
-config = LongContextConfig(lengths=(1024,), presets=("none", "yarn:scale=2,original=8192", "self-extend:group=4,window=256"),
-                           bin_size=128, warmup=128, passkey_lengths=(512, 1024), depths=(0.0, 1.0), trials=1)
+config = LongContextConfig(
+    lengths=(1024,),
+    presets=("none", "yarn:scale=2,original=8192", "self-extend:group=4,window=256"),
+    bin_size=128,
+    warmup=128,
+    passkey_lengths=(512, 1024),
+    depths=(0.0, 1.0),
+    trials=1,
+)
 result = run_long_context(model, text, config, tokenizer=tokenizer, name="smollm2", source=source)
 summary = result.tables["long_context_summary"]
-print(summary.pivot_table(index="preset", columns="metric", values="value", sort=False, dropna=False).round(4).to_string())
+print(
+    summary.pivot_table(index="preset", columns="metric", values="value", sort=False, dropna=False).round(4).to_string()
+)
 
 # %%
 acc = result.tables["passkey_accuracy"]

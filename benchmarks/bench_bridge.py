@@ -33,7 +33,6 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 from _timing import Timed, loadavg, ratio_summary, rotate  # noqa: E402
 
-
 # The model `posprobe info tiny-rope` builds, as plain transformers: no TransformerLens anywhere.
 PLAIN_HF_TINY = ("import torch; from posprobe.backend.tiny import tiny_hf_model, byte_tokenizer; "
                  "m = tiny_hf_model('tiny-rope').eval(); tok = byte_tokenizer(); "
@@ -86,9 +85,12 @@ def main(argv: list[str] | None = None) -> int:
                 walls[name].append(t.wall)
         print(f"after: {loadavg()}", file=sys.stderr)
     print(f"forward {a.spec} batch {a.batch} x {a.length} tokens, {a.threads} thread(s), {a.rounds} rounds:")
-    for num, den, label in (("bridge", "hf", "bridge / plain HF (SDPA)"), ("bridge", "hf_eager", "bridge / plain HF eager"),
-                            ("hf_eager", "hf", "plain HF eager / SDPA"),
-                            ("fused", "hf", "posprobe forward(fused_attention=True) on the bridge / plain HF (SDPA)")):
+    for num, den, label in (
+        ("bridge", "hf", "bridge / plain HF (SDPA)"),
+        ("bridge", "hf_eager", "bridge / plain HF eager"),
+        ("hf_eager", "hf", "plain HF eager / SDPA"),
+        ("fused", "hf", "posprobe forward(fused_attention=True) on the bridge / plain HF (SDPA)"),
+    ):
         med, lo, hi = ratio_summary(times[num], times[den])
         wmed, _, _ = ratio_summary(walls[num], walls[den])
         print(f"  {label}: CPU time {med:.3f}x (range {lo:.3f}-{hi:.3f}), wall {wmed:.3f}x")

@@ -112,8 +112,11 @@ def main() -> None:
         print(f"  tokens={row['tokens']}: {row['la'][0]} -> {row['la'][1]}")
     first = table[0]
     for row in table[1:]:
-        print(f"memory growth {first['tokens']} -> {row['tokens']} tokens: measure "
-              f"{row['mem']['measure'] - first['mem']['measure']:+.0f} MiB, bare {row['mem']['bare'] - first['mem']['bare']:+.0f} MiB")
+        print(
+            f"memory growth {first['tokens']} -> {row['tokens']} tokens: measure "
+            f"{row['mem']['measure'] - first['mem']['measure']:+.0f} MiB, "
+            f"bare {row['mem']['bare'] - first['mem']['bare']:+.0f} MiB"
+        )
 
 
 if __name__ == "__main__":

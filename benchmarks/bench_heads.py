@@ -76,7 +76,10 @@ def main() -> None:
                       statistics.median(col("bare", "cpu")), statistics.median(col("heads", "cpu")),
                       max(col("heads", "peak")) / 2**20, before, loadavg()))
     print(f"\nmedians of {args.rounds} interleaved rounds; ratios paired within rounds: median [min-max]")
-    print(f"{'tokens':>7} {'bare cpu':>8} {'heads cpu':>9} {'heads/bare cpu':>18} {'heads/bare wall':>18} {'heads MiB':>9}")
+    print(
+        f"{'tokens':>7} {'bare cpu':>8} {'heads cpu':>9} {'heads/bare cpu':>18} {'heads/bare wall':>18} "
+        f"{'heads MiB':>9}"
+    )
     for n, rc, rw, b, h, mem, la0, la1 in table:
         print(f"{n:>7} {b:8.2f} {h:9.2f} {rc[0]:.2f} [{rc[1]:.2f}-{rc[2]:.2f}]".ljust(48)
               + f" {rw[0]:.2f} [{rw[1]:.2f}-{rw[2]:.2f}]   {mem:7.0f}   ({la0} -> {la1})")

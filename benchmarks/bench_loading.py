@@ -63,8 +63,8 @@ if kind == "hf":  # the bridge holds the model's tokenizer (it cannot boot offli
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(folder)
 peak_tok = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-print(json.dumps(dict(peak_mb=peak, peak_fwd_mb=peak_fwd, peak_tok_mb=peak_tok, imports_mb=after_imports, seconds=secs, cpu_seconds=cpu_secs,
-                      n_params=n_params)))
+print(json.dumps(dict(peak_mb=peak, peak_fwd_mb=peak_fwd, peak_tok_mb=peak_tok, imports_mb=after_imports, seconds=secs,
+                      cpu_seconds=cpu_secs, n_params=n_params)))
 """
 
 

@@ -124,9 +124,9 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
 
+    from posprobe.analyses.shift import default_prefix
     from posprobe.backend.loading import load_hf_model
     from posprobe.core.scoring import HFScorer, TLScorer
-    from posprobe.analyses.shift import default_prefix
 
     pairs = load_pairs(a.blimp, a.paradigms, a.pairs)
     sents = [s for p in pairs for s in (p.good, p.bad)]

@@ -49,7 +49,6 @@ def _sync(device: str) -> None:
 
 
 def _rel(a, b) -> float:
-    import torch
 
     a, b = a.double(), b.double()
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))

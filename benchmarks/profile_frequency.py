@@ -90,8 +90,14 @@ def main() -> None:
             red_total += ev.self_cpu_time_total / 1e6
     red_cpu = sum(v for k, v in cpu_by_point.items() if k != "(tables)")
     print(f"pass CPU {total:.2f} s (under the profiler; its overhead inflates small ops)")
-    print(f"  reducer hooks {red_cpu:.2f} s = " + ", ".join(f"{k} {v:.2f}" for k, v in cpu_by_point.items() if k != "(tables)"))
-    print(f"  tables {cpu_by_point['(tables)']:.2f} s; forward and the rest {total - red_cpu - cpu_by_point['(tables)']:.2f} s")
+    print(
+        f"  reducer hooks {red_cpu:.2f} s = "
+        + ", ".join(f"{k} {v:.2f}" for k, v in cpu_by_point.items() if k != "(tables)")
+    )
+    print(
+        f"  tables {cpu_by_point['(tables)']:.2f} s; "
+        f"forward and the rest {total - red_cpu - cpu_by_point['(tables)']:.2f} s"
+    )
     print(f"reducer share of the pass: {100 * red_cpu / total:.1f}% of CPU time")
     # The profiler's per-op times are wall-clock spans (they swell on a loaded machine): read the shares.
     print("reducer ops, share of the reducer's op time (profiler):")

@@ -36,7 +36,7 @@ class RotarySpec:
         return self.rotary_dim // 2
 
 
-def inv_freq_table(spec: RotarySpec, dtype: torch.dtype = torch.float32) -> Float[torch.Tensor, "band"]:
+def inv_freq_table(spec: RotarySpec, dtype: torch.dtype = torch.float32) -> Float[torch.Tensor, " band"]:
     """`freq_b` per band (angle = position / freq_b), in TL's precision for `dtype`."""
     hp = torch.float64 if dtype == torch.float64 else torch.float32
     dim = torch.arange(spec.n_bands, dtype=hp)
@@ -70,7 +70,9 @@ def band_dims(spec: RotarySpec, band: int) -> tuple[int, int]:
 _TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
 
-def _device_tables(spec: RotarySpec, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _device_tables(
+    spec: RotarySpec, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     key = (spec, dtype, torch.device(device))
     got = _TABLES.get(key)
     if got is None:
@@ -119,7 +121,7 @@ def rotate_half(x: Float[torch.Tensor, "... rotary_dim"], adjacent: bool) -> Flo
 
 def rotate(
     x: Float[torch.Tensor, "batch pos head_index d_head"],
-    positions: Float[torch.Tensor, "pos"] | Float[torch.Tensor, "batch pos"],
+    positions: Float[torch.Tensor, " pos"] | Float[torch.Tensor, "batch pos"],
     spec: RotarySpec,
 ) -> Float[torch.Tensor, "batch pos head_index d_head"]:
     """Rotate the first `rotary_dim` dims of each head vector to the given positions (floats allowed).
@@ -136,7 +138,7 @@ def rotate(
     return torch.cat([out, x_pass], dim=-1)
 
 
-def hf_cos_sin(positions: Float[torch.Tensor, "*shape"], inv_freq: Float[torch.Tensor, "band"], *,
+def hf_cos_sin(positions: Float[torch.Tensor, "*shape"], inv_freq: Float[torch.Tensor, " band"], *,
                adjacent: bool = False, scaling: float = 1.0
                ) -> tuple[Float[torch.Tensor, "*shape rotary_dim"], Float[torch.Tensor, "*shape rotary_dim"]]:
     """(cos, sin) in float32 exactly as Hugging Face builds them: angle = position * inv_freq (rad/token) in
@@ -149,8 +151,13 @@ def hf_cos_sin(positions: Float[torch.Tensor, "*shape"], inv_freq: Float[torch.T
     return emb.cos() * scaling, emb.sin() * scaling
 
 
-def hf_rotate(x: Float[torch.Tensor, "... d_head"], cos: Float[torch.Tensor, "... rotary_dim"],
-              sin: Float[torch.Tensor, "... rotary_dim"], *, adjacent: bool = False) -> Float[torch.Tensor, "... d_head"]:
+def hf_rotate(
+    x: Float[torch.Tensor, "... d_head"],
+    cos: Float[torch.Tensor, "... rotary_dim"],
+    sin: Float[torch.Tensor, "... rotary_dim"],
+    *,
+    adjacent: bool = False,
+) -> Float[torch.Tensor, "... d_head"]:
     """Rotate the first `rotary_dim` dims of `x` with HF-style (cos, sin) tables that broadcast to them, as HF
     does: half-split pairs (`rotate_half`) in the activations' dtype; adjacent pairs (GPT-J / GLM) in float32.
     Dims past `rotary_dim` pass through (partial rotary)."""
@@ -166,7 +173,7 @@ def hf_rotate(x: Float[torch.Tensor, "... d_head"], cos: Float[torch.Tensor, "..
     return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
 
 
-def inv_freq_of(spec: RotarySpec) -> Float[torch.Tensor, "band"]:
+def inv_freq_of(spec: RotarySpec) -> Float[torch.Tensor, " band"]:
     """Angular frequency per band (rad/token, float32, HF's `inv_freq` layout) of a RotarySpec; removed bands
     get 0 (no rotation)."""
     inv = 1.0 / inv_freq_table(spec, torch.float64)
@@ -188,7 +195,9 @@ def band_pairs(x: Float[torch.Tensor, "... d_head"], spec: RotarySpec) -> Float[
     return x.unflatten(-1, (2, spec.n_bands)).transpose(-1, -2)
 
 
-def band_norms(x: Float[torch.Tensor, "batch pos head_index d_head"], spec: RotarySpec) -> Float[torch.Tensor, "batch pos head_index band"]:
+def band_norms(
+    x: Float[torch.Tensor, "batch pos head_index d_head"], spec: RotarySpec
+) -> Float[torch.Tensor, "batch pos head_index band"]:
     """2-norm of each band's pair (rotation-invariant: equal before and after RoPE)."""
     pairs = band_pairs(x, spec)
     return torch.hypot(pairs[..., 0], pairs[..., 1])
@@ -213,7 +222,7 @@ def _grouped_band_products(
     that is written in place (a streaming caller reuses it instead of allocating a large block per call).
     """
     B, n_q, H, _ = q_rot.shape
-    kv, n_k = k_rot.shape[2], k_rot.shape[1]
+    kv = k_rot.shape[2]
     nb = spec.n_bands
     qp = band_pairs(q_rot[..., : spec.rotary_dim] / scale, spec)  # scale q: far smaller than the products
     qp = qp.reshape(B, n_q, kv, H // kv, nb, 2).permute(0, 2, 4, 3, 1, 5).reshape(B, kv, nb, H // kv * n_q, 2)
@@ -226,7 +235,10 @@ def band_contributions(
     k_rot: Float[torch.Tensor, "batch key_pos head_index d_head"],
     spec: RotarySpec,
     scale: float,
-) -> tuple[Float[torch.Tensor, "batch head_index band query_pos key_pos"], Float[torch.Tensor, "batch head_index query_pos key_pos"]]:
+) -> tuple[
+    Float[torch.Tensor, "batch head_index band query_pos key_pos"],
+    Float[torch.Tensor, "batch head_index query_pos key_pos"],
+]:
     """Per-band partial dot products of rotated q and k / `scale`, and the unrotated remainder.
 
     Bands + remainder sum to the layer's pre-softmax score. GQA keys (fewer heads than queries, shared

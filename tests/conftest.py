@@ -98,8 +98,17 @@ def _no_grad_and_no_leftover_hooks(request):
     with torch.no_grad():
         yield
     # TransformerBridge fixtures (tests/test_bridge.py) are checked the same way: live_hook_count handles both.
-    for name in ("tiny_ape", "tiny_rope", "tiny_ape64", "tiny_rope64", "smollm2", "minilm", "smol_bridge", "gpt2_bridge",
-                 "smol_hooked"):
+    for name in (
+        "tiny_ape",
+        "tiny_rope",
+        "tiny_ape64",
+        "tiny_rope64",
+        "smollm2",
+        "minilm",
+        "smol_bridge",
+        "gpt2_bridge",
+        "smol_hooked",
+    ):
         if name in request.fixturenames:
             from posprobe.backend.hooks import live_hook_count
 

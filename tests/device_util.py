@@ -64,7 +64,7 @@ class SyncCounter:
         return sum(self.counts.values())
 
     @contextmanager
-    def active(self) -> Iterator["SyncCounter"]:
+    def active(self) -> Iterator[SyncCounter]:
         saved = {m: getattr(torch.Tensor, m) for m in _METHODS}
         saved_to, saved_equal, saved_tensor = torch.Tensor.to, torch.equal, torch.tensor
 

@@ -33,11 +33,11 @@ def compute() -> dict:
     from posprobe.analyses.configs import HeadsConfig, ShiftConfig
     from posprobe.analyses.frequency import frequency_usage
     from posprobe.analyses.frequency_ablation import BandAblation, band_ablation
-    from posprobe.core import distributed
-    from posprobe.core.capture import RunningMean
     from posprobe.analyses.heads import head_signatures
     from posprobe.analyses.shift import run_shift_test
     from posprobe.backend.loading import load_model
+    from posprobe.core import distributed
+    from posprobe.core.capture import RunningMean
     from posprobe.data import builtin_pairs
 
     model = load_model("tiny-rope")

@@ -5,13 +5,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import need_hooked, need_package
 from test_models import gpt2_folder  # noqa: F401  (module-scoped fixture: random GPT-2, real tokenizer)
 from test_rope_positions import _complex_rotate
 
 from posprobe.backend.hooks import POINTS, hook_name
-from posprobe.core.positions import KeyView, PositionError, PositionPlan, learned_positions, rope_positions, shifted_plan
+from posprobe.core.positions import (
+    KeyView,
+    PositionError,
+    PositionPlan,
+    learned_positions,
+    rope_positions,
+    shifted_plan,
+)
 
 TEXT = "The capital of France is Paris, and the capital of Italy is"
 
@@ -23,7 +29,9 @@ def _boot(folder):
     from transformer_lens.model_bridge import TransformerBridge
     from transformers import AutoTokenizer
 
-    return TransformerBridge.boot_transformers(str(folder), device="cpu", tokenizer=AutoTokenizer.from_pretrained(folder))
+    return TransformerBridge.boot_transformers(
+        str(folder), device="cpu", tokenizer=AutoTokenizer.from_pretrained(folder)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +74,8 @@ def gpt2_bridge(gpt2_folder):  # noqa: F811
 
 
 def test_smollm2_bridge_matches_hf_and_reads_rotary_facts_from_hf(smol_bridge, smol_hf, smol_tokens, smol_logits):
-    from posprobe.backend.kind import is_bridge
     from posprobe.backend.facts import model_facts
+    from posprobe.backend.kind import is_bridge
     from posprobe.backend.loading import load_model
     from posprobe.backend.model import forward, n_layers, residual_to_logits, token_losses
 
@@ -78,9 +86,21 @@ def test_smollm2_bridge_matches_hf_and_reads_rotary_facts_from_hf(smol_bridge, s
     assert {s.base for s in f.rotary} == {1e5} and f.rotary[0].rotary_dim == 64 and not f.rotary[0].adjacent
     assert (f.positional_kind, f.n_layers, f.n_heads, f.n_kv_heads, f.d_head) == ("rotary", 30, 9, 3, 64)
     # Every decoder capture point resolves to a bridge hook (alias names are TL 3's).
-    decoder_points = [p for p in POINTS if p not in ("embed_normalized", "resid_post_normalized", "encoder_embed",
-                                                      "encoder_pos_embed", "token_type_embed", "embed_ln_scale", "pos_embed")
-                      and not p.startswith("bridge_")]  # bridge_*: embedding parts of learned-position/encoder bridges
+    decoder_points = [
+        p
+        for p in POINTS
+        if p
+        not in (
+            "embed_normalized",
+            "resid_post_normalized",
+            "encoder_embed",
+            "encoder_pos_embed",
+            "token_type_embed",
+            "embed_ln_scale",
+            "pos_embed",
+        )
+        and not p.startswith("bridge_")
+    ]  # bridge_*: embedding parts of learned-position/encoder bridges
     assert [p for p in decoder_points if hook_name(p, 3) not in smol_bridge.hook_dict] == []
     # The residual after the last block (the bridge alone would run the unembedding) + posprobe's head = logits.
     resid = forward(smol_bridge, smol_tokens, stop_at_layer=n_layers(smol_bridge))
@@ -198,7 +218,11 @@ def test_load_model_reads_the_tokenizer_once_and_tokenizes_as_the_bridge_itself(
         monkeypatch.undo()
         assert len(calls) == 1, calls
         ours, theirs = model.tokenizer, reference.tokenizer
-        assert (ours.bos_token, ours.eos_token, ours.pad_token) == (theirs.bos_token, theirs.eos_token, theirs.pad_token)
+        assert (ours.bos_token, ours.eos_token, ours.pad_token) == (
+            theirs.bos_token,
+            theirs.eos_token,
+            theirs.pad_token,
+        )
         for t in texts:
             assert ours(t).input_ids == theirs(t).input_ids
             assert torch.equal(model.to_tokens(t), reference.to_tokens(t))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from posprobe.core.capture import RunningMean, batches, capture, mean_by_position, stream
 from posprobe.backend.hooks import hooked
+from posprobe.core.capture import RunningMean, batches, capture, mean_by_position, stream
 
 
 def test_capture_matches_run_with_cache_and_runs_only_requested_hooks(tiny_rope):

@@ -40,7 +40,9 @@ def test_defaults_and_help_come_from_the_config(command):
 
 def test_flags_reach_the_config():
     parser = build_parser()
-    args = parser.parse_args(["shift-test", "tiny-ape", "--k", "5,7", "--k", "9", "--prefix", "bos", "--bootstrap", "10"])
+    args = parser.parse_args(
+        ["shift-test", "tiny-ape", "--k", "5,7", "--k", "9", "--prefix", "bos", "--bootstrap", "10"]
+    )
     cfg = config_from_args(C.ShiftConfig, args)
     assert cfg.ks == (5, 7, 9) and cfg.prefix == "bos" and cfg.n_bootstrap == 10 and cfg.all_ks() == [0, 5, 7, 9]
     args = parser.parse_args(["surgery-eval", "tiny-rope", "--text", "t", "--preset", "none",

@@ -10,14 +10,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import need_hooked
+from hf_util import W_E, W_pos, gpt2_layer0
 
 from posprobe.analyses.decompose import (
-    DATA_TERMS, EXACT_TERMS, decompose_layer, decompose_layer0, head_summary, positional_mean, relative_fraction, summary_table,
+    DATA_TERMS,
+    EXACT_TERMS,
+    decompose_layer,
+    decompose_layer0,
+    head_summary,
+    positional_mean,
+    relative_fraction,
+    summary_table,
 )
 from posprobe.backend.facts import WrongModelKind
 from posprobe.backend.loading import load_model
-from conftest import need_hooked
-from hf_util import W_E, W_pos, gpt2_layer0
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -300,8 +307,11 @@ def test_minilm_layer0_terms_match_hf_weights(request, bert_hf, fixture, rel_tol
         n = toks.shape[1]
         dec = decompose_layer0(model, toks)
         tol = rel_tol * max(1.0, float(dec.scores.abs().max()))
-        raw = {"w": emb.word_embeddings.weight[toks], "p": emb.position_embeddings.weight[:n][None].expand(1, n, d_model),
-               "t": emb.token_type_embeddings.weight[0].expand(1, n, d_model)}  # one segment: token_type_ids = 0
+        raw = {
+            "w": emb.word_embeddings.weight[toks],
+            "p": emb.position_embeddings.weight[:n][None].expand(1, n, d_model),
+            "t": emb.token_type_embeddings.weight[0].expand(1, n, d_model),
+        }  # one segment: token_type_ids = 0
         ln = emb.LayerNorm
         normed = _frozen_ln_parts(raw, ln.weight, ln.bias, ln.eps)
         # the frozen parts rebuild HF's own embedding output (so the raw parts and the scale are right)
@@ -369,7 +379,10 @@ def test_tiny_ape_layer0_terms_from_state_dict(request, fixture, rel_tol):
         assert _max_diff(got_pairs[name][ok], ref[ok]) <= tol, name
     assert all(float(grouped[t][ok].abs().max()) > 100 * tol for t in EXACT_TERMS)
     # Mutations the comparison must catch: the LN bias labelled as word; the scale frozen from the word alone.
-    assert _max_diff((got_pairs["ww"] + got_pairs["wn"] + got_pairs["nw"] + got_pairs["nn"])[ok], grouped["ww"][ok]) > 100 * tol
+    assert (
+        _max_diff((got_pairs["ww"] + got_pairs["wn"] + got_pairs["nw"] + got_pairs["nn"])[ok], grouped["ww"][ok])
+        > 100 * tol
+    )
     wrong = _frozen_ln_parts(raw, gamma, beta, eps, scale_from=("w",))
     _, wrong_grouped = _reference_terms(wrong, proj(W_Q), proj(W_K), w["b_Q"], w["b_K"],
                                         dh, constant="n")

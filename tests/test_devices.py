@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from device_util import SyncCounter, count_syncs, on_meta
 
 
@@ -114,9 +113,9 @@ def test_head_signatures_host_syncs_do_not_grow(meta_rope):
 
 
 def test_rope_plan_with_views_and_greedy_generation_on_device(meta_rope):
+    from posprobe.backend.model import forward
     from posprobe.core.generation import generate
     from posprobe.core.positions import KeyView, PositionPlan, rope_positions
-    from posprobe.backend.model import forward
 
     n = 10
     base = torch.arange(n, dtype=torch.float64)

@@ -12,7 +12,6 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-
 from dist_worker import compute, work
 
 
@@ -63,7 +62,9 @@ def test_running_mean_merge_is_the_pooled_statistic():
 
     x = torch.randn(50, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     a, b, whole = RunningMean(), RunningMean(), RunningMean()
-    a.update(x[:17]); b.update(x[17:]); whole.update(x)
+    a.update(x[:17])
+    b.update(x[17:])
+    whole.update(x)
     a.merge(b)
     torch.testing.assert_close(a.mean, x.mean(0), rtol=0, atol=1e-14)
     torch.testing.assert_close(a.var, x.var(0, unbiased=False), rtol=0, atol=1e-14)

@@ -7,7 +7,6 @@ import copy
 
 import pytest
 import torch
-
 from test_long_context import _gemma3
 
 from posprobe.backend.fast_attention import sdpa_attention, sdpa_usable
@@ -80,7 +79,9 @@ def test_hooks_outside_attention_fire_with_the_same_values(pair):
     got: dict = {}
     with torch.no_grad():
         for fused in (False, True):
-            hooks = [(hook_name(p, l), lambda x, hook, key=(p, fused): got.__setitem__(key, x.clone())) for p, l in points]
+            hooks = [
+                (hook_name(p, l), lambda x, hook, key=(p, fused): got.__setitem__(key, x.clone())) for p, l in points
+            ]
             with hooked(bridge, hooks):
                 assert sdpa_usable(bridge)  # nothing inside attention is hooked
                 forward(bridge, toks, fused_attention=fused)

@@ -9,15 +9,15 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-
 from conftest import need_package
-from posprobe.core.capture import capture
-from posprobe.backend.facts import WrongModelKind, model_facts
+from hf_util import attn_scale, masked
+
 from posprobe.analyses.frequency import frequency_usage, rel_pos_edges, top_heads
 from posprobe.analyses.frequency_ablation import BandAblation, ablate_bands, band_ablation, head_ablations, p_sweep
-from posprobe.rope import RotarySpec, band_contributions, band_norms, rotate
+from posprobe.backend.facts import WrongModelKind, model_facts
+from posprobe.core.capture import capture
 from posprobe.data import BUILTIN_TEXT
-from hf_util import attn_scale, masked
+from posprobe.rope import RotarySpec, band_contributions, band_norms, rotate
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -76,7 +76,10 @@ def test_bands_sum_to_scores(request, model_name, tol):
 @pytest.mark.parametrize("adjacent", [False, True])
 def test_partial_rotary_remainder(adjacent):
     g = torch.Generator().manual_seed(1)
-    q, k = torch.randn(2, 7, 4, 16, generator=g, dtype=torch.float64), torch.randn(2, 7, 2, 16, generator=g, dtype=torch.float64)
+    q, k = (
+        torch.randn(2, 7, 4, 16, generator=g, dtype=torch.float64),
+        torch.randn(2, 7, 2, 16, generator=g, dtype=torch.float64),
+    )
     spec = RotarySpec(rotary_dim=8, base=100.0, adjacent=adjacent)
     pos = torch.arange(7, dtype=torch.float64)
     qr, kr = rotate(q, pos, spec), rotate(k, pos, spec)
@@ -91,7 +94,10 @@ def test_partial_rotary_remainder(adjacent):
 
 def test_band_norms_rotation_invariant(tiny_rope64, smollm2):
     # 1e-6 in float64: HF's cos/sin are float32 values, so cos^2 + sin^2 = 1 only to ~1e-7.
-    for model, toks, tol in ((tiny_rope64, _rows(tiny_rope64, 2, 20), 1e-6), (smollm2, _text_rows(smollm2, 24, 1), 1e-4)):
+    for model, toks, tol in (
+        (tiny_rope64, _rows(tiny_rope64, 2, 20), 1e-6),
+        (smollm2, _text_rows(smollm2, 24, 1), 1e-4),
+    ):
         facts = model_facts(model)
         cap = capture(model, toks, ["q", "k", "rot_q", "rot_k"], layers=[0])
         for pre, post in (("q", "rot_q"), ("k", "rot_k")):
@@ -249,7 +255,11 @@ def test_cli_tiny_and_bad_input(tmp_path, capsys):
     assert {"report.html", "meta.json", "bands.parquet", "profile.csv", "heads.parquet", "ablation.csv"} <= names
     assert not [n for n in names if n.startswith(".")]  # no temp files left
     meta = json.loads((out / "meta.json").read_text())
-    assert meta["data"]["source"] == "built-in text" and meta["n_windows"] == 3 and "positional if" in meta["classification_rule"]
+    assert (
+        meta["data"]["source"] == "built-in text"
+        and meta["n_windows"] == 3
+        and "positional if" in meta["classification_rule"]
+    )
     for args in (["tiny-ape"], ["tiny-rope", "--window", "999"], ["tiny-rope", "--text", str(tmp_path / "none.txt")]):
         bad = tmp_path / "bad"
         assert main(["freq-report", *args, "--out", str(bad), "--no-progress"]) == 2

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import need_hooked, need_package
 from test_schema import RUNS
 

@@ -15,9 +15,8 @@ import torch
 
 from posprobe.backend import hf as HF
 from posprobe.core import long_engine as LA
-from posprobe.core.presets import PRESETS
 from posprobe.core import surgery as S
-from posprobe.core.presets import preset_pairs, preset_plan
+from posprobe.core.presets import PRESETS, preset_pairs, preset_plan
 
 V, T = 61, 40
 
@@ -121,7 +120,10 @@ def reference_nll(model, ids, rel_keep):
 
 
 RULES = {
-    "self-extend:group=3,window=6": lambda i, j: (rel_self_extend(i, j, 3, 6), torch.ones_like(i - j, dtype=torch.bool)),
+    "self-extend:group=3,window=6": lambda i, j: (
+        rel_self_extend(i, j, 3, 6),
+        torch.ones_like(i - j, dtype=torch.bool),
+    ),
     "rerope:window=5": lambda i, j: (rel_rerope(i, j, 5), torch.ones_like(i - j, dtype=torch.bool)),
     "streaming:sink=2,window=7": lambda i, j: rel_streaming(i, j, 2, 7),
 }
@@ -234,10 +236,19 @@ def _gemma3():
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     torch.manual_seed(0)
-    cfg = Gemma3TextConfig(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-                           num_key_value_heads=2, head_dim=16, sliding_window=6, max_position_embeddings=32,
-                           layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-                           query_pre_attn_scalar=16)
+    cfg = Gemma3TextConfig(
+        vocab_size=V,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=6,
+        max_position_embeddings=32,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        query_pre_attn_scalar=16,
+    )
     return Gemma3ForCausalLM(cfg).eval()
 
 

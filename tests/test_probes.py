@@ -8,21 +8,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hf_util import W_E, W_pos
 
-from posprobe.backend.facts import WrongModelKind
 from posprobe.analyses.geometry import fit_sinusoid, position_means, residual_geometry, wpos_geometry
-from posprobe.backend.hooks import live_hook_count
 from posprobe.analyses.probes import (
     ProbeConfig,
+    fold_summary,
     group_folds,
     position_probes,
     sample_tokens,
     shuffle_within_groups,
-    fold_summary,
     text_rows,
 )
+from posprobe.backend.facts import WrongModelKind
+from posprobe.backend.hooks import live_hook_count
 from posprobe.data import BUILTIN_TEXT
-from hf_util import W_E, W_pos
 
 ROOT = Path(__file__).resolve().parents[1]
 

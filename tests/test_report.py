@@ -230,7 +230,17 @@ def test_save_rejects_bad_names(tmp_path, name):
 
 def test_environment_meta():
     env = environment_meta()
-    keys = {"python", "torch", "transformer-lens", "transformers", "numpy", "pandas", "posprobe", "platform", "timestamp_utc"}
+    keys = {
+        "python",
+        "torch",
+        "transformer-lens",
+        "transformers",
+        "numpy",
+        "pandas",
+        "posprobe",
+        "platform",
+        "timestamp_utc",
+    }
     assert keys <= set(env)
     assert env["numpy"] == np.__version__ and env["pandas"] == pd.__version__
     assert env["timestamp_utc"].endswith("+00:00")
@@ -247,7 +257,15 @@ def test_tables_read_like_a_paper_table():
                        "margin": [12.3456789, -0.5], "correct": [True, False], "tokens": [["<bos>", "a"], ["b"]],
                        "tiny": [1.5e-7, 2e-6]}, index=[5, 9])  # a filtered frame: unnamed, non-range index
     t = format_table(df)
-    assert list(t.columns) == ["k (start position)", "accuracy", "McNemar p", "margin (nats)", "correct", "tokens", "tiny"]
+    assert list(t.columns) == [
+        "k (start position)",
+        "accuracy",
+        "McNemar p",
+        "margin (nats)",
+        "correct",
+        "tokens",
+        "tiny",
+    ]
     assert t.iloc[0].tolist() == ["0", "0.9057", "1", "12.35", "yes", "<bos>, a", "1.50e-07"]
     assert t.iloc[1].tolist() == ["100", "0.9000", "0.000123", "-0.50", "no", "b", "2.00e-06"]
     html = table_html(df)

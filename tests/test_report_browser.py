@@ -146,8 +146,18 @@ def _run_analysis(name: str, tiny_ape, tiny_rope):
 
 
 
-ANALYSES = ("shift-test", "shift-test-control", "frequency", "decompose", "probes", "geometry", "squish", "surgery-eval",
-            "heads", "atlas")
+ANALYSES = (
+    "shift-test",
+    "shift-test-control",
+    "frequency",
+    "decompose",
+    "probes",
+    "geometry",
+    "squish",
+    "surgery-eval",
+    "heads",
+    "atlas",
+)
 
 
 @pytest.mark.browser
@@ -171,7 +181,9 @@ def test_analysis_report_in_chromium(name, tiny_ape, tiny_rope, tmp_path):
     model = result.meta["model"]["name"]
     for f in v["figs"]:
         assert f["traces"] >= 1 and f["width"] > 300 and f["height"] > 200, f
-        assert model in f["caption"] and "Data:" in f["caption"], f"{f['id']} lacks a caption naming model and data: {f}"
+        assert model in f["caption"] and "Data:" in f["caption"], (
+            f"{f['id']} lacks a caption naming model and data: {f}"
+        )
     assert v["doc_scroll"] <= v["page"] <= 1280, f"page scrolls horizontally: {v['doc_scroll']} > {v['page']}"
     for t in v["tables"]:
         assert t["scroll"] <= t["client"] + 1 and t["right"] <= t["section_right"], f"table wider than the page: {t}"

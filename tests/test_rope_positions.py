@@ -6,12 +6,19 @@ import math
 
 import pytest
 import torch
+from hf_util import hf_of, masked
 
 from posprobe.backend.facts import WrongModelKind
 from posprobe.backend.hooks import hook_name, hooked, live_hook_count
-from posprobe.core.positions import KeyView, PositionError, PositionPlan, learned_positions, rope_positions, shifted_plan
+from posprobe.core.positions import (
+    KeyView,
+    PositionError,
+    PositionPlan,
+    learned_positions,
+    rope_positions,
+    shifted_plan,
+)
 from posprobe.rope import RotarySpec, band_contributions, rotate, wavelength
-from hf_util import hf_of, masked
 
 TEXT = "The quick brown fox jumps over the lazy dog near the river bank."
 
@@ -53,7 +60,10 @@ def test_rotations_compose_and_partial_dims_pass_through():
 
 def test_band_scores_sum_to_rotated_dot_product_and_depend_on_relative_position():
     g = torch.Generator().manual_seed(2)
-    q, k = torch.randn(1, 6, 2, 8, dtype=torch.float64, generator=g), torch.randn(1, 6, 2, 8, dtype=torch.float64, generator=g)
+    q, k = (
+        torch.randn(1, 6, 2, 8, dtype=torch.float64, generator=g),
+        torch.randn(1, 6, 2, 8, dtype=torch.float64, generator=g),
+    )
     spec = RotarySpec(rotary_dim=8, base=100.0)
     pos = torch.arange(6, dtype=torch.float64)
     qr, kr = rotate(q, pos, spec), rotate(k, pos, spec)
@@ -85,7 +95,8 @@ def test_common_shift_is_invariant_and_query_only_shift_is_not(tiny_rope, tiny_r
     assert (q_only - base).abs().max() > 1e-2
     base64 = tiny_rope64(toks)
     # Not 1e-10: HF (the bridge) computes RoPE angles and RMSNorm in float32 even for float64 weights, so at
-    # position ~12k the angles carry float32 rounding (measured 1.3e-4 on the logits; the q-only shift moves them >1e-2).
+    # position ~12k the angles carry float32 rounding (measured 1.3e-4 on the logits; the q-only shift moves
+    # them >1e-2).
     with rope_positions(tiny_rope64, shifted_plan(n, 12345.5)):
         assert (tiny_rope64(toks) - base64).abs().max() <= 1e-3
 
@@ -96,7 +107,10 @@ def test_plan_scores_match_plain_torch_rotation(tiny_rope64):
     toks = model.to_tokens(TEXT)
     n = toks.shape[1]
     g = torch.Generator().manual_seed(3)
-    q_pos, k_pos = torch.rand(n, generator=g, dtype=torch.float64) * 50, torch.rand(n, generator=g, dtype=torch.float64) * 50
+    q_pos, k_pos = (
+        torch.rand(n, generator=g, dtype=torch.float64) * 50,
+        torch.rand(n, generator=g, dtype=torch.float64) * 50,
+    )
     seen = {}
     hooks = [(hook_name(p, 1), lambda x, hook, p=p: seen.__setitem__(p, x.clone())) for p in ("q", "k", "scores")]
     with rope_positions(model, PositionPlan(q_pos, k_pos)), hooked(model, hooks):
@@ -125,7 +139,10 @@ def test_key_view_changes_only_selected_query_rows(tiny_rope64):
     default = torch.arange(n, dtype=torch.float64)
     plan = PositionPlan(default, default.clone(), views=(KeyView(rows, squished, "cache"),))
     got = {}
-    with rope_positions(model, plan), hooked(model, [(hook_name("scores", 0), lambda x, hook: got.__setitem__("s", x.clone()))]):
+    with (
+        rope_positions(model, plan),
+        hooked(model, [(hook_name("scores", 0), lambda x, hook: got.__setitem__("s", x.clone()))]),
+    ):
         model(toks)
     torch.testing.assert_close(got["s"][:, :, :6], plain["s"][:, :, :6], atol=1e-12, rtol=0)
     assert (got["s"][:, :, 6:, :6] - plain["s"][:, :, 6:, :6]).abs().max() > 1e-3

@@ -66,7 +66,9 @@ def _squish(tiny_ape, tiny_rope):
 def _surgery(tiny_ape, tiny_rope):
     from posprobe.analyses.squish import SurgeryEvalConfig, run_surgery_eval
 
-    return run_surgery_eval(tiny_rope, TEXT, SurgeryEvalConfig(presets=("none", "pi:scale=2"), window=16, max_windows=1))
+    return run_surgery_eval(
+        tiny_rope, TEXT, SurgeryEvalConfig(presets=("none", "pi:scale=2"), window=16, max_windows=1)
+    )
 
 
 def _heads(tiny_ape, tiny_rope):
@@ -75,8 +77,17 @@ def _heads(tiny_ape, tiny_rope):
     return run_heads(tiny_rope, TEXT, HeadsConfig(window=16, max_windows=2, induction_len=4, progress=False))
 
 
-RUNS = {"heads": _heads, "shift-test": _shift, "frequency": _frequency, "decompose": _decompose, "decompose-data": _decompose_data,
-        "probes": _probes, "geometry": _geometry, "squish": _squish, "surgery-eval": _surgery}
+RUNS = {
+    "heads": _heads,
+    "shift-test": _shift,
+    "frequency": _frequency,
+    "decompose": _decompose,
+    "decompose-data": _decompose_data,
+    "probes": _probes,
+    "geometry": _geometry,
+    "squish": _squish,
+    "surgery-eval": _surgery,
+}
 
 
 @pytest.mark.parametrize("name", sorted(RUNS))
@@ -132,8 +143,18 @@ def test_schema_rejects_what_it_should():
 
 
 def test_only_the_backend_touches_transformer_lens():
-    hits = subprocess.run(["grep", "-rlE", r"transformer_lens|hook_(q|k|v|z|rot_q|rot_k|attn_scores|pattern|resid|pos_embed|embed|scale|normalized)\b",
-                           "--include=*.py", "posprobe"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    hits = subprocess.run(
+        [
+            "grep",
+            "-rlE",
+            r"transformer_lens|hook_(q|k|v|z|rot_q|rot_k|attn_scores|pattern|resid|pos_embed|embed|scale|normalized)\b",
+            "--include=*.py",
+            "posprobe",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    ).stdout.split()
     assert hits and all(h.startswith("posprobe/backend/") for h in hits), hits
 
 

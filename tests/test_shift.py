@@ -11,13 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from conftest import shared_data
-from posprobe.data import DataError, builtin_pairs
-from posprobe.core.scoring import TLScorer
-from posprobe.analyses.shift import ShiftConfig, ShiftError, summarize_pairs
-from posprobe.analyses.shift import run_shift_test
 from hf_util import hf_of
+
+from posprobe.analyses.shift import ShiftConfig, ShiftError, run_shift_test, summarize_pairs
+from posprobe.core.scoring import TLScorer
+from posprobe.data import DataError, builtin_pairs
 
 ROOT = Path(__file__).resolve().parents[1]
 PAIRS = builtin_pairs(max_pairs=6, seed=0)
@@ -154,8 +153,26 @@ def test_cli_report_renders_offline_in_chromium(tmp_path):
 
     text = tmp_path / "t.txt"
     text.write_text(" ".join(["The children who live near the river often swim there in summer."] * 40))
-    done = _cli("tiny-ape", "--k", "0", "30", "--max-pairs", "5", "--text", str(text), "--window", "32",
-                "--max-windows", "4", "--bootstrap", "50", "--out", str(tmp_path / "out"), "--no-progress", cwd=tmp_path)
+    done = _cli(
+        "tiny-ape",
+        "--k",
+        "0",
+        "30",
+        "--max-pairs",
+        "5",
+        "--text",
+        str(text),
+        "--window",
+        "32",
+        "--max-windows",
+        "4",
+        "--bootstrap",
+        "50",
+        "--out",
+        str(tmp_path / "out"),
+        "--no-progress",
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stderr
     assert "McNemar" in done.stdout
     out = tmp_path / "out"

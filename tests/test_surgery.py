@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_util import masked
 
+from posprobe.backend.facts import WrongModelKind
 from posprobe.core import surgery as S
 from posprobe.core.capture import capture
-from posprobe.backend.facts import WrongModelKind
 from posprobe.core.generation import continuation_logprob, generate, logits_under
 from posprobe.core.positions import PositionError, PositionPlan
 from posprobe.rope import RotarySpec
-from hf_util import masked
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import need_package
+
 from posprobe.backend.peek import hf_positional_kind, peek, read_gguf_metadata
 from posprobe.backend.sources import ModelLoadError
 from posprobe.cli import main
@@ -195,7 +195,10 @@ def test_peek_of_bad_local_paths_raises_the_loading_message(tmp_path):
     ("cfg", "kind"),
     [
         ({"model_type": "gpt2", "n_positions": 1024}, "learned_absolute"),
-        ({"model_type": "bert", "max_position_embeddings": 512, "position_embedding_type": "absolute"}, "learned_absolute"),
+        (
+            {"model_type": "bert", "max_position_embeddings": 512, "position_embedding_type": "absolute"},
+            "learned_absolute",
+        ),
         ({"model_type": "llama", "rope_parameters": {"rope_theta": 1e4}}, "rotary"),
         ({"model_type": "gptj", "rotary_dim": 64}, "rotary"),
         ({"model_type": "qwen2", "rope_theta": 1e6}, "rotary"),

@@ -14,8 +14,14 @@ from typing import Any
 
 import pandas as pd
 
-from posprobe.analyses.configs import (AtlasConfig, FrequencyConfig, GeometryConfig, HeadsConfig, ProbeConfig,
-                                       ShiftConfig)
+from posprobe.analyses.configs import (
+    AtlasConfig,
+    FrequencyConfig,
+    GeometryConfig,
+    HeadsConfig,
+    ProbeConfig,
+    ShiftConfig,
+)
 from posprobe.backend.facts import ModelFacts, model_facts
 from posprobe.backend.model import device_of, dtype_of
 from posprobe.data import BUILTIN_SOURCE, BUILTIN_TEXT, builtin_pairs
@@ -81,20 +87,51 @@ def run_atlas(model: Any, text: str | None = None, config: AtlasConfig | None = 
     # Built-in sentences are < 64 tokens: a k that would push them past the context is lowered to fit.
     ks = tuple(sorted({min(k, max(facts.n_ctx - 64, 0)) for k in cfg.ks}))
     runs = {
-        "heads": lambda: run_heads(model, body, HeadsConfig(window=w, max_windows=nw, induction_len=min(
-            cfg.induction_len, (facts.n_ctx - 1) // 2), seed=cfg.seed, progress=cfg.progress), source=src),
-        "frequency": lambda: run_frequency(model, body, FrequencyConfig(window=w, max_windows=nw, queries=32,
-                                                                         ablate=False, progress=cfg.progress), source=src),
-        "geometry": lambda: run_geometry(model, body, GeometryConfig(window=w, max_windows=nw, progress=cfg.progress),
-                                         source=src),
-        "probes": lambda: run_probes(model, body, ProbeConfig(points=("resid_post",), n_splits=3, window=w,
-                                                              max_windows=max(nw, 6), max_tokens=cfg.probe_tokens,
-                                                              seed=cfg.seed, progress=cfg.progress), source=src),
-        "shift": lambda: run_shift_test(spec or model, builtin_pairs(max_pairs=cfg.max_pairs, seed=cfg.seed),
-                                        config=ShiftConfig(ks=ks, seed=cfg.seed, n_bootstrap=200,
-                                                           allow_beyond_context=False, progress=cfg.progress),
-                                        data_source=BUILTIN_SOURCE, device=str(device_of(model)),
-                                        dtype=str(dtype_of(model)).replace("torch.", "")),
+        "heads": lambda: run_heads(
+            model,
+            body,
+            HeadsConfig(
+                window=w,
+                max_windows=nw,
+                induction_len=min(cfg.induction_len, (facts.n_ctx - 1) // 2),
+                seed=cfg.seed,
+                progress=cfg.progress,
+            ),
+            source=src,
+        ),
+        "frequency": lambda: run_frequency(
+            model,
+            body,
+            FrequencyConfig(window=w, max_windows=nw, queries=32, ablate=False, progress=cfg.progress),
+            source=src,
+        ),
+        "geometry": lambda: run_geometry(
+            model, body, GeometryConfig(window=w, max_windows=nw, progress=cfg.progress), source=src
+        ),
+        "probes": lambda: run_probes(
+            model,
+            body,
+            ProbeConfig(
+                points=("resid_post",),
+                n_splits=3,
+                window=w,
+                max_windows=max(nw, 6),
+                max_tokens=cfg.probe_tokens,
+                seed=cfg.seed,
+                progress=cfg.progress,
+            ),
+            source=src,
+        ),
+        "shift": lambda: run_shift_test(
+            spec or model,
+            builtin_pairs(max_pairs=cfg.max_pairs, seed=cfg.seed),
+            config=ShiftConfig(
+                ks=ks, seed=cfg.seed, n_bootstrap=200, allow_beyond_context=False, progress=cfg.progress
+            ),
+            data_source=BUILTIN_SOURCE,
+            device=str(device_of(model)),
+            dtype=str(dtype_of(model)).replace("torch.", ""),
+        ),
     }
     sections = applicable(facts, cfg.sections)
     parts: dict[str, Result] = {}
@@ -128,9 +165,18 @@ def _headlines(facts: ModelFacts, parts: dict[str, Result]) -> list[tuple[str, s
         share = b[(b.metric == "abs_share") & (b.band >= 0)]
         n_bands = int(share.band.max()) + 1
         q = n_bands // 4 or 1
-        rows += [("frequency", "abs_share_fastest_quarter", float(share[share.band < q].groupby(["layer", "head"]).value.sum().mean())),
-                 ("frequency", "abs_share_slowest_quarter",
-                  float(share[share.band >= n_bands - q].groupby(["layer", "head"]).value.sum().mean()))]
+        rows += [
+            (
+                "frequency",
+                "abs_share_fastest_quarter",
+                float(share[share.band < q].groupby(["layer", "head"]).value.sum().mean()),
+            ),
+            (
+                "frequency",
+                "abs_share_slowest_quarter",
+                float(share[share.band >= n_bands - q].groupby(["layer", "head"]).value.sum().mean()),
+            ),
+        ]
         heads = parts["frequency"].tables["heads"]
         rows += [("frequency", f"n_{k}", float(v)) for k, v in heads.kind.value_counts().items()]
     if "geometry" in parts:

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Literal, get_args, get_origin, get_type_hints
 
-from posprobe.core.config import option
 from posprobe.core import presets
+from posprobe.core.config import option
 
 #: Residual-stream capture points a position probe can read.
 RESIDUAL_POINTS = ("resid_pre", "resid_mid", "resid_post")
@@ -152,7 +152,9 @@ class ProbeConfig:
             raise ValueError(f"Unknown or no residual points {bad}; choose from {RESIDUAL_POINTS}")
         if (self.n_splits < 2 or self.inner_splits < 2 or self.max_tokens < self.n_splits
                 or min(self.alphas, default=0) <= 0 or self.batch_size < 1):
-            raise ValueError("Need n_splits >= 2, inner_splits >= 2, max_tokens >= n_splits, alphas > 0, batch_size >= 1")
+            raise ValueError(
+                "Need n_splits >= 2, inner_splits >= 2, max_tokens >= n_splits, alphas > 0, batch_size >= 1"
+            )
         _at_least(self, 0, "skip_first")
         _at_least(self, 2, "window")
         _at_least(self, 1, "max_windows")

@@ -44,19 +44,28 @@ import pandas as pd
 import torch
 from jaxtyping import Float, Int
 
+from posprobe.analyses.configs import DecomposeConfig
 from posprobe.backend.facts import WrongModelKind, model_facts
 from posprobe.backend.hooks import attention_scores, kept_scores, rotate_at, scores_hook_is_pattern
 from posprobe.backend.model import (
-    NormSpec, device_of, embedding_norm, embedding_points, encode_text, n_layers, pre_attention_norm, qk_weights,
-    scores_not_bilinear, special_tokens, tokenizer_of,
+    NormSpec,
+    device_of,
+    embedding_norm,
+    embedding_points,
+    encode_text,
+    n_layers,
+    pre_attention_norm,
+    qk_weights,
+    scores_not_bilinear,
+    special_tokens,
+    tokenizer_of,
 )
-from posprobe.analyses.configs import DecomposeConfig
 from posprobe.core.capture import batches, capture, mean_by_position, stream
-from posprobe.rope import RotarySpec, rotate
 from posprobe.data import BUILTIN_TEXT, framed_windows
 from posprobe.report.decompose import summary_table
 from posprobe.report.result import Result
 from posprobe.report.schema import data_meta, make_meta, text_sha256
+from posprobe.rope import RotarySpec
 
 # Parts that are the same vector at every token (before the frozen norm's per-token scale).
 BIAS_PARTS = frozenset("tnb")
@@ -172,7 +181,9 @@ def _f64(x: torch.Tensor) -> torch.Tensor:
     return x.detach().to("cpu", torch.float64)
 
 
-def _frozen_norm(norm: NormSpec | None, parts: dict[str, torch.Tensor], scale: torch.Tensor | None) -> dict[str, torch.Tensor]:
+def _frozen_norm(
+    norm: NormSpec | None, parts: dict[str, torch.Tensor], scale: torch.Tensor | None
+) -> dict[str, torch.Tensor]:
     """Push each part through `norm` with its per-token scale frozen; adds the norm's bias to part "n"."""
     if norm is None:  # the attention reads these vectors directly (BERT's post-LN blocks)
         return dict(parts)
@@ -304,7 +315,7 @@ def _row_centre(x: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
 
 def relative_fraction(
     term: Float[torch.Tensor, "batch query_pos key_pos"], ok: torch.Tensor,
-) -> tuple[float, Float[torch.Tensor, "rel"]]:
+) -> tuple[float, Float[torch.Tensor, " rel"]]:
     """Fraction of `term`'s variance (over unmasked entries) explained by its mean on each diagonal
     i - j, and those diagonal means indexed by rel_pos + (n - 1)."""
     n = term.shape[-1]
@@ -430,8 +441,19 @@ def run_decompose(model: Any, config: DecomposeConfig | None = None, *, source: 
     data = data_meta(source or ("built-in text" if config.text is None else "text"), n_items=len(words),
                      unit="tokens", sha256=text_sha256(text))
     cfg = {k: v for k, v in asdict(config).items() if k != "text"}  # the text is in data (hash), not config
-    meta = make_meta("decompose", model=model_facts(model).summary(), data=data, config=cfg,
-                     method=dec.method, layer=dec.layer, head=head, sentence_tokens=words, n_tokens=len(words),
-                     max_abs_error=dec.max_error(), parts=list(dec.parts), heatmap_terms=list(HEATMAP_TERMS[dec.method]),
-                     **dec.meta)
+    meta = make_meta(
+        "decompose",
+        model=model_facts(model).summary(),
+        data=data,
+        config=cfg,
+        method=dec.method,
+        layer=dec.layer,
+        head=head,
+        sentence_tokens=words,
+        n_tokens=len(words),
+        max_abs_error=dec.max_error(),
+        parts=list(dec.parts),
+        heatmap_terms=list(HEATMAP_TERMS[dec.method]),
+        **dec.meta,
+    )
     return Result({"decompose": df}, meta)

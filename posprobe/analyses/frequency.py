@@ -15,18 +15,17 @@ from typing import Any, Sequence
 import numpy as np
 import pandas as pd
 import torch
-from jaxtyping import Float
 
-from posprobe.core import distributed
-from posprobe.core.capture import Reducer, check_rows, stream, to_cpu_once
 from posprobe.analyses.configs import FrequencyConfig
 from posprobe.analyses.frequency_ablation import band_ablation, head_ablations, p_sweep
 from posprobe.backend.facts import ModelFacts, model_facts, require_rotary
 from posprobe.backend.hooks import score_scale, score_soft_cap
+from posprobe.backend.model import device_of
+from posprobe.core import distributed
+from posprobe.core.capture import Reducer, check_rows, stream, to_cpu_once
 from posprobe.report.result import Result
 from posprobe.report.schema import data_meta, make_meta, text_sha256
 from posprobe.rope import RotarySpec, _grouped_band_products, angular_frequency, band_norms, wavelength
-from posprobe.backend.model import context_length, device_of
 
 #: Elements of one [head, band, query_pos, key_pos] block processed at once (bounds transient memory).
 CHUNK_ELEMENTS = 1 << 24
@@ -142,7 +141,9 @@ def _grouped_dot(q: torch.Tensor, k: torch.Tensor, dims: slice, scale: float) ->
     # q.k / scale over head dims `dims`, as [batch, kv_head, group * query_pos, key_pos] (GQA keys not repeated).
     B, n_q, H, _ = q.shape
     kv = k.shape[2]
-    qg = (q[..., dims] / scale).reshape(B, n_q, kv, H // kv, -1).permute(0, 2, 3, 1, 4).reshape(B, kv, H // kv * n_q, -1)
+    qg = (
+        (q[..., dims] / scale).reshape(B, n_q, kv, H // kv, -1).permute(0, 2, 3, 1, 4).reshape(B, kv, H // kv * n_q, -1)
+    )
     return qg @ k[..., dims].permute(0, 2, 3, 1)
 
 
@@ -357,9 +358,20 @@ def _tables(facts: ModelFacts, accs: dict[int, _Acc], edges: list[int], window: 
         d, p, f = (x / max(a.n_rows, 1) for x in (a.diag, a.prev, a.first))
         kind = ["positional" if e >= 0.3 or pp >= 0.5 or dd >= 0.5 else "semantic" if e < 0.1 else "mixed"
                 for e, pp, dd in zip(eta2.tolist(), p.tolist(), d.tolist())]
-        hparts.append(dict(layer=np.full(H, layer), head=np.arange(H), kv_head=kv.numpy(), base=np.full(H, float(spec.base)),
-                           diag_mass=d.numpy(), prev_mass=p.numpy(), first_mass=f.numpy(), eta2=eta2.numpy(),
-                           fast_share=share[:, fast].sum(-1).numpy(), kind=np.array(kind, dtype=object)))
+        hparts.append(
+            dict(
+                layer=np.full(H, layer),
+                head=np.arange(H),
+                kv_head=kv.numpy(),
+                base=np.full(H, float(spec.base)),
+                diag_mass=d.numpy(),
+                prev_mass=p.numpy(),
+                first_mass=f.numpy(),
+                eta2=eta2.numpy(),
+                fast_share=share[:, fast].sum(-1).numpy(),
+                kind=np.array(kind, dtype=object),
+            )
+        )
     li = np.arange(L)
     g = _grid(li=li, metric=metrics, head=range(H), bi=range(nbx))
     band_df = pd.DataFrame(dict(model=facts.name, layer=np.asarray(layers)[g["li"]], head=g["head"],

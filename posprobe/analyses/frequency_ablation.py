@@ -18,11 +18,11 @@ import torch
 from tqdm.auto import tqdm
 
 from posprobe.backend.facts import ModelFacts, model_facts, require_rotary
-from posprobe.core.capture import check_rows
-from posprobe.rope import band_contributions, expand_kv
 from posprobe.backend.hooks import hook_name, hooked, pre_rotation, score_scale, score_soft_cap
-from posprobe.core.positions import PositionPlan, rope_positions
 from posprobe.backend.model import context_length, token_losses
+from posprobe.core.capture import check_rows
+from posprobe.core.positions import PositionPlan, rope_positions
+from posprobe.rope import band_contributions, expand_kv
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -110,7 +110,9 @@ def matrix_geometry(P: Float[torch.Tensor, "pos d_model"] | np.ndarray, *, n_com
     parts.append(pd.DataFrame(dict(metric="cosine", pos=a.ravel(), pos2=b.ravel(), value=cosine_matrix(X[:m]).ravel())))
     for k in range(scores.shape[1]):
         fit = fit_sinusoid(scores[:, k], pos)
-        parts += [pd.DataFrame(dict(metric=f"sin_{q}", k=[k], value=[fit[q]])) for q in ("period", "r2", "amplitude", "phase")]
+        parts += [
+            pd.DataFrame(dict(metric=f"sin_{q}", k=[k], value=[fit[q]])) for q in ("period", "r2", "amplitude", "phase")
+        ]
     df = pd.concat(parts, ignore_index=True)
     for c in ("k", "pos", "pos2"):
         df[c] = df[c].astype("Int64")
@@ -185,8 +187,15 @@ def residual_geometry(model: Any, token_rows: Sequence[Sequence[int]] | Int[torc
     df.insert(0, "model", facts.name)
     config = dict(point=point, layers=layers, skip_first=skip_first, n_components=n_components,
                   max_cos_pos=max_cos_pos, batch_size=batch_size)
-    meta = make_meta("geometry", model=facts.summary(), data=data_meta("token rows", n_items=len(token_rows), unit="windows"),
-                     config=config, views=[f"{point} mean"], n_rows=len(token_rows), n_pos=n_pos)
+    meta = make_meta(
+        "geometry",
+        model=facts.summary(),
+        data=data_meta("token rows", n_items=len(token_rows), unit="windows"),
+        config=config,
+        views=[f"{point} mean"],
+        n_rows=len(token_rows),
+        n_pos=n_pos,
+    )
     return Result({"geometry": df}, meta)
 
 

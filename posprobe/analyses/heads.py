@@ -42,7 +42,8 @@ CLASSES = ("sink", "previous-token", "current-token", "induction", "fixed-offset
 def class_rules(cfg: HeadsConfig) -> dict[str, str]:
     """Each class's rule in words, with the thresholds of `cfg` (written into meta and the report)."""
     return {
-        "sink": f"sink_score > {cfg.sink_threshold} (Gu et al. 2024: attention on the first token per query that sees it)",
+        "sink": f"sink_score > {cfg.sink_threshold} "
+        "(Gu et al. 2024: attention on the first token per query that sees it)",
         "previous-token": f"prev_mass > {cfg.prev_threshold} (mean attention from i to i-1)",
         "current-token": f"self_mass > {cfg.self_threshold} (mean attention from i to itself)",
         "induction": f"induction_score > {cfg.induction_threshold} (repeated random tokens, TL head_detector 'mul')",
@@ -56,7 +57,9 @@ def _reducer(layers: list[int], n: int, encoder: bool) -> Reducer:
     visible = torch.full((n,), n) if encoder else torch.arange(1, n + 1)
     keep = visible > 1  # a query that sees one key has no entropy to compare with uniform
     log_visible = torch.log(visible[keep].double())
-    on: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # the index tables, copied once per device
+    on: dict[
+        torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    ] = {}  # the index tables, copied once per device
 
     def fn(point: str, layer: int, x: torch.Tensor, state: dict) -> None:
         # [batch, head_index, query_pos, key_pos]; masked entries are exactly 0. float64 on the device

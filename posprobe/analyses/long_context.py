@@ -26,8 +26,8 @@ from tqdm.auto import tqdm
 from posprobe.analyses.configs import LongContextConfig
 from posprobe.backend import hf as HF
 from posprobe.backend.kind import is_bridge
-from posprobe.core import long_engine as LA
 from posprobe.backend.model import model_name, tokenizer_of
+from posprobe.core import long_engine as LA
 from posprobe.core.presets import preset_pairs
 from posprobe.core.surgery import PairRule
 from posprobe.report.result import Result
@@ -127,10 +127,17 @@ def _model_meta(hf: Any, name: str, ctx: int | None) -> dict[str, Any]:
     rotary = HF.is_rotary(hf)
     n = len(HF.attention_modules(hf))
     bases = sorted({HF.rotary_spec(hf, l).base for l in range(n)}) if rotary else []
-    return {"name": name, "source": str(getattr(cfg, "_name_or_path", "") or name),
-            "positional_kind": "rotary" if rotary else "other", "n_ctx": ctx, "n_layers": n,
-            "n_heads": getattr(cfg, "num_attention_heads", None), "n_kv_heads": getattr(cfg, "num_key_value_heads", None),
-            "rotary_bases": bases, "model_type": getattr(cfg, "model_type", None)}
+    return {
+        "name": name,
+        "source": str(getattr(cfg, "_name_or_path", "") or name),
+        "positional_kind": "rotary" if rotary else "other",
+        "n_ctx": ctx,
+        "n_layers": n,
+        "n_heads": getattr(cfg, "num_attention_heads", None),
+        "n_kv_heads": getattr(cfg, "num_key_value_heads", None),
+        "rotary_bases": bases,
+        "model_type": getattr(cfg, "model_type", None),
+    }
 
 
 def _check(hf: Any, tok: Any, n_tokens: int, rules: dict[str, PairRule], cfg: LongContextConfig) -> int:
@@ -202,7 +209,9 @@ def run_long_context(model: Any, text: str, config: LongContextConfig | None = N
         nll = torch.stack([LA.token_nll(hf, torch.tensor(w), rules[spec], chunk=cfg.chunk) for w in windows[L]])
         for a, b, v, c in binned_loss(nll, cfg.bin_size):
             rows.append(dict(model=name, preset=spec, length=L, bin_start=a, bin_end=b, metric="nll", value=v, count=c))
-        stats = summarize_nll(nll, ctx, bin_size=cfg.bin_size, warmup=cfg.warmup, margin=cfg.margin, span=cfg.break_span)
+        stats = summarize_nll(
+            nll, ctx, bin_size=cfg.bin_size, warmup=cfg.warmup, margin=cfg.margin, span=cfg.break_span
+        )
         for metric, v in stats.items():
             summary.append(dict(model=name, preset=spec, length=L, metric=metric, value=v, count=len(windows[L])))
     tables = {"long_context": pd.DataFrame(rows), "long_context_summary": pd.DataFrame(summary)}
@@ -218,7 +227,9 @@ def run_long_context(model: Any, text: str, config: LongContextConfig | None = N
     return Result(tables, meta)
 
 
-def _passkey(hf: Any, tok: Any, rules: dict[str, PairRule], cfg: LongContextConfig, name: str) -> dict[str, pd.DataFrame]:
+def _passkey(
+    hf: Any, tok: Any, rules: dict[str, PairRule], cfg: LongContextConfig, name: str
+) -> dict[str, pd.DataFrame]:
     keys = _keys(cfg)
     rows = []
     eos = getattr(tok, "eos_token_id", None)

@@ -25,6 +25,7 @@ from posprobe.report.probes import fold_summary  # noqa: F401 - part of this mod
 from posprobe.report.result import Result
 from posprobe.report.schema import data_meta, make_meta, text_sha256
 
+
 def text_rows(model: Any, text: str, window: int = 64, max_windows: int | None = None) -> list[list[int]]:
     """Token rows of exactly `window` ids: the text's tokens cut into windows, each row starting with the
     model's BOS/CLS token when its tokenizer has one (so position 0 is what the model usually sees)."""
@@ -198,8 +199,10 @@ def probe_scores(X: np.ndarray, positions: np.ndarray, groups: np.ndarray, n_pos
         ys[tr], bs[tr] = positions[order][tr], buckets[order][tr]
         ctrl = _fit_fold(X, ys, bs, groups, tr, te, cfg)
         for condition, res in (("probe", real), ("control", ctrl), ("chance", _chance(positions, buckets, tr, te))):
-            rows += [dict(condition=condition, fold=fold, metric=m, value=res[m], alpha=res.get(f"alpha_{m}", float("nan")))
-                     for m in ("mae", "accuracy")]
+            rows += [
+                dict(condition=condition, fold=fold, metric=m, value=res[m], alpha=res.get(f"alpha_{m}", float("nan")))
+                for m in ("mae", "accuracy")
+            ]
     return pd.DataFrame(rows)
 
 
@@ -227,7 +230,9 @@ def position_probes(model: Any, token_rows: Sequence[Sequence[int]] | torch.Tens
     position_buckets(np.arange(n_pos), n_pos - cfg.skip_first, cfg.n_buckets)  # validates n_buckets
     if n_rows - -(-n_rows // cfg.n_splits) < 2:
         # Every outer training set needs two rows for the grouped inner split that picks the penalty.
-        raise ValueError(f"Too few token rows ({n_rows}) for n_splits={cfg.n_splits}: each training fold needs >= 2 rows")
+        raise ValueError(
+            f"Too few token rows ({n_rows}) for n_splits={cfg.n_splits}: each training fold needs >= 2 rows"
+        )
     flat = sample_tokens(n_rows, n_pos, cfg.max_tokens, cfg.seed, cfg.skip_first)
     positions, groups = flat % n_pos, flat // n_pos
     keys = [(p, l) for l in layers for p in cfg.points]

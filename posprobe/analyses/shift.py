@@ -7,20 +7,20 @@ the result is an invariance control, and its measured deviation is reported.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Literal, Sequence
 
 import numpy as np
 import pandas as pd
 import torch
 
-from posprobe.data import BUILTIN_SOURCE, DataError, MinimalPair, pairs_fingerprint
-from posprobe.core.scoring import Positioned
 from posprobe.analyses.configs import ShiftConfig, ShiftError
-from posprobe.report.result import Result
-from posprobe.report.shift import ppl_by_k
-from posprobe.report.schema import data_meta, make_meta, text_sha256
 from posprobe.backend.model import forward, n_layers, tokenizer_of
+from posprobe.core.scoring import Positioned
+from posprobe.data import BUILTIN_SOURCE, DataError, MinimalPair, pairs_fingerprint
+from posprobe.report.result import Result
+from posprobe.report.schema import data_meta, make_meta, text_sha256
+from posprobe.report.shift import ppl_by_k
 
 PrefixKind = Literal["auto", "bos", "eot", "none"]
 
@@ -158,14 +158,29 @@ def summarize_pairs(pairs: pd.DataFrame, *, n_boot: int, seed: int) -> pd.DataFr
                 c, w = g.correct.to_numpy(), g.was.to_numpy()
                 to_wrong, to_right = int((w & ~c).sum()), int((~w & c).sum())
                 lo, hi = bootstrap_ci(c, n_boot=n_boot, seed=seed)
-                rows.append(dict(k=k, level=level, group=name, n_pairs=len(g), accuracy=float(c.mean()), ci_low=lo,
-                                 ci_high=hi, mean_margin=float(g.margin.mean()), delta_accuracy=float(c.mean() - w.mean()),
-                                 flips=to_wrong + to_right, flips_to_wrong=to_wrong, flips_to_correct=to_right,
-                                 mcnemar_p=mcnemar_exact(to_wrong, to_right)))
+                rows.append(
+                    dict(
+                        k=k,
+                        level=level,
+                        group=name,
+                        n_pairs=len(g),
+                        accuracy=float(c.mean()),
+                        ci_low=lo,
+                        ci_high=hi,
+                        mean_margin=float(g.margin.mean()),
+                        delta_accuracy=float(c.mean() - w.mean()),
+                        flips=to_wrong + to_right,
+                        flips_to_wrong=to_wrong,
+                        flips_to_correct=to_right,
+                        mcnemar_p=mcnemar_exact(to_wrong, to_right),
+                    )
+                )
     return pd.DataFrame(rows)
 
 
-def score_text(scorer: Any, tokenizer: Any, text: str, cfg: ShiftConfig, prefix: list[int], ks: Sequence[int]) -> pd.DataFrame:
+def score_text(
+    scorer: Any, tokenizer: Any, text: str, cfg: ShiftConfig, prefix: list[int], ks: Sequence[int]
+) -> pd.DataFrame:
     """Per-token loss (nats) of fixed windows of `text` at every k, by position inside the window."""
     from posprobe.data import token_windows
 
@@ -230,7 +245,9 @@ def prepare(model: Any, *, backend: str = "auto", device: str = "cpu", dtype: st
             if not HF.folder_architecture(HF.hf_folder(src)).startswith("Bert"):
                 hf, tok = load_hf_model(model, dtype=dtype, device=device)
                 ctx = HF.position_table_size(hf)
-                return Prepared(src.name, HFScorer(hf, tok), tok, HF.positional_kind(hf), min(ctx, n_ctx or ctx), False, "hf")
+                return Prepared(
+                    src.name, HFScorer(hf, tok), tok, HF.positional_kind(hf), min(ctx, n_ctx or ctx), False, "hf"
+                )
         elif backend == "hf":
             raise ShiftError(f"{model} has no Hugging Face weights on disk; use backend 'tl'")
     from posprobe.backend.facts import model_facts
@@ -314,8 +331,15 @@ def run_shift_test(
     )
     if len(pair_df):
         base = pair_df[pair_df.k == 0].set_index(["paradigm", "pair_id"])
-        dev = {int(k): float((g.set_index(["paradigm", "pair_id"])[["logp_good", "logp_bad"]] - base[["logp_good", "logp_bad"]]).abs().max().max())
-               for k, g in pair_df.groupby("k")}
+        dev = {
+            int(k): float(
+                (g.set_index(["paradigm", "pair_id"])[["logp_good", "logp_bad"]] - base[["logp_good", "logp_bad"]])
+                .abs()
+                .max()
+                .max()
+            )
+            for k, g in pair_df.groupby("k")
+        }
         meta["max_abs_logp_change_vs_k0"] = dev
     if len(tokens):
         meta["perplexity"] = ppl_by_k(tokens).to_dict("records")
@@ -331,10 +355,8 @@ def run_shift_test(
 def encoder_drift(model: Any, sentences: Sequence[str], ks: Sequence[int], cfg: ShiftConfig) -> pd.DataFrame:
     """Cosine similarity of each layer's token representations (and the mean-pooled sentence vector)
     at shift k to the same at k = 0, averaged over tokens/sentences. For encoders without an LM head."""
-    from posprobe.backend.hooks import hooked
+    from posprobe.backend.hooks import encoder_layer_hooks, hooked
     from posprobe.core.positions import learned_positions
-
-    from posprobe.backend.hooks import encoder_layer_hooks
 
     tok = tokenizer_of(model)
     enc = [tok(s).input_ids for s in sentences]
@@ -362,7 +384,9 @@ def encoder_drift(model: Any, sentences: Sequence[str], ks: Sequence[int], cfg: 
         for i, label in enumerate(["embeddings"] + [str(l) for l in range(layers)]):
             cos = torch.cat([torch.cosine_similarity(a, b, dim=-1) for a, b in zip(reps[k][i], reps[0][i])])
             rows.append((k, label, "token", float(cos.mean())))
-        pooled = torch.stack([torch.cosine_similarity(a.mean(0), b.mean(0), dim=0) for a, b in zip(reps[k][-1], reps[0][-1])])
+        pooled = torch.stack(
+            [torch.cosine_similarity(a.mean(0), b.mean(0), dim=0) for a, b in zip(reps[k][-1], reps[0][-1])]
+        )
         rows.append((k, "pooled", "sentence", float(pooled.mean())))
     return pd.DataFrame(rows, columns=["k", "layer", "unit", "cosine_to_k0"])
 

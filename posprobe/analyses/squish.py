@@ -16,14 +16,14 @@ import torch
 from jaxtyping import Int
 from tqdm.auto import tqdm
 
-from posprobe.core.capture import capture
+from posprobe.analyses.configs import SquishConfig, SurgeryEvalConfig
 from posprobe.backend.facts import model_facts, require_rotary
+from posprobe.backend.model import encode_text, model_name, n_layers, tokenizer_of
+from posprobe.core.capture import capture
 from posprobe.core.generation import Generation, continuation_logprob, generate, logits_under, token_logprobs
 from posprobe.core.positions import PositionPlan
 from posprobe.core.presets import preset_plan
 from posprobe.core.surgery import apply_plan, key_squish
-from posprobe.backend.model import encode_text, model_name, n_layers, tokenizer_of
-from posprobe.analyses.configs import SquishConfig, SurgeryEvalConfig
 from posprobe.report.result import Result
 from posprobe.report.schema import data_meta, make_meta, text_sha256
 
@@ -32,7 +32,7 @@ from posprobe.report.schema import data_meta, make_meta, text_sha256
 class Prompt:
     """Prompt tokens and the [start, end) token span of the instruction inside them."""
 
-    tokens: Int[torch.Tensor, "pos"]
+    tokens: Int[torch.Tensor, " pos"]
     span: tuple[int, int]
     text: str
 
@@ -152,7 +152,7 @@ def squish_generate(model: Any, instruction: str, prompt: str, *, to: float | No
     return Result({"squish": pd.DataFrame(rows)}, meta)
 
 
-def build_prompt_without(model: Any, prompt: str, *, chat: bool | None = None) -> Int[torch.Tensor, "pos"]:
+def build_prompt_without(model: Any, prompt: str, *, chat: bool | None = None) -> Int[torch.Tensor, " pos"]:
     """The same prompt with no instruction (the control for the instruction's effect)."""
     return torch.tensor(tokenizer_of(model)(_render(model, prompt, chat), add_special_tokens=False)["input_ids"])
 

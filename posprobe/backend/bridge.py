@@ -25,7 +25,9 @@ def boot(source: Any, folder: Any, *, device: str = "cpu", dtype: torch.dtype = 
 
     from posprobe.backend.sources import ModelLoadError, official_name
 
-    kwargs: dict[str, Any] = dict(device=device, dtype=dtype) if device_map is None else dict(dtype=dtype, device_map=device_map)
+    kwargs: dict[str, Any] = (
+        dict(device=device, dtype=dtype) if device_map is None else dict(dtype=dtype, device_map=device_map)
+    )
     if n_ctx is not None:
         kwargs["n_ctx"] = n_ctx
     if n_devices > 1:

@@ -34,8 +34,9 @@ def require_hooked() -> None:
         from importlib.metadata import version
 
         raise ModelLoadError(
-            f"backend='hooked' needs TransformerLens < 4 (HookedTransformer); transformer-lens {version('transformer-lens')} "
-            "is installed. Use the default backend (TransformerBridge), or pip install 'transformer-lens==3.9.0'."
+            "backend='hooked' needs TransformerLens < 4 (HookedTransformer); "
+            f"transformer-lens {version('transformer-lens')} is installed. Use the default backend "
+            "(TransformerBridge), or pip install 'transformer-lens==3.9.0'."
         )
 
 
@@ -97,7 +98,9 @@ def _load_folder(folder: Path, source: Source, *, device: str, dtype: torch.dtyp
     arch = (hf_cfg.get("architectures") or [""])[0]
     is_bert = arch.startswith("Bert")
     if is_bert and process:
-        raise ModelLoadError("process_weights=True is not supported for BERT encoders (post-LN blocks cannot be folded)")
+        raise ModelLoadError(
+            "process_weights=True is not supported for BERT encoders (post-LN blocks cannot be folded)"
+        )
     tl_name = _tl_name_for(folder, hf_cfg)
     hf = auto_model(folder, dtype)
     tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -105,9 +108,17 @@ def _load_folder(folder: Path, source: Source, *, device: str, dtype: torch.dtyp
         # TL dispatches on BertForMaskedLM for every BERT variant.
         hf.config.architectures = ["BertForMaskedLM"]
     try:
-        cfg = _bert_config(hf_cfg, dtype=dtype, device=device, n_ctx=n_ctx) if is_bert else loading.get_pretrained_model_config(
-            tl_name,
-            fold_ln=process and not is_bert, device=device, n_devices=n_devices, dtype=dtype, n_ctx=n_ctx,
+        cfg = (
+            _bert_config(hf_cfg, dtype=dtype, device=device, n_ctx=n_ctx)
+            if is_bert
+            else loading.get_pretrained_model_config(
+                tl_name,
+                fold_ln=process and not is_bert,
+                device=device,
+                n_devices=n_devices,
+                dtype=dtype,
+                n_ctx=n_ctx,
+            )
         )
     except Exception as e:  # noqa: BLE001
         raise ModelLoadError(f"TransformerLens does not support the architecture of {folder} ({arch}): {e}") from e
@@ -166,7 +177,9 @@ def _rebuild_buffers(model: Any) -> None:
         a.register_buffer("mask", torch.empty((0, 0), dtype=torch.bool))
         if hasattr(a, "rotary_sin"):
             size = min(model.cfg.n_ctx, a.ROTARY_INITIAL_CACHE_SIZE)
-            sin, cos = a.calculate_sin_cos_rotary(model.cfg.rotary_dim, size, base=a._rotary_base(), dtype=model.cfg.dtype)
+            sin, cos = a.calculate_sin_cos_rotary(
+                model.cfg.rotary_dim, size, base=a._rotary_base(), dtype=model.cfg.dtype
+            )
             a.register_buffer("rotary_sin", sin)
             a.register_buffer("rotary_cos", cos)
 

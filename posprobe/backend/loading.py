@@ -54,8 +54,9 @@ def load_model(
     already hold (a TransformerBridge, a HookedTransformer/HookedEncoder; returned unchanged).
     `device_map` spreads a model over several devices with accelerate, Hugging Face's own mechanism
     (e.g. "auto", or {"model.embed_tokens": 0, "model.layers": 1, ...}); `device` is then ignored and
-    tensors posprobe makes go to the device of the first weights. `n_ctx` caps the context length. `process_weights` (hooked backend only) applies TL's LN folding and
-    centring, which never changes q, k or attention scores. Encoders loaded as a bridge carry
+    tensors posprobe makes go to the device of the first weights. `n_ctx` caps the context length.
+    `process_weights` (hooked backend only) applies TL's LN folding and centring, which never changes q, k or
+    attention scores. Encoders loaded as a bridge carry
     `has_lm_head=False` (the bridge gives BERT a randomly initialised MLM head whose logits mean nothing).
     The model is in eval mode; `model.posprobe_source` records where it came from.
     """
@@ -72,9 +73,13 @@ def load_model(
 
         require_hooked()  # before any conversion work
     elif process_weights:
-        raise ModelLoadError("process_weights=True needs backend='hooked' (TL 3's folding); the bridge keeps HF-exact weights")
+        raise ModelLoadError(
+            "process_weights=True needs backend='hooked' (TL 3's folding); the bridge keeps HF-exact weights"
+        )
     if device_map is not None and (backend == "hooked" or source.kind == "tiny"):
-        raise ModelLoadError("device_map needs a Hugging Face model (folder, .gguf, alias or hub name) on the bridge backend")
+        raise ModelLoadError(
+            "device_map needs a Hugging Face model (folder, .gguf, alias or hub name) on the bridge backend"
+        )
     folder = hf_folder(source) if source.kind == "hf-dir" else None
     # TL prints progress ("Moving model to device: cpu") to stdout; stdout belongs to results (`--json`).
     with contextlib.redirect_stdout(sys.stderr):
@@ -90,7 +95,9 @@ def load_model(
         else:
             from posprobe.backend.bridge import boot
 
-            model = boot(source, folder, device=device, dtype=dt, n_ctx=n_ctx, n_devices=n_devices, device_map=device_map)
+            model = boot(
+                source, folder, device=device, dtype=dt, n_ctx=n_ctx, n_devices=n_devices, device_map=device_map
+            )
     model.eval()
     model.posprobe_source = source.origin or source.name
     release_freed_heap()
@@ -115,7 +122,9 @@ def release_freed_heap() -> bool:
         return False
 
 
-def load_hf_model(spec: str | os.PathLike, *, dtype: str | torch.dtype = "float32", device: str = "cpu") -> tuple[Any, Any]:
+def load_hf_model(
+    spec: str | os.PathLike, *, dtype: str | torch.dtype = "float32", device: str = "cpu"
+) -> tuple[Any, Any]:
     """Return (Hugging Face model, tokenizer) for a folder, GGUF file or packaged alias (no TL)."""
     from transformers import AutoTokenizer
 

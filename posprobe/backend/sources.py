@@ -42,8 +42,9 @@ _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$"
 def tl_model_names() -> tuple[tuple[str, ...], dict[str, str]]:
     """(TransformerLens's official model names, alias -> official name), read from its source as text.
 
-    `import transformer_lens` takes ~12 s; the two literals in `supported_models.py` (TL 3.9, 4.x; TL 4's aliases are
-    JSON in its model registry) or `loading_from_pretrained.py` (older) are parsed without importing it. Empty when TL is absent.
+    `import transformer_lens` takes ~12 s; the two literals in `supported_models.py` (TL 3.9, 4.x; TL 4's aliases
+    are JSON in its model registry) or `loading_from_pretrained.py` (older) are parsed without importing it.
+    Empty when TL is absent.
     """
     import ast
     import importlib.util
@@ -82,7 +83,9 @@ def _registry_aliases(root: Path) -> dict:
     import json
 
     try:
-        data = json.loads((root / "tools" / "model_registry" / "data" / "model_aliases.json").read_text(encoding="utf-8"))
+        data = json.loads(
+            (root / "tools" / "model_registry" / "data" / "model_aliases.json").read_text(encoding="utf-8")
+        )
     except (OSError, ValueError):
         return {}
     aliases = data.get("aliases", data) if isinstance(data, dict) else {}
@@ -121,7 +124,9 @@ def _unknown_name_error(name: str) -> UnknownModelError:
         by_lower.setdefault(n.lower(), n)
     close = [by_lower[m] for m in difflib.get_close_matches(name.lower(), list(by_lower), n=3, cutoff=0.6)]
     hint = f"; did you mean {' or '.join(close)}?" if close else "."
-    listed = f"TransformerLens's {len(names)} official names and their aliases" if names else "TransformerLens model names"
+    listed = (
+        f"TransformerLens's {len(names)} official names and their aliases" if names else "TransformerLens model names"
+    )
     return UnknownModelError(
         f"unknown model name '{name}'{hint} posprobe takes {listed} (e.g. gpt2, pythia-70m), a Hugging Face repo id "
         f"('org/name'), a local Hugging Face folder or .gguf file, packaged weights ({', '.join(PACKAGED)}) or a "

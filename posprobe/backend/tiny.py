@@ -116,7 +116,9 @@ def build_tiny(name: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, 
     from transformer_lens.model_bridge import TransformerBridge
 
     hf = tiny_hf_model(name, seed=seed, dtype=dtype)
-    model = TransformerBridge.boot_transformers(name, hf_model=hf, tokenizer=byte_tokenizer(), device=device, dtype=dtype)
+    model = TransformerBridge.boot_transformers(
+        name, hf_model=hf, tokenizer=byte_tokenizer(), device=device, dtype=dtype
+    )
     model.cfg.model_name = name
     model.has_lm_head = True
     return model

@@ -13,7 +13,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     add_text_argument(p)
     add_config_arguments(p, DecomposeConfig)
-    p.add_argument("--process-weights", action="store_true", help="load as TL 3's HookedTransformer with LN folding / weight centring (needs transformer-lens<4)")
+    p.add_argument(
+        "--process-weights",
+        action="store_true",
+        help="load as TL 3's HookedTransformer with LN folding / weight centring (needs transformer-lens<4)",
+    )
     add_output_arguments(p)
 
 

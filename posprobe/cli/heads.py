@@ -30,7 +30,6 @@ def run(args: argparse.Namespace) -> int:
 
     from posprobe.analyses.heads import run_heads
     from posprobe.backend.loading import load_model
-
     from posprobe.core import distributed
 
     model = load_model(args.model, device=distributed.local_device(args.device), dtype=args.dtype, n_ctx=args.n_ctx)

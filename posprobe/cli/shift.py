@@ -20,7 +20,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                   "(default: posprobe's built-in template pairs, no download)")
     p.add_argument("--paradigm", nargs="+", help="BLiMP paradigms (file names / UIDs) to use")
     p.add_argument("--field", nargs="+", help="BLiMP fields to use (morphology, syntax, semantics, ...)")
-    p.add_argument("--max-pairs", type=int, default=None, help="pairs per paradigm (seeded sample; built-in default 50)")
+    p.add_argument(
+        "--max-pairs", type=int, default=None, help="pairs per paradigm (seeded sample; built-in default 50)"
+    )
     p.add_argument("--no-pairs", action="store_true", help="score only --text")
     p.add_argument("--text", metavar="PATH", help="text file for perplexity (WikiText is detokenised automatically)")
     p.add_argument("--backend", choices=["auto", "hf", "tl"], default="auto",
@@ -99,9 +101,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("Nothing to score: --no-pairs needs --text")
 
     from posprobe.analyses.shift import run_shift_test
-    from posprobe.report.shift import console_table
-
     from posprobe.core import distributed
+    from posprobe.report.shift import console_table
 
     result = run_shift_test(args.model, pairs, text=text, config=cfg, data_source=source, backend=args.backend,
                             device=distributed.local_device(args.device), dtype=args.dtype)

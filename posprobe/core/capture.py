@@ -115,7 +115,7 @@ class RunningMean:
         assert self.count is not None and self.m2 is not None, "no data seen"
         return self.m2 / self.count.clamp_min(1)
 
-    def merge(self, other: "RunningMean") -> "RunningMean":
+    def merge(self, other: RunningMean) -> RunningMean:
         """Fold another RunningMean's samples into this one (Chan et al. pairwise update; exact up to
         float64 rounding), e.g. the states of several data-parallel ranks. Returns self."""
         if other.count is None:

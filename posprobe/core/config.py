@@ -10,7 +10,14 @@ from dataclasses import Field, field
 from typing import Any, Callable
 
 
-def option(default: Any, help: str | Callable[[], str], *, flag: str | None = None, aliases: tuple[str, ...] = (), cli: bool = True) -> Any:
+def option(
+    default: Any,
+    help: str | Callable[[], str],
+    *,
+    flag: str | None = None,
+    aliases: tuple[str, ...] = (),
+    cli: bool = True,
+) -> Any:
     """A Config field with its command-line help: `x: int = option(3, "what x is (unit)")`.
 
     help: the text, or a function returning it where it is generated when the CLI is built (the preset grammar

@@ -133,7 +133,9 @@ def merge_running_means(means: Sequence[Any]) -> None:
             if s is not None:
                 total.merge(RunningMean(*s))
         if total.count is not None:
-            m.count, m.mean, m.m2 = (t.to(device) if device is not None else t for t in (total.count, total.mean, total.m2))
+            m.count, m.mean, m.m2 = (
+                t.to(device) if device is not None else t for t in (total.count, total.mean, total.m2)
+            )
 
 
 def local_device(device: str) -> str:

@@ -1,8 +1,8 @@
 """Generation and scoring of a decoder under a position plan (own loop over TL's KV cache).
 
-A PositionPlan covers the prompt exactly; new tokens get positions from `plan.extended(total)`. A callable `plan(n) -> PositionPlan` can be
-given instead for presets whose per-query views must cover the new tokens too (Self-Extend, ReRoPE,
-StreamingLLM).
+A PositionPlan covers the prompt exactly; new tokens get positions from `plan.extended(total)`. A callable
+`plan(n) -> PositionPlan` can be given instead for presets whose per-query views must cover the new tokens too
+(Self-Extend, ReRoPE, StreamingLLM).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Any, Callable, Union
 import torch
 from jaxtyping import Float, Int
 
+from posprobe.backend.model import context_length, device_of, forward, forward_cached, new_kv_cache
 from posprobe.core.positions import PositionError, PositionPlan
 from posprobe.core.surgery import apply_plan
-from posprobe.backend.model import context_length, device_of, forward, forward_cached, new_kv_cache
 
 PlanLike = Union[PositionPlan, Callable[[int], PositionPlan], None]
 
@@ -62,8 +62,8 @@ def token_logprobs(logits: Float[torch.Tensor, "batch pos d_vocab"], tokens: Int
     return lp.gather(-1, tokens[:, 1:, None].to(lp.device))[..., 0]
 
 
-def continuation_logprob(model: Any, prefix: Int[torch.Tensor, "pos"], continuation: Int[torch.Tensor, "pos"],
-                         plan: PlanLike = None) -> Float[torch.Tensor, "pos"]:
+def continuation_logprob(model: Any, prefix: Int[torch.Tensor, " pos"], continuation: Int[torch.Tensor, " pos"],
+                         plan: PlanLike = None) -> Float[torch.Tensor, " pos"]:
     """log p (nats) of each continuation token given the prefix and the earlier continuation tokens.
 
     A PositionPlan must cover the prefix; the continuation continues it (`plan.extended`)."""
@@ -114,7 +114,9 @@ def generate(model: Any, tokens: Int[torch.Tensor, "batch pos"], *, max_new_toke
     batch, n = tokens.shape
     total = n + max_new_tokens
     if total > context_length(model):
-        raise PositionError(f"prompt ({n}) + max_new_tokens ({max_new_tokens}) = {total} exceeds n_ctx {context_length(model)}")
+        raise PositionError(
+            f"prompt ({n}) + max_new_tokens ({max_new_tokens}) = {total} exceeds n_ctx {context_length(model)}"
+        )
     # A PositionPlan describes the prompt; the new tokens continue after it.
     p = plan_for(plan, total, given=n)
     # Greedy decoding draws nothing: a generator only where sampling needs one, on the tokens' device.

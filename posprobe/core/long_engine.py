@@ -58,8 +58,8 @@ def require_supported(model: Any, what: str = "Long-context presets") -> None:
                                       "is not supported")
 
 
-def rotate_hf(x: Float[torch.Tensor, "batch head pos d_head"], positions: Float[torch.Tensor, "pos"],
-              inv_freq: Float[torch.Tensor, "band"]) -> Float[torch.Tensor, "batch head pos d_head"]:
+def rotate_hf(x: Float[torch.Tensor, "batch head pos d_head"], positions: Float[torch.Tensor, " pos"],
+              inv_freq: Float[torch.Tensor, " band"]) -> Float[torch.Tensor, "batch head pos d_head"]:
     """Rotate head vectors to `positions` exactly as HF's Llama/Gemma code does (float32 angles, half-split)."""
     cos, sin = hf_cos_sin(positions.to(x.device), inv_freq.to(x.device))
     return hf_rotate(x, cos, sin)
@@ -140,7 +140,11 @@ def long_attention(model: Any, rule: PairRule, *, chunk: int = 256) -> Iterator[
     for m in hf.attention_modules(model):
         l = m.layer_idx
         own = hf.inv_freq(model, l)[0]
-        inv[l] = own.detach().float() if rule.rotary is None else inv_freq_of(rule.rotary(hf.rotary_spec(model, l))).to(own.device)
+        inv[l] = (
+            own.detach().float()
+            if rule.rotary is None
+            else inv_freq_of(rule.rotary(hf.rotary_spec(model, l))).to(own.device)
+        )
     engine = _Engine(rule, inv, chunk)
     with hf.custom_attention(model, {l: engine.attend for l in inv}):
         yield
@@ -163,8 +167,8 @@ def _logits(model: Any, hidden: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def token_nll(model: Any, ids: Int[torch.Tensor, "pos"], rule: PairRule, *, chunk: int = 256,
-              logit_chunk: int = 1024) -> Float[torch.Tensor, "query_pos"]:
+def token_nll(model: Any, ids: Int[torch.Tensor, " pos"], rule: PairRule, *, chunk: int = 256,
+              logit_chunk: int = 1024) -> Float[torch.Tensor, " query_pos"]:
     """NLL (nats) of token t+1 given tokens 0..t, for t = 0..T-2, under `rule` (one sequence).
 
     Logits are made `logit_chunk` rows at a time (a 16k x 49k logit matrix would be 3 GB)."""
@@ -183,8 +187,8 @@ def token_nll(model: Any, ids: Int[torch.Tensor, "pos"], rule: PairRule, *, chun
 
 
 @torch.no_grad()
-def greedy_decode(model: Any, ids: Int[torch.Tensor, "pos"], rule: PairRule, max_new_tokens: int, *,
-                  chunk: int = 256, stop_token: int | None = None) -> Int[torch.Tensor, "new"]:
+def greedy_decode(model: Any, ids: Int[torch.Tensor, " pos"], rule: PairRule, max_new_tokens: int, *,
+                  chunk: int = 256, stop_token: int | None = None) -> Int[torch.Tensor, " new"]:
     """Greedy continuation (token ids) of one prompt under `rule`, with a KV cache (keys stored unrotated)."""
     from transformers import DynamicCache
 

@@ -13,10 +13,18 @@ import torch
 from jaxtyping import Int
 
 from posprobe.backend.facts import model_facts, require_learned, require_rotary
-from posprobe.backend.hooks import (attention_scores, hook_name, hooked, kept_scores, layer_rotary_spec, pos_embed_hook,
-                                    pre_rotation, rotate_at)
-from posprobe.rope import RotarySpec
+from posprobe.backend.hooks import (
+    attention_scores,
+    hook_name,
+    hooked,
+    kept_scores,
+    layer_rotary_spec,
+    pos_embed_hook,
+    pre_rotation,
+    rotate_at,
+)
 from posprobe.backend.model import context_length, model_name, n_layers, position_table
+from posprobe.rope import RotarySpec
 
 
 class PositionError(ValueError):
@@ -48,7 +56,9 @@ def check_learned_positions(model: Any, position_ids: torch.Tensor) -> None:
 
 
 @contextmanager
-def learned_positions(model: Any, position_ids: Int[torch.Tensor, "pos"] | Int[torch.Tensor, "batch pos"]) -> Iterator[Any]:
+def learned_positions(
+    model: Any, position_ids: Int[torch.Tensor, " pos"] | Int[torch.Tensor, "batch pos"]
+) -> Iterator[Any]:
     """Within the block, token t of every forward gets the learned embedding W_pos[position_ids[t]].
 
     Checked against n_ctx before any forward pass. A shift by k is `arange(L) + k`.
@@ -111,12 +121,12 @@ class PositionPlan:
         return int(self.q_pos.shape[-1])
 
     @classmethod
-    def default(cls, n: int, label: str = "default") -> "PositionPlan":
+    def default(cls, n: int, label: str = "default") -> PositionPlan:
         """Every token's query and key at its own index: the model's unmodified positions."""
         p = torch.arange(n, dtype=torch.float64)
         return cls(p, p.clone(), label=label)
 
-    def extended(self, n: int) -> "PositionPlan":
+    def extended(self, n: int) -> PositionPlan:
         """The plan for `n` tokens: new tokens continue after the last query position, q = k, step 1."""
         extra = n - len(self)
         if extra <= 0:
@@ -129,7 +139,9 @@ class PositionPlan:
                     torch.cat([v.k_pos, new.expand(v.k_pos.shape[:-1] + (extra,))], -1), v.name)
             for v in self.views
         )
-        return replace(self, q_pos=torch.cat([self.q_pos, new], -1), k_pos=torch.cat([self.k_pos, new], -1), views=views)
+        return replace(
+            self, q_pos=torch.cat([self.q_pos, new], -1), k_pos=torch.cat([self.k_pos, new], -1), views=views
+        )
 
 
 class _RopeControl:
@@ -169,7 +181,9 @@ class _RopeControl:
         pos = self.plan.q_pos if which == "q" else self.plan.k_pos
         return self._device(which, 0, pos, device)[..., start:stop]
 
-    def _view_rows(self, i: int, off: int, total: int, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def _view_rows(
+        self, i: int, off: int, total: int, device: torch.device
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         # (row indices on the device, None) for a 1-D selection, (None, device mask) for a per-batch one,
         # (None, None) when the view selects no query in this window.
         key = (i, off, total, device)
@@ -238,7 +252,8 @@ class _RopeControl:
                     alt = attention_scores(self.model, layer, q_rot[:, idx], k_rot).to(scores.dtype)
                     part = out[:, :, idx]
                     out = out.clone() if out is scores else out
-                    # Masked entries keep the model's own fill value (-inf, or the bridge's finfo.min), whatever the view says.
+                    # Masked entries keep the model's own fill value (-inf, or the bridge's finfo.min), whatever
+                    # the view says.
                     out[:, :, idx] = torch.where(kept_scores(self.model, scores[:, :, idx]), alt, part)
                     continue
                 alt = attention_scores(self.model, layer, q_rot, k_rot)

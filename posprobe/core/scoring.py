@@ -15,13 +15,14 @@ both continuations, with a custom attention mask that hides the first continuati
 from __future__ import annotations
 
 from contextlib import nullcontext
-from functools import partial
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from jaxtyping import Float
 from tqdm.auto import tqdm
+
 from posprobe.backend import hf
 from posprobe.backend.model import device_of, dtype_of, forward, n_layers, residual_to_logits, tokenizer_of
 
@@ -121,7 +122,7 @@ class _Scorer:
 
     @torch.inference_mode()
     def token_logprobs(self, items: Sequence[Positioned], *, batch_size: int = 32, progress: bool = False,
-                       desc: str = "scoring") -> list[Float[torch.Tensor, "pos_minus_1"]]:
+                       desc: str = "scoring") -> list[Float[torch.Tensor, " pos_minus_1"]]:
         """For each sequence, log p(token t+1 | tokens <= t) in nats for t = 0..len-2 (float64 tensors)."""
         if not items:
             raise ValueError("Empty input: nothing to score")
@@ -131,7 +132,7 @@ class _Scorer:
     @torch.inference_mode()
     def pair_logprobs(self, pairs: Sequence[tuple[Positioned, Positioned]], *, batch_size: int = 32,
                       progress: bool = False, desc: str = "pairs"
-                      ) -> list[tuple[Float[torch.Tensor, "pos_minus_1"], Float[torch.Tensor, "pos_minus_1"]]]:
+                      ) -> list[tuple[Float[torch.Tensor, " pos_minus_1"], Float[torch.Tensor, " pos_minus_1"]]]:
         """Per-token log-probs (nats, float64) of both sequences of each pair, as `token_logprobs` returns them.
 
         Equal to scoring the two sequences separately (to float noise); the shared prefix of a pair is
@@ -169,7 +170,9 @@ class _Scorer:
         """A shared-prefix row for the pair, or None where this backend scores them separately."""
         return None
 
-    def _score_rows(self, rows: list[_Row], n_out: int, batch_size: int, progress: bool, desc: str) -> list[torch.Tensor]:
+    def _score_rows(
+        self, rows: list[_Row], n_out: int, batch_size: int, progress: bool, desc: str
+    ) -> list[torch.Tensor]:
         out: list[torch.Tensor | None] = [None] * n_out
         batches = list(_length_batches(rows, batch_size))
         # Log-probs stay on the model's device until every batch is done, then cross to the CPU in one
@@ -193,7 +196,9 @@ class _Scorer:
             # Token ids and the three index vectors cross to the device in one copy (each host->device
             # copy from pageable memory is a stream sync on cuda), then are split there.
             sizes = [ids.numel(), uniq_src.numel(), inverse.numel(), len(tgt)]
-            packed = torch.cat([ids.reshape(-1), uniq_src, inverse, torch.tensor(tgt, dtype=torch.long)]).to(self.device)
+            packed = torch.cat([ids.reshape(-1), uniq_src, inverse, torch.tensor(tgt, dtype=torch.long)]).to(
+                self.device
+            )
             ids_d, src_d, inv_d, tgt_d = packed.split(sizes)
             # Positions stay on the CPU: each backend decides there (no device read) and moves what it needs.
             hidden, head = self._hidden_and_head(ids_d.view(ids.shape), pos,
@@ -265,7 +270,9 @@ class TLScorer(_Scorer):
         tok = tokenizer_of(model)
         self.pad_id = (tok.pad_token_id if tok is not None and tok.pad_token_id is not None else 0)
         if self.facts.positional_kind not in ("learned_absolute", "rotary"):
-            raise NotImplementedError(f"Scoring at chosen positions needs learned or rotary positions, not {self.facts.positional_kind}")
+            raise NotImplementedError(
+                f"Scoring at chosen positions needs learned or rotary positions, not {self.facts.positional_kind}"
+            )
 
     def _position_context(self, pos: torch.Tensor):
         # `pos` is the CPU copy: torch.equal on a device tensor would be a device sync per batch.

@@ -20,9 +20,9 @@ from jaxtyping import Bool
 
 from posprobe.backend.facts import model_facts, require_rotary
 from posprobe.backend.hooks import hook_name, hooked, layer_rotary_spec
+from posprobe.backend.model import n_layers
 from posprobe.core.positions import KeyView, PositionError, PositionPlan, rope_positions, shifted_plan
 from posprobe.rope import RotarySpec, wavelength
-from posprobe.backend.model import n_layers
 
 VARIANTS = ("cache", "global")
 
@@ -370,7 +370,9 @@ def pi_pairs(scale: float) -> PairRule:
     """Position Interpolation: q = k = i / s for every pair."""
     if scale <= 0:
         raise ValueError(f"scale must be > 0; got {scale}")
-    return PairRule(f"pi:{scale:g}", ((lambda p: p / scale, lambda p: p / scale),), meta={"preset": "pi", "scale": scale})
+    return PairRule(
+        f"pi:{scale:g}", ((lambda p: p / scale, lambda p: p / scale),), meta={"preset": "pi", "scale": scale}
+    )
 
 
 def ntk_pairs(scale: float) -> PairRule:

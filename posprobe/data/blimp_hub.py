@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from posprobe.data import DataError
 from posprobe.backend.sources import cache_dir, hub_offline
+from posprobe.data import DataError
 
 REPO = "nyu-mll/blimp"
 

@@ -25,7 +25,7 @@ def _num(result: Any, section: str, metric: str) -> float | None:
 
 def paragraph(result: Any, section: str) -> str:
     """The section's findings in one paragraph, from the atlas table and meta."""
-    m, f = result.meta, result.meta["model"]
+    f = result.meta["model"]
     n = lambda metric: _num(result, section, metric)  # noqa: E731
     if section == "facts":
         kind = f["positional_kind"].replace("_", " ")

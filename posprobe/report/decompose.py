@@ -10,6 +10,7 @@ import pandas as pd
 from posprobe.report.html import Section, table_html
 from posprobe.report.style import COLORS, caption, reference_line, style
 
+
 def summary_table(summary: pd.DataFrame) -> pd.DataFrame:
     """Wide per-head table (one row per head, ranked) from a `head_summary` frame: var_share per term (terms in
     the order the decomposition lists them, "positional" last), pp rel_pos_fraction, rank."""
@@ -17,7 +18,9 @@ def summary_table(summary: pd.DataFrame) -> pd.DataFrame:
     share = shares.pivot(index="head", columns="term", values="value")
     terms = [t for t in dict.fromkeys(shares.term) if t != "positional"] + ["positional"]
     wide = share[[t for t in terms if t in share.columns]].add_prefix("share_")
-    extra = summary[summary.metric.isin(["rel_pos_fraction", "rank"])].pivot(index="head", columns="metric", values="value")
+    extra = summary[summary.metric.isin(["rel_pos_fraction", "rank"])].pivot(
+        index="head", columns="metric", values="value"
+    )
     wide = wide.join(extra.rename(columns={"rel_pos_fraction": "pp_rel_pos_fraction"}))
     return wide.sort_values("rank").reset_index().round(4)
 
@@ -74,8 +77,8 @@ def sections(result: Any) -> list[Section]:
 
 def heatmap_figure(frame: pd.DataFrame, head: int, terms: tuple[str, ...], meta: dict | None = None) -> Any:
     """2x2 TUPE-style heatmaps (query_pos x key_pos) of four terms of one head, from tidy rows."""
-    from plotly.subplots import make_subplots
     import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
 
     fig = make_subplots(rows=2, cols=2, subplot_titles=list(terms), horizontal_spacing=0.12, vertical_spacing=0.12)
     for i, term in enumerate(terms):

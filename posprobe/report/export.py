@@ -142,4 +142,6 @@ def export_figures(figures: Sequence[Any], paths: Sequence[str | os.PathLike], f
             scale=[PNG_SCALE if fmt == "png" else 1 for fmt in formats],
         )
     except Exception as e:  # noqa: BLE001 - kaleido/choreographer raise many types
-        raise FigureExportError(f"static figure export failed in kaleido with {browser}: {type(e).__name__}: {e}") from e
+        raise FigureExportError(
+            f"static figure export failed in kaleido with {browser}: {type(e).__name__}: {e}"
+        ) from e

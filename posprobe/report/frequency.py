@@ -59,7 +59,9 @@ def head_band_profile(df: pd.DataFrame, layer: int, head: int, meta: dict | None
                                  hovertemplate="band %{x}<br>wavelength %{customdata:.3g} tok<br>%{y:.4g}"))
     t = d[d.metric == "abs_share"].sort_values("band")
     fig.add_trace(go.Bar(x=t.band, y=t.value, name="abs_share", opacity=0.4), secondary_y=True)
-    fig.update_layout(title=f"L{layer}H{head}: band norms and score share", height=360, xaxis_title="band (0 = fastest)")
+    fig.update_layout(
+        title=f"L{layer}H{head}: band norms and score share", height=360, xaxis_title="band (0 = fastest)"
+    )
     fig.update_yaxes(title_text="mean 2-norm", secondary_y=False)
     fig.update_yaxes(title_text="share of |score|", secondary_y=True)
     return style(fig, caption=figure_caption(meta))
@@ -142,17 +144,31 @@ def sections(result: Any) -> list[Section]:
     m = result.meta
     top = [tuple(x) for x in m.get("top_heads", [])]
     kinds = heads.kind.value_counts().to_dict()
-    summary = (f"<p>{m['n_windows']} windows of {m['window']} tokens ({m['n_tokens']} tokens). Band 0 is the "
-               f"fastest rotary pair; band -1 ('rest') the unrotated dims. Scores are pre-softmax logits.</p>"
-               f"<p>Head classes: {html.escape(', '.join(f'{k}: {v}' for k, v in kinds.items()))}. Rule: {html.escape(m['classification_rule'])}.</p>")
+    summary = (
+        f"<p>{m['n_windows']} windows of {m['window']} tokens ({m['n_tokens']} tokens). Band 0 is the "
+        f"fastest rotary pair; band -1 ('rest') the unrotated dims. Scores are pre-softmax logits.</p>"
+        f"<p>Head classes: {html.escape(', '.join(f'{k}: {v}' for k, v in kinds.items()))}. "
+        f"Rule: {html.escape(m['classification_rule'])}.</p>"
+    )
     secs = [Section("Summary", html=summary, table=_fmt(heads.sort_values("eta2", ascending=False).head(20)))]
-    secs.append(Section("Overview", figures=[layer_band_overview(df, "abs_share", m), layer_band_overview(df, "q_norm", m)]))
+    secs.append(
+        Section("Overview", figures=[layer_band_overview(df, "abs_share", m), layer_band_overview(df, "q_norm", m)])
+    )
     for layer in sorted(df.layer.unique()):
-        secs.append(Section(f"Layer {layer}: band x head",
-                            figures=[band_head_heatmap(df, layer, "abs_share", m), band_head_heatmap(df, layer, "q_norm", m)]))
+        secs.append(
+            Section(
+                f"Layer {layer}: band x head",
+                figures=[band_head_heatmap(df, layer, "abs_share", m), band_head_heatmap(df, layer, "q_norm", m)],
+            )
+        )
     if ablation is not None and len(ablation):
-        secs.append(Section("Band ablations (loss change)", figures=[sweep_figure(ablation, m)],
-                            table=_fmt(ablation[["condition", "mode", "bands", "fraction_kept", "value", "delta_loss"]])))
+        secs.append(
+            Section(
+                "Band ablations (loss change)",
+                figures=[sweep_figure(ablation, m)],
+                table=_fmt(ablation[["condition", "mode", "bands", "fraction_kept", "value", "delta_loss"]]),
+            )
+        )
     for layer, head in top:
         h = heads[(heads.layer == layer) & (heads["head"] == head)]
         tables = [h[["layer", "head", "kv_head", "kind", "eta2", "fast_share", "diag_mass", "prev_mass", "first_mass"]]]
@@ -161,6 +177,12 @@ def sections(result: Any) -> list[Section]:
             if len(a):
                 tables.append(a[["condition", "bands", "value", "delta_loss"]])
         body = "".join(table_html(_fmt(t)) for t in tables[1:])
-        secs.append(Section(f"Head L{layer}H{head}", html=body, table=_fmt(tables[0]),
-                            figures=[head_band_profile(df, layer, head, m), head_rel_pos_profile(profile, layer, head, m)]))
+        secs.append(
+            Section(
+                f"Head L{layer}H{head}",
+                html=body,
+                table=_fmt(tables[0]),
+                figures=[head_band_profile(df, layer, head, m), head_rel_pos_profile(profile, layer, head, m)],
+            )
+        )
     return secs

@@ -71,8 +71,17 @@ def geometry_figures(df: pd.DataFrame, meta: dict | None = None) -> list:
                 title=f"PC1 vs PC2 ({tag})", xaxis_title="PC1", yaxis_title="PC2"))
         per = g[g.metric == "sin_period"].set_index("k")["value"]
         r2 = g[g.metric == "sin_r2"].set_index("k")["value"]
-        fig = go.Figure([go.Scatter(x=sc.index, y=sc[k], mode="lines",
-                                    name=f"PC{k + 1} ({ev[k]:.0%}; period {per[k]:.1f}, R² {r2[k]:.2f})") for k in sc.columns])
+        fig = go.Figure(
+            [
+                go.Scatter(
+                    x=sc.index,
+                    y=sc[k],
+                    mode="lines",
+                    name=f"PC{k + 1} ({ev[k]:.0%}; period {per[k]:.1f}, R² {r2[k]:.2f})",
+                )
+                for k in sc.columns
+            ]
+        )
         figs.append(fig.update_layout(title=f"Principal components vs position ({tag})", xaxis_title="position"))
         cos = g[g.metric == "cosine"].pivot(index="pos", columns="pos2", values="value")
         figs.append(go.Figure(go.Heatmap(z=cos.values, x=cos.columns, y=cos.index, colorscale="RdBu", zmid=0))

@@ -97,10 +97,12 @@ def summary_text(result: Any) -> str:
     sink_layers = wide[wide.sink_score > m["config"]["sink_threshold"]].groupby("layer").size()
     sinks = (", ".join(f"layer {int(l)}: {c}" for l, c in sink_layers.sort_values(ascending=False).head(3).items())
              or "none")
-    return (f"Of {n} heads: {', '.join(parts) if parts else 'none in any class'} (a head can be in several). "
-            f"{m['sink_fraction']:.0%} of heads are sink heads (threshold {m['config']['sink_threshold']}); "
-            f"mean attention on the first token over all heads {wide.first_mass.mean():.2f}; most sink heads in {sinks}. "
-            f"Strongest previous-token heads: {prev}.")
+    return (
+        f"Of {n} heads: {', '.join(parts) if parts else 'none in any class'} (a head can be in several). "
+        f"{m['sink_fraction']:.0%} of heads are sink heads (threshold {m['config']['sink_threshold']}); "
+        f"mean attention on the first token over all heads {wide.first_mass.mean():.2f}; most sink heads in {sinks}. "
+        f"Strongest previous-token heads: {prev}."
+    )
 
 
 def sections(result: Any) -> list[Section]:

@@ -41,7 +41,11 @@ class _Generic:
     def sections(result: Any) -> list[Section]:
         out = []
         for name, df in result.tables.items():
-            head = f"{name} ({len(df)} rows)" if len(df) <= PREVIEW_ROWS else f"{name} (first {PREVIEW_ROWS} of {len(df)} rows)"
+            head = (
+                f"{name} ({len(df)} rows)"
+                if len(df) <= PREVIEW_ROWS
+                else f"{name} (first {PREVIEW_ROWS} of {len(df)} rows)"
+            )
             out.append(Section(head, table=df.head(PREVIEW_ROWS)))
         return out
 

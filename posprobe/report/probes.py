@@ -70,11 +70,21 @@ def probe_figures(df: pd.DataFrame, meta: dict | None = None) -> list:
         points = list(dict.fromkeys(sub.point))
         for (point, condition), g in sub.groupby(["point", "condition"], sort=False):
             color = REFERENCE_COLOR if condition == "chance" else COLORS[points.index(point) % len(COLORS)]
-            fig.add_trace(go.Scatter(x=g.x, y=g["mean"], error_y=dict(type="data", array=g["std"]),
-                                     mode="lines+markers", name="chance" if condition == "chance" else f"{condition} ({point})",
-                                     line=dict(color=color, dash={"probe": "solid", "control": "dash"}.get(condition, "dot"))))
-        fig.update_layout(title=f"{title} by layer", xaxis_title="layer (resid_pre at L, resid_mid at L+⅓, resid_post at L+⅔)",
-                          yaxis_title="mean absolute error (positions)" if metric == "mae" else "bucket accuracy")
+            fig.add_trace(
+                go.Scatter(
+                    x=g.x,
+                    y=g["mean"],
+                    error_y=dict(type="data", array=g["std"]),
+                    mode="lines+markers",
+                    name="chance" if condition == "chance" else f"{condition} ({point})",
+                    line=dict(color=color, dash={"probe": "solid", "control": "dash"}.get(condition, "dot")),
+                )
+            )
+        fig.update_layout(
+            title=f"{title} by layer",
+            xaxis_title="layer (resid_pre at L, resid_mid at L+⅓, resid_post at L+⅔)",
+            yaxis_title="mean absolute error (positions)" if metric == "mae" else "bucket accuracy",
+        )
         if metric == "accuracy":
             fig.update_yaxes(range=[0, 1.02])
         else:

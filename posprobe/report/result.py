@@ -128,11 +128,19 @@ class Result:
         page = page_for(self)
         sections = list(page.sections(self))
         n_rows = {k: len(v) for k, v in self.tables.items()}
-        sections.append(Section("Tables", html="<p>" + ", ".join(
-            f"<code>{_esc(k)}</code> ({n} rows)" for k, n in n_rows.items()) + " — full data in the parquet/CSV files.</p>"))
+        sections.append(
+            Section(
+                "Tables",
+                html="<p>"
+                + ", ".join(f"<code>{_esc(k)}</code> ({n} rows)" for k, n in n_rows.items())
+                + " — full data in the parquet/CSV files.</p>",
+            )
+        )
         return render_html(page.title(self), sections, meta=_footer_meta(self.meta))
 
-    def save(self, out_dir: str | os.PathLike, *, figure_formats: str | tuple[str, ...] | list[str] = ()) -> dict[str, Path]:
+    def save(
+        self, out_dir: str | os.PathLike, *, figure_formats: str | tuple[str, ...] | list[str] = ()
+    ) -> dict[str, Path]:
         """Write `<table>.parquet` + `<table>.csv` per table, `meta.json` and `report.html`, atomically.
 
         `figure_formats` ("svg,pdf,png" or a sequence of those) also writes every figure of the report as
@@ -154,7 +162,7 @@ class Result:
         return [f for sec in page_for(self).sections(self) for f in (sec.figures or [])]
 
     @classmethod
-    def load(cls, out_dir: str | os.PathLike) -> "Result":
+    def load(cls, out_dir: str | os.PathLike) -> Result:
         """Read back a result written by :meth:`save`."""
         out = Path(out_dir)
         meta = json.loads((out / "meta.json").read_text(encoding="utf-8"))

@@ -101,8 +101,12 @@ def paradigm_figure(summary: pd.DataFrame, meta: dict | None = None) -> Any:
     piv = par.pivot_table(index="group", columns="k", values="delta_accuracy")
     fig = go.Figure(go.Heatmap(z=piv.values, x=[str(k) for k in piv.columns], y=list(piv.index), colorscale="RdBu",
                                zmid=0, colorbar=dict(title="Δ acc")))
-    fig.update_layout(title="Change in accuracy vs k = 0 per paradigm", xaxis_title="k", height=max(400, 16 * len(groups)),
-                      yaxis=dict(autorange="reversed", tickfont=dict(size=10)))
+    fig.update_layout(
+        title="Change in accuracy vs k = 0 per paradigm",
+        xaxis_title="k",
+        height=max(400, 16 * len(groups)),
+        yaxis=dict(autorange="reversed", tickfont=dict(size=10)),
+    )
     return style(fig, caption=figure_caption(meta or {}))
 
 
@@ -248,11 +252,13 @@ def sections(result: Any) -> list:
     m = result.meta
     model, data = m["model"], m["data"]
     prefix = f"Prefix: <code>{html.escape(prefix_text(m))}</code>. " if m.get("prefix") else ""
-    intro = (f"<p>Model <b>{html.escape(str(model['name']))}</b> ({html.escape(str(model['positional_kind']))} positions, "
-             f"context {model.get('n_ctx')}, backend {html.escape(str(model.get('backend')))}). Every item starts at "
-             f"position k with no prior context. {prefix}Data: {html.escape(str(data.get('source')))}"
-             f"{' (posprobe built-in template pairs, not BLiMP)' if data.get('builtin') else ''}, "
-             f"{data['n_items']} {html.escape(str(data['unit']))}.</p>")
+    intro = (
+        f"<p>Model <b>{html.escape(str(model['name']))}</b> ({html.escape(str(model['positional_kind']))} positions, "
+        f"context {model.get('n_ctx')}, backend {html.escape(str(model.get('backend')))}). Every item starts at "
+        f"position k with no prior context. {prefix}Data: {html.escape(str(data.get('source')))}"
+        f"{' (posprobe built-in template pairs, not BLiMP)' if data.get('builtin') else ''}, "
+        f"{data['n_items']} {html.escape(str(data['unit']))}.</p>"
+    )
     summary = _table(result, "summary")
     if m.get("note"):
         intro += f"<p><b>Invariance control.</b> {html.escape(m['note'])}</p>"
@@ -267,7 +273,9 @@ def sections(result: Any) -> list:
                 "flips", "mcnemar_p"]
         cols = [c for c in cols if c in summary.columns]
         out.append(Section("Accuracy by field and k", table=summary[summary.level != "paradigm"][cols]))
-        par = summary[summary.level == "paradigm"][[c for c in cols if c != "level"]].rename(columns={"group": "paradigm"})
+        par = summary[summary.level == "paradigm"][[c for c in cols if c != "level"]].rename(
+            columns={"group": "paradigm"}
+        )
         out.append(Section("Accuracy by paradigm and k", table=par))
     return out
 

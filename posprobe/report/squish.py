@@ -67,13 +67,17 @@ def sections(result: Any) -> list[Section]:
         intro = (f"<p>{m['data']['n_items']} windows of {m['config']['window']} tokens from "
                  f"{html.escape(str(m['data']['source']))}.</p>")
         return [Section("Summary", html=intro + table_html(table)), Section("Figures", figures=figures(result))]
-    rows = "".join(f'<tr><td class="pp-text">{html.escape(v)}</td><td class="pp-text"><pre>{html.escape(t)}</pre></td></tr>'
-                   for v, t in m["continuations"].items())
+    rows = "".join(
+        f'<tr><td class="pp-text">{html.escape(v)}</td><td class="pp-text"><pre>{html.escape(t)}</pre></td></tr>'
+        for v, t in m["continuations"].items()
+    )
     plans = ", ".join(f"{html.escape(v)}: <code>{html.escape(lab)}</code>" for v, lab in m["plan"].items())
-    summary = (f"<p>Variant(s): <b>{html.escape(', '.join(m['plan']))}</b>; plans {plans}; "
-               f"instruction tokens {m['span'][0]}..{m['span'][1] - 1} of {m['n_prompt_tokens']}.</p>"
-               f"<div class=\"pp-table-wrap\"><table class=\"pp-table\"><tr><th>run</th><th>continuation</th></tr>{rows}"
-               "</table></div>")
+    summary = (
+        f"<p>Variant(s): <b>{html.escape(', '.join(m['plan']))}</b>; plans {plans}; "
+        f"instruction tokens {m['span'][0]}..{m['span'][1] - 1} of {m['n_prompt_tokens']}.</p>"
+        f'<div class="pp-table-wrap"><table class="pp-table"><tr><th>run</th><th>continuation</th></tr>{rows}'
+        "</table></div>"
+    )
     for v, k in m.get("effect_kept", {}).items():
         summary += f"<p>Fraction of the instruction's effect on the reference kept ({html.escape(v)}): {k:.3f}</p>"
     return [Section("Summary", html=summary), Section("Figures", figures=figures(result))]
