@@ -24,7 +24,7 @@ import posprobe as pp
 
 WINDOW = int(os.environ.get("POSPROBE_ATLAS_WINDOW", "48"))
 cfg = pp.AtlasConfig(window=WINDOW, max_windows=4, max_pairs=5, probe_tokens=300, progress=False)
-smol = pp.run_atlas(pp.load_model("smollm2"), None, cfg, spec="smollm2")
+smol = pp.run_atlas(pp.load_model("smollm2"), None, cfg)
 print(smol.meta["sections"], "skipped:", smol.meta["skipped"])
 
 # %% [markdown]

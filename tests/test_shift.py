@@ -68,6 +68,31 @@ def test_summary_counts_flips_and_mcnemar_by_hand():
     assert row.accuracy == pytest.approx(0.5) and row.ci_low <= 0.5 <= row.ci_high
 
 
+def test_a_loaded_bridge_scores_through_its_own_weights_with_hf(smollm2):
+    # The atlas's shift section: the bridge it already holds, scored by HF's own forward (no reload).
+    import pandas as pd
+
+    from posprobe.backend.bridge import plain_hf_model
+
+    cfg = ShiftConfig(ks=(0, 100), **FAST)
+    by_name = run_shift_test("smollm2", PAIRS[:4], config=cfg)
+    loaded = run_shift_test(smollm2, PAIRS[:4], config=cfg, backend="hf")
+    assert loaded.meta["model"]["backend"] == "hf" and loaded.meta["model"]["rotary_dim"] == 64
+    pd.testing.assert_frame_equal(by_name.pairs, loaded.pairs)  # same weights, same HF forward: bit-equal
+    twin = plain_hf_model(smollm2)
+    assert {p.data_ptr() for p in twin.parameters()} <= {p.data_ptr() for p in hf_of(smollm2).parameters()}
+
+
+def test_hf_backend_on_a_loaded_model_agrees_with_the_hook_path_and_refuses_encoders(tiny_ape, minilm):
+    cfg = ShiftConfig(ks=(0, 40), **FAST)
+    hooks, native = (run_shift_test(tiny_ape, PAIRS, config=cfg, backend=b) for b in ("tl", "hf"))
+    both = hooks.pairs.merge(native.pairs, on=["paradigm", "pair_id", "k"], suffixes=("_tl", "_hf"))
+    assert len(both) == len(hooks.pairs) and np.abs(both.logp_good_tl - both.logp_good_hf).max() <= 1e-4
+    assert np.abs(both.logp_good_tl[both.k == 40].to_numpy() - both.logp_good_tl[both.k == 0].to_numpy()).max() > 1e-3
+    with pytest.raises(ShiftError, match="decoder with an LM head"):
+        run_shift_test(minilm, PAIRS, config=cfg, backend="hf")
+
+
 @pytest.mark.real
 def test_rope_shift_is_invariant_on_smollm2_and_matches_plain_hf(smollm2):
     from posprobe.backend.loading import load_hf_model

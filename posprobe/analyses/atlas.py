@@ -65,10 +65,10 @@ def applicable(facts: ModelFacts, wanted: tuple[str, ...] | None) -> list[str]:
 
 
 def run_atlas(model: Any, text: str | None = None, config: AtlasConfig | None = None, *,
-              source: str | None = None, spec: str | None = None) -> AtlasResult:
+              source: str | None = None) -> AtlasResult:
     """Run every applicable section on `model` over `text` (default: the built-in text) and return the
-    atlas with its parts. `spec`, the model's name or path when known, lets the shift test take the fast
-    Hugging Face scoring path (native position ids, pair packing). Progress goes to stderr by stage."""
+    atlas with its parts. The shift test scores a decoder bridge through the Hugging Face model it wraps
+    (native position ids, pair packing; the same weights, not reloaded). Progress goes to stderr by stage."""
     import sys
     import time
 
@@ -76,7 +76,7 @@ def run_atlas(model: Any, text: str | None = None, config: AtlasConfig | None = 
     from posprobe.analyses.geometry import run_geometry
     from posprobe.analyses.heads import run_heads
     from posprobe.analyses.probes import run_probes
-    from posprobe.analyses.shift import run_shift_test
+    from posprobe.analyses.shift import hf_scorable, run_shift_test
 
     cfg = config or AtlasConfig()
     facts = model_facts(model)
@@ -123,12 +123,13 @@ def run_atlas(model: Any, text: str | None = None, config: AtlasConfig | None = 
             source=src,
         ),
         "shift": lambda: run_shift_test(
-            spec or model,
+            model,
             builtin_pairs(max_pairs=cfg.max_pairs, seed=cfg.seed),
             config=ShiftConfig(
                 ks=ks, seed=cfg.seed, n_bootstrap=200, allow_beyond_context=False, progress=cfg.progress
             ),
             data_source=BUILTIN_SOURCE,
+            backend="hf" if hf_scorable(model) else "auto",  # the loaded weights through HF's own forward
             device=str(device_of(model)),
             dtype=str(dtype_of(model)).replace("torch.", ""),
         ),

@@ -237,6 +237,8 @@ def prepare(model: Any, *, backend: str = "auto", device: str = "cpu", dtype: st
 
     if backend not in ("auto", "hf", "tl"):
         raise ShiftError(f"backend must be auto, hf or tl; got {backend!r}")
+    if not isinstance(model, str) and backend == "hf":
+        return _prepare_hf_twin(model)
     if isinstance(model, str):
         src = resolve(model)
         if src.kind == "hf-dir" and backend != "tl":
@@ -257,6 +259,34 @@ def prepare(model: Any, *, backend: str = "auto", device: str = "cpu", dtype: st
     f = model_facts(tl)
     scorer = None if (f.is_encoder or not f.has_lm_head) else TLScorer(tl)
     return Prepared(f.name, scorer, tokenizer_of(tl), f.positional_kind, f.n_ctx, f.is_encoder, "tl", tl)
+
+
+def hf_scorable(model: Any) -> bool:
+    """True where `prepare(model, backend="hf")` can score a loaded model with Hugging Face's own forward: a
+    TransformerBridge over a decoder with a trained LM head."""
+    from posprobe.backend.facts import model_facts
+    from posprobe.backend.kind import is_bridge
+
+    if not is_bridge(model):
+        return False
+    f = model_facts(model)
+    return not f.is_encoder and f.has_lm_head
+
+
+def _prepare_hf_twin(model: Any) -> Prepared:
+    # A loaded bridge scored through the plain HF model it wraps (shared weights): the fast path without a reload.
+    from posprobe.backend import hf as HF
+    from posprobe.backend.bridge import plain_hf_model
+    from posprobe.backend.model import context_length, model_name
+    from posprobe.core.scoring import HFScorer
+
+    if not hf_scorable(model):
+        raise ShiftError("backend 'hf' takes a model name or folder, or a TransformerBridge over a decoder with an LM "
+                         f"head; got {type(model).__name__}")
+    hf = plain_hf_model(model)
+    tok = tokenizer_of(model)
+    ctx = min(HF.position_table_size(hf) or context_length(model), context_length(model))
+    return Prepared(model_name(model), HFScorer(hf, tok), tok, HF.positional_kind(hf), ctx, False, "hf", model)
 
 
 def run_shift_test(

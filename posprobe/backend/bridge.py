@@ -98,6 +98,15 @@ def rotary_spec(model: Any, layer: int) -> RotarySpec:
     return cache[layer]
 
 
+def plain_hf_model(model: Any) -> Any:
+    """The Hugging Face model the bridge wraps, as a plain model sharing the bridge's weight tensors (no reload,
+    no copy): it runs HF's own forward, bit-equal to the same folder loaded with `load_hf_model`."""
+    wrapped = model.original_model
+    # The bridge wraps HF modules in place; their weights appear under `<name>._original_component`.
+    sd = {k.replace("._original_component", ""): v for k, v in wrapped.state_dict().items()}
+    return hf.twin(wrapped, sd)
+
+
 def qk_norms(model: Any, layer: int) -> tuple[Any, Any]:
     """(q_norm, k_norm) HF modules applied per head before rotation, or (None, None)."""
     a = hf_attention(model, layer)

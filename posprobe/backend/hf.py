@@ -204,6 +204,28 @@ def custom_attention(hf_model: Any, attend: Mapping[int, AttendFn]) -> Iterator[
         hf_model.set_attn_implementation(before)
 
 
+def twin(hf_model: Any, state_dict: Mapping[str, torch.Tensor]) -> Any:
+    """A plain model of `hf_model`'s class and config whose parameters *are* the tensors of `state_dict` (no
+    copy, no weight initialisation): the model as `from_pretrained` would give it, sharing another object's
+    weights. Its attention runs with SDPA, as a freshly loaded model's does."""
+    import copy
+
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # transformers < 5
+        from transformers.modeling_utils import no_init_weights
+
+    cfg = copy.deepcopy(hf_model.config)
+    cfg.output_attentions = False
+    with no_init_weights():
+        plain = type(hf_model)(cfg)
+    missing, _ = plain.load_state_dict(dict(state_dict), strict=False, assign=True)
+    if missing:
+        raise ValueError(f"cannot rebuild {type(hf_model).__name__} from the given weights: {missing[:3]} missing")
+    plain.set_attn_implementation("sdpa")
+    return plain.eval()
+
+
 # ---- loading ------------------------------------------------------------------------------------------------
 
 def hf_folder(source: Source) -> Path:

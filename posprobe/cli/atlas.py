@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     from posprobe.backend.loading import load_model
 
     model = load_model(args.model, device=args.device, dtype=args.dtype, n_ctx=args.n_ctx)
-    result = run_atlas(model, text, config, source=args.text, spec=args.model)
+    result = run_atlas(model, text, config, source=args.text)
     from posprobe.report.atlas import paragraph
 
     for s in result.meta["sections"]:
