@@ -292,3 +292,20 @@ def test_device_map_split_model_gives_the_same_numbers(smol_bridge, smol_tokens,
     fa = frequency_usage(split, rows, layers=[0, 29], progress=False).df
     fb = frequency_usage(smol_bridge, rows, layers=[0, 29], progress=False).df
     assert fa.drop(columns="model").equals(fb.drop(columns="model"))  # names differ: "smollm2" vs the folder's
+
+
+@pytest.mark.parametrize("fixture", ["tiny_rope", "tiny_ape", "smollm2"])
+def test_the_two_facts_readers_agree(fixture, request):
+    # One ModelFacts shape, two readers: the bridge's config (through the backend adapter) and the plain HF model's
+    # config (through the HF door), on the same weights.
+    from posprobe.backend.bridge import plain_hf_model
+    from posprobe.backend.facts import hf_facts, model_facts
+
+    model = request.getfixturevalue(fixture)
+    name = str(model.cfg.model_name)
+    a, b = model_facts(model), hf_facts(plain_hf_model(model), name)
+    assert a.name == b.name == name
+    for field in ("positional_kind", "is_encoder", "n_layers", "d_model", "n_heads", "n_kv_heads", "d_head",
+                  "has_w_pos", "rotary", "attn_types"):
+        assert getattr(a, field) == getattr(b, field), field
+    assert b.n_ctx >= a.n_ctx  # the bridge may be capped (n_ctx=...), never longer than the HF table

@@ -137,3 +137,19 @@ def test_the_checks_can_fail():
 def test_every_package_has_a_layer():
     on_disk = {p.parent.name for p in ROOT.glob("*/__init__.py")}
     assert on_disk == set(LAYERS), f"packages without a layer: {on_disk - set(LAYERS)}; gone: {set(LAYERS) - on_disk}"
+
+
+def test_both_backend_adapters_offer_the_same_operations():
+    # dispatch.ops(model) picks one of the two modules: a function only one of them defines would fail on the
+    # other backend at run time, far from here.
+    import inspect
+
+    from posprobe.backend import bridge_ops, legacy_ops
+
+    def own(mod):
+        return {n for n, f in vars(mod).items()
+                if inspect.isfunction(f) and f.__module__ == mod.__name__ and not n.startswith("_")}
+
+    assert own(bridge_ops) - own(legacy_ops) == set(), "only the bridge adapter defines these"
+    assert own(legacy_ops) - own(bridge_ops) == set(), "only the legacy adapter defines these"
+    assert {"forward", "rotate_at", "rotary_specs"} <= own(bridge_ops)

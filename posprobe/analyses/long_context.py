@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 
 from posprobe.analyses.configs import LongContextConfig
 from posprobe.backend import hf as HF
+from posprobe.backend.facts import hf_facts
 from posprobe.backend.kind import is_bridge
 from posprobe.backend.model import model_name, tokenizer_of
 from posprobe.core import long_engine as LA
@@ -122,24 +123,6 @@ def _parts(model: Any, tokenizer: Any) -> tuple[Any, Any]:
     return hf, tok
 
 
-def _model_meta(hf: Any, name: str, ctx: int | None) -> dict[str, Any]:
-    cfg = HF.text_config(hf)
-    rotary = HF.is_rotary(hf)
-    n = len(HF.attention_modules(hf))
-    bases = sorted({HF.rotary_spec(hf, l).base for l in range(n)}) if rotary else []
-    return {
-        "name": name,
-        "source": str(getattr(cfg, "_name_or_path", "") or name),
-        "positional_kind": "rotary" if rotary else "other",
-        "n_ctx": ctx,
-        "n_layers": n,
-        "n_heads": getattr(cfg, "num_attention_heads", None),
-        "n_kv_heads": getattr(cfg, "num_key_value_heads", None),
-        "rotary_bases": bases,
-        "model_type": getattr(cfg, "model_type", None),
-    }
-
-
 def _check(hf: Any, tok: Any, n_tokens: int, rules: dict[str, PairRule], cfg: LongContextConfig) -> int:
     """Every check that can fail, before any forward; returns the trained context."""
     if any(not r.identity for r in rules.values()):
@@ -219,7 +202,7 @@ def run_long_context(model: Any, text: str, config: LongContextConfig | None = N
         tables.update(_passkey(hf, tok, rules, cfg, name))
     n_win = sum(len(w) for w in windows.values())
     data = data_meta(source or "text", n_items=n_win, unit="windows", sha256=text_sha256(text))
-    meta = make_meta("long-context", model=_model_meta(hf, name, ctx), data=data, config=cfg, trained_ctx=ctx,
+    meta = make_meta("long-context", model=hf_facts(hf, name).summary(), data=data, config=cfg, trained_ctx=ctx,
                      plan={spec: r.label for spec, r in rules.items()},
                      plan_meta={spec: dict(r.meta) for spec, r in rules.items()},
                      passkey_format={"intro": PASSKEY_INTRO, "filler": PASSKEY_FILLER, "needle": PASSKEY_NEEDLE,

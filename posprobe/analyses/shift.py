@@ -226,12 +226,14 @@ class Prepared:
     is_encoder: bool
     backend: str
     tl_model: Any = None
+    facts: Any = None  # the model's ModelFacts (meta["model"])
 
 
 def prepare(model: Any, *, backend: str = "auto", device: str = "cpu", dtype: str = "float32",
             n_ctx: int | None = None) -> Prepared:
     """Pick the scoring backend: HF with native position_ids when weights are on disk, else TL hooks."""
     from posprobe.backend import hf as HF
+    from posprobe.backend.facts import hf_facts, model_facts
     from posprobe.backend.sources import resolve
     from posprobe.core.scoring import HFScorer, TLScorer
 
@@ -246,19 +248,18 @@ def prepare(model: Any, *, backend: str = "auto", device: str = "cpu", dtype: st
 
             if not HF.folder_architecture(HF.hf_folder(src)).startswith("Bert"):
                 hf, tok = load_hf_model(model, dtype=dtype, device=device)
-                ctx = HF.position_table_size(hf)
-                return Prepared(
-                    src.name, HFScorer(hf, tok), tok, HF.positional_kind(hf), min(ctx, n_ctx or ctx), False, "hf"
-                )
+                facts = hf_facts(hf, src.name)
+                ctx = facts.n_ctx
+                return Prepared(src.name, HFScorer(hf, tok), tok, facts.positional_kind, min(ctx, n_ctx or ctx), False,
+                                "hf", facts=facts)
         elif backend == "hf":
             raise ShiftError(f"{model} has no Hugging Face weights on disk; use backend 'tl'")
-    from posprobe.backend.facts import model_facts
     from posprobe.backend.loading import load_model
 
     tl = load_model(model, device=device, dtype=dtype, n_ctx=n_ctx)
     f = model_facts(tl)
     scorer = None if (f.is_encoder or not f.has_lm_head) else TLScorer(tl)
-    return Prepared(f.name, scorer, tokenizer_of(tl), f.positional_kind, f.n_ctx, f.is_encoder, "tl", tl)
+    return Prepared(f.name, scorer, tokenizer_of(tl), f.positional_kind, f.n_ctx, f.is_encoder, "tl", tl, f)
 
 
 def hf_scorable(model: Any) -> bool:
@@ -277,6 +278,7 @@ def _prepare_hf_twin(model: Any) -> Prepared:
     # A loaded bridge scored through the plain HF model it wraps (shared weights): the fast path without a reload.
     from posprobe.backend import hf as HF
     from posprobe.backend.bridge import plain_hf_model
+    from posprobe.backend.facts import model_facts
     from posprobe.backend.model import context_length, model_name
     from posprobe.core.scoring import HFScorer
 
@@ -286,7 +288,8 @@ def _prepare_hf_twin(model: Any) -> Prepared:
     hf = plain_hf_model(model)
     tok = tokenizer_of(model)
     ctx = min(HF.position_table_size(hf) or context_length(model), context_length(model))
-    return Prepared(model_name(model), HFScorer(hf, tok), tok, HF.positional_kind(hf), ctx, False, "hf", model)
+    return Prepared(model_name(model), HFScorer(hf, tok), tok, HF.positional_kind(hf), ctx, False, "hf", model,
+                    model_facts(model))
 
 
 def run_shift_test(
@@ -339,13 +342,7 @@ def run_shift_test(
     for df in (pair_df, tokens, drift):
         if len(df):
             df.insert(0, "model", prep.name)
-    if prep.tl_model is not None:
-        from posprobe.backend.facts import model_facts
-
-        model_meta = model_facts(prep.tl_model).summary()
-    else:
-        model_meta = dict(name=prep.name, source=str(model), positional_kind=prep.positional_kind,
-                          n_ctx=prep.n_ctx, is_encoder=prep.is_encoder)
+    model_meta = prep.facts.summary()
     if pairs is not None:
         data = data_meta(data_source or "custom pairs", n_items=len(pairs), unit="pairs",
                          sha256=pairs_fingerprint(pairs))

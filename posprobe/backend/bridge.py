@@ -67,11 +67,6 @@ def _tokenizer_with_bos(folder: Any) -> Any:
         return AutoTokenizer.from_pretrained(folder)
 
 
-def hf_config(model: Any) -> Any:
-    """The wrapped Hugging Face model's text config (the source of truth for rotary facts)."""
-    return hf.text_config(model.original_model)
-
-
 def layer_type(model: Any, layer: int) -> str | None:
     """HF's layer type ("sliding_attention", "full_attention", ...) or None where the config has none."""
     return hf.layer_type(model.original_model, layer)

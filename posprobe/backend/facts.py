@@ -1,26 +1,24 @@
-"""What an analysis needs to know about a model's positional machinery, read off a TL model."""
+"""What an analysis needs to know about a model's positional machinery: one `ModelFacts` shape for every model
+object, built by one constructor from small readers — the backend adapter (`dispatch.ops`: TransformerBridge or
+TL 3) for loaded TransformerLens models, the Hugging Face door (`hf.py`) for plain HF models."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from posprobe.backend.bridge import layer_type
-from posprobe.backend.hooks import layer_rotary_spec
-from posprobe.backend.kind import is_bridge, is_encoder
+from posprobe.backend import hf
+from posprobe.backend.dispatch import ops
+from posprobe.backend.kind import is_encoder
 from posprobe.backend.model import has_lm_head
-from posprobe.backend.peek import WrongModelKind  # one class, torch-free, so the CLI can raise it before loading
+from posprobe.backend.peek import (  # torch-free, so the CLI can raise WrongModelKind before loading
+    WrongModelKind,
+    hf_is_encoder,
+    tl_positional_kind,
+)
 from posprobe.rope import RotarySpec
 
 PositionalKind = Literal["learned_absolute", "rotary", "shortformer", "sinusoidal", "alibi", "relative_bias", "none"]
-
-_KINDS = {
-    "standard": "learned_absolute",
-    "rotary": "rotary",
-    "shortformer": "shortformer",
-    "alibi": "alibi",
-    "relative_positional_bias": "relative_bias",
-}
 
 
 @dataclass(frozen=True)
@@ -61,47 +59,16 @@ class ModelFacts:
 
 
 def model_facts(model: Any) -> ModelFacts:
-    """Read positional facts from a TransformerLens HookedTransformer, HookedEncoder or TransformerBridge."""
-    if is_bridge(model):
-        return _bridge_facts(model)
-
+    """Positional facts of a TransformerLens model (TransformerBridge, HookedTransformer or HookedEncoder): shapes
+    from its config, rotary specs and layer types from the backend adapter (on a bridge: from the wrapped HF
+    model, whose rotary base the bridge's own config can get wrong)."""
     cfg = model.cfg
     pet = cfg.positional_embedding_type
-    kind = _KINDS.get(pet, pet)
-    rotary = tuple(layer_rotary_spec(model, layer) for layer in range(cfg.n_layers)) if pet == "rotary" else None
-    attn_types = tuple(getattr(b.attn, "attn_type", "global") for b in model.blocks)
-    return ModelFacts(
-        name=cfg.model_name,
-        source=str(getattr(model, "posprobe_source", "object")),
-        positional_kind=kind,
-        is_encoder=is_encoder(model),
-        n_ctx=cfg.n_ctx,
-        n_layers=cfg.n_layers,
-        d_model=cfg.d_model,
-        n_heads=cfg.n_heads,
-        n_kv_heads=cfg.n_key_value_heads or cfg.n_heads,
-        d_head=cfg.d_head,
-        has_lm_head=bool(getattr(model, "has_lm_head", True)),
-        has_w_pos=pet in ("standard", "shortformer"),
-        rotary=rotary,
-        attn_types=attn_types,
-        normalization=str(cfg.normalization_type),
-    )
-
-
-def _bridge_facts(model: Any) -> ModelFacts:
-    # The bridge's cfg is right about shapes and the positional kind; rotary facts and layer types come
-    # from the wrapped HF model (cfg.rotary_base is wrong for SmolLM2).
-    cfg = model.cfg
-    pet = cfg.positional_embedding_type
-    kind = _KINDS.get(pet, pet)
-    rotary = tuple(layer_rotary_spec(model, layer) for layer in range(cfg.n_layers)) if pet == "rotary" else None
-    attn_types = tuple("local" if (layer_type(model, l) or "").startswith("sliding") else "global"
-                       for l in range(cfg.n_layers))
+    adapter = ops(model)
     return ModelFacts(
         name=str(cfg.model_name),
         source=str(getattr(model, "posprobe_source", "object")),
-        positional_kind=kind,
+        positional_kind=tl_positional_kind(pet),
         is_encoder=is_encoder(model),
         n_ctx=int(cfg.n_ctx),
         n_layers=int(cfg.n_layers),
@@ -111,9 +78,45 @@ def _bridge_facts(model: Any) -> ModelFacts:
         d_head=int(cfg.d_head),
         has_lm_head=has_lm_head(model),
         has_w_pos=pet in ("standard", "shortformer"),
-        rotary=rotary,
-        attn_types=attn_types,
+        rotary=adapter.rotary_specs(model),
+        attn_types=adapter.attn_types(model),
         normalization=str(cfg.normalization_type),
+    )
+
+
+def hf_facts(hf_model: Any, name: str | None = None) -> ModelFacts:
+    """Positional facts of a plain Hugging Face model, read through `backend.hf` (the long-context harness and
+    the shift test's HF path). `rotary` is None where the rope type's table is not static (dynamic,
+    longrope): the model's own forward still runs, posprobe's rotation does not claim to reproduce it."""
+    cfg = hf.text_config(hf_model)
+    kind = hf.positional_kind(hf_model)
+    layers = len(hf.attention_modules(hf_model)) or int(getattr(cfg, "num_hidden_layers", 0))
+    rotary = None
+    if kind == "rotary":
+        try:
+            rotary = tuple(hf.rotary_spec(hf_model, l, name=name) for l in range(layers))
+        except NotImplementedError:
+            rotary = None
+    heads = int(getattr(cfg, "num_attention_heads", 0) or 0)
+    norms = [type(m).__name__ for m in hf_model.modules() if type(m).__name__.endswith(("Norm", "LayerNorm"))]
+    head = hf_model.get_output_embeddings() if hasattr(hf_model, "get_output_embeddings") else None
+    return ModelFacts(
+        name=name or str(getattr(cfg, "_name_or_path", "") or type(hf_model).__name__),
+        source=str(getattr(cfg, "_name_or_path", "") or "object"),
+        positional_kind=kind,
+        is_encoder=hf_is_encoder(cfg.to_dict()),
+        n_ctx=int(hf.position_table_size(hf_model) or 0),
+        n_layers=layers,
+        d_model=int(getattr(cfg, "hidden_size", 0) or 0),
+        n_heads=heads,
+        n_kv_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
+        d_head=hf.head_dim(hf_model) if heads else 0,
+        has_lm_head=head is not None,
+        has_w_pos=kind == "learned_absolute",
+        rotary=rotary,
+        attn_types=tuple("local" if (hf.layer_type(hf_model, l) or "").startswith("sliding") else "global"
+                         for l in range(layers)),
+        normalization=norms[0] if norms else "none",
     )
 
 

@@ -97,7 +97,7 @@ def peek_source(source: Source) -> PeekedFacts | None:
     if source.kind == "tiny":
         cfg = TINY_SPECS[source.name]
         pet = cfg["positional_embedding_type"]
-        return PeekedFacts(source.name, _TL_KINDS.get(pet, pet), int(cfg["n_ctx"]), False, int(cfg["n_layers"]),
+        return PeekedFacts(source.name, tl_positional_kind(pet), int(cfg["n_ctx"]), False, int(cfg["n_layers"]),
                            "tiny spec", is_tiny=True, n_heads=int(cfg["n_heads"]))
     if source.path is None:
         return None
@@ -114,6 +114,17 @@ def peek_source(source: Source) -> PeekedFacts | None:
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"Could not read {source.path / 'config.json'}: {e}") from e
     return _from_hf_config(source.name, cfg)
+
+
+def tl_positional_kind(positional_embedding_type: str) -> str:
+    """posprobe's name for a TransformerLens `positional_embedding_type` ("standard" -> "learned_absolute")."""
+    return _TL_KINDS.get(positional_embedding_type, positional_embedding_type)
+
+
+def hf_is_encoder(cfg: dict) -> bool:
+    """True where a Hugging Face config dict describes a bidirectional encoder (BERT family)."""
+    arch = str((cfg.get("architectures") or [""])[0])
+    return arch.startswith("Bert") or str(cfg.get("model_type", "")).lower() in _HF_ENCODERS
 
 
 def hf_positional_kind(cfg: dict) -> str:
@@ -136,10 +147,7 @@ def hf_positional_kind(cfg: dict) -> str:
 def _from_hf_config(name: str, cfg: dict) -> PeekedFacts:
     ctx = _first_int(cfg, ("n_positions", "max_position_embeddings", "n_ctx", "seq_length"))
     layers = _first_int(cfg, ("num_hidden_layers", "n_layer", "num_layers"))
-    arch = str((cfg.get("architectures") or [""])[0])
-    model_type = str(cfg.get("model_type", "")).lower()
-    # loading.py builds a HookedEncoder for every "Bert*" architecture.
-    is_encoder = arch.startswith("Bert") or model_type in _HF_ENCODERS
+    is_encoder = hf_is_encoder(cfg)  # the legacy loader builds a HookedEncoder for every "Bert*" architecture
     heads = _first_int(cfg, ("num_attention_heads", "n_head", "num_heads"))
     return PeekedFacts(name, hf_positional_kind(cfg), ctx, is_encoder, layers, "config.json", n_heads=heads)
 

@@ -53,6 +53,7 @@ def require_supported(model: Any, what: str = "Long-context presets") -> None:
         if scaling != 1.0:
             raise NotImplementedError(f"{what}: layer {l} scales cos/sin by {scaling} (its config's RoPE scaling); "
                                       "position ids 0 would not give unrotated q/k")
+        hf.rotary_spec(model, l)  # refuses rope types whose table changes with length (dynamic, longrope)
         if 2 * inv.numel() != hf.head_dim(model):
             raise NotImplementedError(f"{what}: partial rotary (rotary dim {2 * inv.numel()} of {hf.head_dim(model)}) "
                                       "is not supported")

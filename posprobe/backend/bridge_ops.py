@@ -1,0 +1,229 @@
+"""The TransformerBridge adapter: how each model operation the façades (`model.py`, `hooks.py`, `facts.py`)
+offer is done on a TransformerBridge (TL 3.9 / 4.x). `dispatch.ops(model)` picks this module or
+`legacy_ops`; both define the same functions with the same meaning.
+
+The bridge's own config is trusted for shapes; rotary facts, scaling and soft-caps come from the wrapped
+Hugging Face modules (`bridge.py`, `hf.py`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+from posprobe.backend import hf
+from posprobe.backend.bridge import (
+    layer_type,
+    qk_norms,
+    rotary_adjacent,
+    rotary_freqs,
+    rotary_spec,
+    unsupported_qk_path,
+)
+from posprobe.backend.fast_attention import sdpa_attention
+from posprobe.backend.kind import hf_attention, is_encoder, n_layers
+from posprobe.backend.vocab import NormSpec, hook_name
+from posprobe.rope import RotarySpec, hf_cos_sin, hf_rotate, rotate
+
+# ---- the model object
+
+
+def device_of(model: Any) -> torch.device:
+    # A bridge moved with .to() keeps a stale cfg.device: ask the weights.
+    return next(model.original_model.parameters()).device
+
+
+def dtype_of(model: Any) -> torch.dtype:
+    return next(model.original_model.parameters()).dtype
+
+
+def forward(model: Any, tokens: torch.Tensor, *, stop_at_layer: int | None, attention_mask: torch.Tensor | None,
+            fused_attention: bool) -> torch.Tensor:
+    with sdpa_attention(model) if fused_attention else contextlib.nullcontext():
+        kwargs: dict[str, Any] = {}
+        if attention_mask is not None:
+            kwargs["attention_mask"] = attention_mask
+        if stop_at_layer is None or is_encoder(model):
+            return model(tokens, **kwargs)
+        if stop_at_layer < n_layers(model):
+            return model(tokens, stop_at_layer=stop_at_layer, **kwargs)
+        # The bridge's stop_at_layer only stops *before* a block, so "after the last block" (the residual
+        # the final norm reads) would run the unembedding. Stop there with the bridge's own exception, which
+        # its forward catches and returns; the hook is removed before returning.
+        from transformer_lens.model_bridge.exceptions import StopAtLayerException
+
+        def stop(resid: torch.Tensor, hook: Any) -> torch.Tensor:
+            raise StopAtLayerException(resid)
+
+        with model.hooks(fwd_hooks=[(f"blocks.{n_layers(model) - 1}.hook_resid_post", stop)]):
+            return model(tokens, **kwargs)
+
+
+def logit_soft_cap(model: Any) -> float | None:
+    return hf.final_logit_softcap(model.original_model)
+
+
+class Recompute:
+    """The bridge's stand-in for a KV cache: the tokens seen so far. Each step recomputes the full forward:
+    HF's cache stores keys after rotation, and position control must be able to re-rotate every key."""
+
+    def __init__(self) -> None:
+        self.tokens: torch.Tensor | None = None
+
+
+def new_kv_cache(model: Any, batch: int) -> Any:
+    return Recompute()
+
+
+def forward_cached(model: Any, tokens: torch.Tensor, cache: Any) -> torch.Tensor:
+    cache.tokens = tokens if cache.tokens is None else torch.cat([cache.tokens, tokens], dim=1)
+    return model(cache.tokens)[:, -tokens.shape[1]:]
+
+
+def position_table(model: Any) -> torch.Tensor:
+    return model.pos_embed.original_component.weight
+
+
+# ---- weights and norms (score decomposition)
+
+
+def norm_spec(module: Any, scale_point: str) -> NormSpec:
+    """A bridge's NormalizationBridge around an HF LayerNorm / RMSNorm, read as an affine map."""
+    orig = module.original_component
+    kind = type(orig).__name__
+    w, b = getattr(orig, "weight", None), getattr(orig, "bias", None)
+    if kind.startswith("Gemma") and w is not None:
+        w = 1.0 + w  # Gemma's RMSNorm multiplies by (1 + weight)
+    if not ("LayerNorm" in kind or "RMSNorm" in kind):
+        raise NotImplementedError(f"Cannot freeze a {kind} norm")
+    return NormSpec(centre="LayerNorm" in kind, weight=None if w is None else w.detach(),
+                    bias=None if b is None else b.detach(), scale_point=scale_point)
+
+
+def qk_weights(model: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    # The bridge's W_* views of the HF projections (keys at the KV-head count); no bias (Llama): zeros.
+    a = model.blocks[layer].attn
+    W_Q, W_K = a.W_Q.detach(), a.W_K.detach()
+    b_Q, b_K = (b.detach() if b is not None else W.new_zeros(W.shape[0], W.shape[2])
+                for b, W in ((a.b_Q, W_Q), (a.b_K, W_K)))
+    return W_Q, b_Q, W_K, b_K
+
+
+def pre_attention_norm(model: Any, layer: int) -> NormSpec | None:
+    ln1 = getattr(model.blocks[layer], "ln1", None)
+    return None if ln1 is None else norm_spec(ln1, "ln1_scale")
+
+
+def embedding_norm(model: Any) -> NormSpec | None:
+    ln = getattr(model, "embed_ln", None)
+    return None if ln is None else norm_spec(ln, "bridge_embed_ln_scale")
+
+
+def embedding_points(model: Any) -> dict[str, str]:
+    known = model.hook_dict
+    out = {"word": "bridge_embed", "position": "bridge_pos_embed", "token_type": "bridge_token_type_embed"}
+    return {k: v for k, v in out.items() if hook_name(v, 0) in known}
+
+
+def scores_not_bilinear(model: Any) -> str | None:
+    for layer in range(n_layers(model)):
+        if any(n is not None for n in qk_norms(model, layer)):
+            return "normalises q/k (QK-norm)"
+        why = unsupported_qk_path(model, layer)
+        if why is not None:
+            return why
+    return "soft-caps attention scores" if score_soft_cap(model) else None
+
+
+# ---- hooks and attention internals
+
+
+def encoder_layer_hooks(model: Any) -> list[str]:
+    return [hook_name("bridge_embed_normalized", 0)] + [
+        hook_name("bridge_resid_post_normalized", l) for l in range(n_layers(model))]
+
+
+def layer_rotary_spec(model: Any, layer: int) -> RotarySpec:
+    return rotary_spec(model, layer)
+
+
+def _plain(spec: RotarySpec) -> RotarySpec:
+    # A per-band scale of exactly 1 everywhere (YaRN or NTK at scale 1) is the unscaled rotation.
+    if spec.freq_scale is not None and all(f == 1.0 for f in spec.freq_scale):
+        return RotarySpec(rotary_dim=spec.rotary_dim, base=spec.base, adjacent=spec.adjacent, removed=spec.removed)
+    return spec
+
+
+def rotate_at(model: Any, layer: int, x: torch.Tensor, positions: torch.Tensor, spec: RotarySpec) -> torch.Tensor:
+    # The layer's own rotation replays HF's cos/sin recipe (angle = position * inv_freq, not position / freq:
+    # the one-ulp angle difference alone moved SmolLM2's logits by 4e-5); other specs use posprobe's rotation.
+    if _plain(spec) != _plain(layer_rotary_spec(model, layer)):
+        return rotate(x, positions, spec)
+    inv_freq, scaling = rotary_freqs(model, layer)
+    adjacent = rotary_adjacent(model)
+    cos, sin = hf_cos_sin(positions.to(x.device), inv_freq.to(x.device), adjacent=adjacent, scaling=scaling)
+    return hf_rotate(x, cos[..., None, :], sin[..., None, :], adjacent=adjacent)  # broadcast over heads
+
+
+def pre_rotation(model: Any, layer: int, x: torch.Tensor, which: str) -> torch.Tensor:
+    why = unsupported_qk_path(model, layer)
+    if why is not None:
+        raise NotImplementedError(f"Position control on a TransformerBridge whose attention {why} is not supported yet")
+    # The bridge's per-head QK-norms (Gemma 3 style) act on the last dim, so TL's layout is fine.
+    norm = qk_norms(model, layer)[0 if which == "q" else 1]
+    return x if norm is None else norm(x)
+
+
+def _scaling(model: Any, layer: int) -> float:
+    a = hf_attention(model, layer)
+    a = getattr(a, "self", a)  # BERT: BertAttention holds BertSelfAttention
+    if hasattr(a, "scaling"):
+        return float(a.scaling)
+    return float(getattr(a, "head_dim", getattr(a, "attention_head_size", 0)) ** -0.5)
+
+
+def _soft_cap(model: Any, layer: int) -> float | None:
+    cap = getattr(hf_attention(model, layer), "attn_logit_softcapping", None)
+    return float(cap) if cap else None
+
+
+def attention_scores(model: Any, layer: int, q_rot: torch.Tensor, k_rot: torch.Tensor) -> torch.Tensor:
+    # The bridge's own recipe: q.k * HF's `scaling`, keys repeated per query group, then the soft-cap.
+    h, kv = q_rot.shape[2], k_rot.shape[2]
+    k = k_rot.repeat_interleave(h // kv, dim=2) if h != kv else k_rot
+    scores = torch.einsum("bqhd,bkhd->bhqk", q_rot, k) * _scaling(model, layer)
+    return hf.softcap_logits(scores, _soft_cap(model, layer))
+
+
+def scores_hook_is_pattern(model: Any) -> bool:
+    # TL 3.9 and 4.3 BERT bridges: hook_attn_scores equals hook_pattern (rows sum to 1).
+    return is_encoder(model)
+
+
+def kept_scores(model: Any, scores: torch.Tensor) -> torch.Tensor:
+    # The bridge masks with the dtype's most negative finite value (-inf only in compatibility mode).
+    return scores > torch.finfo(scores.dtype).min
+
+
+def score_scale(model: Any, layer: int) -> float:
+    return 1.0 / _scaling(model, layer)
+
+
+def score_soft_cap(model: Any) -> float | None:
+    return _soft_cap(model, 0)
+
+
+# ---- positional facts (read by facts.model_facts)
+
+
+def rotary_specs(model: Any) -> tuple[RotarySpec, ...] | None:
+    if model.cfg.positional_embedding_type != "rotary":
+        return None
+    return tuple(layer_rotary_spec(model, layer) for layer in range(n_layers(model)))
+
+
+def attn_types(model: Any) -> tuple[str, ...]:
+    return tuple("local" if (layer_type(model, l) or "").startswith("sliding") else "global"
+                 for l in range(n_layers(model)))
