@@ -18,6 +18,7 @@ _EXPORTS = {
     "model_facts": "posprobe.backend.facts",
     "ModelFacts": "posprobe.backend.facts",
     "WrongModelKind": "posprobe.backend.facts",
+    "hf_facts": "posprobe.backend.facts",
     # capture and position control (core)
     "capture": "posprobe.core.capture",
     "stream": "posprobe.core.capture",

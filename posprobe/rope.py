@@ -182,11 +182,6 @@ def inv_freq_of(spec: RotarySpec) -> Float[torch.Tensor, " band"]:
     return inv.float()
 
 
-def band_index(spec: RotarySpec) -> torch.Tensor:
-    """`[band, 2]` head-dim indices of each band's pair, honouring half-split vs adjacent pairing."""
-    return torch.tensor([band_dims(spec, b) for b in range(spec.n_bands)])
-
-
 def band_pairs(x: Float[torch.Tensor, "... d_head"], spec: RotarySpec) -> Float[torch.Tensor, "... band 2"]:
     """The two coordinates of every band of each head vector, as a view of `x` (no copy)."""
     x = x[..., : spec.rotary_dim]

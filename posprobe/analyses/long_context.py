@@ -230,8 +230,3 @@ def _passkey(
            .agg(value=("exact_match", "mean"), count=("exact_match", "size")).reset_index())
     acc.insert(4, "metric", "accuracy")
     return {"passkey": trials, "passkey_accuracy": acc}
-
-
-def trained_context_of(model: Any) -> int | None:
-    """The trained context (tokens) the harness uses by default for a plain HF `model`."""
-    return HF.trained_context(model)

@@ -1,6 +1,8 @@
-"""The only package that imports TransformerLens or touches model internals.
+"""The only package that imports TransformerLens or touches model internals (layer 1).
 
-Everything else asks it through the functions exported by its modules: `loading` (specs to models),
-`sources` (where a spec points, torch-free), `facts` (what kind of model it is), `hooks` (hook
-names, attaching hooks, the attention internals position control needs).
+Everything above asks it through a few modules: `loading` (specs to models), `hf` (the one door to plain
+Hugging Face models), `facts` (one ModelFacts shape), `model` and `hooks` (the façades: forward, unembedding,
+hook names, attaching hooks, the attention internals position control needs), `sources` and `peek` (where a
+spec points and what its config says, torch-free). Backend-specific work sits in two adapters with the same
+functions, `bridge_ops` (TransformerBridge) and `legacy_ops` (TL 3), chosen in one place: `dispatch.ops`.
 """

@@ -5,7 +5,7 @@ TL 3) for loaded TransformerLens models, the Hugging Face door (`hf.py`) for pla
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Any
 
 from posprobe.backend import hf
 from posprobe.backend.dispatch import ops
@@ -17,8 +17,6 @@ from posprobe.backend.peek import (  # torch-free, so the CLI can raise WrongMod
     tl_positional_kind,
 )
 from posprobe.rope import RotarySpec
-
-PositionalKind = Literal["learned_absolute", "rotary", "shortformer", "sinusoidal", "alibi", "relative_bias", "none"]
 
 
 @dataclass(frozen=True)

@@ -28,11 +28,6 @@ def pos_embed_hook(model: Any) -> str:
     return "embed.hook_pos_embed" if "embed.hook_pos_embed" in model.hook_dict else "hook_pos_embed"
 
 
-def attn(model: Any, layer: int) -> Any:
-    """The attention module of `layer`."""
-    return model.blocks[layer].attn
-
-
 def layer_rotary_spec(model: Any, layer: int) -> RotarySpec:
     """The rotation layer `layer` applies: on a TransformerBridge from the wrapped HF config and rotary table,
     on TL 3 from its config (per-layer base for local/global attention)."""

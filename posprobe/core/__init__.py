@@ -1,2 +1,3 @@
-"""Model-independent machinery: RoPE maths, position plans and surgery presets, capture and
-streaming reducers, scoring at chosen positions, generation. Talks to models only via `backend`."""
+"""Model-independent machinery (layer 2): position plans and surgery, the preset registry, the chunked
+long-context engine, capture and streaming reducers, scoring at chosen positions, generation. Talks to models
+only through `backend`; RoPE maths is one floor down, in `posprobe.rope`."""

@@ -9,7 +9,7 @@ shows: model, data, N, seed and the options that matter.
 from __future__ import annotations
 
 import re
-from typing import Any, Iterable
+from typing import Any
 
 __all__ = [
     "FONT_FAMILY", "COLORS", "template", "style", "caption", "get_caption", "reference_line", "slug",
@@ -191,8 +191,3 @@ def header(column: Any) -> str:
         return " ".join(header(c) for c in column if str(c) != "")
     name = str(column)
     return HEADERS.get(name, name.replace("_", " "))
-
-
-def join_list(values: Iterable[Any]) -> str:
-    """A list as readable text: items joined by ', '."""
-    return ", ".join(str(v) for v in values)
