@@ -59,8 +59,9 @@ class AtlasResult(Result):
 def applicable(facts: ModelFacts, wanted: tuple[str, ...] | None) -> list[str]:
     """The sections that apply to this model (frequency: RoPE; geometry: learned positions; shift:
     learned or rotary positions), restricted to `wanted` when given."""
-    ok = {"facts": True, "heads": True, "frequency": facts.is_rotary, "geometry": facts.has_w_pos,
-          "probes": True, "shift": facts.positional_kind in ("learned_absolute", "rotary")}
+    proven = facts.unsupported is None  # position analyses on families posprobe has proven (heads/probes: any)
+    ok = {"facts": True, "heads": True, "frequency": facts.is_rotary and proven, "geometry": facts.has_w_pos and proven,
+          "probes": True, "shift": facts.positional_kind in ("learned_absolute", "rotary") and proven}
     return [s for s in SECTIONS if ok[s] and (wanted is None or s in wanted)]
 
 

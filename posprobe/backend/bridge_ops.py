@@ -24,6 +24,7 @@ from posprobe.backend.bridge import (
 )
 from posprobe.backend.fast_attention import sdpa_attention
 from posprobe.backend.kind import hf_attention, is_encoder, n_layers
+from posprobe.backend.peek import tl_positional_kind
 from posprobe.backend.vocab import NormSpec, hook_name
 from posprobe.rope import RotarySpec, hf_cos_sin, hf_rotate, rotate
 
@@ -217,11 +218,59 @@ def score_soft_cap(model: Any) -> float | None:
 
 # ---- positional facts (read by facts.model_facts)
 
+#: HF model types whose position handling posprobe has proven against Hugging Face on the bridge (identity
+#: tests of position plans, score decomposition, frequency bands and head signatures): everything else is
+#: refused by the position analyses with the reason `positional_unsupported` gives.
+PROVEN_MODEL_TYPES = ("llama", "gemma3_text", "gemma3", "gpt2", "bert")
 
-def rotary_specs(model: Any) -> tuple[RotarySpec, ...] | None:
+
+def rotary_specs(model: Any) -> tuple[RotarySpec | None, ...] | None:
+    # None where the model has no rotary layers, or a rotation posprobe does not read (see positional_unsupported);
+    # a None entry for a NoPE layer.
     if model.cfg.positional_embedding_type != "rotary":
         return None
-    return tuple(layer_rotary_spec(model, layer) for layer in range(n_layers(model)))
+    nope = hf.nope_layers(model.original_model)
+    try:
+        return tuple(None if l in nope else layer_rotary_spec(model, l) for l in range(n_layers(model)))
+    except NotImplementedError:
+        return None
+
+
+def layer_kinds(model: Any) -> tuple[str, ...]:
+    kind = tl_positional_kind(model.cfg.positional_embedding_type)
+    nope = hf.nope_layers(model.original_model)
+    return tuple("nope" if l in nope else kind for l in range(n_layers(model)))
+
+
+def positional_unsupported(model: Any) -> str | None:
+    hf_model = model.original_model
+    cfg = hf.text_config(hf_model)
+    mt = str(getattr(cfg, "model_type", ""))
+    arch = type(hf_model).__name__
+    kind = model.cfg.positional_embedding_type
+    if kind == "alibi":
+        return f"{arch} adds ALiBi distance biases, which posprobe has no adapter for yet"
+    if kind in ("relative_positional_bias", "relative_bias"):
+        return f"{arch} uses T5-style relative position buckets, which posprobe has no adapter for yet"
+    nope = hf.nope_layers(hf_model)
+    if nope:
+        return (f"{arch} mixes rotary layers with NoPE layers ({', '.join(map(str, nope))}), which posprobe does "
+                "not handle yet")
+    if kind == "rotary":
+        try:
+            inv, _ = hf.inv_freq(hf_model, 0)
+        except NotImplementedError:
+            return (f"{arch} rotates inside its attention without a rotary-embedding module (GPT-J style "
+                    "interleaved pairs), which posprobe does not read yet")
+        if 2 * inv.numel() != model.cfg.d_head:
+            return (f"{arch} rotates {2 * inv.numel()} of {model.cfg.d_head} head dims (partial rotary); the "
+                    "bridge's hook_rot_q/k do not fire for it, so posprobe cannot control or measure its rotation yet")
+    if mt == "opt":
+        return f"{arch} reads its learned position table at an offset of 2, which posprobe does not apply yet"
+    if mt not in PROVEN_MODEL_TYPES:
+        return (f"{arch} ({mt}) has not been proven against Hugging Face in posprobe yet "
+                f"(proven: {', '.join(PROVEN_MODEL_TYPES)})")
+    return None
 
 
 def attn_types(model: Any) -> tuple[str, ...]:

@@ -21,7 +21,8 @@ from posprobe.rope import RotarySpec
 
 @dataclass(frozen=True)
 class ModelFacts:
-    """Positional facts about a model. `rotary` holds one RotarySpec per layer (None if not RoPE)."""
+    """Positional facts about a model. `rotary` holds one RotarySpec per layer (an entry None for a NoPE layer;
+    the whole None if not RoPE, or where the model's rotation is one posprobe does not read: see `unsupported`)."""
 
     name: str
     source: str
@@ -35,9 +36,13 @@ class ModelFacts:
     d_head: int
     has_lm_head: bool
     has_w_pos: bool
-    rotary: tuple[RotarySpec, ...] | None
+    rotary: tuple[RotarySpec | None, ...] | None
     attn_types: tuple[str, ...]
     normalization: str
+    #: Per layer: how positions enter ("rotary 100% of head dim, half-split pairing, base 1e+05", "NoPE", ...).
+    layer_positions: tuple[str, ...] = ()
+    #: Why posprobe refuses its position analyses on this model (None: proven against Hugging Face).
+    unsupported: str | None = None
 
     @property
     def is_rotary(self) -> bool:
@@ -47,13 +52,49 @@ class ModelFacts:
         """Flat dict for printing and meta.json."""
         d = asdict(self)
         d.pop("rotary")
-        if self.rotary:
-            d["rotary_dim"] = self.rotary[0].rotary_dim
-            d["rotary_pairing"] = "adjacent" if self.rotary[0].adjacent else "half-split"
-            bases = [s.base for s in self.rotary]
+        specs = [s for s in self.rotary or () if s is not None]
+        if specs:
+            d["rotary_dim"] = specs[0].rotary_dim
+            d["rotary_pairing"] = "adjacent" if specs[0].adjacent else "half-split"
+            bases = [s.base for s in specs]
             d["rotary_base_per_layer"] = bases if len(set(bases)) > 1 else bases[0]
         d["attn_types"] = sorted(set(self.attn_types))
+        d["layer_positions"] = _runs(self.layer_positions)
         return d
+
+
+def _runs(items: tuple[str, ...]) -> list[str]:
+    """Consecutive equal items as "layers a-b: item" (one line per run), for printing per-layer facts."""
+    out: list[str] = []
+    i = 0
+    while i < len(items):
+        j = i
+        while j + 1 < len(items) and items[j + 1] == items[i]:
+            j += 1
+        out.append(f"layer{'s' if j > i else ''} {i}{f'-{j}' if j > i else ''}: {items[i]}")
+        i = j + 1
+    return out
+
+
+def describe_layers(kinds: tuple[str, ...], rotary: tuple[RotarySpec, ...] | None, d_head: int,
+                    attn_types: tuple[str, ...], extra: str = "") -> tuple[str, ...]:
+    """One phrase per layer saying how positions enter it, from per-layer kinds ("rotary", "nope", ...)."""
+    out = []
+    for l, kind in enumerate(kinds):
+        if kind == "rotary" and rotary is not None and rotary[l] is not None:
+            s = rotary[l]
+            pct = 100 * s.rotary_dim / d_head if d_head else 100
+            scaled = ", scaled frequencies" if s.freq_scale is not None else ""
+            text = (f"rotary {pct:.0f}% of head dim, {'adjacent' if s.adjacent else 'half-split'} pairing, "
+                    f"base {s.base:g}{scaled}")
+        else:
+            text = {"rotary": "rotary", "nope": "NoPE (no positional encoding)", "learned_absolute":
+                    "learned absolute (added to the embedding)", "alibi": "ALiBi (linear distance bias)",
+                    "relative_bias": "relative position buckets (T5)"}.get(kind, kind)
+        if l < len(attn_types) and attn_types[l] == "local":
+            text += ", sliding window"
+        out.append(text + extra)
+    return tuple(out)
 
 
 def model_facts(model: Any) -> ModelFacts:
@@ -63,6 +104,7 @@ def model_facts(model: Any) -> ModelFacts:
     cfg = model.cfg
     pet = cfg.positional_embedding_type
     adapter = ops(model)
+    rotary, attn_types, kinds = adapter.rotary_specs(model), adapter.attn_types(model), adapter.layer_kinds(model)
     return ModelFacts(
         name=str(cfg.model_name),
         source=str(getattr(model, "posprobe_source", "object")),
@@ -76,9 +118,11 @@ def model_facts(model: Any) -> ModelFacts:
         d_head=int(cfg.d_head),
         has_lm_head=has_lm_head(model),
         has_w_pos=pet in ("standard", "shortformer"),
-        rotary=adapter.rotary_specs(model),
-        attn_types=adapter.attn_types(model),
+        rotary=rotary,
+        attn_types=attn_types,
         normalization=str(cfg.normalization_type),
+        layer_positions=describe_layers(kinds, rotary, int(cfg.d_head), attn_types),
+        unsupported=adapter.positional_unsupported(model),
     )
 
 
@@ -90,11 +134,15 @@ def hf_facts(hf_model: Any, name: str | None = None) -> ModelFacts:
     kind = hf.positional_kind(hf_model)
     layers = len(hf.attention_modules(hf_model)) or int(getattr(cfg, "num_hidden_layers", 0))
     rotary = None
+    nope = hf.nope_layers(hf_model)
     if kind == "rotary":
         try:
-            rotary = tuple(hf.rotary_spec(hf_model, l, name=name) for l in range(layers))
+            rotary = tuple(None if l in nope else hf.rotary_spec(hf_model, l, name=name) for l in range(layers))
         except NotImplementedError:
             rotary = None
+    kinds = tuple("nope" if l in nope else kind for l in range(layers))
+    attn_types = tuple("local" if (hf.layer_type(hf_model, l) or "").startswith("sliding") else "global"
+                       for l in range(layers))
     heads = int(getattr(cfg, "num_attention_heads", 0) or 0)
     norms = [type(m).__name__ for m in hf_model.modules() if type(m).__name__.endswith(("Norm", "LayerNorm"))]
     head = hf_model.get_output_embeddings() if hasattr(hf_model, "get_output_embeddings") else None
@@ -112,24 +160,35 @@ def hf_facts(hf_model: Any, name: str | None = None) -> ModelFacts:
         has_lm_head=head is not None,
         has_w_pos=kind == "learned_absolute",
         rotary=rotary,
-        attn_types=tuple("local" if (hf.layer_type(hf_model, l) or "").startswith("sliding") else "global"
-                         for l in range(layers)),
+        attn_types=attn_types,
         normalization=norms[0] if norms else "none",
+        layer_positions=describe_layers(kinds, rotary, hf.head_dim(hf_model) if heads else 0, attn_types),
     )
 
 
+def require_supported(facts: ModelFacts, what: str) -> None:
+    """Raise NotImplementedError, naming what is unsupported, unless posprobe has proven its position handling of
+    this model's family against Hugging Face."""
+    if facts.unsupported is not None:
+        raise NotImplementedError(f"{what} is not available for {facts.name}: {facts.unsupported}")
+
+
 def require_rotary(facts: ModelFacts, what: str) -> None:
-    """Raise WrongModelKind unless the model uses RoPE."""
+    """Raise WrongModelKind unless the model uses RoPE; NotImplementedError where its RoPE layout is not one
+    posprobe has proven (partial or interleaved without hooks, NoPE layers, ...)."""
     if not facts.is_rotary:
         raise WrongModelKind(
             f"{what} needs a RoPE model, but {facts.name} uses {facts.positional_kind} positions"
         )
+    require_supported(facts, what)
 
 
 def require_learned(facts: ModelFacts, what: str) -> None:
-    """Raise WrongModelKind unless the model adds learned absolute position embeddings."""
+    """Raise WrongModelKind unless the model adds learned absolute position embeddings; NotImplementedError
+    where their layout is not one posprobe has proven (e.g. OPT's offset table)."""
     if not facts.has_w_pos:
         raise WrongModelKind(
             f"{what} needs learned absolute position embeddings (W_pos), but {facts.name} uses "
             f"{facts.positional_kind} positions"
         )
+    require_supported(facts, what)

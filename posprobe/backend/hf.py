@@ -149,6 +149,18 @@ def rotary_spec(hf_model: Any, layer: int, *, adjacent: bool = False, name: str 
     return spec
 
 
+def nope_layers(hf_model: Any) -> tuple[int, ...]:
+    """Layers that apply no positional encoding although the model is rotary elsewhere: SmolLM3 / Llama 4 mark
+    them in `no_rope_layers` (1 = rotary, 0 = NoPE); Cohere 2's full-attention layers carry no rotation."""
+    cfg = text_config(hf_model)
+    flags = getattr(cfg, "no_rope_layers", None)
+    if flags:
+        return tuple(i for i, f in enumerate(flags) if not f)
+    if str(getattr(cfg, "model_type", "")) == "cohere2" and getattr(cfg, "layer_types", None):
+        return tuple(i for i, t in enumerate(cfg.layer_types) if t == "full_attention")
+    return ()
+
+
 def head_dim(hf_model: Any) -> int:
     """Width of one attention head."""
     cfg = text_config(hf_model)

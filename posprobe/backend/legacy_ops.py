@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from posprobe.backend.kind import is_encoder, n_layers
+from posprobe.backend.peek import tl_positional_kind
 from posprobe.backend.vocab import NormSpec, hook_name
 from posprobe.rope import RotarySpec, rotate
 
@@ -181,3 +182,16 @@ def rotary_specs(model: Any) -> tuple[RotarySpec, ...] | None:
 
 def attn_types(model: Any) -> tuple[str, ...]:
     return tuple(getattr(b.attn, "attn_type", "global") for b in model.blocks)
+
+
+def layer_kinds(model: Any) -> tuple[str, ...]:
+    return (tl_positional_kind(model.cfg.positional_embedding_type),) * n_layers(model)
+
+
+def positional_unsupported(model: Any) -> str | None:
+    # TL 3 reimplements each architecture itself; its HookedTransformer hooks fire for every family it builds,
+    # and posprobe's legacy tests cover the families it loads (GPT-2, Llama/SmolLM2, Gemma 3, BERT).
+    kind = model.cfg.positional_embedding_type
+    if kind not in ("standard", "shortformer", "rotary"):
+        return f"{model.cfg.model_name} uses {kind} positions, which posprobe has no adapter for yet"
+    return None

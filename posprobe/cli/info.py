@@ -3,7 +3,8 @@ from __future__ import annotations
 import argparse
 import json
 
-HELP = "Print a model's positional facts (kind, context, rotary dims/bases, heads, GQA)."
+HELP = ("Print a model's positional facts (kind, context, rotary dims/bases, heads, GQA), how positions enter each "
+        "layer, and whether posprobe's position analyses support it.")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -26,7 +27,10 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(facts, indent=2, default=str))
     else:
+        facts["unsupported"] = facts["unsupported"] or "none: position analyses proven against Hugging Face"
         width = max(map(len, facts))
         for k, v in facts.items():
-            print(f"{k:<{width}}  {v}")
+            lines = v if isinstance(v, list) and k == "layer_positions" else [v]
+            for i, line in enumerate(lines):
+                print(f"{k if i == 0 else '':<{width}}  {line}")
     return 0

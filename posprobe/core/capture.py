@@ -10,7 +10,7 @@ from jaxtyping import Int
 from tqdm.auto import tqdm
 
 from posprobe.backend.hooks import hook_name, hooked
-from posprobe.backend.model import context_length, device_of, forward, n_layers
+from posprobe.backend.model import context_length, device_of, forward, model_name, n_layers
 
 
 def _heads(x: torch.Tensor, point: str, heads: Sequence[int] | None) -> torch.Tensor:
@@ -63,7 +63,19 @@ def capture(
     hooks = [(hook_name(p, l), make(p, l)) for p in points for l in layers]
     with hooked(model, hooks):
         _run_through(model, tokens, layers)
+    require_fired(model, [(p, l) for p in points for l in layers], set(out))
     return out
+
+
+def require_fired(model: Any, wanted: Sequence[tuple[str, int]], fired: set[tuple[str, int]]) -> None:
+    """Raise where a hook posprobe attached never fired during the forward: the model computes that quantity
+    somewhere posprobe cannot see (e.g. a bridge adapter that rotates q/k inside HF code), and a measurement
+    from it would be silently empty or wrong."""
+    missing = [f"{p} (layer {l})" for p, l in wanted if (p, l) not in fired]
+    if missing:
+        raise RuntimeError(f"{model_name(model)}: the hook for {', '.join(missing[:3])}"
+                           f"{f' and {len(missing) - 3} more' if len(missing) > 3 else ''} never fired, so posprobe "
+                           "cannot measure it on this model (its attention does not expose that point)")
 
 
 def float64_device(device: torch.device | str) -> torch.device:
@@ -179,10 +191,13 @@ def stream(
         raise ValueError("No reducer asks for any activation")
     layers = [l for _, l in needed]
 
+    fired: set[tuple[str, int]] = set()
+
     def make(point: str, layer: int) -> Callable:
         readers = [r for r in reducers if point in r.points and layer in r.layers]
 
         def hook(x: torch.Tensor, hook: Any) -> torch.Tensor:
+            fired.add((point, layer))
             for r in readers:
                 r.fn(point, layer, x.detach(), r.state)
             return x
@@ -200,6 +215,8 @@ def stream(
                 _run_through(model, toks, layers)
             seen += 1
             bar.update(1)
+            if seen == 1:
+                require_fired(model, needed, fired)  # after the first batch: no pass over a corpus to find out
     if seen == 0:
         raise ValueError("Empty input: no token batches to stream")
     return [r.state for r in reducers]

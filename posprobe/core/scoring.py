@@ -261,7 +261,7 @@ class TLScorer(_Scorer):
     """TransformerLens model; positions applied with posprobe's learned / RoPE position control."""
 
     def __init__(self, model: Any):
-        from posprobe.backend.facts import model_facts
+        from posprobe.backend.facts import model_facts, require_supported
 
         self.model = model
         self.device = device_of(model)
@@ -273,6 +273,7 @@ class TLScorer(_Scorer):
             raise NotImplementedError(
                 f"Scoring at chosen positions needs learned or rotary positions, not {self.facts.positional_kind}"
             )
+        require_supported(self.facts, "Scoring at chosen positions")
 
     def _position_context(self, pos: torch.Tensor):
         # `pos` is the CPU copy: torch.equal on a device tensor would be a device sync per batch.

@@ -35,8 +35,11 @@ def paragraph(result: Any, section: str) -> str:
             rot = (f", rotary dim {f['rotary_dim']} ({f.get('rotary_pairing')} pairing), base "
                    f"{base if not isinstance(base, list) else 'per layer ' + ', '.join(map(str, sorted(set(base))))}")
         enc = "encoder" if f.get("is_encoder") else "decoder"
-        return (f"{f['name']} is a {f['n_layers']}-layer {enc} with {kind} positions{rot}; {f['n_heads']} query heads "
+        text = (f"{f['name']} is a {f['n_layers']}-layer {enc} with {kind} positions{rot}; {f['n_heads']} query heads "
                 f"and {f.get('n_kv_heads', f['n_heads'])} key/value heads per layer; context {f['n_ctx']} positions.")
+        if f.get("unsupported"):
+            text += f" Position analyses skipped: {f['unsupported']}."
+        return text
     if section == "heads":
         from posprobe.report.heads import summary_text
 

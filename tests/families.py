@@ -1,0 +1,60 @@
+"""Seeded tiny random Hugging Face models of the positional families the TransformerBridge boots, as bridges.
+
+Offline and small (2-4 layers, d_model 32): the first rows of the support matrix. Every parameter is drawn at
+random (`randomize_`), so biases and norm weights are not the trivial zeros and ones of a default init.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from posprobe.backend.tiny import byte_tokenizer, randomize_
+
+_COMMON = dict(vocab_size=259, bos_token_id=256, eos_token_id=257, pad_token_id=258)
+
+
+def _configs() -> dict:
+    import transformers as T
+
+    c = _COMMON
+    return {
+        "gpt_neo": (T.GPTNeoConfig(hidden_size=32, num_layers=2, num_heads=4, max_position_embeddings=128,
+                                   attention_types=[[["global", "local"], 1]], window_size=16, intermediate_size=64,
+                                   **c), T.GPTNeoForCausalLM),
+        "opt": (T.OPTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64,
+                            max_position_embeddings=128, word_embed_proj_dim=32, **c), T.OPTForCausalLM),
+        "gpt_neox": (T.GPTNeoXConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                                     max_position_embeddings=128, rotary_pct=0.25, **c), T.GPTNeoXForCausalLM),
+        "gptj": (T.GPTJConfig(n_embd=32, n_layer=2, n_head=4, n_positions=128, rotary_dim=4, **c), T.GPTJForCausalLM),
+        "smollm3": (T.SmolLM3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                                    num_key_value_heads=2, max_position_embeddings=128, no_rope_layers=[1, 1, 1, 0],
+                                    **c), T.SmolLM3ForCausalLM),
+        "bloom": (T.BloomConfig(hidden_size=32, n_layer=2, n_head=4, **c), T.BloomForCausalLM),
+        "phi3": (T.Phi3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                              num_key_value_heads=4, max_position_embeddings=128, partial_rotary_factor=0.5, **c),
+                 T.Phi3ForCausalLM),
+        "mistral": (T.MistralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, max_position_embeddings=128, **c), T.MistralForCausalLM),
+    }
+
+
+FAMILIES = ("gpt_neo", "opt", "gpt_neox", "gptj", "smollm3", "bloom", "phi3", "mistral")
+
+
+def tiny_family(name: str, seed: int = 0) -> tuple[object, object]:
+    """(bridge, the plain HF model it wraps) for family `name`, every weight random and seeded."""
+    from transformer_lens.model_bridge import TransformerBridge
+
+    cfg, cls = _configs()[name]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        hf = cls(cfg).eval()
+    randomize_(hf, seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TL warns about name aliases; the weights are the in-memory model
+        bridge = TransformerBridge.boot_transformers(f"posprobe-tiny-{name}", hf_model=hf, tokenizer=byte_tokenizer())
+    bridge.cfg.model_name = name
+    bridge.eval()
+    return bridge, hf
