@@ -12,7 +12,9 @@ import torch
 
 from posprobe.backend.tiny import byte_tokenizer, randomize_
 
-_COMMON = dict(vocab_size=259, bos_token_id=256, eos_token_id=257, pad_token_id=258)
+# TL's init scale (0.8 / sqrt(d_model)) rather than HF's 0.02: attention far from uniform, so positions matter.
+_INIT = dict(initializer_range=0.8 / 32**0.5)
+_COMMON = dict(vocab_size=259, bos_token_id=256, eos_token_id=257, pad_token_id=258, **_INIT)
 
 
 def _configs() -> dict:
@@ -37,10 +39,33 @@ def _configs() -> dict:
                  T.Phi3ForCausalLM),
         "mistral": (T.MistralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                                     num_key_value_heads=2, max_position_embeddings=128, **c), T.MistralForCausalLM),
+        "llama": (T.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=2, max_position_embeddings=128, attention_bias=True, rope_theta=1e5,
+                                **c), T.LlamaForCausalLM),
+        "gpt2": (T.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=128, **c), T.GPT2LMHeadModel),
+        "gemma3": (T.Gemma3TextConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=8, sliding_window=8, max_position_embeddings=128,
+                                      layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                                      query_pre_attn_scalar=8, **c), T.Gemma3ForCausalLM),
+        "bert": (T.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                              max_position_embeddings=128, vocab_size=259, pad_token_id=258, **_INIT),
+                 T.BertForMaskedLM),
+        "qwen2": (T.Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=2, max_position_embeddings=128, **c), T.Qwen2ForCausalLM),
+        "qwen3": (T.Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=2, head_dim=8, max_position_embeddings=128, **c),
+                  T.Qwen3ForCausalLM),
+        "gemma2": (T.Gemma2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, head_dim=8, max_position_embeddings=128, sliding_window=8,
+                                  query_pre_attn_scalar=8, **c), T.Gemma2ForCausalLM),
+        "phi": (T.PhiConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            max_position_embeddings=128, partial_rotary_factor=0.5, **c), T.PhiForCausalLM),
     }
 
 
-FAMILIES = ("gpt_neo", "opt", "gpt_neox", "gptj", "smollm3", "bloom", "phi3", "mistral")
+#: The refused families (facts say why); PROVEN below are the families every analysis is proven on.
+FAMILIES = ("gpt_neo", "opt", "gpt_neox", "gptj", "smollm3", "bloom", "phi3", "phi")
+ALL_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gpt2", "bert", *FAMILIES)
 
 
 def tiny_family(name: str, seed: int = 0) -> tuple[object, object]:
@@ -48,6 +73,7 @@ def tiny_family(name: str, seed: int = 0) -> tuple[object, object]:
     from transformer_lens.model_bridge import TransformerBridge
 
     cfg, cls = _configs()[name]
+    cfg.architectures = [cls.__name__]  # what a saved folder's config says; the bridge picks its adapter by it
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         hf = cls(cfg).eval()
@@ -56,5 +82,8 @@ def tiny_family(name: str, seed: int = 0) -> tuple[object, object]:
         warnings.simplefilter("ignore")  # TL warns about name aliases; the weights are the in-memory model
         bridge = TransformerBridge.boot_transformers(f"posprobe-tiny-{name}", hf_model=hf, tokenizer=byte_tokenizer())
     bridge.cfg.model_name = name
+    if cfg.model_type == "bert":  # an encoder reads [CLS] ... [SEP]: the byte tokenizer's <bos> / <eos> play them
+        bridge.tokenizer.cls_token, bridge.tokenizer.sep_token = "<bos>", "<eos>"
+        bridge.has_lm_head = False  # BertForMaskedLM's head here is random, as a bare encoder's would be
     bridge.eval()
     return bridge, hf

@@ -23,7 +23,7 @@ REFUSAL = {
     "smollm3": "NoPE layers",
     "bloom": "ALiBi",
     "phi3": "partial rotary",
-    "mistral": "not been proven against Hugging Face",
+    "phi": "partial rotary",
 }
 LAYERS = {
     "gpt_neox": "rotary 25% of head dim, half-split pairing",
@@ -31,6 +31,7 @@ LAYERS = {
     "smollm3": "layer 3: NoPE",
     "bloom": "ALiBi",
     "opt": "learned absolute",
+    "phi": "rotary 50% of head dim",
 }
 
 

@@ -422,6 +422,7 @@ def decompose_heads(model: Any, config: DecomposeConfig) -> tuple[Decomposition,
     require_supported(facts, "The score decomposition")
     if not 0 <= config.layer < facts.n_layers:
         raise ValueError(f"--layer {config.layer} out of range for a {facts.n_layers}-layer model")
+    _check_linear(model, config.layer)  # before the corpus pass: QK-norm / soft-cap models refuse at once
     if config.method not in ("auto", "exact", "data"):
         raise ValueError(f"method must be auto, exact or data, got {config.method!r}")
     if config.head is not None and not 0 <= config.head < facts.n_heads:

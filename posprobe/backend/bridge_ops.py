@@ -221,7 +221,7 @@ def score_soft_cap(model: Any) -> float | None:
 #: HF model types whose position handling posprobe has proven against Hugging Face on the bridge (identity
 #: tests of position plans, score decomposition, frequency bands and head signatures): everything else is
 #: refused by the position analyses with the reason `positional_unsupported` gives.
-PROVEN_MODEL_TYPES = ("llama", "gemma3_text", "gemma3", "gpt2", "bert")
+PROVEN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gemma3", "gpt2", "bert")
 
 
 def rotary_specs(model: Any) -> tuple[RotarySpec | None, ...] | None:

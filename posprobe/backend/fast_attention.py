@@ -53,6 +53,8 @@ def _build_plan(model: Any) -> _Plan | None:
         hf = getattr(attn, "original_component", None)
         if hf is None or not all(hasattr(hf, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj", "config")):
             return None
+        if getattr(hf, "attn_logit_softcapping", None):  # Gemma 2: transformers' SDPA refuses a score soft-cap
+            return None
         points += [m for m in attn.children() if isinstance(m, HookPoint)]
         configs[id(hf.config)] = hf.config
     hf_model = model.original_model

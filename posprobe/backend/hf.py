@@ -219,7 +219,8 @@ def custom_attention(hf_model: Any, attend: Mapping[int, AttendFn]) -> Iterator[
 def twin(hf_model: Any, state_dict: Mapping[str, torch.Tensor]) -> Any:
     """A plain model of `hf_model`'s class and config whose parameters *are* the tensors of `state_dict` (no
     copy, no weight initialisation): the model as `from_pretrained` would give it, sharing another object's
-    weights. Its attention runs with SDPA, as a freshly loaded model's does."""
+    weights. Its attention runs with SDPA where the architecture has it (eager otherwise), as a freshly loaded
+    model's does."""
     import copy
 
     try:
@@ -234,7 +235,10 @@ def twin(hf_model: Any, state_dict: Mapping[str, torch.Tensor]) -> Any:
     missing, _ = plain.load_state_dict(dict(state_dict), strict=False, assign=True)
     if missing:
         raise ValueError(f"cannot rebuild {type(hf_model).__name__} from the given weights: {missing[:3]} missing")
-    plain.set_attn_implementation("sdpa")
+    try:
+        plain.set_attn_implementation("sdpa")
+    except ValueError:  # architectures without an SDPA path (Gemma 2: soft-capped scores) load with eager
+        plain.set_attn_implementation("eager")
     return plain.eval()
 
 

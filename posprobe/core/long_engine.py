@@ -48,6 +48,10 @@ def require_supported(model: Any, what: str = "Long-context presets") -> None:
     if mt not in SUPPORTED_MODEL_TYPES:
         raise NotImplementedError(f"{what}: {mt!r} models are not supported "
                                   f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    nope = hf.nope_layers(model)
+    if nope:  # the engine rotates q/k in every layer; these layers must stay unrotated
+        raise NotImplementedError(f"{what}: NoPE layers ({', '.join(map(str, nope))}: no positional encoding) are not "
+                                  "handled by the long-context engine yet")
     for l in range(len(hf.attention_modules(model))):
         inv, scaling = hf.inv_freq(model, l)
         if scaling != 1.0:

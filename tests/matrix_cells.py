@@ -1,0 +1,246 @@
+"""One cell of the support matrix: run an analysis on a tiny family bridge and check it against Hugging Face.
+
+A cell is "ok" when the analysis runs and its identity check against an independent Hugging Face computation
+holds (assertion errors fail the test), "refused: why" when posprobe refuses the family with one message before
+any forward pass, and "n/a: why" when the analysis does not apply to the family's positional kind.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable
+
+import torch
+
+from posprobe.analyses.configs import (
+    AtlasConfig,
+    DecomposeConfig,
+    FrequencyConfig,
+    GeometryConfig,
+    HeadsConfig,
+    ProbeConfig,
+    ShiftConfig,
+    SurgeryEvalConfig,
+)
+from posprobe.backend.facts import WrongModelKind, model_facts
+from posprobe.core.positions import PositionError
+
+TEXT = "The quick brown fox jumps over the lazy dog while the cat sleeps in the warm sun. " * 12
+IDS = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(0))
+TOL = 1e-4  # float32 tiny models; the bridge and HF run the same kernels, so measured gaps are <= 1e-5
+
+
+def _plain(bridge: Any, eager: bool = False) -> Any:
+    from posprobe.backend.bridge import plain_hf_model
+
+    hf = plain_hf_model(bridge)
+    if eager:
+        hf.set_attn_implementation("eager")
+    return hf
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, what: str, tol: float = TOL) -> None:
+    err = float((a.double() - b.double()).abs().max())
+    assert err <= tol, f"{what}: max |diff| {err:.3g} > {tol}"
+
+
+def facts(bridge: Any) -> None:
+    from posprobe.backend import hf as HF
+
+    f, hf = model_facts(bridge), _plain(bridge)
+    cfg = HF.text_config(hf)
+    assert f.n_layers == cfg.num_hidden_layers and f.n_heads == cfg.num_attention_heads
+    for layer, spec in enumerate(f.rotary or ()):
+        if spec is not None:  # posprobe's frequencies (angle = p / freq) against HF's inv_freq table
+            from posprobe.rope import inv_freq_table
+
+            _close(1.0 / inv_freq_table(spec, torch.float64), HF.inv_freq(hf, layer)[0], "inverse frequencies", 1e-6)
+
+
+def position_control(bridge: Any) -> None:
+    from posprobe.core.positions import PositionPlan, learned_positions, rope_positions
+
+    f, hf = model_facts(bridge), _plain(bridge)
+    n, k = IDS.shape[1], 7
+    with torch.no_grad():
+        want = hf(IDS, position_ids=(torch.arange(n) + k)[None]).logits
+        if f.is_rotary:
+            p = torch.arange(n, dtype=torch.float64) + k
+            with rope_positions(bridge, PositionPlan(p, p.clone())):
+                got = bridge(IDS)
+            with rope_positions(bridge, PositionPlan(p, p - k)):  # queries alone moved: must change the logits
+                moved = bridge(IDS)
+        else:  # learned positions; any other kind is refused here by posprobe itself
+            with learned_positions(bridge, (torch.arange(n) + k)[None]):
+                got = bridge(IDS)
+            moved = bridge(IDS)
+    _close(got, want, "logits at positions +7 vs HF position_ids")
+    assert (moved - want).abs().max() > 1e-3, "the comparison is vacuous: positions did not matter"
+
+
+def shift_test(bridge: Any) -> None:
+    from posprobe.analyses.shift import run_shift_test
+    from posprobe.data import builtin_pairs
+
+    f = model_facts(bridge)
+    pairs = builtin_pairs(max_pairs=2, seed=0)
+    cfg = ShiftConfig(ks=(0, 9), n_bootstrap=20, progress=False)
+    hooks = run_shift_test(bridge, pairs, config=cfg, backend="tl")
+    if f.is_encoder or not f.has_lm_head:
+        assert len(hooks.drift), "an encoder's shift test reports representation drift"
+        return
+    native = run_shift_test(bridge, pairs, config=cfg, backend="hf")  # HF's own forward with position_ids
+    both = hooks.pairs.merge(native.pairs, on=["paradigm", "pair_id", "k"], suffixes=("_tl", "_hf"))
+    assert len(both) == len(hooks.pairs) > 0
+    _close(torch.tensor(both.logp_good_tl.to_numpy()), torch.tensor(both.logp_good_hf.to_numpy()), "log p at k")
+
+
+def decompose(bridge: Any) -> None:
+    from posprobe.analyses.decompose import decompose_heads
+
+    f = model_facts(bridge)
+    layer = 0 if f.has_w_pos else 1
+    dec, _ = decompose_heads(bridge, DecomposeConfig(layer=layer, text=TEXT, max_windows=2, progress=False))
+    hf = _plain(bridge, eager=True)
+    with torch.no_grad():
+        att = hf(dec.tokens, output_attentions=True).attentions[layer]
+    rec = dec.reconstructed()
+    _close(torch.softmax(rec, dim=-1), att, "softmax of the summed terms vs HF's attention weights")
+
+
+def _hf_rotated_qk(hf: Any, ids: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # HF's own rotated q and k of `layer`, caught at its modeling module's apply_rotary_pos_emb.
+    from posprobe.backend import hf as HF
+
+    attn = HF.attention_modules(hf)[layer]
+    mod = sys.modules[type(attn).__module__]
+    orig, seen = mod.apply_rotary_pos_emb, []
+
+    def spy(q, k, *a, **kw):
+        out = orig(q, k, *a, **kw)
+        seen.append(out)
+        return out
+
+    mod.apply_rotary_pos_emb = spy
+    try:
+        with torch.no_grad():
+            hf(ids)
+    finally:
+        mod.apply_rotary_pos_emb = orig
+    q, k = seen[layer]
+    return q.transpose(1, 2), k.transpose(1, 2)  # TL layout: batch pos head d_head
+
+
+def freq_report(bridge: Any) -> None:
+    from posprobe.analyses.frequency import run_frequency
+    from posprobe.core.capture import capture
+
+    res = run_frequency(bridge, TEXT, FrequencyConfig(window=16, max_windows=2, ablate=False, progress=False))
+    f = model_facts(bridge)
+    assert len(set(zip(res.tables["heads"]["layer"], res.tables["heads"]["head"]))) == f.n_layers * f.n_heads
+    got = capture(bridge, IDS, ["rot_q", "rot_k"], layers=[1])
+    q, k = _hf_rotated_qk(_plain(bridge), IDS, 1)
+    _close(got[("rot_q", 1)], q, "rotated q vs HF's")
+    _close(got[("rot_k", 1)], k, "rotated k vs HF's")
+
+
+def heads(bridge: Any) -> None:
+    from posprobe.analyses.heads import run_heads
+    from posprobe.core.capture import capture
+
+    f = model_facts(bridge)
+    res = run_heads(bridge, TEXT, HeadsConfig(window=16, max_windows=2, induction_len=4, progress=False))
+    assert len(set(zip(res.tables["heads"]["layer"], res.tables["heads"]["head"]))) == f.n_layers * f.n_heads
+    got = capture(bridge, IDS, ["pattern"], layers=[0])[("pattern", 0)]
+    with torch.no_grad():
+        att = _plain(bridge, eager=True)(IDS, output_attentions=True).attentions[0]
+    _close(got, att, "hook_pattern vs HF's attention weights")
+
+
+def probes(bridge: Any) -> None:
+    from posprobe.analyses.probes import run_probes
+
+    run_probes(bridge, TEXT, ProbeConfig(points=("resid_post",), n_splits=2, window=16, max_windows=4, max_tokens=40,
+                                         progress=False))
+    probes_capture(bridge)
+
+
+def probes_capture(bridge: Any) -> None:
+    """posprobe's residual capture after block 0 equals HF's hidden state there."""
+    from posprobe.core.capture import capture
+
+    point = "bridge_resid_post_normalized" if model_facts(bridge).is_encoder else "resid_post"
+    got = capture(bridge, IDS, [point], layers=[0])[(point, 0)]
+    with torch.no_grad():
+        want = _plain(bridge)(IDS, output_hidden_states=True).hidden_states[1]
+    _close(got, want, "residual stream after block 0 vs HF's hidden state")
+
+
+def geometry(bridge: Any) -> None:
+    from posprobe.analyses.geometry import run_geometry
+    from posprobe.backend.model import position_table
+
+    run_geometry(bridge, TEXT, GeometryConfig(window=16, max_windows=2, components=2, progress=False))
+    if not model_facts(bridge).has_w_pos:
+        return probes_capture(bridge)  # residual geometry only: its input is the residual stream
+    hf = _plain(bridge)
+    emb = getattr(getattr(hf, "transformer", None), "wpe", None) or hf.base_model.embeddings.position_embeddings
+    _close(position_table(bridge).detach(), emb.weight.detach(), "W_pos vs HF's position table", 0.0)
+
+
+def surgery_eval(bridge: Any) -> None:
+    from posprobe.analyses.squish import run_surgery_eval
+
+    res = run_surgery_eval(bridge, TEXT, SurgeryEvalConfig(presets=("none", "shift:k=3"), window=16, max_windows=1))
+    t = res.tables["surgery_eval"]
+    none, shifted = (t[t.preset == p].value.to_numpy() for p in ("none", "shift:k=3"))
+    _close(torch.tensor(none), torch.tensor(shifted), "a common shift on a RoPE model (invariance)")
+
+
+def long_context(bridge: Any) -> None:
+    from posprobe.core import long_engine as LA
+    from posprobe.core.generation import logits_under, token_logprobs
+    from posprobe.core.presets import preset_pairs, preset_plan
+
+    f = model_facts(bridge)
+    if not f.is_rotary:
+        raise WrongModelKind(f"long-context presets rotate q and k; {f.name} uses {f.positional_kind} positions")
+    hf, ids = _plain(bridge), IDS[0]
+    LA.require_supported(hf)
+    got = LA.token_nll(hf, ids, preset_pairs("pi:scale=2"), chunk=7)
+    want = -token_logprobs(logits_under(bridge, ids[None], preset_plan("pi:scale=2", bridge, len(ids))), ids[None])[0]
+    _close(got, want, "chunked engine vs hook surgery (pi:scale=2)")
+
+
+def atlas(bridge: Any) -> None:
+    from posprobe.analyses.atlas import run_atlas
+
+    res = run_atlas(bridge, TEXT, AtlasConfig(window=16, max_windows=2, max_pairs=2, probe_tokens=40, induction_len=4,
+                                              ks=(0, 9), progress=False))
+    assert "facts" in res.meta["sections"]
+
+
+CELLS: dict[str, Callable[[Any], None]] = {
+    "facts": facts, "position control": position_control, "shift-test": shift_test, "decompose": decompose,
+    "freq-report": freq_report, "heads": heads, "probes": probes, "geometry": geometry, "surgery-eval": surgery_eval,
+    "long-context": long_context, "atlas": atlas,
+}
+
+
+def run_cell(bridge: Any, analysis: str) -> str:
+    """"ok", "refused: why" or "n/a: why" for one cell (AssertionError where an identity check fails, and any
+    other exception propagates: a cell that is neither right nor refused fails the matrix)."""
+    try:
+        CELLS[analysis](bridge)
+    except WrongModelKind as e:
+        return "n/a: " + _short(e)
+    except PositionError as e:
+        return "n/a: " + _short(e)
+    except NotImplementedError as e:
+        return "refused: " + _short(e)
+    return "ok"
+
+
+def _short(e: Exception) -> str:
+    text = str(e).split(": ", 1)[-1] if "is not available for" in str(e) else str(e)
+    return text.replace("|", "/").replace("\n", " ")
