@@ -60,12 +60,34 @@ def _configs() -> dict:
                                   query_pre_attn_scalar=8, **c), T.Gemma2ForCausalLM),
         "phi": (T.PhiConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                             max_position_embeddings=128, partial_rotary_factor=0.5, **c), T.PhiForCausalLM),
+        "gemma": (T.GemmaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=2, head_dim=8, max_position_embeddings=128, **c),
+                  T.GemmaForCausalLM),
+        "granite": (T.GraniteConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, max_position_embeddings=128, attention_multiplier=0.3,
+                                    residual_multiplier=0.5, embedding_multiplier=2.0, logits_scaling=4.0, **c),
+                    T.GraniteForCausalLM),
+        "olmo2": (T.Olmo2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=2, max_position_embeddings=128, **c), T.Olmo2ForCausalLM),
+        "stablelm": (T.StableLmConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=4, max_position_embeddings=128, partial_rotary_factor=0.25,
+                                      **c), T.StableLmForCausalLM),
+        "starcoder2": (T.Starcoder2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                          **c), T.Starcoder2ForCausalLM),
+        "roberta": (T.RobertaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                                    max_position_embeddings=130, vocab_size=259, pad_token_id=1, **_INIT),
+                    T.RobertaForMaskedLM),
+        "mpt": (T.MptConfig(d_model=32, n_layers=2, n_heads=4, max_seq_len=128, **c), T.MptForCausalLM),
+        "falcon": (T.FalconConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                  new_decoder_architecture=False, alibi=False, **c), T.FalconForCausalLM),
     }
 
 
 #: The refused families (facts say why); PROVEN below are the families every analysis is proven on.
 FAMILIES = ("gpt_neo", "opt", "gpt_neox", "gptj", "smollm3", "bloom", "phi3", "phi")
-ALL_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gpt2", "bert", *FAMILIES)
+EXTRA = ("gemma", "granite", "olmo2", "stablelm", "starcoder2", "roberta", "mpt", "falcon")
+ALL_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gpt2", "bert", *FAMILIES, *EXTRA)
 
 
 def tiny_family(name: str, seed: int = 0) -> tuple[object, object]:
@@ -82,7 +104,7 @@ def tiny_family(name: str, seed: int = 0) -> tuple[object, object]:
         warnings.simplefilter("ignore")  # TL warns about name aliases; the weights are the in-memory model
         bridge = TransformerBridge.boot_transformers(f"posprobe-tiny-{name}", hf_model=hf, tokenizer=byte_tokenizer())
     bridge.cfg.model_name = name
-    if cfg.model_type == "bert":  # an encoder reads [CLS] ... [SEP]: the byte tokenizer's <bos> / <eos> play them
+    if cfg.model_type in ("bert", "roberta"):  # encoders read [CLS] ... [SEP]: the byte tokenizer's <bos> / <eos>
         bridge.tokenizer.cls_token, bridge.tokenizer.sep_token = "<bos>", "<eos>"
         bridge.has_lm_head = False  # BertForMaskedLM's head here is random, as a bare encoder's would be
     bridge.eval()

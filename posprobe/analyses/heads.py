@@ -23,7 +23,7 @@ import pandas as pd
 import torch
 
 from posprobe.analyses.configs import HeadsConfig
-from posprobe.backend.facts import model_facts
+from posprobe.backend.facts import model_facts, require_attention_supported
 from posprobe.backend.model import encode_text, first_token, tokenizer_of
 from posprobe.core import distributed
 from posprobe.core.capture import Reducer, capture, float64_device, stream, to_cpu_once
@@ -185,6 +185,7 @@ def head_signatures(model: Any, token_rows: Any, config: HeadsConfig | None = No
     `head_classes` (layer, head, kind, classes) and `offsets` (mean attention by rel_pos, top heads)."""
     cfg = config or HeadsConfig()
     facts = model_facts(model)
+    require_attention_supported(facts, "Head signatures")
     rows = torch.as_tensor(token_rows)
     if rows.dim() != 2 or rows.shape[0] == 0 or rows.shape[1] < 2:
         raise ValueError("token_rows must be a non-empty [batch, pos] set of equal-length rows with pos >= 2")

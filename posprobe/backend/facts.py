@@ -43,6 +43,8 @@ class ModelFacts:
     layer_positions: tuple[str, ...] = ()
     #: Why posprobe refuses its position analyses on this model (None: proven against Hugging Face).
     unsupported: str | None = None
+    #: Why posprobe refuses its attention-pattern analyses (heads) on this model (None: proven).
+    attention_unsupported: str | None = None
 
     @property
     def is_rotary(self) -> bool:
@@ -123,6 +125,7 @@ def model_facts(model: Any) -> ModelFacts:
         normalization=str(cfg.normalization_type),
         layer_positions=describe_layers(kinds, rotary, int(cfg.d_head), attn_types),
         unsupported=adapter.positional_unsupported(model),
+        attention_unsupported=adapter.attention_unsupported(model),
     )
 
 
@@ -171,6 +174,12 @@ def require_supported(facts: ModelFacts, what: str) -> None:
     this model's family against Hugging Face."""
     if facts.unsupported is not None:
         raise NotImplementedError(f"{what} is not available for {facts.name}: {facts.unsupported}")
+
+
+def require_attention_supported(facts: ModelFacts, what: str) -> None:
+    """Raise NotImplementedError unless posprobe has proven this family's attention pattern equal to Hugging Face's."""
+    if facts.attention_unsupported is not None:
+        raise NotImplementedError(f"{what} is not available for {facts.name}: {facts.attention_unsupported}")
 
 
 def require_rotary(facts: ModelFacts, what: str) -> None:

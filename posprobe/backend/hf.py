@@ -93,6 +93,20 @@ def softcap_logits(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
     return torch.tanh(logits / cap) * cap if cap else logits
 
 
+def finish_logits(hf_model: Any, logits: torch.Tensor) -> torch.Tensor:
+    """What the model's forward does after its LM head: Granite's division by `logits_scaling`, Gemma's final
+    soft-cap (each where the config sets it)."""
+    scale = getattr(text_config(hf_model), "logits_scaling", None)
+    if scale and scale != 1:
+        logits = logits / scale
+    return softcap_logits(logits, final_logit_softcap(hf_model))
+
+
+def logits_from_hidden(hf_model: Any, hidden: torch.Tensor) -> torch.Tensor:
+    """The model's output logits from its final hidden states, as its own forward makes them."""
+    return finish_logits(hf_model, hf_model.get_output_embeddings()(hidden))
+
+
 def rope_parameters(hf_model: Any, layer: int) -> dict:
     """The rope parameters of `layer` (rope_type, rope_theta, scaling keys), per layer type where the config
     has one table per type (Gemma 3's local/global)."""

@@ -37,9 +37,9 @@ def forward(model: Any, tokens: torch.Tensor, *, stop_at_layer: int | None, atte
     return model(tokens, **kwargs)
 
 
-def logit_soft_cap(model: Any) -> float | None:
+def finish_logits(model: Any, logits: torch.Tensor) -> torch.Tensor:
     cap = float(getattr(model.cfg, "output_logits_soft_cap", -1.0))
-    return cap if cap > 0 else None
+    return torch.tanh(logits / cap) * cap if cap > 0 else logits
 
 
 def new_kv_cache(model: Any, batch: int) -> Any:
@@ -186,6 +186,10 @@ def attn_types(model: Any) -> tuple[str, ...]:
 
 def layer_kinds(model: Any) -> tuple[str, ...]:
     return (tl_positional_kind(model.cfg.positional_embedding_type),) * n_layers(model)
+
+
+def attention_unsupported(model: Any) -> str | None:
+    return None  # TL 3 computes every pattern itself, as it computes the output from it
 
 
 def positional_unsupported(model: Any) -> str | None:

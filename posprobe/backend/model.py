@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 
-from posprobe.backend import hf
 from posprobe.backend.dispatch import ops
 from posprobe.backend.kind import is_bridge, is_encoder, n_layers  # noqa: F401 - re-exported for the layers above
 from posprobe.backend.vocab import NormSpec
@@ -69,10 +68,11 @@ def forward(model: Any, tokens: torch.Tensor, *, stop_at_layer: int | None = Non
 
 
 def residual_to_logits(model: Any, resid: torch.Tensor) -> torch.Tensor:
-    """Final norm, unembedding and logit soft-cap applied to residual vectors `[..., d_model]`."""
+    """Final norm, unembedding and what the model does after it (logit scaling, soft-cap) applied to residual
+    vectors `[..., d_model]`."""
     shape = resid.shape
     flat = resid.reshape(-1, 1, shape[-1])
-    logits = hf.softcap_logits(model.unembed(model.ln_final(flat))[:, 0], ops(model).logit_soft_cap(model))
+    logits = ops(model).finish_logits(model, model.unembed(model.ln_final(flat))[:, 0])
     return logits.reshape(*shape[:-1], logits.shape[-1])
 
 

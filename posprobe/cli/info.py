@@ -28,6 +28,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(facts, indent=2, default=str))
     else:
         facts["unsupported"] = facts["unsupported"] or "none: position analyses proven against Hugging Face"
+        facts["attention_unsupported"] = facts["attention_unsupported"] or "none: attention patterns proven"
         width = max(map(len, facts))
         for k, v in facts.items():
             lines = v if isinstance(v, list) and k == "layer_positions" else [v]

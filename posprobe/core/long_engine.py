@@ -167,8 +167,7 @@ def _hidden(model: Any, ids: torch.Tensor, engine_on: bool, cache: Any = None, s
 
 
 def _logits(model: Any, hidden: torch.Tensor) -> torch.Tensor:
-    logits = model.get_output_embeddings()(hidden)
-    return hf.softcap_logits(logits, hf.final_logit_softcap(model))
+    return hf.logits_from_hidden(model, hidden)
 
 
 @torch.no_grad()

@@ -232,8 +232,6 @@ class HFScorer(_Scorer):
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        self.head = model.get_output_embeddings()
-        self.softcap = hf.final_logit_softcap(model)
         # A custom mask replaces HF's sliding-window mask, which only equals it while rows fit the window.
         self.window = hf.sliding_window(model)
 
@@ -252,7 +250,7 @@ class HFScorer(_Scorer):
                                        use_cache=False).last_hidden_state
 
         def head(h: torch.Tensor) -> torch.Tensor:
-            return hf.softcap_logits(self.head(h), self.softcap)
+            return hf.logits_from_hidden(self.model, h)
 
         return hidden, head
 
