@@ -184,8 +184,13 @@ def geometry(bridge: Any) -> None:
     if not model_facts(bridge).has_w_pos:
         return probes_capture(bridge)  # residual geometry only: its input is the residual stream
     hf = _plain(bridge)
-    emb = getattr(getattr(hf, "transformer", None), "wpe", None) or hf.base_model.embeddings.position_embeddings
-    _close(position_table(bridge).detach(), emb.weight.detach(), "W_pos vs HF's position table", 0.0)
+    base = hf.base_model
+    emb = (getattr(base, "wpe", None) or getattr(getattr(base, "embeddings", None), "position_embeddings", None)
+           or base.get_decoder().embed_positions)  # GPT-2 / GPT-Neo, BERT, OPT
+    # Row i of W_pos is what HF adds at position i (OPT reads its table `offset` rows in; the position control cell
+    # proves the rows against HF's position_ids).
+    table = emb.weight.detach()[int(getattr(emb, "offset", 0) or 0):]
+    _close(position_table(bridge).detach(), table, "W_pos vs HF's position table", 0.0)
 
 
 def surgery_eval(bridge: Any) -> None:

@@ -1,9 +1,10 @@
 """Positional families beyond the proven ones: each is right or refused with one message before any work.
 
-Before this gate, on these tiny random models: OPT's identity plan moved the logits by 0.52 (its position table
-is read at an offset of 2), GPT-Neo's decomposition wrote a result 1.04 off the scores, GPT-NeoX's frequency
-report 'succeeded' with share 0.0 in every band (its rotation hooks never fire), GPT-J crashed in model_facts,
-SmolLM3's NoPE layers were reported as rotary, and ALiBi (BLOOM) had no notion at all.
+Before this gate, on these tiny random models: GPT-NeoX's frequency report 'succeeded' with share 0.0 in every
+band (its rotation hooks never fire), GPT-J crashed in model_facts, SmolLM3's NoPE layers were reported as
+rotary, and ALiBi (BLOOM) had no notion at all. OPT's identity plan moved the logits by 0.52 (its position table
+is read at an offset of 2) and GPT-Neo's decomposition wrote a result 1.04 off the scores: both are now right or
+refused cell by cell in the support matrix (tests/test_support_matrix.py), and the nets below catch such cases.
 """
 
 from __future__ import annotations
@@ -16,8 +17,6 @@ from posprobe.analyses.configs import DecomposeConfig, FrequencyConfig
 from posprobe.backend.facts import model_facts
 
 REFUSAL = {
-    "gpt_neo": "not been proven against Hugging Face",
-    "opt": "offset of 2",
     "gpt_neox": "partial rotary",
     "gptj": "without a rotary-embedding module",
     "smollm3": "NoPE layers",
@@ -30,7 +29,6 @@ LAYERS = {
     "phi3": "rotary 50% of head dim, half-split pairing",
     "smollm3": "layer 3: NoPE",
     "bloom": "ALiBi",
-    "opt": "learned absolute",
     "phi": "rotary 50% of head dim",
 }
 
@@ -39,6 +37,18 @@ LAYERS = {
 def family(request):
     bridge, hf = tiny_family(request.param)
     return request.param, bridge, hf
+
+
+def test_opt_identity_plan_is_the_models_own_forward():
+    # Was 0.52 off: OPT reads its position table 2 rows in. Bit-equal now.
+    from posprobe.core.positions import learned_positions
+
+    bridge, _ = tiny_family("opt")
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        own = bridge(ids)
+        with learned_positions(bridge, torch.arange(12)[None]):
+            assert torch.equal(bridge(ids), own)
 
 
 def test_the_bridge_is_the_hf_model(family):
@@ -103,11 +113,13 @@ def test_a_rotation_hook_that_never_fires_raises():
 
 
 def test_a_decomposition_that_does_not_sum_to_the_scores_raises(monkeypatch):
-    # The other net: past the gate, GPT-Neo's terms miss its scores by ~1 (its hook_attn_scores is not q.k of the
-    # parts posprobe splits), and the decomposition refuses to return them.
+    # The other net: with the up-front checks switched off (as before them), GPT-Neo's terms miss the values of its
+    # hook_attn_scores by ~1 (they carry the pattern, not q.k), and the decomposition refuses to return them.
     import posprobe.analyses.decompose as D
 
     bridge, _ = tiny_family("gpt_neo")
     monkeypatch.setattr(D, "require_supported", lambda facts, what: None)
+    monkeypatch.setattr(D, "scores_not_bilinear", lambda model: None)
+    monkeypatch.setattr(D, "scores_hook_is_pattern", lambda model: False)
     with pytest.raises(RuntimeError, match="differ from the model's layer-0 scores"):
         D.decompose_layer0(bridge, torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(1)))

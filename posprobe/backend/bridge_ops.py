@@ -84,7 +84,9 @@ def forward_cached(model: Any, tokens: torch.Tensor, cache: Any) -> torch.Tensor
 
 
 def position_table(model: Any) -> torch.Tensor:
-    return model.pos_embed.original_component.weight
+    # Row i is position i: OPT's table starts at row `offset` (2), as its forward reads it.
+    emb = model.pos_embed.original_component
+    return emb.weight[int(getattr(emb, "offset", 0) or 0):]
 
 
 # ---- weights and norms (score decomposition)
@@ -129,6 +131,9 @@ def embedding_points(model: Any) -> dict[str, str]:
 
 
 def scores_not_bilinear(model: Any) -> str | None:
+    if delegated_attention(model) and not is_encoder(model):
+        return ("hands its attention to Hugging Face's module (TL fires the score hooks after the fact, without the "
+                "causal and local masks)")
     for layer in range(n_layers(model)):
         if any(n is not None for n in qk_norms(model, layer)):
             return "normalises q/k (QK-norm)"
@@ -182,6 +187,10 @@ def _scaling(model: Any, layer: int) -> float:
     a = getattr(a, "self", a)  # BERT: BertAttention holds BertSelfAttention
     if hasattr(a, "scaling"):
         return float(a.scaling)
+    if hasattr(a, "scale_attn"):  # GPT-J divides the scores by scale_attn
+        return 1.0 / float(a.scale_attn)
+    if str(getattr(hf.text_config(model.original_model), "model_type", "")) == "gpt_neo":
+        return 1.0  # GPT-Neo does not scale its scores
     return float(getattr(a, "head_dim", getattr(a, "attention_head_size", 0)) ** -0.5)
 
 
@@ -198,9 +207,18 @@ def attention_scores(model: Any, layer: int, q_rot: torch.Tensor, k_rot: torch.T
     return hf.softcap_logits(scores, _soft_cap(model, layer))
 
 
+def delegated_attention(model: Any) -> bool:
+    """True where TL's attention component hands the whole computation to the HF module and fires its hooks after
+    the fact (BERT, RoBERTa, GPT-Neo, OPT, GPT-J on TL 4.3): hook edits cannot reach the output, and
+    hook_attn_scores carries the softmax pattern."""
+    from transformer_lens.model_bridge.generalized_components.attention import AttentionBridge
+
+    return type(model.blocks[0].attn).forward is AttentionBridge.forward
+
+
 def scores_hook_is_pattern(model: Any) -> bool:
-    # TL 3.9 and 4.3 BERT bridges: hook_attn_scores equals hook_pattern (rows sum to 1).
-    return is_encoder(model)
+    # Measured on BERT (TL 3.9 and 4.3) and GPT-Neo / OPT (4.3): hook_attn_scores equals hook_pattern.
+    return is_encoder(model) or delegated_attention(model)
 
 
 def kept_scores(model: Any, scores: torch.Tensor) -> torch.Tensor:
@@ -222,7 +240,7 @@ def score_soft_cap(model: Any) -> float | None:
 #: tests of position plans, score decomposition, frequency bands and head signatures): everything else is
 #: refused by the position analyses with the reason `positional_unsupported` gives.
 PROVEN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "gemma3", "granite",
-                      "olmo2", "starcoder2", "gpt2", "bert")
+                      "olmo2", "starcoder2", "gpt2", "gpt_neo", "opt", "bert")
 
 
 #: HF model types whose hook_pattern the support matrix proves equal to Hugging Face's attention weights (pattern
@@ -281,8 +299,6 @@ def positional_unsupported(model: Any) -> str | None:
         if 2 * inv.numel() != model.cfg.d_head:
             return (f"{arch} rotates {2 * inv.numel()} of {model.cfg.d_head} head dims (partial rotary); the "
                     "bridge's hook_rot_q/k do not fire for it, so posprobe cannot control or measure its rotation yet")
-    if mt == "opt":
-        return f"{arch} reads its learned position table at an offset of 2, which posprobe does not apply yet"
     why = next((w for w in (unsupported_qk_path(model, l) for l in range(n_layers(model))) if w), None)
     if why is not None:
         return f"{arch}'s attention {why}, which posprobe's position control does not reproduce yet"
