@@ -85,10 +85,10 @@ def _configs() -> dict:
 
 
 #: The refused families (facts say why); PROVEN below are the families every analysis is proven on.
-FAMILIES = ("gpt_neox", "gptj", "smollm3", "bloom", "phi3", "phi")
+FAMILIES = ("gpt_neox", "gptj", "bloom", "phi3", "phi")
 EXTRA = ("gemma", "granite", "olmo2", "stablelm", "starcoder2", "roberta", "mpt", "falcon")
-ALL_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gpt2", "gpt_neo", "opt", "bert",
-                *FAMILIES, *EXTRA)
+ALL_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "smollm3", "gpt2", "gpt_neo", "opt",
+                "bert", *FAMILIES, *EXTRA)
 
 
 def tiny_family(name: str, seed: int = 0) -> tuple[object, object]:

@@ -137,7 +137,7 @@ def freq_report(bridge: Any) -> None:
 
     res = run_frequency(bridge, TEXT, FrequencyConfig(window=16, max_windows=2, ablate=False, progress=False))
     f = model_facts(bridge)
-    assert len(set(zip(res.tables["heads"]["layer"], res.tables["heads"]["head"]))) == f.n_layers * f.n_heads
+    assert len(set(zip(res.tables["heads"]["layer"], res.tables["heads"]["head"]))) == len(f.rotary_layers) * f.n_heads
     got = capture(bridge, IDS, ["rot_q", "rot_k"], layers=[1])
     q, k = _hf_rotated_qk(_plain(bridge), IDS, 1)
     _close(got[("rot_q", 1)], q, "rotated q vs HF's")

@@ -1,10 +1,10 @@
 """Positional families beyond the proven ones: each is right or refused with one message before any work.
 
 Before this gate, on these tiny random models: GPT-NeoX's frequency report 'succeeded' with share 0.0 in every
-band (its rotation hooks never fire), GPT-J crashed in model_facts, SmolLM3's NoPE layers were reported as
-rotary, and ALiBi (BLOOM) had no notion at all. OPT's identity plan moved the logits by 0.52 (its position table
-is read at an offset of 2) and GPT-Neo's decomposition wrote a result 1.04 off the scores: both are now right or
-refused cell by cell in the support matrix (tests/test_support_matrix.py), and the nets below catch such cases.
+band (its rotation hooks never fire), GPT-J crashed in model_facts and ALiBi (BLOOM) had no notion at all. OPT's
+identity plan moved the logits by 0.52 (its position table is read at an offset of 2), GPT-Neo's decomposition
+wrote a result 1.04 off the scores and SmolLM3's NoPE layers were reported as rotary: those three are now right
+or refused cell by cell in the support matrix (tests/test_support_matrix.py), and the nets below catch such cases.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from posprobe.backend.facts import model_facts
 REFUSAL = {
     "gpt_neox": "partial rotary",
     "gptj": "without a rotary-embedding module",
-    "smollm3": "NoPE layers",
     "bloom": "ALiBi",
     "phi3": "partial rotary",
     "phi": "partial rotary",
@@ -37,6 +36,27 @@ LAYERS = {
 def family(request):
     bridge, hf = tiny_family(request.param)
     return request.param, bridge, hf
+
+
+def test_smollm3_nope_layers_are_facts_and_stay_unrotated():
+    # Were reported as rotary. Position control moves the rotary layers only; HF's position_ids agree.
+    from posprobe.core.positions import PositionPlan, rope_positions
+
+    bridge, hf = tiny_family("smollm3")
+    f = model_facts(bridge)
+    assert f.unsupported is None and f.rotary_layers == (0, 1, 2) and f.rotary[3] is None
+    assert "layer 3: NoPE" in " | ".join(f.summary()["layer_positions"])
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
+    p = torch.arange(12, dtype=torch.float64) + 5
+    with torch.no_grad(), rope_positions(bridge, PositionPlan(p, p.clone())):
+        got = bridge(ids)
+    with torch.no_grad():
+        want = hf(ids, position_ids=(torch.arange(12) + 5)[None]).logits
+    assert (got - want).abs().max() <= 1e-4
+    with pytest.raises(ValueError, match="layer 3 of smollm3 apply no positional encoding"):
+        from posprobe.analyses.frequency import frequency_usage
+
+        frequency_usage(bridge, ids.repeat(2, 1), layers=[3], progress=False)
 
 
 def test_opt_identity_plan_is_the_models_own_forward():
@@ -64,9 +84,6 @@ def test_facts_name_the_family_per_layer_and_why_it_is_refused(family):
     assert f.unsupported is not None and REFUSAL[name] in f.unsupported
     text = " | ".join(f.summary()["layer_positions"])
     assert LAYERS.get(name, "") in text
-    if name == "smollm3":
-        assert f.rotary is not None and f.rotary[3] is None and f.rotary[0] is not None
-        assert "layers 0-2: rotary 100% of head dim" in text
 
 
 def test_position_analyses_refuse_before_any_forward(family, monkeypatch):

@@ -148,8 +148,8 @@ def _grouped_dot(q: torch.Tensor, k: torch.Tensor, dims: slice, scale: float) ->
 
 
 def _reducer(model: Any, facts: ModelFacts, layers: list[int], edges: list[int], queries: int | None) -> Reducer:
-    H, kv, nb = facts.n_heads, facts.n_kv_heads, facts.rotary[0].n_bands
-    g, rd = H // kv, facts.rotary[0].rotary_dim
+    H, kv, nb = facts.n_heads, facts.n_kv_heads, facts.first_rotary.n_bands
+    g, rd = H // kv, facts.first_rotary.rotary_dim
     has_rest = facts.d_head > rd
     n_bins = len(edges)
     scratch = _Scratch()
@@ -274,10 +274,8 @@ def frequency_usage(
         raise NotImplementedError("The frequency pass accumulates in float64 on the model's device, which mps "
                                   "does not support; run it with --device cpu or cuda")
     rows = check_rows(model, token_rows)
-    layers = list(range(facts.n_layers)) if layers is None else list(layers)
-    if not layers or any(not 0 <= l < facts.n_layers for l in layers):
-        raise ValueError(f"layers must be within 0..{facts.n_layers - 1}; got {layers}")
-    if len({s.rotary_dim for s in facts.rotary}) != 1:
+    layers = facts.check_rotary_layers(layers, "Per-frequency RoPE usage")
+    if len({s.rotary_dim for s in facts.rotary if s is not None}) != 1:
         raise NotImplementedError("Layers with different rotary_dim are not supported")
     window = rows.shape[1]
     edges = rel_pos_edges(window)
@@ -325,10 +323,10 @@ def _grid(**cols: Any) -> dict[str, np.ndarray]:
 def _tables(facts: ModelFacts, accs: dict[int, _Acc], edges: list[int], window: int) -> tuple[pd.DataFrame, ...]:
     # All layers at once: one DataFrame per table built from flat arrays (per-layer frames and
     # per-row dict lookups cost ~0.7 s on SmolLM2, a fixed cost that showed at small token counts).
-    H, nb = facts.n_heads, facts.rotary[0].n_bands
+    H, nb = facts.n_heads, facts.first_rotary.n_bands
     group = H // facts.n_kv_heads
     his = [e - 1 for e in edges[1:]] + [window - 1]
-    rest = facts.d_head > facts.rotary[0].rotary_dim
+    rest = facts.d_head > facts.first_rotary.rotary_dim
     nbx = nb + 1 if rest else nb
     bands = list(range(nb)) + ([-1] if rest else [])
     kv = torch.arange(H) // group

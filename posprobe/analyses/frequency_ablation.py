@@ -40,7 +40,7 @@ class BandAblation:
 
 
 def _validate(facts: ModelFacts, ab: BandAblation) -> None:
-    nb = facts.rotary[0].n_bands
+    nb = facts.first_rotary.n_bands
     bad = [b for b in ab.bands if not 0 <= b < nb]
     if bad:
         raise ValueError(f"{ab.name}: bands {sorted(bad)} out of range 0..{nb - 1}")
@@ -59,7 +59,7 @@ def ablate_bands(model: Any, ab: BandAblation) -> Iterator[Any]:
     facts = model_facts(model)
     require_rotary(facts, "Band ablation")
     _validate(facts, ab)
-    layers = sorted(ab.layers) if ab.layers is not None else list(range(facts.n_layers))
+    layers = facts.check_rotary_layers(sorted(ab.layers) if ab.layers is not None else None, "Band ablation")
     if ab.heads is None and ab.mode == "unrotate":
         rot = {l: replace(facts.rotary[l], removed=facts.rotary[l].removed | ab.bands) for l in layers}
         plan = replace(PositionPlan.default(context_length(model), label=ab.name), rotary=rot, layers=frozenset(layers))
@@ -160,7 +160,7 @@ def band_ablation(
     rows = check_rows(model, token_rows)
     for ab in ablations:
         _validate(facts, ab)
-    nb = facts.rotary[0].n_bands
+    nb = facts.first_rotary.n_bands
     n_b = math.ceil(rows.shape[0] / batch_size)
     out = []
     with tqdm(total=n_b * (len(ablations) + 1), desc="band ablation", unit="batch", disable=not progress) as bar:
@@ -187,7 +187,7 @@ def band_ablation(
 def p_sweep(facts: ModelFacts, ps: Sequence[float] = (0.75, 0.5, 0.25, 0.0)) -> list[BandAblation]:
     """Model-wide unrotation sweep: for each p, "drop-low" keeps the fastest round(p * n_bands) bands
     rotating (p-RoPE), "drop-high" keeps the slowest ones instead."""
-    nb = facts.rotary[0].n_bands
+    nb = facts.first_rotary.n_bands
     out = []
     for p in ps:
         if not 0 <= p <= 1:
@@ -202,7 +202,7 @@ def p_sweep(facts: ModelFacts, ps: Sequence[float] = (0.75, 0.5, 0.25, 0.0)) -> 
 
 def head_ablations(facts: ModelFacts, heads: Sequence[tuple[int, int]], fraction: float = 0.25) -> list[BandAblation]:
     """Per head: unrotate its fastest `fraction` of bands ("fast"), its slowest ("slow"), or all ("all")."""
-    nb = facts.rotary[0].n_bands
+    nb = facts.first_rotary.n_bands
     k = max(1, round(fraction * nb))
     sets = {"fast": range(k), "slow": range(nb - k, nb), "all": range(nb)}
     return [BandAblation(name=f"L{l}H{h} {v}", variant=v, heads=((l, h),), bands=frozenset(b))

@@ -240,7 +240,7 @@ def score_soft_cap(model: Any) -> float | None:
 #: tests of position plans, score decomposition, frequency bands and head signatures): everything else is
 #: refused by the position analyses with the reason `positional_unsupported` gives.
 PROVEN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "gemma3", "granite",
-                      "olmo2", "starcoder2", "gpt2", "gpt_neo", "opt", "bert")
+                      "olmo2", "smollm3", "starcoder2", "gpt2", "gpt_neo", "opt", "bert")
 
 
 #: HF model types whose hook_pattern the support matrix proves equal to Hugging Face's attention weights (pattern
@@ -286,13 +286,9 @@ def positional_unsupported(model: Any) -> str | None:
         return f"{arch} adds ALiBi distance biases, which posprobe has no adapter for yet"
     if kind in ("relative_positional_bias", "relative_bias"):
         return f"{arch} uses T5-style relative position buckets, which posprobe has no adapter for yet"
-    nope = hf.nope_layers(hf_model)
-    if nope:
-        return (f"{arch} mixes rotary layers with NoPE layers ({', '.join(map(str, nope))}), which posprobe does "
-                "not handle yet")
     if kind == "rotary":
         try:
-            inv, _ = hf.inv_freq(hf_model, 0)
+            inv, _ = hf.inv_freq(hf_model, 0)  # NoPE layers share the rotary module
         except NotImplementedError:
             return (f"{arch} rotates inside its attention without a rotary-embedding module (GPT-J style "
                     "interleaved pairs), which posprobe does not read yet")

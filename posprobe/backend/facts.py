@@ -50,6 +50,27 @@ class ModelFacts:
     def is_rotary(self) -> bool:
         return self.positional_kind == "rotary"
 
+    @property
+    def rotary_layers(self) -> tuple[int, ...]:
+        """Layers that rotate q and k (all but NoPE layers; none for other kinds)."""
+        return tuple(l for l, s in enumerate(self.rotary or ()) if s is not None)
+
+    @property
+    def first_rotary(self) -> RotarySpec | None:
+        """The rotation of the first rotary layer (band count and rotary dim are shared by every rotary layer)."""
+        return next((s for s in self.rotary or () if s is not None), None)
+
+    def check_rotary_layers(self, layers: Any, what: str) -> list[int]:
+        """`layers` (None: every rotary layer) as a list, ValueError for one out of range or without rotation."""
+        chosen = list(self.rotary_layers) if layers is None else list(layers)
+        if not chosen or any(not 0 <= l < self.n_layers for l in chosen):
+            raise ValueError(f"layers must be within 0..{self.n_layers - 1}; got {chosen}")
+        nope = [l for l in chosen if l not in self.rotary_layers]
+        if nope:
+            raise ValueError(f"{what}: layer{'s' if len(nope) > 1 else ''} {', '.join(map(str, nope))} of "
+                             f"{self.name} apply no positional encoding (NoPE)")
+        return chosen
+
     def summary(self) -> dict[str, Any]:
         """Flat dict for printing and meta.json."""
         d = asdict(self)

@@ -153,7 +153,9 @@ class _RopeControl:
         self.k_new: dict[int, torch.Tensor] = {}
         self.k_all: dict[int, torch.Tensor] = {}
         self.q_buf: dict[int, torch.Tensor] = {}
-        self.specs = {l: (plan.rotary or {}).get(l) or layer_rotary_spec(model, l) for l in range(n_layers(model))}
+        facts = model_facts(model)
+        self.rotary_layers = facts.rotary_layers  # NoPE layers rotate nothing: nothing to control there
+        self.specs = {l: (plan.rotary or {}).get(l) or layer_rotary_spec(model, l) for l in self.rotary_layers}
         # The plan's tensors (CPU, float64) copied once per device and reused by every layer and batch:
         # a copy per rotation was one host->device transfer per layer on a GPU.
         self._on: dict[tuple[str, int, torch.device], torch.Tensor] = {}
@@ -266,7 +268,7 @@ class _RopeControl:
     def hooks(self) -> list[tuple[str, Any]]:
         layers = self.plan.layers if self.plan.layers is not None else range(n_layers(self.model))
         hs: list[tuple[str, Any]] = []
-        for l in layers:
+        for l in (l for l in layers if l in self.specs):
             hs += [(hook_name("q", l), self.stash(l, "q")), (hook_name("k", l), self.stash(l, "k")),
                    (hook_name("rot_k", l), self.rot_k(l)), (hook_name("rot_q", l), self.rot_q(l))]
             if self.plan.views:

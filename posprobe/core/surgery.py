@@ -89,8 +89,9 @@ def position_interpolation(n: int, scale: float) -> PositionPlan:
 
 
 def _specs(model: Any) -> dict[int, RotarySpec]:
-    require_rotary(model_facts(model), "Frequency surgery")
-    return {l: layer_rotary_spec(model, l) for l in range(n_layers(model))}
+    facts = model_facts(model)
+    require_rotary(facts, "Frequency surgery")
+    return {l: layer_rotary_spec(model, l) for l in facts.rotary_layers}
 
 
 def ntk_rotary(spec: RotarySpec, scale: float) -> RotarySpec:
@@ -174,7 +175,7 @@ def p_rope(model: Any, n: int, p: float) -> PositionPlan:
     """p-RoPE (Barbero et al. 2024): keep the fraction p fastest bands, remove the round((1-p) * bands) slowest."""
     if not 0 <= p <= 1:
         raise ValueError(f"p must be in [0, 1]; got {p}")
-    bands = model_facts(model).rotary[0].n_bands
+    bands = model_facts(model).first_rotary.n_bands
     plan = drop_frequencies(model, n, lowest=round((1 - p) * bands))
     return replace(plan, label=f"p-rope:{p:g}", meta={**plan.meta, "preset": "p_rope", "p": p})
 
@@ -255,7 +256,10 @@ def apply_plan(model: Any, plan: PositionPlan) -> Iterator[PositionPlan]:
                 out = out.masked_fill(gone, float("-inf"))
             return out
 
+        # As HF applies YaRN's factor through cos/sin, only rotary layers are scaled; eviction applies everywhere.
+        rotary = set(model_facts(model).rotary_layers)
         layers = plan.layers if plan.layers is not None else range(n_layers(model))
+        layers = [l for l in layers if keep is not None or l in rotary]
         with hooked(model, [(hook_name("scores", l), hook) for l in layers]):
             yield plan
 
