@@ -207,6 +207,16 @@ def attention_scores(model: Any, layer: int, q_rot: torch.Tensor, k_rot: torch.T
     return hf.softcap_logits(scores, _soft_cap(model, layer))
 
 
+def _tl_version() -> str:
+    from importlib.metadata import version
+
+    return version("transformer-lens")
+
+
+def _tl_major() -> int:
+    return int(_tl_version().split(".")[0])
+
+
 def delegated_attention(model: Any) -> bool:
     """True where TL's attention component hands the whole computation to the HF module and fires its hooks after
     the fact (BERT, RoBERTa, GPT-Neo, OPT, GPT-J on TL 4.3): hook edits cannot reach the output, and
@@ -252,6 +262,10 @@ PATTERN_PROVEN_MODEL_TYPES = PROVEN_MODEL_TYPES + (
 
 def attention_unsupported(model: Any) -> str | None:
     mt = str(getattr(hf.text_config(model.original_model), "model_type", ""))
+    if delegated_attention(model) and _tl_major() < 4:
+        arch = type(model.original_model).__name__
+        return (f"TransformerLens {_tl_version()} does not fire hook_pattern on {arch}'s delegated attention "
+                "(TransformerLens >= 4 does)")
     if mt in PATTERN_PROVEN_MODEL_TYPES:
         return None
     return (f"{type(model.original_model).__name__} ({mt}): its hook_pattern has not been proven equal to Hugging "
