@@ -62,6 +62,8 @@ def position_control(bridge: Any) -> None:
 
     f, hf = model_facts(bridge), _plain(bridge)
     n, k = IDS.shape[1], 7
+    if f.positional_kind == "alibi":
+        return _alibi_control(bridge, hf)
     with torch.no_grad():
         want = hf(IDS, position_ids=(torch.arange(n) + k)[None]).logits
         if f.is_rotary:
@@ -78,6 +80,33 @@ def position_control(bridge: Any) -> None:
     assert (moved - want).abs().max() > 1e-3, "the comparison is vacuous: positions did not matter"
 
 
+def _alibi_control(bridge: Any, hf: Any) -> None:
+    # HF's ALiBi takes no position ids; its bias is built as slope * key position (BLOOM) or slope * (key position -
+    # length + 1) (MPT). The independent reference for a plan that doubles every distance: HF's own forward with
+    # that bias tensor doubled.
+    from posprobe.core.positions import PositionPlan, alibi_positions
+
+    n = IDS.shape[1]
+    p = torch.arange(n, dtype=torch.float64)
+    base = hf.base_model
+    name = "build_alibi_tensor" if hasattr(base, "build_alibi_tensor") else "build_mpt_alibi_tensor"
+    build = getattr(base, name)
+    with torch.no_grad():
+        with alibi_positions(bridge, PositionPlan(p, p.clone())):  # a refusal comes here, before any forward
+            identity = bridge(IDS)
+        own = bridge(IDS)
+        assert torch.equal(identity, own), "the identity plan must leave an ALiBi model bit-equal"
+        with alibi_positions(bridge, PositionPlan(2 * p, 2 * p)):
+            got = bridge(IDS)
+        setattr(base, name, lambda *a, **kw: 2 * build(*a, **kw))
+        try:
+            want = hf(IDS).logits
+        finally:
+            delattr(base, name)
+    _close(got, want, "every distance doubled vs HF with its ALiBi bias doubled")
+    assert (got - own).abs().max() > 1e-3, "the comparison is vacuous: distances did not matter"
+
+
 def shift_test(bridge: Any) -> None:
     from posprobe.analyses.shift import run_shift_test
     from posprobe.data import builtin_pairs
@@ -86,6 +115,10 @@ def shift_test(bridge: Any) -> None:
     pairs = builtin_pairs(max_pairs=2, seed=0)
     cfg = ShiftConfig(ks=(0, 9), n_bootstrap=20, progress=False)
     hooks = run_shift_test(bridge, pairs, config=cfg, backend="tl")
+    if f.positional_kind == "alibi":  # HF takes no position ids here; the position control cell proves the numbers
+        at = {k: torch.tensor(hooks.pairs[hooks.pairs.k == k].logp_good.to_numpy()) for k in (0, 9)}
+        _close(at[9], at[0], "ALiBi: a common shift leaves every distance, so every log-prob, unchanged")
+        return
     if f.is_encoder or not f.has_lm_head:
         assert len(hooks.drift), "an encoder's shift test reports representation drift"
         return

@@ -19,7 +19,7 @@ from posprobe.backend.facts import model_facts
 REFUSAL = {
     "gpt_neox": "partial rotary",
     "gptj": "without a rotary-embedding module",
-    "bloom": "ALiBi",
+    "bloom": "not been proven against Hugging Face",
     "phi3": "partial rotary",
     "phi": "partial rotary",
 }
@@ -140,3 +140,20 @@ def test_a_decomposition_that_does_not_sum_to_the_scores_raises(monkeypatch):
     monkeypatch.setattr(D, "scores_hook_is_pattern", lambda model: False)
     with pytest.raises(RuntimeError, match="differ from the model's layer-0 scores"):
         D.decompose_layer0(bridge, torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(1)))
+
+
+@pytest.mark.parametrize("name", ["bloom", "mpt"])
+def test_alibi_slopes_are_measured_and_equal_hfs_own_bias(name):
+    # Measured from the model's scores (hook_attn_scores - scale q.k), never from the formula; here checked against
+    # the bias tensor HF's own model builds (per head: its step from one key position to the next).
+    bridge, hf = tiny_family(name)
+    f = model_facts(bridge)
+    base = hf.base_model
+    if name == "bloom":
+        bias = base.build_alibi_tensor(torch.ones(1, 8, dtype=torch.long), 4, torch.float32)[:, 0]
+    else:
+        bias = base.build_mpt_alibi_tensor(4, 8)[:, 0]
+    step = (bias[:, 1:] - bias[:, :-1]).mean(1)
+    for layer in f.alibi_slopes:
+        assert torch.allclose(torch.tensor(layer, dtype=torch.float64), step.double(), atol=1e-6)
+    assert "ALiBi (slopes 2^-2 … 2^-8, measured)" in f.summary()["layer_positions"][0]

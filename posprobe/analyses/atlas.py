@@ -131,7 +131,8 @@ def run_atlas(model: Any, text: str | None = None, config: AtlasConfig | None = 
                 ks=ks, seed=cfg.seed, n_bootstrap=200, allow_beyond_context=False, progress=cfg.progress
             ),
             data_source=BUILTIN_SOURCE,
-            backend="hf" if hf_scorable(model) else "auto",  # the loaded weights through HF's own forward
+            # The loaded weights through HF's own forward, except ALiBi (HF takes no position ids there).
+            backend="hf" if hf_scorable(model) and facts.positional_kind != "alibi" else "auto",
             device=str(device_of(model)),
             dtype=str(dtype_of(model)).replace("torch.", ""),
         ),

@@ -243,7 +243,10 @@ def prepare(model: Any, *, backend: str = "auto", device: str = "cpu", dtype: st
         return _prepare_hf_twin(model)
     if isinstance(model, str):
         src = resolve(model)
-        if src.kind == "hf-dir" and backend != "tl":
+        from posprobe.backend.peek import peek
+
+        alibi = backend == "auto" and getattr(peek(model), "positional_kind", None) == "alibi"  # no position ids
+        if src.kind == "hf-dir" and backend != "tl" and not alibi:
             from posprobe.backend.loading import load_hf_model
 
             if not HF.folder_architecture(HF.hf_folder(src)).startswith("Bert"):
@@ -317,8 +320,12 @@ def run_shift_test(
     if pairs is not None:
         check_pairs(pairs)
     prep = prepare(model, backend=backend, device=device, dtype=dtype)
-    if prep.positional_kind not in ("learned_absolute", "rotary"):
-        raise ShiftError(f"The shift test needs learned or rotary positions; {prep.name} uses {prep.positional_kind}")
+    if prep.positional_kind not in ("learned_absolute", "rotary", "alibi"):
+        raise ShiftError(f"The shift test needs learned, rotary or ALiBi positions; {prep.name} uses "
+                         f"{prep.positional_kind}")
+    if prep.positional_kind == "alibi" and prep.backend == "hf":
+        raise ShiftError(f"{prep.name} uses ALiBi, which Hugging Face computes without position ids: use backend 'tl' "
+                         "(posprobe's ALiBi position control)")
     kind, prefix = prefix_ids(prep.tokenizer, cfg.prefix) if not prep.is_encoder else ("cls-sep", [])
     limit = prep.n_ctx if (prep.positional_kind == "learned_absolute" or not cfg.allow_beyond_context) else 10**12
     if pairs is not None:
@@ -370,8 +377,9 @@ def run_shift_test(
         meta["max_abs_logp_change_vs_k0"] = dev
     if len(tokens):
         meta["perplexity"] = ppl_by_k(tokens).to_dict("records")
-    if prep.positional_kind == "rotary":
-        meta["note"] = ("RoPE model: the shift moves queries and keys together, so scores depend only on relative "
+    if prep.positional_kind in ("rotary", "alibi"):
+        kind = "RoPE" if prep.positional_kind == "rotary" else "ALiBi"
+        meta["note"] = (f"{kind} model: the shift moves queries and keys together, so scores depend only on relative "
                         "positions and must not change with k. This run is an invariance control; "
                         "max_abs_logp_change_vs_k0 is the measured deviation (float rounding).")
     tables = {"shift_pairs": pair_df, "shift_summary": summary, "shift_tokens": tokens, "shift_drift": drift}

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from posprobe.backend import hf
+from posprobe.backend.attach import hooked
 from posprobe.backend.bridge import (
     layer_type,
     qk_norms,
@@ -131,6 +132,8 @@ def embedding_points(model: Any) -> dict[str, str]:
 
 
 def scores_not_bilinear(model: Any) -> str | None:
+    if model.cfg.positional_embedding_type == "alibi":
+        return "adds ALiBi distance biases to its scores"
     if delegated_attention(model) and not is_encoder(model):
         return ("hands its attention to Hugging Face's module (TL fires the score hooks after the fact, without the "
                 "causal and local masks)")
@@ -250,7 +253,7 @@ def score_soft_cap(model: Any) -> float | None:
 #: tests of position plans, score decomposition, frequency bands and head signatures): everything else is
 #: refused by the position analyses with the reason `positional_unsupported` gives.
 PROVEN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "gemma3", "granite",
-                      "olmo2", "smollm3", "starcoder2", "gpt2", "gpt_neo", "opt", "bert")
+                      "olmo2", "smollm3", "starcoder2", "gpt2", "gpt_neo", "opt", "bert", "mpt")
 
 
 #: HF model types whose hook_pattern the support matrix proves equal to Hugging Face's attention weights (pattern
@@ -284,6 +287,52 @@ def rotary_specs(model: Any) -> tuple[RotarySpec | None, ...] | None:
         return None
 
 
+def alibi_slopes(model: Any) -> tuple[tuple[float, ...], ...]:
+    """Per layer, per head: the ALiBi slope the model actually applies, measured from its own computation (a
+    6-token forward: bias = hook_attn_scores - scale * q.k, fitted as slope * key position per query row), never
+    from the formula (Falcon-RW in transformers 5.23 applies its bias twice). Cached on the model; raises
+    NotImplementedError where the bias is not linear in the key position."""
+    cached = model.__dict__.get("_posprobe_alibi_slopes")
+    if cached is not None:
+        return cached
+    n, L = 6, n_layers(model)
+    got: dict[tuple[str, int], torch.Tensor] = {}
+
+    def keep(point: str, layer: int):
+        def hook(x: torch.Tensor, hook: Any) -> torch.Tensor:
+            got[(point, layer)] = x.detach().double().cpu()
+            return x
+
+        return hook
+
+    ids = torch.arange(10, 10 + n)[None].to(device_of(model))  # any tokens: the bias does not depend on them
+    names = [(hook_name(p, l), keep(p, l)) for l in range(L) for p in ("q", "k", "scores")]
+    with torch.no_grad(), hooked(model, names):
+        model(ids)
+    i, j = torch.tril_indices(n, n)
+    out = []
+    for l in range(L):
+        q, k, s = got[("q", l)], got[("k", l)], got[("scores", l)]
+        h, kv = q.shape[2], k.shape[2]
+        k = k.repeat_interleave(h // kv, dim=2) if h != kv else k
+        bias = s[0] - torch.einsum("qhd,khd->hqk", q[0], k[0]) * _scaling(model, l)  # [head, query, key]
+        b = bias[:, i, j]
+        # bias = slope * j + c_i: remove each row's mean, then slope by least squares on the centred key index
+        jj = j.double()
+        rows_mean_b = torch.stack([b[:, i == r].mean(1) for r in range(n)], 1)[:, i]
+        rows_mean_j = torch.stack([jj[i == r].mean() for r in range(n)])[i]
+        x, y = jj - rows_mean_j, b - rows_mean_b
+        slope = (y * x).sum(1) / (x * x).sum()
+        err = float((y - slope[:, None] * x).abs().max())
+        if err > 1e-4 * max(1.0, float(b.abs().max())):
+            arch = type(model.original_model).__name__
+            raise NotImplementedError(f"{arch}'s attention bias is not linear in the key position (fit error "
+                                      f"{err:.2g}): not ALiBi as posprobe controls it")
+        out.append(tuple(float(v) for v in slope))
+    model.__dict__["_posprobe_alibi_slopes"] = tuple(out)
+    return tuple(out)
+
+
 def layer_kinds(model: Any) -> tuple[str, ...]:
     kind = tl_positional_kind(model.cfg.positional_embedding_type)
     nope = hf.nope_layers(model.original_model)
@@ -297,7 +346,10 @@ def positional_unsupported(model: Any) -> str | None:
     arch = type(hf_model).__name__
     kind = model.cfg.positional_embedding_type
     if kind == "alibi":
-        return f"{arch} adds ALiBi distance biases, which posprobe has no adapter for yet"
+        try:
+            alibi_slopes(model)  # measured; a bias that is not linear in the key position is refused
+        except NotImplementedError as e:
+            return str(e)
     if kind in ("relative_positional_bias", "relative_bias"):
         return f"{arch} uses T5-style relative position buckets, which posprobe has no adapter for yet"
     if kind == "rotary":

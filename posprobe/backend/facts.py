@@ -45,6 +45,8 @@ class ModelFacts:
     unsupported: str | None = None
     #: Why posprobe refuses its attention-pattern analyses (heads) on this model (None: proven).
     attention_unsupported: str | None = None
+    #: ALiBi models: per layer, each head's slope as measured from the model's own scores (None otherwise).
+    alibi_slopes: tuple[tuple[float, ...], ...] | None = None
 
     @property
     def is_rotary(self) -> bool:
@@ -83,6 +85,8 @@ class ModelFacts:
             d["rotary_base_per_layer"] = bases if len(set(bases)) > 1 else bases[0]
         d["attn_types"] = sorted(set(self.attn_types))
         d["layer_positions"] = _runs(self.layer_positions)
+        if self.alibi_slopes is not None:
+            d["alibi_slopes"] = [[round(s, 8) for s in layer] for layer in self.alibi_slopes]
         return d
 
 
@@ -99,8 +103,19 @@ def _runs(items: tuple[str, ...]) -> list[str]:
     return out
 
 
-def describe_layers(kinds: tuple[str, ...], rotary: tuple[RotarySpec, ...] | None, d_head: int,
-                    attn_types: tuple[str, ...], extra: str = "") -> tuple[str, ...]:
+def _slopes_text(slopes: tuple[float, ...]) -> str:
+    import math
+
+    def one(s: float) -> str:
+        e = math.log2(s) if s > 0 else float("nan")
+        return f"2^{e:.0f}" if abs(e - round(e)) < 1e-4 else f"{s:.3g}"
+
+    return f"slopes {one(max(slopes))} … {one(min(slopes))}, measured" if slopes else "no heads"
+
+
+def describe_layers(kinds: tuple[str, ...], rotary: tuple[RotarySpec | None, ...] | None, d_head: int,
+                    attn_types: tuple[str, ...], extra: str = "",
+                    alibi: tuple[tuple[float, ...], ...] | None = None) -> tuple[str, ...]:
     """One phrase per layer saying how positions enter it, from per-layer kinds ("rotary", "nope", ...)."""
     out = []
     for l, kind in enumerate(kinds):
@@ -114,6 +129,8 @@ def describe_layers(kinds: tuple[str, ...], rotary: tuple[RotarySpec, ...] | Non
             text = {"rotary": "rotary", "nope": "NoPE (no positional encoding)", "learned_absolute":
                     "learned absolute (added to the embedding)", "alibi": "ALiBi (linear distance bias)",
                     "relative_bias": "relative position buckets (T5)"}.get(kind, kind)
+        if kind == "alibi" and alibi is not None:
+            text = f"ALiBi ({_slopes_text(alibi[l])})"
         if l < len(attn_types) and attn_types[l] == "local":
             text += ", sliding window"
         out.append(text + extra)
@@ -128,6 +145,12 @@ def model_facts(model: Any) -> ModelFacts:
     pet = cfg.positional_embedding_type
     adapter = ops(model)
     rotary, attn_types, kinds = adapter.rotary_specs(model), adapter.attn_types(model), adapter.layer_kinds(model)
+    slopes = None
+    if "alibi" in kinds:
+        try:
+            slopes = adapter.alibi_slopes(model)
+        except NotImplementedError:
+            slopes = None  # positional_unsupported says why
     return ModelFacts(
         name=str(cfg.model_name),
         source=str(getattr(model, "posprobe_source", "object")),
@@ -144,9 +167,10 @@ def model_facts(model: Any) -> ModelFacts:
         rotary=rotary,
         attn_types=attn_types,
         normalization=str(cfg.normalization_type),
-        layer_positions=describe_layers(kinds, rotary, int(cfg.d_head), attn_types),
+        layer_positions=describe_layers(kinds, rotary, int(cfg.d_head), attn_types, alibi=slopes),
         unsupported=adapter.positional_unsupported(model),
         attention_unsupported=adapter.attention_unsupported(model),
+        alibi_slopes=slopes,
     )
 
 

@@ -184,6 +184,10 @@ def attn_types(model: Any) -> tuple[str, ...]:
     return tuple(getattr(b.attn, "attn_type", "global") for b in model.blocks)
 
 
+def alibi_slopes(model: Any) -> tuple[tuple[float, ...], ...]:
+    raise NotImplementedError("ALiBi position control needs the TransformerBridge backend")
+
+
 def layer_kinds(model: Any) -> tuple[str, ...]:
     return (tl_positional_kind(model.cfg.positional_embedding_type),) * n_layers(model)
 

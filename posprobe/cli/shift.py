@@ -60,8 +60,8 @@ def _check_model(facts: PeekedFacts | None, args: argparse.Namespace, cfg: Shift
 
     if facts is None or not facts.known_kind:
         return
-    if facts.positional_kind not in ("learned_absolute", "rotary"):
-        raise WrongModelKind(f"shift-test needs learned or rotary positions, but {facts.name} uses "
+    if facts.positional_kind not in ("learned_absolute", "rotary", "alibi"):
+        raise WrongModelKind(f"shift-test needs learned, rotary or ALiBi positions, but {facts.name} uses "
                              f"{facts.positional_kind} positions")
     if args.backend == "hf" and facts.is_tiny:
         raise ValueError(f"{facts.name} has no Hugging Face weights on disk; use --backend tl or auto")

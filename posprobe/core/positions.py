@@ -12,8 +12,9 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 from jaxtyping import Int
 
-from posprobe.backend.facts import model_facts, require_learned, require_rotary
+from posprobe.backend.facts import WrongModelKind, model_facts, require_learned, require_rotary, require_supported
 from posprobe.backend.hooks import (
+    alibi_slopes,
     attention_scores,
     hook_name,
     hooked,
@@ -293,6 +294,46 @@ def rope_positions(model: Any, plan: PositionPlan | None = None, *, q_pos: Seque
         raise PositionError(f"Plan names layers {sorted(plan.layers)}; the model has {n_layers(model)}")
     control = _RopeControl(model, plan)
     with hooked(model, control.hooks()):
+        yield plan
+
+
+@contextmanager
+def alibi_positions(model: Any, plan: PositionPlan) -> Iterator[PositionPlan]:
+    """Within the block, an ALiBi model (BLOOM, MPT) scores query i against key j at relative distance
+    q_pos[i] - k_pos[j]: each head's score gets slope * ((k_pos[j] - j) - (q_pos[i] - i)) added to the bias the
+    model already applied (slopes measured from the model itself), so the identity plan changes nothing, bit for
+    bit. Key views and rotary overrides do not apply to ALiBi (PositionError)."""
+    facts = model_facts(model)
+    if facts.positional_kind != "alibi":
+        raise WrongModelKind(f"ALiBi position control needs an ALiBi model, but {facts.name} uses "
+                             f"{facts.positional_kind} positions")
+    require_supported(facts, "ALiBi position control")
+    if plan.views or plan.rotary:
+        raise PositionError("ALiBi position control takes query and key positions only (no key views or rotary "
+                            "overrides)")
+    slopes = alibi_slopes(model)
+    layers = plan.layers if plan.layers is not None else range(n_layers(model))
+    on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def hook_for(layer: int) -> Any:
+        def hook(scores: torch.Tensor, hook: Any) -> torch.Tensor:
+            n_q, total = scores.shape[-2], scores.shape[-1]
+            if total > len(plan):
+                raise PositionError(f"The position plan covers {len(plan)} tokens but the sequence has {total}")
+            dev = scores.device
+            if dev not in on:
+                idx = torch.arange(len(plan), dtype=torch.float64)
+                on[dev] = ((plan.q_pos - idx).to(dev), (plan.k_pos - idx).to(dev))
+            dq, dk = on[dev]
+            s = torch.tensor(slopes[layer], dtype=torch.float64, device=dev)[:, None, None]
+            diff = dk[..., None, :total] - dq[..., total - n_q:total, None]  # [(batch,) query, key]
+            delta = s * diff.unsqueeze(-3)  # [(batch,) head, query, key]
+            delta = delta if delta.dim() == 4 else delta[None]
+            return torch.where(kept_scores(model, scores), scores + delta.to(scores.dtype), scores)
+
+        return hook
+
+    with hooked(model, [(hook_name("scores", l), hook_for(l)) for l in layers]):
         yield plan
 
 

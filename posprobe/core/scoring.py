@@ -267,15 +267,16 @@ class TLScorer(_Scorer):
         self.facts = model_facts(model)
         tok = tokenizer_of(model)
         self.pad_id = (tok.pad_token_id if tok is not None and tok.pad_token_id is not None else 0)
-        if self.facts.positional_kind not in ("learned_absolute", "rotary"):
+        if self.facts.positional_kind not in ("learned_absolute", "rotary", "alibi"):
             raise NotImplementedError(
-                f"Scoring at chosen positions needs learned or rotary positions, not {self.facts.positional_kind}"
+                "Scoring at chosen positions needs learned, rotary or ALiBi positions, not "
+                f"{self.facts.positional_kind}"
             )
         require_supported(self.facts, "Scoring at chosen positions")
 
     def _position_context(self, pos: torch.Tensor):
         # `pos` is the CPU copy: torch.equal on a device tensor would be a device sync per batch.
-        from posprobe.core.positions import PositionPlan, learned_positions, rope_positions
+        from posprobe.core.positions import PositionPlan, alibi_positions, learned_positions, rope_positions
 
         default = torch.arange(pos.shape[1], device=pos.device)[None].expand_as(pos)
         if torch.equal(pos, default):
@@ -285,6 +286,8 @@ class TLScorer(_Scorer):
         # One host->device copy for both q and k positions (the plan keeps them on the device). mps has
         # no float64: float32 there holds every integer position below 2**24 exactly.
         p = pos.to(self.device, torch.float32 if self.device.type == "mps" else torch.float64)
+        if self.facts.positional_kind == "alibi":
+            return alibi_positions(self.model, PositionPlan(pos.double(), pos.double().clone(), label="scoring"))
         return rope_positions(self.model, PositionPlan(p, p.clone(), label="scoring"))
 
     def _hidden_and_head(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None):
