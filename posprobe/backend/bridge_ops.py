@@ -134,7 +134,7 @@ def embedding_points(model: Any) -> dict[str, str]:
 def scores_not_bilinear(model: Any) -> str | None:
     if model.cfg.positional_embedding_type == "alibi":
         return "adds ALiBi distance biases to its scores"
-    if delegated_attention(model) and not is_encoder(model):
+    if _delegated(model) and not is_encoder(model):
         return ("hands its attention to Hugging Face's module (TL fires the score hooks after the fact, without the "
                 "causal and local masks)")
     for layer in range(n_layers(model)):
@@ -220,7 +220,7 @@ def _tl_major() -> int:
     return int(_tl_version().split(".")[0])
 
 
-def delegated_attention(model: Any) -> bool:
+def _delegated(model: Any) -> bool:
     """True where TL's attention component hands the whole computation to the HF module and fires its hooks after
     the fact (BERT, RoBERTa, GPT-Neo, OPT, GPT-J on TL 4.3): hook edits cannot reach the output, and
     hook_attn_scores carries the softmax pattern."""
@@ -231,7 +231,7 @@ def delegated_attention(model: Any) -> bool:
 
 def scores_hook_is_pattern(model: Any) -> bool:
     # Measured on BERT (TL 3.9 and 4.3) and GPT-Neo / OPT (4.3): hook_attn_scores equals hook_pattern.
-    return is_encoder(model) or delegated_attention(model)
+    return is_encoder(model) or _delegated(model)
 
 
 def kept_scores(model: Any, scores: torch.Tensor) -> torch.Tensor:
@@ -265,7 +265,7 @@ PATTERN_PROVEN_MODEL_TYPES = PROVEN_MODEL_TYPES + (
 
 def attention_unsupported(model: Any) -> str | None:
     mt = str(getattr(hf.text_config(model.original_model), "model_type", ""))
-    if delegated_attention(model) and _tl_major() < 4:
+    if _delegated(model) and _tl_major() < 4:
         arch = type(model.original_model).__name__
         return (f"TransformerLens {_tl_version()} does not fire hook_pattern on {arch}'s delegated attention "
                 "(TransformerLens >= 4 does)")
