@@ -148,15 +148,14 @@ class PositionPlan:
 class _RopeControl:
     """Hook state: pre-rotation q/k per layer, so a KV cache (keys stored unrotated) works too."""
 
-    def __init__(self, model: Any, plan: PositionPlan):
+    def __init__(self, model: Any, plan: PositionPlan, rotary_layers: tuple[int, ...]):
         self.model, self.plan = model, plan
         self.q_new: dict[int, torch.Tensor] = {}
         self.k_new: dict[int, torch.Tensor] = {}
         self.k_all: dict[int, torch.Tensor] = {}
         self.q_buf: dict[int, torch.Tensor] = {}
-        facts = model_facts(model)
-        self.rotary_layers = facts.rotary_layers  # NoPE layers rotate nothing: nothing to control there
-        self.specs = {l: (plan.rotary or {}).get(l) or layer_rotary_spec(model, l) for l in self.rotary_layers}
+        # NoPE layers rotate nothing: nothing to control there.
+        self.specs = {l: (plan.rotary or {}).get(l) or layer_rotary_spec(model, l) for l in rotary_layers}
         # The plan's tensors (CPU, float64) copied once per device and reused by every layer and batch:
         # a copy per rotation was one host->device transfer per layer on a GPU.
         self._on: dict[tuple[str, int, torch.device], torch.Tensor] = {}
@@ -285,14 +284,15 @@ def rope_positions(model: Any, plan: PositionPlan | None = None, *, q_pos: Seque
     Give a PositionPlan, or `q_pos` and `k_pos` directly. Works with TL's KV cache (generation):
     the plan must cover the full length (see `PositionPlan.extended`). Yields the plan in force.
     """
-    require_rotary(model_facts(model), "Query/key position control")
+    facts = model_facts(model)
+    require_rotary(facts, "Query/key position control")
     if plan is None:
         if q_pos is None or k_pos is None:
             raise PositionError("Give a PositionPlan or both q_pos and k_pos")
         plan = PositionPlan(_as_tensor(q_pos, torch.float64), _as_tensor(k_pos, torch.float64))
     if plan.layers is not None and not all(0 <= l < n_layers(model) for l in plan.layers):
         raise PositionError(f"Plan names layers {sorted(plan.layers)}; the model has {n_layers(model)}")
-    control = _RopeControl(model, plan)
+    control = _RopeControl(model, plan, facts.rotary_layers)
     with hooked(model, control.hooks()):
         yield plan
 
@@ -313,7 +313,8 @@ def alibi_positions(model: Any, plan: PositionPlan) -> Iterator[PositionPlan]:
                             "overrides)")
     slopes = alibi_slopes(model)
     layers = plan.layers if plan.layers is not None else range(n_layers(model))
-    on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+    # Plan offsets and slopes copied once per device, not per layer and forward (a host->device copy each).
+    on: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def hook_for(layer: int) -> Any:
         def hook(scores: torch.Tensor, hook: Any) -> torch.Tensor:
@@ -323,9 +324,10 @@ def alibi_positions(model: Any, plan: PositionPlan) -> Iterator[PositionPlan]:
             dev = scores.device
             if dev not in on:
                 idx = torch.arange(len(plan), dtype=torch.float64)
-                on[dev] = ((plan.q_pos - idx).to(dev), (plan.k_pos - idx).to(dev))
-            dq, dk = on[dev]
-            s = torch.tensor(slopes[layer], dtype=torch.float64, device=dev)[:, None, None]
+                on[dev] = ((plan.q_pos - idx).to(dev), (plan.k_pos - idx).to(dev),
+                           torch.tensor(slopes, dtype=torch.float64).to(dev))
+            dq, dk, all_slopes = on[dev]
+            s = all_slopes[layer][:, None, None]
             diff = dk[..., None, :total] - dq[..., total - n_q:total, None]  # [(batch,) query, key]
             delta = s * diff.unsqueeze(-3)  # [(batch,) head, query, key]
             delta = delta if delta.dim() == 4 else delta[None]
