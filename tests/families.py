@@ -81,14 +81,20 @@ def _configs() -> dict:
         "mpt": (T.MptConfig(d_model=32, n_layers=2, n_heads=4, max_seq_len=128, **c), T.MptForCausalLM),
         "falcon": (T.FalconConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                   new_decoder_architecture=False, alibi=False, **c), T.FalconForCausalLM),
+        "falcon_rw": (T.FalconConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, multi_query=False,
+                                     parallel_attn=False, bias=True, new_decoder_architecture=False, alibi=True, **c),
+                      T.FalconForCausalLM),
     }
 
 
-#: The refused families (facts say why); PROVEN below are the families every analysis is proven on.
-FAMILIES = ("gpt_neox", "gptj", "bloom", "phi3", "phi")
-EXTRA = ("gemma", "granite", "olmo2", "stablelm", "starcoder2", "roberta", "mpt", "falcon")
+#: Families whose position analyses are refused as a whole (facts say why).
+FAMILIES = ("gptj",)
+#: Partial rotary (rotary_pct / partial_rotary_factor), in both of TL's rotary attention components.
+PARTIAL = ("gpt_neox", "phi3", "phi", "stablelm")
+#: Every family of the support matrix, in its row order.
 ALL_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "smollm3", "gpt2", "gpt_neo", "opt",
-                "bert", *FAMILIES, *EXTRA)
+                "bert", "gpt_neox", "gptj", "bloom", "phi3", "phi", "gemma", "granite", "olmo2", "stablelm",
+                "starcoder2", "roberta", "mpt", "falcon", "falcon_rw")
 
 
 def tiny_family(name: str, seed: int = 0) -> tuple[object, object]:

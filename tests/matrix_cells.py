@@ -57,6 +57,17 @@ def facts(bridge: Any) -> None:
             _close(1.0 / inv_freq_table(spec, torch.float64), HF.inv_freq(hf, layer)[0], "inverse frequencies", 1e-6)
 
 
+def _hf_position_ids(hf: Any, n: int, k: int = 0) -> torch.Tensor:
+    # HF's own position ids for a pad-free sequence of n tokens, moved by k: RoBERTa numbers tokens from
+    # padding_idx + 1 (its create_position_ids_from_input_ids); the others from 0 (OPT adds its offset of 2 inside
+    # its embedding).
+    emb = getattr(hf.base_model, "embeddings", None)
+    if emb is not None and hasattr(emb, "create_position_ids_from_input_ids"):
+        pad = emb.padding_idx
+        return emb.create_position_ids_from_input_ids(torch.full((1, n), pad + 1), pad) + k
+    return (torch.arange(n) + k)[None]
+
+
 def position_control(bridge: Any) -> None:
     from posprobe.core.positions import PositionPlan, learned_positions, rope_positions
 
@@ -65,7 +76,7 @@ def position_control(bridge: Any) -> None:
     if f.positional_kind == "alibi":
         return _alibi_control(bridge, hf)
     with torch.no_grad():
-        want = hf(IDS, position_ids=(torch.arange(n) + k)[None]).logits
+        want = hf(IDS, position_ids=_hf_position_ids(hf, n, k)).logits
         if f.is_rotary:
             p = torch.arange(n, dtype=torch.float64) + k
             with rope_positions(bridge, PositionPlan(p, p.clone())):
@@ -81,16 +92,16 @@ def position_control(bridge: Any) -> None:
 
 
 def _alibi_control(bridge: Any, hf: Any) -> None:
-    # HF's ALiBi takes no position ids; its bias is built as slope * key position (BLOOM) or slope * (key position -
-    # length + 1) (MPT). The independent reference for a plan that doubles every distance: HF's own forward with
-    # that bias tensor doubled.
+    # HF's ALiBi takes no position ids; its bias is slope * key position (BLOOM) or slope * (key position - length +
+    # 1) (MPT). The independent reference for a plan that doubles every distance: HF's own forward with every slope
+    # doubled. MPT builds its bias in a method; BLOOM (transformers 5.x), when nothing is padded, builds it inline
+    # from its module's `_get_alibi_slopes` (patching its `build_alibi_tensor` there changes nothing: that was the
+    # "unexplained" BLOOM mismatch).
     from posprobe.core.positions import PositionPlan, alibi_positions
 
     n = IDS.shape[1]
     p = torch.arange(n, dtype=torch.float64)
     base = hf.base_model
-    name = "build_alibi_tensor" if hasattr(base, "build_alibi_tensor") else "build_mpt_alibi_tensor"
-    build = getattr(base, name)
     with torch.no_grad():
         with alibi_positions(bridge, PositionPlan(p, p.clone())):  # a refusal comes here, before any forward
             identity = bridge(IDS)
@@ -98,12 +109,23 @@ def _alibi_control(bridge: Any, hf: Any) -> None:
         assert torch.equal(identity, own), "the identity plan must leave an ALiBi model bit-equal"
         with alibi_positions(bridge, PositionPlan(2 * p, 2 * p)):
             got = bridge(IDS)
-        setattr(base, name, lambda *a, **kw: 2 * build(*a, **kw))
-        try:
-            want = hf(IDS).logits
-        finally:
-            delattr(base, name)
-    _close(got, want, "every distance doubled vs HF with its ALiBi bias doubled")
+        if hasattr(base, "build_mpt_alibi_tensor"):
+            build = base.build_mpt_alibi_tensor
+            base.build_mpt_alibi_tensor = lambda *a, **kw: 2 * build(*a, **kw)
+            try:
+                want = hf(IDS).logits
+            finally:
+                del base.build_mpt_alibi_tensor
+        else:
+            mod = sys.modules[type(base).__module__]
+            slopes = mod._get_alibi_slopes
+            mod._get_alibi_slopes = lambda *a, **kw: 2 * slopes(*a, **kw)
+            try:
+                want = hf(IDS).logits
+            finally:
+                mod._get_alibi_slopes = slopes
+        assert (want - hf(IDS).logits).abs().max() > 1e-3, "the reference is vacuous: doubling HF's slopes did nothing"
+    _close(got, want, "every distance doubled vs HF with its ALiBi slopes doubled")
     assert (got - own).abs().max() > 1e-3, "the comparison is vacuous: distances did not matter"
 
 
@@ -134,34 +156,61 @@ def decompose(bridge: Any) -> None:
     f = model_facts(bridge)
     layer = 0 if f.has_w_pos else 1
     dec, _ = decompose_heads(bridge, DecomposeConfig(layer=layer, text=TEXT, max_windows=2, progress=False))
-    hf = _plain(bridge, eager=True)
-    with torch.no_grad():
-        att = hf(dec.tokens, output_attentions=True).attentions[layer]
+    att = _hf_attention_weights(bridge, dec.tokens, layer)
     rec = dec.reconstructed()
     _close(torch.softmax(rec, dim=-1), att, "softmax of the summed terms vs HF's attention weights")
 
 
-def _hf_rotated_qk(hf: Any, ids: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    # HF's own rotated q and k of `layer`, caught at its modeling module's apply_rotary_pos_emb.
-    from posprobe.backend import hf as HF
+def _hf_attention_weights(bridge: Any, ids: torch.Tensor, layer: int) -> torch.Tensor:
+    """HF's attention weights of `layer` (`batch head query key`): its eager path's `attentions`, where that path
+    computes the model's own forward. Falcon's eager path in transformers 5.23 adds the boolean causal mask to its
+    scores (True = +1: nothing masked) while its SDPA path, the default, masks: its weights are then recomputed from
+    HF's own rotated q and k (softmax of q.k / sqrt(head_dim), causal)."""
+    eager, default = _plain(bridge, eager=True), _plain(bridge)
+    with torch.no_grad():
+        out = eager(ids, output_attentions=True)
+        if (out.logits - default(ids).logits).abs().max() <= TOL:
+            return out.attentions[layer]
+    q, k = _hf_rotated_qk(default, ids, layer)  # batch pos head d
+    k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double()) / q.shape[-1] ** 0.5
+    n = ids.shape[1]
+    return s.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf")).softmax(-1)
 
-    attn = HF.attention_modules(hf)[layer]
+
+def _hf_rotated_qk(hf: Any, ids: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # HF's own rotated q and k of `layer` (full head: rotated dims then the pass-through ones), caught at its
+    # modeling module's apply_rotary_pos_emb. Phi / StableLM hand it the rotated slice only: the pass-through
+    # dims are then taken from HF's q_proj / k_proj outputs, which that attention passes on unchanged.
+    attn = [m for m in hf.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")][layer]
     mod = sys.modules[type(attn).__module__]
-    orig, seen = mod.apply_rotary_pos_emb, []
+    orig, seen, proj = mod.apply_rotary_pos_emb, [], {}
 
     def spy(q, k, *a, **kw):
         out = orig(q, k, *a, **kw)
         seen.append(out)
         return out
 
+    def keep(name):
+        return lambda m, i, o: proj.__setitem__(name, o)
+
+    handles = [getattr(attn, f"{w}_proj").register_forward_hook(keep(w)) for w in "qk" if hasattr(attn, f"{w}_proj")]
     mod.apply_rotary_pos_emb = spy
     try:
         with torch.no_grad():
             hf(ids)
     finally:
         mod.apply_rotary_pos_emb = orig
-    q, k = seen[layer]
-    return q.transpose(1, 2), k.transpose(1, 2)  # TL layout: batch pos head d_head
+        for h in handles:
+            h.remove()
+    out = []
+    for w, rot in zip("qk", seen[layer]):
+        rot = rot.transpose(1, 2)  # TL layout: batch pos head d_head
+        if w in proj and rot.shape[-1] < attn.head_dim:
+            full = proj[w].view(*rot.shape[:2], -1, attn.head_dim)
+            rot = torch.cat([rot, full[..., rot.shape[-1]:]], dim=-1)
+        out.append(rot)
+    return out[0], out[1]
 
 
 def freq_report(bridge: Any) -> None:
@@ -185,8 +234,7 @@ def heads(bridge: Any) -> None:
     res = run_heads(bridge, TEXT, HeadsConfig(window=16, max_windows=2, induction_len=4, progress=False))
     assert len(set(zip(res.tables["heads"]["layer"], res.tables["heads"]["head"]))) == f.n_layers * f.n_heads
     got = capture(bridge, IDS, ["pattern"], layers=[0])[("pattern", 0)]
-    with torch.no_grad():
-        att = _plain(bridge, eager=True)(IDS, output_attentions=True).attentions[0]
+    att = _hf_attention_weights(bridge, IDS, 0)
     _close(got, att, "hook_pattern vs HF's attention weights")
 
 
@@ -220,10 +268,11 @@ def geometry(bridge: Any) -> None:
     base = hf.base_model
     emb = (getattr(base, "wpe", None) or getattr(getattr(base, "embeddings", None), "position_embeddings", None)
            or base.get_decoder().embed_positions)  # GPT-2 / GPT-Neo, BERT, OPT
-    # Row i of W_pos is what HF adds at position i (OPT reads its table `offset` rows in; the position control cell
-    # proves the rows against HF's position_ids).
-    table = emb.weight.detach()[int(getattr(emb, "offset", 0) or 0):]
-    _close(position_table(bridge).detach(), table, "W_pos vs HF's position table", 0.0)
+    # Row i of W_pos is what HF adds at position i: OPT reads its table `offset` rows in, RoBERTa numbers tokens from
+    # padding_idx + 1 (the position control cell proves the rows against HF's position_ids too).
+    W_pos = position_table(bridge).detach()
+    rows = _hf_position_ids(hf, W_pos.shape[0])[0] + int(getattr(emb, "offset", 0) or 0)
+    _close(W_pos, emb.weight.detach()[rows], "W_pos vs HF's position table", 0.0)
 
 
 def surgery_eval(bridge: Any) -> None:

@@ -1,34 +1,32 @@
-"""Positional families beyond the proven ones: each is right or refused with one message before any work.
+"""Positional families beyond the first proven ones: each is right or refused with one message before any work.
 
 Before this gate, on these tiny random models: GPT-NeoX's frequency report 'succeeded' with share 0.0 in every
-band (its rotation hooks never fire), GPT-J crashed in model_facts and ALiBi (BLOOM) had no notion at all. OPT's
-identity plan moved the logits by 0.52 (its position table is read at an offset of 2), GPT-Neo's decomposition
-wrote a result 1.04 off the scores and SmolLM3's NoPE layers were reported as rotary: those three are now right
-or refused cell by cell in the support matrix (tests/test_support_matrix.py), and the nets below catch such cases.
+band (its rotation hooks never fired; now they are made to, and partial rotary is proven below), GPT-J crashed in
+model_facts and ALiBi (BLOOM) had no notion at all. OPT's identity plan moved the logits by 0.52 (its position table
+is read at an offset of 2), GPT-Neo's decomposition wrote a result 1.04 off the scores and SmolLM3's NoPE layers were
+reported as rotary: those are now right or refused cell by cell in the support matrix
+(tests/test_support_matrix.py), and the nets below catch such cases.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from families import FAMILIES, tiny_family
+from families import FAMILIES, PARTIAL, tiny_family
 
 from posprobe.analyses.configs import DecomposeConfig, FrequencyConfig
 from posprobe.backend.facts import model_facts
 
 REFUSAL = {
-    "gpt_neox": "partial rotary",
     "gptj": "without a rotary-embedding module",
-    "bloom": "not been proven against Hugging Face",
-    "phi3": "partial rotary",
-    "phi": "partial rotary",
 }
 LAYERS = {
     "gpt_neox": "rotary 25% of head dim, half-split pairing",
     "phi3": "rotary 50% of head dim, half-split pairing",
+    "phi": "rotary 50% of head dim",
+    "stablelm": "rotary 25% of head dim",
     "smollm3": "layer 3: NoPE",
     "bloom": "ALiBi",
-    "phi": "rotary 50% of head dim",
 }
 
 
@@ -59,12 +57,14 @@ def test_smollm3_nope_layers_are_facts_and_stay_unrotated():
         frequency_usage(bridge, ids.repeat(2, 1), layers=[3], progress=False)
 
 
-def test_opt_identity_plan_is_the_models_own_forward():
-    # Was 0.52 off: OPT reads its position table 2 rows in. Bit-equal now.
+@pytest.mark.parametrize("name", ["opt", "roberta"])
+def test_offset_tables_identity_plan_is_the_models_own_forward(name):
+    # Was 0.52 off: OPT reads its position table 2 rows in; RoBERTa numbers tokens from padding_idx + 1 (and was
+    # refused). Bit-equal now, on tokens that are not RoBERTa's pad id (which HF would give the pad row).
     from posprobe.core.positions import learned_positions
 
-    bridge, _ = tiny_family("opt")
-    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
+    bridge, _ = tiny_family(name)
+    ids = torch.randint(2, 256, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         own = bridge(ids)
         with learned_positions(bridge, torch.arange(12)[None]):
@@ -120,13 +120,91 @@ def test_heads_and_probes_still_run_and_the_atlas_skips_what_is_refused(family):
     assert not {"frequency", "geometry", "shift"} & set(sections)
 
 
-def test_a_rotation_hook_that_never_fires_raises():
-    # The net under the gate: GPT-NeoX's hook_rot_q exists but never fires; a capture must not return nothing.
+def test_a_rotation_hook_that_never_fires_raises(monkeypatch):
+    # The nets under the gate. GPT-NeoX's hook_rot_q/k never fire in TL's joint-QKV rotary attention unless posprobe
+    # routes the rotation through them (backend expose_points); with that switched off, as before it, a capture must
+    # not return nothing and position control must raise during the forward instead of returning the model's
+    # own-position logits.
+    import posprobe.backend.bridge_ops as B
     from posprobe.core.capture import capture
+    from posprobe.core.positions import PositionPlan, rope_positions
 
-    bridge, _ = tiny_family("gpt_neox")
+    bridge, _ = tiny_family("gpt_neox", seed=1)  # a fresh bridge: the routing is installed once per module
+    monkeypatch.setattr(B, "expose_points", lambda model, names: None)
+    ids = torch.randint(0, 256, (1, 10))
     with pytest.raises(RuntimeError, match="never fired"):
-        capture(bridge, torch.randint(0, 256, (1, 10)), ["rot_q"], layers=[0])
+        capture(bridge, ids, ["rot_q"], layers=[0])
+    p = torch.arange(10, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="layer 0's hook_rot_q/k never fired"):
+        with torch.no_grad(), rope_positions(bridge, PositionPlan(p + 3, p)):
+            bridge(ids)
+
+
+def _complex_rotate(x: torch.Tensor, pos: torch.Tensor, rotary_dim: int, base: float) -> torch.Tensor:
+    # Independent of posprobe.rope: half-split pairs (i, i + r/2) as one complex number turned by pos * base^(-2i/r).
+    h = rotary_dim // 2
+    z = torch.complex(x[..., :h].double(), x[..., h:rotary_dim].double())
+    theta = pos.double()[:, None, None] * base ** (-torch.arange(h, dtype=torch.float64) * 2 / rotary_dim)
+    z = z * torch.polar(torch.ones_like(theta), theta)
+    return torch.cat([z.real, z.imag, x[..., rotary_dim:].double()], dim=-1)
+
+
+@pytest.mark.parametrize("name", PARTIAL)
+def test_partial_rotary_queries_and_keys_at_different_positions(name):
+    # Only the rotary dims move. Queries at p + 5, keys at p / 2: layer 0's scores equal plain torch on HF's own
+    # q and k before rotation (caught at its modeling module), turned as complex numbers, dotted and scaled.
+    import sys
+
+    from posprobe.backend.bridge import plain_hf_model
+    from posprobe.backend.hooks import hooked
+    from posprobe.core.positions import PositionPlan, rope_positions
+
+    bridge, _ = tiny_family(name)
+    hf = plain_hf_model(bridge)  # HF's own modules (the bridge runs TL's reconstruction of the attention)
+    f = model_facts(bridge)
+    assert f.unsupported is None and LAYERS[name] in " | ".join(f.summary()["layer_positions"])
+    attn = [m for m in hf.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")][0]
+    mod, seen, proj = sys.modules[type(attn).__module__], [], {}
+    orig = mod.apply_rotary_pos_emb
+    mod.apply_rotary_pos_emb = lambda q, k, *a, **kw: (seen.append((q, k)), orig(q, k, *a, **kw))[1]
+    handles = [getattr(attn, f"{w}_proj").register_forward_hook(lambda m, i, o, w=w: proj.__setitem__(w, o))
+               for w in "qk" if hasattr(attn, f"{w}_proj")]
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
+    try:
+        with torch.no_grad():
+            hf(ids)
+    finally:
+        mod.apply_rotary_pos_emb = orig
+        for h in handles:
+            h.remove()
+    hd = hf.config.hidden_size // hf.config.num_attention_heads
+    q, k = (t.transpose(1, 2) for t in seen[0])  # batch pos head d
+    if q.shape[-1] < hd:  # Phi / StableLM hand over the rotated slice: the full heads are q_proj's
+        q, k = (proj[w].view(1, 12, -1, hd) for w in "qk")
+    spec = f.rotary[0]
+    assert spec.rotary_dim < f.d_head
+    p = torch.arange(12, dtype=torch.float64)
+    qr, kr = _complex_rotate(q[0], p + 5, spec.rotary_dim, spec.base), _complex_rotate(k[0], p / 2, spec.rotary_dim,
+                                                                                      spec.base)
+    kr = kr.repeat_interleave(qr.shape[1] // kr.shape[1], dim=1)
+    want = torch.einsum("qhd,khd->hqk", qr, kr) / hd ** 0.5
+    got = {}
+    with torch.no_grad(), rope_positions(bridge, PositionPlan(p + 5, p / 2)):
+        with hooked(bridge, [("blocks.0.attn.hook_attn_scores", lambda s, hook: got.setdefault("s", s))]):
+            bridge(ids)
+    causal = torch.ones(12, 12, dtype=torch.bool).tril()
+    err = (got["s"][0].double() - want)[:, causal].abs().max()
+    assert err <= 1e-5, f"{name}: scores under the plan vs plain torch, max |diff| {err:.3g}"
+    assert (want[:, causal] - _own_scores(bridge, ids)[:, causal]).abs().max() > 1e-2  # positions mattered
+
+
+def _own_scores(bridge, ids):
+    from posprobe.backend.hooks import hooked
+
+    got = {}
+    with torch.no_grad(), hooked(bridge, [("blocks.0.attn.hook_attn_scores", lambda s, hook: got.setdefault("s", s))]):
+        bridge(ids)
+    return got["s"][0].double()
 
 
 def test_a_decomposition_that_does_not_sum_to_the_scores_raises(monkeypatch):
@@ -157,3 +235,37 @@ def test_alibi_slopes_are_measured_and_equal_hfs_own_bias(name):
     for layer in f.alibi_slopes:
         assert torch.allclose(torch.tensor(layer, dtype=torch.float64), step.double(), atol=1e-6)
     assert "ALiBi (slopes 2^-2 … 2^-8, measured)" in f.summary()["layer_positions"][0]
+
+
+@pytest.mark.parametrize("preset", ["pi:scale=2", "yarn:scale=4,original=16", "self-extend:group=3,window=4",
+                                    "streaming:sink=2,window=5", "rerope:window=4"])
+def test_long_context_engine_leaves_nope_layers_unrotated(preset):
+    # Was refused: SmolLM3's NoPE layer (3) must rotate nothing and keep its own score scale while the rotary layers
+    # take the preset; eviction applies everywhere. The chunked engine (rotates inside HF's attention interface)
+    # equals hook surgery on the bridge (positions proven against HF position_ids), per token.
+    from posprobe.backend.bridge import plain_hf_model
+    from posprobe.core import long_engine as LA
+    from posprobe.core.generation import logits_under, token_logprobs
+    from posprobe.core.presets import preset_pairs, preset_plan
+
+    bridge, _ = tiny_family("smollm3")
+    hf = plain_hf_model(bridge)
+    ids = torch.randint(0, 256, (24,), generator=torch.Generator().manual_seed(2))
+    got = LA.token_nll(hf, ids, preset_pairs(preset), chunk=5)
+    want = -token_logprobs(logits_under(bridge, ids[None], preset_plan(preset, bridge, len(ids))), ids[None])[0]
+    assert (got - want).abs().max() <= 1e-5
+    own = LA.token_nll(hf, ids, preset_pairs("none"), chunk=5)
+    assert (got - own).abs().max() > 1e-4  # the preset mattered
+
+
+def test_falcon_with_alibi_is_refused_because_the_bridge_is_not_hf():
+    # TransformerLens 4.3's bridge of Falcon-RW (ALiBi) is not HF's forward: every analysis is refused at the facts.
+    # Should TL fix it, the first assertion fails and the refusal (bridge_ops.forward_unsupported) can go.
+    from posprobe.backend.bridge import plain_hf_model
+
+    bridge, _ = tiny_family("falcon_rw")
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (bridge(ids) - plain_hf_model(bridge)(ids).logits).abs().max() > 0.05
+    with pytest.raises(NotImplementedError, match="does not reproduce Hugging Face's forward for Falcon with ALiBi"):
+        model_facts(bridge)

@@ -85,9 +85,13 @@ def forward_cached(model: Any, tokens: torch.Tensor, cache: Any) -> torch.Tensor
 
 
 def position_table(model: Any) -> torch.Tensor:
-    # Row i is position i: OPT's table starts at row `offset` (2), as its forward reads it.
+    # Row i is position i, as the forward reads the table: OPT starts at row `offset` (2); RoBERTa numbers real tokens
+    # from padding_idx + 1 (row padding_idx is the pads' own), so its position i is row padding_idx + 1 + i.
     emb = model.pos_embed.original_component
-    return emb.weight[int(getattr(emb, "offset", 0) or 0):]
+    offset = getattr(emb, "offset", None)
+    if offset is None and getattr(emb, "padding_idx", None) is not None:
+        offset = int(emb.padding_idx) + 1
+    return emb.weight[int(offset or 0):]
 
 
 # ---- weights and norms (score decomposition)
@@ -156,6 +160,27 @@ def encoder_layer_hooks(model: Any) -> list[str]:
 
 def layer_rotary_spec(model: Any, layer: int) -> RotarySpec:
     return rotary_spec(model, layer)
+
+
+def expose_points(model: Any, names: Any) -> None:
+    # TL's joint-QKV rotary attention (GPT-NeoX / Pythia, Phi-3) rotates q and k in `_apply_rotary_pos_emb` and
+    # never calls its hook_rot_q / hook_rot_k. Route that method's output through them (HF layout, as the other
+    # rotary bridges fire them) so position control and capture reach the rotated q and k. Once per attention
+    # module; without hooks attached a HookPoint returns its input unchanged.
+    if not any(".hook_rot_" in str(n) for n in names):
+        return
+    for block in model.blocks:
+        attn = block.attn
+        if "_apply_rotary_pos_emb" not in type(attn).__dict__ or attn.__dict__.get("_posprobe_rot_hooks"):
+            continue
+        original = attn._apply_rotary_pos_emb
+
+        def apply(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, _o=original, _a=attn):
+            q_rot, k_rot = _o(q, k, cos, sin)
+            return _a.hook_rot_q(q_rot), _a.hook_rot_k(k_rot)
+
+        attn._apply_rotary_pos_emb = apply
+        attn._posprobe_rot_hooks = True
 
 
 def _plain(spec: RotarySpec) -> RotarySpec:
@@ -253,14 +278,24 @@ def score_soft_cap(model: Any) -> float | None:
 #: tests of position plans, score decomposition, frequency bands and head signatures): everything else is
 #: refused by the position analyses with the reason `positional_unsupported` gives.
 PROVEN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "gemma3", "granite",
-                      "olmo2", "smollm3", "starcoder2", "gpt2", "gpt_neo", "opt", "bert", "mpt")
+                      "olmo2", "smollm3", "starcoder2", "gpt_neox", "phi", "phi3", "stablelm",
+                      "gpt2", "gpt_neo", "opt", "bert", "roberta", "mpt", "bloom", "falcon")
 
 
 #: HF model types whose hook_pattern the support matrix proves equal to Hugging Face's attention weights (pattern
-#: analyses: heads). Falcon's differs by up to 0.9 on a tiny random model: refused.
-PATTERN_PROVEN_MODEL_TYPES = PROVEN_MODEL_TYPES + (
-    "gpt_neo", "opt", "gpt_neox", "gptj", "smollm3", "bloom", "phi3", "phi", "gemma", "granite", "olmo2", "stablelm",
-    "starcoder2", "roberta", "mpt")
+#: analyses: heads).
+PATTERN_PROVEN_MODEL_TYPES = PROVEN_MODEL_TYPES + ("gptj",)
+
+
+def forward_unsupported(model: Any) -> str | None:
+    # Measured (TL 4.3, transformers 5.23, tiny random models): the bridge's own forward of Falcon with ALiBi
+    # (Falcon-RW) is 0.1-0.9 away from HF's logits in every config tried (multi-query or not, parallel attention or
+    # not, biases or not); Falcon with rotary matches to 1e-6. Every hook value would be off: refused as a whole.
+    cfg = hf.text_config(model.original_model)
+    if str(getattr(cfg, "model_type", "")) == "falcon" and getattr(cfg, "alibi", False):
+        return (f"TransformerLens {_tl_version()}'s bridge does not reproduce Hugging Face's forward for Falcon with "
+                "ALiBi (Falcon-RW; logits 0.1-0.9 apart on tiny random models), so no hook value can be trusted")
+    return None
 
 
 def attention_unsupported(model: Any) -> str | None:
@@ -358,9 +393,6 @@ def positional_unsupported(model: Any) -> str | None:
         except NotImplementedError:
             return (f"{arch} rotates inside its attention without a rotary-embedding module (GPT-J style "
                     "interleaved pairs), which posprobe does not read yet")
-        if 2 * inv.numel() != model.cfg.d_head:
-            return (f"{arch} rotates {2 * inv.numel()} of {model.cfg.d_head} head dims (partial rotary); the "
-                    "bridge's hook_rot_q/k do not fire for it, so posprobe cannot control or measure its rotation yet")
     why = next((w for w in (unsupported_qk_path(model, l) for l in range(n_layers(model))) if w), None)
     if why is not None:
         return f"{arch}'s attention {why}, which posprobe's position control does not reproduce yet"

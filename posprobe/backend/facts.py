@@ -140,10 +140,14 @@ def describe_layers(kinds: tuple[str, ...], rotary: tuple[RotarySpec | None, ...
 def model_facts(model: Any) -> ModelFacts:
     """Positional facts of a TransformerLens model (TransformerBridge, HookedTransformer or HookedEncoder): shapes
     from its config, rotary specs and layer types from the backend adapter (on a bridge: from the wrapped HF
-    model, whose rotary base the bridge's own config can get wrong)."""
+    model, whose rotary base the bridge's own config can get wrong). NotImplementedError, naming why, for a model
+    whose bridge forward is known not to be Hugging Face's: every analysis asks for the facts first."""
     cfg = model.cfg
     pet = cfg.positional_embedding_type
     adapter = ops(model)
+    broken = adapter.forward_unsupported(model)
+    if broken is not None:
+        raise NotImplementedError(broken)
     rotary, attn_types, kinds = adapter.rotary_specs(model), adapter.attn_types(model), adapter.layer_kinds(model)
     slopes = None
     if "alibi" in kinds:

@@ -187,8 +187,10 @@ def attention_modules(hf_model: Any) -> list[Any]:
     """The decoder's attention modules in layer order (each has `layer_idx`)."""
     # Inside a TransformerBridge each HF attention module sits in a bridge component that forwards attribute
     # reads to it: count the HF modules only (the bridge's own has `original_component`).
+    # Joint q/k/v projections (GPT-NeoX's query_key_value, Phi-3's qkv_proj) have no q_proj: the class name says.
     mods = [m for m in hf_model.modules()
-            if hasattr(m, "layer_idx") and hasattr(m, "q_proj") and not hasattr(m, "original_component")]
+            if hasattr(m, "layer_idx") and (hasattr(m, "q_proj") or type(m).__name__.endswith("Attention"))
+            and not hasattr(m, "original_component")]
     return sorted(mods, key=lambda m: m.layer_idx)
 
 

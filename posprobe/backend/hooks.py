@@ -6,14 +6,26 @@ Where the TransformerBridge and TL 3 differ, the adapter `dispatch.ops(model)` r
 
 from __future__ import annotations
 
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from posprobe.backend.attach import hooked, live_hook_count  # noqa: F401 - re-exported for the layers above
+from posprobe.backend import attach
+from posprobe.backend.attach import live_hook_count  # noqa: F401 - re-exported for the layers above
 from posprobe.backend.dispatch import ops
 from posprobe.backend.vocab import POINTS, hook_name  # noqa: F401 - re-exported for the layers above
 from posprobe.rope import RotarySpec
+
+
+@contextmanager
+def hooked(model: Any, fwd_hooks: Sequence[tuple[str, Callable]]) -> Iterator[Any]:
+    """Attach `fwd_hooks` (TL-style `fn(tensor, hook=...)`) for the duration of the block, removed on exit, also on
+    error; unknown names raise before anything is attached. Hook points TL's component skips for this
+    architecture (the rotated q/k of joint-QKV rotary attention) are made to fire first."""
+    ops(model).expose_points(model, [name for name, _ in fwd_hooks])
+    with attach.hooked(model, fwd_hooks):
+        yield model
 
 
 def encoder_layer_hooks(model: Any) -> list[str]:

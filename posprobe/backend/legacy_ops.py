@@ -135,6 +135,10 @@ def layer_rotary_spec(model: Any, layer: int) -> RotarySpec:
     )
 
 
+def expose_points(model: Any, names: Any) -> None:
+    return None  # TL 3's HookedTransformer fires every hook point it has
+
+
 def rotate_at(model: Any, layer: int, x: torch.Tensor, positions: torch.Tensor, spec: RotarySpec) -> torch.Tensor:
     # TL 3's tables follow posprobe.rope's convention: the layer's own spec reproduces the model bit for bit.
     return rotate(x, positions, spec)
@@ -194,6 +198,10 @@ def layer_kinds(model: Any) -> tuple[str, ...]:
 
 def attention_unsupported(model: Any) -> str | None:
     return None  # TL 3 computes every pattern itself, as it computes the output from it
+
+
+def forward_unsupported(model: Any) -> str | None:
+    return None  # TL 3 builds its own weights per architecture; posprobe's legacy tests cover what it loads
 
 
 def positional_unsupported(model: Any) -> str | None:

@@ -33,10 +33,11 @@ from posprobe.core.positions import PositionError
 from posprobe.core.surgery import PairRule
 from posprobe.rope import hf_cos_sin, hf_rotate, inv_freq_of
 
-# HF model types whose attention rotates the whole head with half-split pairs (`rotate_half`) and passes
-# q/k to the attention interface unchanged after rotation. Others are refused rather than guessed.
+# HF model types whose attention rotates the head (all of it, or its first dims: partial rotary) with half-split
+# pairs (`rotate_half`) and passes q/k to the attention interface unchanged after rotation. Others are refused
+# rather than guessed.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo", "olmo2",
-                         "granite", "smollm3")
+                         "granite", "smollm3", "starcoder2", "gpt_neox", "phi", "phi3", "stablelm")
 
 
 def require_supported(model: Any, what: str = "Long-context presets") -> None:
@@ -49,18 +50,12 @@ def require_supported(model: Any, what: str = "Long-context presets") -> None:
         raise NotImplementedError(f"{what}: {mt!r} models are not supported "
                                   f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
     nope = hf.nope_layers(model)
-    if nope:  # the engine rotates q/k in every layer; these layers must stay unrotated
-        raise NotImplementedError(f"{what}: NoPE layers ({', '.join(map(str, nope))}: no positional encoding) are not "
-                                  "handled by the long-context engine yet")
-    for l in range(len(hf.attention_modules(model))):
+    for l in (l for l in range(len(hf.attention_modules(model))) if l not in nope):
         inv, scaling = hf.inv_freq(model, l)
         if scaling != 1.0:
             raise NotImplementedError(f"{what}: layer {l} scales cos/sin by {scaling} (its config's RoPE scaling); "
                                       "position ids 0 would not give unrotated q/k")
         hf.rotary_spec(model, l)  # refuses rope types whose table changes with length (dynamic, longrope)
-        if 2 * inv.numel() != hf.head_dim(model):
-            raise NotImplementedError(f"{what}: partial rotary (rotary dim {2 * inv.numel()} of {hf.head_dim(model)}) "
-                                      "is not supported")
 
 
 def rotate_hf(x: Float[torch.Tensor, "batch head pos d_head"], positions: Float[torch.Tensor, " pos"],
@@ -75,6 +70,7 @@ class _Engine:
     rule: PairRule
     inv_freq: dict[int, torch.Tensor]
     chunk: int
+    nope: frozenset[int] = frozenset()
 
     def attend(self, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
                window: int | None, softcap: float | None) -> torch.Tensor:
@@ -88,7 +84,9 @@ class _Engine:
         # Absolute token indices: queries are the last n_q of the n_k keys (batch of one sequence, no padding).
         i = torch.arange(n_k - n_q, n_k, dtype=torch.float64)
         j = torch.arange(n_k, dtype=torch.float64)
-        scale = scaling * self.rule.score_scale
+        # A NoPE layer (SmolLM3) rotates nothing (its inv_freq is all 0: the identity) and, as in HF, where YaRN's
+        # temperature rides on cos/sin, keeps its own scale; masks and eviction apply to every layer.
+        scale = scaling * (1.0 if module.layer_idx in self.nope else self.rule.score_scale)
         views = self.rule.views
         if len(views) == 1 and self.rule.select is None and not window and not softcap and n_q in (1, n_k):
             q_r = rotate_hf(query, views[0][0](i), inv)
@@ -141,16 +139,16 @@ def long_attention(model: Any, rule: PairRule, *, chunk: int = 256) -> Iterator[
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1; got {chunk}")
     require_supported(model)
-    inv = {}
+    inv, nope = {}, frozenset(hf.nope_layers(model))
     for m in hf.attention_modules(model):
         l = m.layer_idx
-        own = hf.inv_freq(model, l)[0]
+        own = hf.inv_freq(model, l)[0]  # NoPE layers share the rotary module: its shape, zeroed below
         inv[l] = (
-            own.detach().float()
-            if rule.rotary is None
+            torch.zeros_like(own, dtype=torch.float32) if l in nope
+            else own.detach().float() if rule.rotary is None
             else inv_freq_of(rule.rotary(hf.rotary_spec(model, l))).to(own.device)
         )
-    engine = _Engine(rule, inv, chunk)
+    engine = _Engine(rule, inv, chunk, nope)
     with hf.custom_attention(model, {l: engine.attend for l in inv}):
         yield
 

@@ -236,6 +236,18 @@ class _RopeControl:
 
         return hook
 
+    def rotated(self, layer: int):
+        # The net under the support gate: q/k stashed for this layer but never re-rotated means the architecture's
+        # attention skipped hook_rot_q/k, and the scores about to be used carry the model's own positions.
+        def hook(scores: torch.Tensor, hook: Any) -> torch.Tensor:
+            if layer in self.k_new or layer in self.q_new:
+                raise RuntimeError(f"Position control on {model_name(self.model)}: layer {layer}'s hook_rot_q/k never "
+                                   "fired, so the plan's positions were not applied (this attention rotates "
+                                   "elsewhere); nothing was computed with them")
+            return scores
+
+        return hook
+
     def views(self, layer: int):
         def hook(scores: torch.Tensor, hook: Any) -> torch.Tensor:
             q_rot = self.q_buf.pop(layer)
@@ -270,7 +282,8 @@ class _RopeControl:
         hs: list[tuple[str, Any]] = []
         for l in (l for l in layers if l in self.specs):
             hs += [(hook_name("q", l), self.stash(l, "q")), (hook_name("k", l), self.stash(l, "k")),
-                   (hook_name("rot_k", l), self.rot_k(l)), (hook_name("rot_q", l), self.rot_q(l))]
+                   (hook_name("rot_k", l), self.rot_k(l)), (hook_name("rot_q", l), self.rot_q(l)),
+                   (hook_name("scores", l), self.rotated(l))]
             if self.plan.views:
                 hs.append((hook_name("scores", l), self.views(l)))
         return hs

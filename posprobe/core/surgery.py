@@ -247,20 +247,26 @@ def apply_plan(model: Any, plan: PositionPlan) -> Iterator[PositionPlan]:
             yield plan
             return
 
-        def hook(scores: torch.Tensor, hook: Any) -> torch.Tensor:
-            out = scores * scale if scale != 1.0 else scores
-            if keep is not None:
-                n_q, total = scores.shape[-2], scores.shape[-1]
-                i = torch.arange(total - n_q, total, device=scores.device)
-                gone = evicted(i, torch.arange(total, device=scores.device), int(keep[0]), int(keep[1]))
-                out = out.masked_fill(gone, float("-inf"))
-            return out
-
         # As HF applies YaRN's factor through cos/sin, only rotary layers are scaled; eviction applies everywhere.
         rotary = set(model_facts(model).rotary_layers)
+
+        def hook_for(layer: int) -> Any:
+            s = scale if layer in rotary else 1.0
+
+            def hook(scores: torch.Tensor, hook: Any) -> torch.Tensor:
+                out = scores * s if s != 1.0 else scores
+                if keep is not None:
+                    n_q, total = scores.shape[-2], scores.shape[-1]
+                    i = torch.arange(total - n_q, total, device=scores.device)
+                    gone = evicted(i, torch.arange(total, device=scores.device), int(keep[0]), int(keep[1]))
+                    out = out.masked_fill(gone, float("-inf"))
+                return out
+
+            return hook
+
         layers = plan.layers if plan.layers is not None else range(n_layers(model))
         layers = [l for l in layers if keep is not None or l in rotary]
-        with hooked(model, [(hook_name("scores", l), hook) for l in layers]):
+        with hooked(model, [(hook_name("scores", l), hook_for(l)) for l in layers]):
             yield plan
 
 
