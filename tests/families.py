@@ -81,6 +81,14 @@ def _configs() -> dict:
         "mpt": (T.MptConfig(d_model=32, n_layers=2, n_heads=4, max_seq_len=128, **c), T.MptForCausalLM),
         "falcon": (T.FalconConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                   new_decoder_architecture=False, alibi=False, **c), T.FalconForCausalLM),
+        "cohere": (T.CohereConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, max_position_embeddings=128, **c), T.CohereForCausalLM),
+        "cohere2": (T.Cohere2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                                    num_key_value_heads=2, max_position_embeddings=128, sliding_window=8,
+                                    layer_types=["sliding_attention"] * 3 + ["full_attention"], **c),
+                    T.Cohere2ForCausalLM),
+        "glm": (T.GlmConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=8, max_position_embeddings=128, **c), T.GlmForCausalLM),
         "falcon_rw": (T.FalconConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, multi_query=False,
                                      parallel_attn=False, bias=True, new_decoder_architecture=False, alibi=True, **c),
                       T.FalconForCausalLM),
@@ -91,10 +99,12 @@ def _configs() -> dict:
 FAMILIES = ("gptj",)
 #: Partial rotary (rotary_pct / partial_rotary_factor), in both of TL's rotary attention components.
 PARTIAL = ("gpt_neox", "phi3", "phi", "stablelm")
+#: Adjacent pairs (2b, 2b+1): Cohere's interleaved cos/sin, GLM's partial rotary.
+ADJACENT = ("cohere", "cohere2", "glm")
 #: Every family of the support matrix, in its row order.
 ALL_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "smollm3", "gpt2", "gpt_neo", "opt",
                 "bert", "gpt_neox", "gptj", "bloom", "phi3", "phi", "gemma", "granite", "olmo2", "stablelm",
-                "starcoder2", "roberta", "mpt", "falcon", "falcon_rw")
+                "starcoder2", "roberta", "mpt", "falcon", "falcon_rw", "cohere", "cohere2", "glm")
 
 
 def tiny_family(name: str, seed: int = 0) -> tuple[object, object]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from families import FAMILIES, PARTIAL, tiny_family
+from families import ADJACENT, ALL_FAMILIES, FAMILIES, PARTIAL, tiny_family
 
 from posprobe.analyses.configs import DecomposeConfig, FrequencyConfig
 from posprobe.backend.facts import model_facts
@@ -21,6 +21,9 @@ REFUSAL = {
     "gptj": "without a rotary-embedding module",
 }
 LAYERS = {
+    "cohere": "rotary 100% of head dim, adjacent pairing",
+    "cohere2": "layers 0-2: rotary 100% of head dim, adjacent pairing, base 10000, sliding window",
+    "glm": "rotary 50% of head dim, adjacent pairing",
     "gpt_neox": "rotary 25% of head dim, half-split pairing",
     "phi3": "rotary 50% of head dim, half-split pairing",
     "phi": "rotary 50% of head dim",
@@ -140,19 +143,23 @@ def test_a_rotation_hook_that_never_fires_raises(monkeypatch):
             bridge(ids)
 
 
-def _complex_rotate(x: torch.Tensor, pos: torch.Tensor, rotary_dim: int, base: float) -> torch.Tensor:
-    # Independent of posprobe.rope: half-split pairs (i, i + r/2) as one complex number turned by pos * base^(-2i/r).
+def _complex_rotate(x: torch.Tensor, pos: torch.Tensor, rotary_dim: int, base: float, adjacent: bool) -> torch.Tensor:
+    # Independent of posprobe.rope: each pair as one complex number turned by pos * base^(-2i/r); pairs (i, i + r/2)
+    # (half-split) or (2i, 2i + 1) (adjacent).
     h = rotary_dim // 2
-    z = torch.complex(x[..., :h].double(), x[..., h:rotary_dim].double())
+    xr = x[..., :rotary_dim].double()
+    re, im = (xr[..., 0::2], xr[..., 1::2]) if adjacent else (xr[..., :h], xr[..., h:])
     theta = pos.double()[:, None, None] * base ** (-torch.arange(h, dtype=torch.float64) * 2 / rotary_dim)
-    z = z * torch.polar(torch.ones_like(theta), theta)
-    return torch.cat([z.real, z.imag, x[..., rotary_dim:].double()], dim=-1)
+    z = torch.complex(re, im) * torch.polar(torch.ones_like(theta), theta)
+    turned = torch.stack([z.real, z.imag], -1).flatten(-2) if adjacent else torch.cat([z.real, z.imag], -1)
+    return torch.cat([turned, x[..., rotary_dim:].double()], dim=-1)
 
 
-@pytest.mark.parametrize("name", PARTIAL)
-def test_partial_rotary_queries_and_keys_at_different_positions(name):
-    # Only the rotary dims move. Queries at p + 5, keys at p / 2: layer 0's scores equal plain torch on HF's own
-    # q and k before rotation (caught at its modeling module), turned as complex numbers, dotted and scaled.
+@pytest.mark.parametrize("name", PARTIAL + ADJACENT)
+def test_partial_and_adjacent_rotary_queries_and_keys_at_different_positions(name):
+    # Only the rotary dims move, paired as the model pairs them. Queries at p + 5, keys at p / 2: layer 0's scores
+    # equal plain torch on HF's own q and k before rotation (caught at its modeling module), turned as complex
+    # numbers, dotted and scaled. Cohere was read as half-split before (its TL flag is rotary_interleaved_cos_sin).
     import sys
 
     from posprobe.backend.bridge import plain_hf_model
@@ -182,20 +189,25 @@ def test_partial_rotary_queries_and_keys_at_different_positions(name):
     if q.shape[-1] < hd:  # Phi / StableLM hand over the rotated slice: the full heads are q_proj's
         q, k = (proj[w].view(1, 12, -1, hd) for w in "qk")
     spec = f.rotary[0]
-    assert spec.rotary_dim < f.d_head
+    adjacent = name in ADJACENT
+    assert spec.adjacent == adjacent and (adjacent or spec.rotary_dim < f.d_head)
     p = torch.arange(12, dtype=torch.float64)
-    qr, kr = _complex_rotate(q[0], p + 5, spec.rotary_dim, spec.base), _complex_rotate(k[0], p / 2, spec.rotary_dim,
-                                                                                      spec.base)
+    qr = _complex_rotate(q[0], p + 5, spec.rotary_dim, spec.base, adjacent)
+    kr = _complex_rotate(k[0], p / 2, spec.rotary_dim, spec.base, adjacent)
     kr = kr.repeat_interleave(qr.shape[1] // kr.shape[1], dim=1)
     want = torch.einsum("qhd,khd->hqk", qr, kr) / hd ** 0.5
     got = {}
     with torch.no_grad(), rope_positions(bridge, PositionPlan(p + 5, p / 2)):
         with hooked(bridge, [("blocks.0.attn.hook_attn_scores", lambda s, hook: got.setdefault("s", s))]):
             bridge(ids)
-    causal = torch.ones(12, 12, dtype=torch.bool).tril()
-    err = (got["s"][0].double() - want)[:, causal].abs().max()
+    # The pairs the layer keeps: causal, within Cohere 2's sliding window of 8 (layer 0) where it has one.
+    kept = got["s"][0] > torch.finfo(got["s"].dtype).min
+    window = 8 if name == "cohere2" else 12
+    i, j = torch.arange(12)[:, None], torch.arange(12)[None, :]
+    assert torch.equal(kept, ((j <= i) & (j > i - window)).expand_as(kept))
+    err = (got["s"][0].double() - want)[kept].abs().max()
     assert err <= 1e-5, f"{name}: scores under the plan vs plain torch, max |diff| {err:.3g}"
-    assert (want[:, causal] - _own_scores(bridge, ids)[:, causal]).abs().max() > 1e-2  # positions mattered
+    assert (want - _own_scores(bridge, ids))[kept].abs().max() > 1e-2  # positions mattered
 
 
 def _own_scores(bridge, ids):
@@ -269,3 +281,21 @@ def test_falcon_with_alibi_is_refused_because_the_bridge_is_not_hf():
         assert (bridge(ids) - plain_hf_model(bridge)(ids).logits).abs().max() > 0.05
     with pytest.raises(NotImplementedError, match="does not reproduce Hugging Face's forward for Falcon with ALiBi"):
         model_facts(bridge)
+
+
+@pytest.mark.parametrize("name", [f for f in ALL_FAMILIES if f not in ("bert", "roberta", "falcon_rw")])
+def test_residual_to_logits_is_the_models_own_head(name):
+    # The logit lens's last step on the final residual equals HF's logits: final norm, unembedding and what each
+    # family's forward does after it (Granite's logits_scaling, Cohere's logit_scale, Gemma's soft-cap). Cohere's
+    # logit_scale was missing (2.9 off).
+    from posprobe.backend.bridge import plain_hf_model
+    from posprobe.backend.model import residual_to_logits
+    from posprobe.core.capture import capture
+
+    bridge, _ = tiny_family(name)
+    ids = torch.randint(2, 256, (1, 10), generator=torch.Generator().manual_seed(0))
+    last = model_facts(bridge).n_layers - 1
+    resid = capture(bridge, ids, ["resid_post"], layers=[last])[("resid_post", last)]
+    with torch.no_grad():
+        want = plain_hf_model(bridge)(ids).logits
+    assert (residual_to_logits(bridge, resid) - want).abs().max() <= 1e-4

@@ -78,8 +78,10 @@ def rotary_freqs(model: Any, layer: int) -> tuple[torch.Tensor, float]:
 
 
 def rotary_adjacent(model: Any) -> bool:
-    """True where the bridge rotates adjacent pairs (GPT-J / GLM style), False for half-split pairs."""
-    return bool(getattr(model.cfg, "rotary_adjacent_pairs", False))
+    """True where the bridge rotates adjacent pairs (GLM style, or Cohere's interleaved cos/sin), False for
+    half-split pairs."""
+    cfg = model.cfg
+    return bool(getattr(cfg, "rotary_adjacent_pairs", False) or getattr(cfg, "rotary_interleaved_cos_sin", False))
 
 
 def rotary_spec(model: Any, layer: int) -> RotarySpec:

@@ -278,8 +278,8 @@ def score_soft_cap(model: Any) -> float | None:
 #: tests of position plans, score decomposition, frequency bands and head signatures): everything else is
 #: refused by the position analyses with the reason `positional_unsupported` gives.
 PROVEN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "gemma3", "granite",
-                      "olmo2", "smollm3", "starcoder2", "gpt_neox", "phi", "phi3", "stablelm",
-                      "gpt2", "gpt_neo", "opt", "bert", "roberta", "mpt", "bloom", "falcon")
+                      "olmo2", "smollm3", "starcoder2", "gpt_neox", "phi", "phi3", "stablelm", "cohere",
+                      "cohere2", "glm", "gpt2", "gpt_neo", "opt", "bert", "roberta", "mpt", "bloom", "falcon")
 
 
 #: HF model types whose hook_pattern the support matrix proves equal to Hugging Face's attention weights (pattern

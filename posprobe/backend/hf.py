@@ -94,11 +94,15 @@ def softcap_logits(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
 
 
 def finish_logits(hf_model: Any, logits: torch.Tensor) -> torch.Tensor:
-    """What the model's forward does after its LM head: Granite's division by `logits_scaling`, Gemma's final
-    soft-cap (each where the config sets it)."""
-    scale = getattr(text_config(hf_model), "logits_scaling", None)
+    """What the model's forward does after its LM head: Granite's division by `logits_scaling`, Cohere's
+    multiplication by `logit_scale`, Gemma's final soft-cap (each where the config sets it)."""
+    cfg = text_config(hf_model)
+    scale = getattr(cfg, "logits_scaling", None)
     if scale and scale != 1:
         logits = logits / scale
+    mult = getattr(cfg, "logit_scale", None)  # other families' `logit_scale` (CLIP's) is not an LM head's
+    if str(getattr(cfg, "model_type", "")).startswith("cohere") and mult and mult != 1:
+        logits = logits * mult
     return softcap_logits(logits, final_logit_softcap(hf_model))
 
 
@@ -139,9 +143,20 @@ def inv_freq(hf_model: Any, layer: int) -> tuple[torch.Tensor, float]:
     return emb.inv_freq, float(getattr(emb, "attention_scaling", 1.0))
 
 
-def rotary_spec(hf_model: Any, layer: int, *, adjacent: bool = False, name: str | None = None) -> RotarySpec:
+#: HF model types whose rotary code pairs adjacent dims (2b, 2b+1), its cos/sin interleaved (`repeat_interleave`),
+#: rotated in float32; every other rotary model pairs (b, b + rotary_dim/2) (`rotate_half`).
+ADJACENT_PAIR_MODEL_TYPES = ("cohere", "cohere2", "glm")
+
+
+def adjacent_pairs(hf_model: Any) -> bool:
+    """True where the model's rotary code pairs adjacent dims (Cohere, GLM), False for half-split pairs."""
+    return str(getattr(text_config(hf_model), "model_type", "")) in ADJACENT_PAIR_MODEL_TYPES
+
+
+def rotary_spec(hf_model: Any, layer: int, *, adjacent: bool | None = None, name: str | None = None) -> RotarySpec:
     """The rotation `layer` applies, as a RotarySpec: base from the config, rotated dims and any static scaling
-    (linear, llama3, yarn frequencies) from HF's own frequency table, as a per-band factor on the defaults.
+    (linear, llama3, yarn frequencies) from HF's own frequency table, as a per-band factor on the defaults; the
+    pairing from `adjacent` (a bridge's own flag) or else the model type.
 
     Raises NotImplementedError for rope types whose table changes with length (dynamic, longrope) and for
     cos/sin scaling, which a RotarySpec does not express."""
@@ -156,6 +171,7 @@ def rotary_spec(hf_model: Any, layer: int, *, adjacent: bool = False, name: str 
         raise NotImplementedError(f"{who} scales cos/sin by {attention_scaling} ({kind} RoPE); posprobe's rotation "
                                   "does not")
     base = float(rp.get("rope_theta", getattr(text_config(hf_model), "rope_theta", 10000.0)))
+    adjacent = adjacent_pairs(hf_model) if adjacent is None else adjacent
     spec = RotarySpec(rotary_dim=2 * inv.numel(), base=base, adjacent=adjacent)
     ratio = (1.0 / inv.detach().double().cpu()) / inv_freq_table(spec, torch.float64)
     if (ratio - 1).abs().max() > 1e-5:

@@ -33,11 +33,12 @@ from posprobe.core.positions import PositionError
 from posprobe.core.surgery import PairRule
 from posprobe.rope import hf_cos_sin, hf_rotate, inv_freq_of
 
-# HF model types whose attention rotates the head (all of it, or its first dims: partial rotary) with half-split
-# pairs (`rotate_half`) and passes q/k to the attention interface unchanged after rotation. Others are refused
-# rather than guessed.
+# HF model types whose attention rotates the head (all of it, or its first dims: partial rotary), half-split or
+# adjacent pairs (`hf.adjacent_pairs`), and passes q/k to the attention interface unchanged after rotation. Others
+# are refused rather than guessed.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo", "olmo2",
-                         "granite", "smollm3", "starcoder2", "gpt_neox", "phi", "phi3", "stablelm")
+                         "granite", "smollm3", "starcoder2", "gpt_neox", "phi", "phi3", "stablelm", "cohere", "cohere2",
+                         "glm")
 
 
 def require_supported(model: Any, what: str = "Long-context presets") -> None:
@@ -59,10 +60,12 @@ def require_supported(model: Any, what: str = "Long-context presets") -> None:
 
 
 def rotate_hf(x: Float[torch.Tensor, "batch head pos d_head"], positions: Float[torch.Tensor, " pos"],
-              inv_freq: Float[torch.Tensor, " band"]) -> Float[torch.Tensor, "batch head pos d_head"]:
-    """Rotate head vectors to `positions` exactly as HF's Llama/Gemma code does (float32 angles, half-split)."""
-    cos, sin = hf_cos_sin(positions.to(x.device), inv_freq.to(x.device))
-    return hf_rotate(x, cos, sin)
+              inv_freq: Float[torch.Tensor, " band"], adjacent: bool = False
+              ) -> Float[torch.Tensor, "batch head pos d_head"]:
+    """Rotate head vectors to `positions` exactly as HF's code does (float32 angles; half-split pairs as Llama /
+    Gemma, or adjacent pairs as Cohere / GLM)."""
+    cos, sin = hf_cos_sin(positions.to(x.device), inv_freq.to(x.device), adjacent=adjacent)
+    return hf_rotate(x, cos, sin, adjacent=adjacent)
 
 
 @dataclass
@@ -71,6 +74,7 @@ class _Engine:
     inv_freq: dict[int, torch.Tensor]
     chunk: int
     nope: frozenset[int] = frozenset()
+    adjacent: bool = False
 
     def attend(self, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
                window: int | None, softcap: float | None) -> torch.Tensor:
@@ -89,11 +93,11 @@ class _Engine:
         scale = scaling * (1.0 if module.layer_idx in self.nope else self.rule.score_scale)
         views = self.rule.views
         if len(views) == 1 and self.rule.select is None and not window and not softcap and n_q in (1, n_k):
-            q_r = rotate_hf(query, views[0][0](i), inv)
-            k_r = rotate_hf(key, views[0][1](j), inv)
+            q_r = rotate_hf(query, views[0][0](i), inv, self.adjacent)
+            k_r = rotate_hf(key, views[0][1](j), inv, self.adjacent)
             k_r, v = k_r.repeat_interleave(g, dim=1), value.repeat_interleave(g, dim=1)
             return F.scaled_dot_product_attention(q_r, k_r, v, is_causal=n_q > 1, scale=scale)
-        k_rot = [rotate_hf(key, kf(j), inv) for _, kf in views]
+        k_rot = [rotate_hf(key, kf(j), inv, self.adjacent) for _, kf in views]
         out = query.new_empty(B, H, n_q, d)
         for a in range(0, n_q, self.chunk):
             b = min(a + self.chunk, n_q)
@@ -114,7 +118,7 @@ class _Engine:
                     if cols.numel() == 0:
                         continue
                     c0, c1 = int(cols[0]), int(cols[-1]) + 1
-                q_r = rotate_hf(query[:, :, a:b], qf(ii), inv).reshape(B, KV, g * (b - a), d)
+                q_r = rotate_hf(query[:, :, a:b], qf(ii), inv, self.adjacent).reshape(B, KV, g * (b - a), d)
                 s = torch.matmul(q_r, k_rot[v][:, :, lo + c0:lo + c1].transpose(-1, -2)).view(B, H, b - a, c1 - c0)
                 s = s * scale
                 scores[..., c0:c1] = s if sel is None else torch.where(sel[:, c0:c1] == v, s, scores[..., c0:c1])
@@ -148,7 +152,7 @@ def long_attention(model: Any, rule: PairRule, *, chunk: int = 256) -> Iterator[
             else own.detach().float() if rule.rotary is None
             else inv_freq_of(rule.rotary(hf.rotary_spec(model, l))).to(own.device)
         )
-    engine = _Engine(rule, inv, chunk, nope)
+    engine = _Engine(rule, inv, chunk, nope, hf.adjacent_pairs(model))
     with hf.custom_attention(model, {l: engine.attend for l in inv}):
         yield
 
