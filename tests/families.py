@@ -95,11 +95,11 @@ def _configs() -> dict:
     }
 
 
-#: Families whose position analyses are refused as a whole (facts say why).
-FAMILIES = ("gptj",)
+#: A family whose position analyses are refused as a whole (facts say why): OLMo 2 normalises q/k across heads.
+FAMILIES = ("olmo2",)
 #: Partial rotary (rotary_pct / partial_rotary_factor), in both of TL's rotary attention components.
 PARTIAL = ("gpt_neox", "phi3", "phi", "stablelm")
-#: Adjacent pairs (2b, 2b+1): Cohere's interleaved cos/sin, GLM's partial rotary.
+#: Adjacent pairs (2b, 2b+1): Cohere's interleaved cos/sin, GLM's partial rotary (GPT-J: its own test).
 ADJACENT = ("cohere", "cohere2", "glm")
 #: Every family of the support matrix, in its row order.
 ALL_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "smollm3", "gpt2", "gpt_neo", "opt",

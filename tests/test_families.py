@@ -18,7 +18,7 @@ from posprobe.analyses.configs import DecomposeConfig, FrequencyConfig
 from posprobe.backend.facts import model_facts
 
 REFUSAL = {
-    "gptj": "without a rotary-embedding module",
+    "olmo2": "normalises q/k across heads",
 }
 LAYERS = {
     "cohere": "rotary 100% of head dim, adjacent pairing",
@@ -74,8 +74,9 @@ def test_offset_tables_identity_plan_is_the_models_own_forward(name):
             assert torch.equal(bridge(ids), own)
 
 
-def test_the_bridge_is_the_hf_model(family):
-    name, bridge, hf = family
+@pytest.mark.parametrize("name", [f for f in ALL_FAMILIES if f != "falcon_rw"])
+def test_the_bridge_is_the_hf_model(name):
+    bridge, hf = tiny_family(name)
     ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert (bridge(ids) - hf(ids).logits).abs().max() <= 1e-5
@@ -138,7 +139,7 @@ def test_a_rotation_hook_that_never_fires_raises(monkeypatch):
     with pytest.raises(RuntimeError, match="never fired"):
         capture(bridge, ids, ["rot_q"], layers=[0])
     p = torch.arange(10, dtype=torch.float64)
-    with pytest.raises(RuntimeError, match="layer 0's hook_rot_q/k never fired"):
+    with pytest.raises(RuntimeError, match="layer 0's rotation hooks never fired"):
         with torch.no_grad(), rope_positions(bridge, PositionPlan(p + 3, p)):
             bridge(ids)
 
@@ -299,3 +300,47 @@ def test_residual_to_logits_is_the_models_own_head(name):
     with torch.no_grad():
         want = plain_hf_model(bridge)(ids).logits
     assert (residual_to_logits(bridge, resid) - want).abs().max() <= 1e-4
+
+
+def test_gptj_queries_and_keys_at_different_positions_inside_hfs_own_attention():
+    # GPT-J rotates inside HF's GPTJAttention (TL 4 delegates to it; no hook_rot_q/k fires): posprobe turns hook_q /
+    # hook_k ahead of that rotation. Queries at p + 5, keys at p / 2: layer 0's attention output per head equals plain
+    # torch on HF's own q/k/v projections, turned as complex numbers (adjacent pairs, first rotary_dim dims).
+    from posprobe.backend.bridge import plain_hf_model
+    from posprobe.backend.hooks import hooked
+    from posprobe.core.positions import PositionPlan, rope_positions
+
+    bridge, _ = tiny_family("gptj")
+    hf = plain_hf_model(bridge)
+    assert model_facts(bridge).rotation_unhooked is not None
+    attn = [m for m in hf.modules() if type(m).__name__ == "GPTJAttention"][0]
+    proj = {}
+    handles = [getattr(attn, f"{w}_proj").register_forward_hook(lambda m, i, o, w=w: proj.__setitem__(w, o))
+               for w in "qkv"]
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
+    try:
+        with torch.no_grad():
+            hf(ids)
+    finally:
+        for h in handles:
+            h.remove()
+    hd = hf.config.n_embd // hf.config.n_head
+    q, k, v = (proj[w][0].view(12, -1, hd).double() for w in "qkv")
+    p = torch.arange(12, dtype=torch.float64)
+    rd = hf.config.rotary_dim
+    qr, kr = _complex_rotate(q, p + 5, rd, 10000.0, True), _complex_rotate(k, p / 2, rd, 10000.0, True)
+    s = torch.einsum("qhd,khd->hqk", qr, kr) / hd ** 0.5
+    s = s.masked_fill(~torch.ones(12, 12, dtype=torch.bool).tril(), float("-inf"))
+    want = torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
+    got = {}
+    with torch.no_grad(), rope_positions(bridge, PositionPlan(p + 5, p / 2)):
+        with hooked(bridge, [("blocks.0.attn.hook_z", lambda z, hook: got.setdefault("z", z))]):
+            bridge(ids)
+    assert (got["z"][0].double() - want).abs().max() <= 1e-5
+    with torch.no_grad(), hooked(bridge, [("blocks.0.attn.hook_z", lambda z, hook: got.__setitem__("own", z))]):
+        bridge(ids)
+    assert (got["own"][0].double() - want).abs().max() > 1e-3  # positions mattered
+    with torch.no_grad():
+        own = bridge(ids)
+        with rope_positions(bridge, PositionPlan(p, p.clone())):
+            assert torch.equal(bridge(ids), own)  # the identity plan turns by 0: bit-equal

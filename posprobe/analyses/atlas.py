@@ -57,10 +57,11 @@ class AtlasResult(Result):
 
 
 def applicable(facts: ModelFacts, wanted: tuple[str, ...] | None) -> list[str]:
-    """The sections that apply to this model (frequency: RoPE; geometry: learned positions; shift:
-    learned or rotary positions), restricted to `wanted` when given."""
+    """The sections that apply to this model (frequency: RoPE whose rotated q/k posprobe can read; geometry: learned
+    positions; shift: learned or rotary positions), restricted to `wanted` when given."""
     proven = facts.unsupported is None  # position analyses: families posprobe has proven (probes: any family)
-    ok = {"facts": True, "heads": facts.attention_unsupported is None, "frequency": facts.is_rotary and proven,
+    ok = {"facts": True, "heads": facts.attention_unsupported is None,
+          "frequency": facts.is_rotary and proven and facts.rotation_unhooked is None,
           "geometry": facts.has_w_pos and proven, "probes": True,
           "shift": facts.positional_kind in ("learned_absolute", "rotary") and proven}
     return [s for s in SECTIONS if ok[s] and (wanted is None or s in wanted)]

@@ -18,7 +18,7 @@ import torch
 
 from posprobe.analyses.configs import FrequencyConfig
 from posprobe.analyses.frequency_ablation import band_ablation, head_ablations, p_sweep
-from posprobe.backend.facts import ModelFacts, model_facts, require_rotary
+from posprobe.backend.facts import ModelFacts, model_facts, require_rotated_qk
 from posprobe.backend.hooks import score_scale, score_soft_cap
 from posprobe.backend.model import device_of
 from posprobe.core import distributed
@@ -87,7 +87,7 @@ def run_frequency(model: Any, text: str | None = None, config: FrequencyConfig |
 
     cfg = config or FrequencyConfig()
     facts = model_facts(model)
-    require_rotary(facts, "Per-frequency RoPE usage")
+    require_rotated_qk(facts, "Per-frequency RoPE usage")
     if cfg.window > facts.n_ctx:
         raise ValueError(f"window {cfg.window} exceeds the model's context n_ctx={facts.n_ctx}")
     body = BUILTIN_TEXT if text is None else text
@@ -269,7 +269,7 @@ def frequency_usage(
     with queries * window instead of window**2. None measures every causal entry exactly.
     """
     facts = model_facts(model)
-    require_rotary(facts, "Per-frequency RoPE usage")
+    require_rotated_qk(facts, "Per-frequency RoPE usage")
     if device_of(model).type == "mps":  # say so before any work, not deep inside the first batch
         raise NotImplementedError("The frequency pass accumulates in float64 on the model's device, which mps "
                                   "does not support; run it with --device cpu or cuda")

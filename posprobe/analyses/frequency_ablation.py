@@ -17,7 +17,7 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from posprobe.backend.facts import ModelFacts, model_facts, require_rotary
+from posprobe.backend.facts import ModelFacts, model_facts, require_rotated_qk
 from posprobe.backend.hooks import hook_name, hooked, pre_rotation, score_scale, score_soft_cap
 from posprobe.backend.model import context_length, token_losses
 from posprobe.core.capture import check_rows
@@ -57,7 +57,7 @@ def _validate(facts: ModelFacts, ab: BandAblation) -> None:
 def ablate_bands(model: Any, ab: BandAblation) -> Iterator[Any]:
     """Within the block, every forward of `model` runs with the ablation in force (no KV cache)."""
     facts = model_facts(model)
-    require_rotary(facts, "Band ablation")
+    require_rotated_qk(facts, "Band ablation")
     _validate(facts, ab)
     layers = facts.check_rotary_layers(sorted(ab.layers) if ab.layers is not None else None, "Band ablation")
     if ab.heads is None and ab.mode == "unrotate":
@@ -154,7 +154,7 @@ def band_ablation(
     base_loss, delta_loss (= value - base_loss).
     """
     facts = model_facts(model)
-    require_rotary(facts, "Band ablation")
+    require_rotated_qk(facts, "Band ablation")
     if not facts.has_lm_head or facts.is_encoder:
         raise ValueError(f"Band ablation measures LM loss; {facts.name} has no causal LM head")
     rows = check_rows(model, token_rows)

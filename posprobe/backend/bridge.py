@@ -78,10 +78,11 @@ def rotary_freqs(model: Any, layer: int) -> tuple[torch.Tensor, float]:
 
 
 def rotary_adjacent(model: Any) -> bool:
-    """True where the bridge rotates adjacent pairs (GLM style, or Cohere's interleaved cos/sin), False for
-    half-split pairs."""
+    """True where the bridge rotates adjacent pairs (GLM style, Cohere's interleaved cos/sin, or GPT-J / CodeGen,
+    whose attention TL does not re-implement with these flags), False for half-split pairs."""
     cfg = model.cfg
-    return bool(getattr(cfg, "rotary_adjacent_pairs", False) or getattr(cfg, "rotary_interleaved_cos_sin", False))
+    return bool(getattr(cfg, "rotary_adjacent_pairs", False) or getattr(cfg, "rotary_interleaved_cos_sin", False)
+                or hf.adjacent_pairs(model.original_model))
 
 
 def rotary_spec(model: Any, layer: int) -> RotarySpec:

@@ -162,6 +162,29 @@ def layer_rotary_spec(model: Any, layer: int) -> RotarySpec:
     return rotary_spec(model, layer)
 
 
+def _fires_rotation_hooks(attn: Any) -> bool:
+    # TL's rotary attention components that call hook_rot_q/k themselves, and the joint-QKV one posprobe routes
+    # through them (expose_points); GPT-J's delegated AttentionBridge and CodeGen's component rotate without them.
+    from transformer_lens.model_bridge.generalized_components.position_embeddings_attention import (
+        PositionEmbeddingsAttentionBridge,
+    )
+
+    return isinstance(attn, PositionEmbeddingsAttentionBridge) or "_apply_rotary_pos_emb" in type(attn).__dict__
+
+
+def rotation_unhooked(model: Any) -> str | None:
+    if model.cfg.positional_embedding_type != "rotary" or _fires_rotation_hooks(model.blocks[0].attn):
+        return None
+    arch = type(model.original_model).__name__
+    attn = model.blocks[0].attn
+    where = "Hugging Face's own attention module" if _delegated(model) else f"TL's {type(attn).__name__}"
+    return f"{arch} rotates q and k inside {where}, which fires no hook_rot_q/k"
+
+
+def score_edits_apply(model: Any) -> bool:
+    return not _delegated(model)
+
+
 def expose_points(model: Any, names: Any) -> None:
     # TL's joint-QKV rotary attention (GPT-NeoX / Pythia, Phi-3) rotates q and k in `_apply_rotary_pos_emb` and
     # never calls its hook_rot_q / hook_rot_k. Route that method's output through them (HF layout, as the other
@@ -279,7 +302,7 @@ def score_soft_cap(model: Any) -> float | None:
 #: refused by the position analyses with the reason `positional_unsupported` gives.
 PROVEN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "gemma3", "granite",
                       "olmo2", "smollm3", "starcoder2", "gpt_neox", "phi", "phi3", "stablelm", "cohere",
-                      "cohere2", "glm", "gpt2", "gpt_neo", "opt", "bert", "roberta", "mpt", "bloom", "falcon")
+                      "cohere2", "glm", "gptj", "gpt2", "gpt_neo", "opt", "bert", "roberta", "mpt", "bloom", "falcon")
 
 
 #: HF model types whose hook_pattern the support matrix proves equal to Hugging Face's attention weights (pattern

@@ -47,6 +47,9 @@ class ModelFacts:
     attention_unsupported: str | None = None
     #: ALiBi models: per layer, each head's slope as measured from the model's own scores (None otherwise).
     alibi_slopes: tuple[tuple[float, ...], ...] | None = None
+    #: Why the rotated q/k are not at hook_rot_q/k (the model rotates where no hook fires), or None. Position control
+    #: then rotates hook_q/hook_k ahead of the model's own rotation; analyses that read rotated q/k refuse.
+    rotation_unhooked: str | None = None
 
     @property
     def is_rotary(self) -> bool:
@@ -175,6 +178,7 @@ def model_facts(model: Any) -> ModelFacts:
         unsupported=adapter.positional_unsupported(model),
         attention_unsupported=adapter.attention_unsupported(model),
         alibi_slopes=slopes,
+        rotation_unhooked=adapter.rotation_unhooked(model),
     )
 
 
@@ -239,6 +243,14 @@ def require_rotary(facts: ModelFacts, what: str) -> None:
             f"{what} needs a RoPE model, but {facts.name} uses {facts.positional_kind} positions"
         )
     require_supported(facts, what)
+
+
+def require_rotated_qk(facts: ModelFacts, what: str) -> None:
+    """`require_rotary`, and NotImplementedError where the model's rotated q/k cannot be read at hook_rot_q/k."""
+    require_rotary(facts, what)
+    if facts.rotation_unhooked is not None:
+        raise NotImplementedError(f"{what} is not available for {facts.name}: {facts.rotation_unhooked}, and this "
+                                  "analysis reads the rotated q and k")
 
 
 def require_learned(facts: ModelFacts, what: str) -> None:

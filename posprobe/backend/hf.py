@@ -135,9 +135,32 @@ def rotary_emb(hf_model: Any) -> Any:
     return getattr(emb, "original_component", emb)
 
 
+def _table_inv_freq(hf_model: Any) -> torch.Tensor | None:
+    # GPT-J / CodeGen keep no rotary module: each attention holds `embed_positions`, a [position, rotary_dim] table of
+    # sin | cos built from inv_freq = 1 / 10000^(2i / rotary_dim). Rebuilt with HF's own expression and checked
+    # against the table's first rows, so a model with another recipe is refused rather than guessed.
+    mods = attention_modules(hf_model)
+    table = getattr(mods[0], "embed_positions", None) if mods else None
+    if not isinstance(table, torch.Tensor) or table.dim() != 2:
+        return None
+    rd = table.shape[-1]
+    inv = (1.0 / (10000 ** (torch.arange(0, rd, 2, dtype=torch.int64) / rd))).float()
+    n = min(table.shape[0], 512)
+    angle = torch.arange(n, dtype=torch.float32)[:, None] * inv
+    want = torch.cat([angle.sin(), angle.cos()], dim=-1)
+    return inv if (table[:n].detach().float().cpu() - want).abs().max() <= 1e-6 else None
+
+
 def inv_freq(hf_model: Any, layer: int) -> tuple[torch.Tensor, float]:
     """(inverse frequencies in rad/token `[band]`, cos/sin multiplier) HF rotates `layer` with."""
-    emb, lt = rotary_emb(hf_model), layer_type(hf_model, layer)
+    try:
+        emb = rotary_emb(hf_model)
+    except NotImplementedError:
+        inv = _table_inv_freq(hf_model)
+        if inv is None:
+            raise
+        return inv, 1.0
+    lt = layer_type(hf_model, layer)
     if lt is not None and hasattr(emb, f"{lt}_inv_freq"):  # Gemma 3: one table per layer type
         return getattr(emb, f"{lt}_inv_freq"), float(getattr(emb, f"{lt}_attention_scaling", 1.0))
     return emb.inv_freq, float(getattr(emb, "attention_scaling", 1.0))
@@ -145,11 +168,12 @@ def inv_freq(hf_model: Any, layer: int) -> tuple[torch.Tensor, float]:
 
 #: HF model types whose rotary code pairs adjacent dims (2b, 2b+1), its cos/sin interleaved (`repeat_interleave`),
 #: rotated in float32; every other rotary model pairs (b, b + rotary_dim/2) (`rotate_half`).
-ADJACENT_PAIR_MODEL_TYPES = ("cohere", "cohere2", "glm")
+ADJACENT_PAIR_MODEL_TYPES = ("cohere", "cohere2", "glm", "gptj", "codegen")
 
 
 def adjacent_pairs(hf_model: Any) -> bool:
-    """True where the model's rotary code pairs adjacent dims (Cohere, GLM), False for half-split pairs."""
+    """True where the model's rotary code pairs adjacent dims (Cohere, GLM, GPT-J, CodeGen), False for half-split
+    pairs."""
     return str(getattr(text_config(hf_model), "model_type", "")) in ADJACENT_PAIR_MODEL_TYPES
 
 

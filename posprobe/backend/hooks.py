@@ -66,6 +66,12 @@ def attention_scores(model: Any, layer: int, q_rot: torch.Tensor, k_rot: torch.T
     return ops(model).attention_scores(model, layer, q_rot, k_rot)
 
 
+def score_edits_apply(model: Any) -> bool:
+    """True where an edit of `hook_attn_scores` reaches the layer's output; False where TL hands the attention to
+    Hugging Face's module and fires its hooks after the fact (GPT-J, GPT-Neo, OPT, BERT on TL 4)."""
+    return ops(model).score_edits_apply(model)
+
+
 def scores_hook_is_pattern(model: Any) -> bool:
     """True where the model's `hook_attn_scores` carries the softmax pattern instead of the pre-softmax
     scores: TransformerBridge BERT encoders (TL 3.9 and 4.3; measured: equal to hook_pattern, rows sum

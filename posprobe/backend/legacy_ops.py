@@ -135,6 +135,14 @@ def layer_rotary_spec(model: Any, layer: int) -> RotarySpec:
     )
 
 
+def rotation_unhooked(model: Any) -> str | None:
+    return None  # HookedTransformer fires hook_rot_q/k for every rotary model it builds
+
+
+def score_edits_apply(model: Any) -> bool:
+    return True  # HookedTransformer computes its scores from hook_attn_scores' output
+
+
 def expose_points(model: Any, names: Any) -> None:
     return None  # TL 3's HookedTransformer fires every hook point it has
 

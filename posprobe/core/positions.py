@@ -238,11 +238,11 @@ class _RopeControl:
 
     def rotated(self, layer: int):
         # The net under the support gate: q/k stashed for this layer but never re-rotated means the architecture's
-        # attention skipped hook_rot_q/k, and the scores about to be used carry the model's own positions.
+        # attention skipped its rotation hooks, and the scores about to be used carry the model's own positions.
         def hook(scores: torch.Tensor, hook: Any) -> torch.Tensor:
             if layer in self.k_new or layer in self.q_new:
-                raise RuntimeError(f"Position control on {model_name(self.model)}: layer {layer}'s hook_rot_q/k never "
-                                   "fired, so the plan's positions were not applied (this attention rotates "
+                raise RuntimeError(f"Position control on {model_name(self.model)}: layer {layer}'s rotation hooks "
+                                   "never fired, so the plan's positions were not applied (this attention rotates "
                                    "elsewhere); nothing was computed with them")
             return scores
 
@@ -289,6 +289,50 @@ class _RopeControl:
         return hs
 
 
+class _PreRotationControl:
+    """Position control where the model rotates q and k where no rotation hook fires (GPT-J inside HF's own
+    attention): the q and k projections are turned ahead of the model's rotation, by the plan's position minus the
+    one the model will rotate to (its own index: every forward starts at position 0; posprobe decodes by
+    recomputing the prefix), so the model's rotation lands each vector at the plan's position. With the layer's own
+    rotation this is one turn by the difference (the identity plan turns by 0: bit-equal); a rotary override turns
+    back from the model's position with its own rotation, then on with the override. Key views need the rotated
+    q/k: refused."""
+
+    def __init__(self, model: Any, plan: PositionPlan, rotary_layers: tuple[int, ...]):
+        self.model, self.plan = model, plan
+        own = {l: layer_rotary_spec(model, l) for l in rotary_layers}
+        self.specs = {l: (plan.rotary or {}).get(l) or own[l] for l in rotary_layers}
+        self.own = own
+        self._on: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+    def _turn(self, which: str, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if n > len(self.plan):
+            raise PositionError(f"The position plan covers {len(self.plan)} tokens but the sequence has {n}; build the "
+                                "plan for the full length (PositionPlan.extended)")
+        key = (which, device)
+        if key not in self._on:
+            pos = self.plan.q_pos if which == "q" else self.plan.k_pos
+            dt = torch.float32 if torch.device(device).type == "mps" else torch.float64
+            self._on[key] = pos.to(dt).to(device)
+        pos = self._on[key][..., :n]
+        return pos, torch.arange(n, dtype=pos.dtype, device=device)
+
+    def hook(self, layer: int, which: str):
+        def hook(x: torch.Tensor, hook: Any) -> torch.Tensor:
+            pos, own_pos = self._turn(which, x.shape[1], x.device)
+            spec, own = self.specs[layer], self.own[layer]
+            if spec == own:
+                return rotate_at(self.model, layer, x, pos - own_pos, own)
+            back = rotate_at(self.model, layer, x, -own_pos.expand_as(pos), own)
+            return rotate_at(self.model, layer, back, pos, spec)
+
+        return hook
+
+    def hooks(self) -> list[tuple[str, Any]]:
+        layers = self.plan.layers if self.plan.layers is not None else range(n_layers(self.model))
+        return [(hook_name(w, l), self.hook(l, w)) for l in layers if l in self.specs for w in ("q", "k")]
+
+
 @contextmanager
 def rope_positions(model: Any, plan: PositionPlan | None = None, *, q_pos: Sequence[float] | torch.Tensor | None = None,
                    k_pos: Sequence[float] | torch.Tensor | None = None) -> Iterator[PositionPlan]:
@@ -305,6 +349,14 @@ def rope_positions(model: Any, plan: PositionPlan | None = None, *, q_pos: Seque
         plan = PositionPlan(_as_tensor(q_pos, torch.float64), _as_tensor(k_pos, torch.float64))
     if plan.layers is not None and not all(0 <= l < n_layers(model) for l in plan.layers):
         raise PositionError(f"Plan names layers {sorted(plan.layers)}; the model has {n_layers(model)}")
+    if facts.rotation_unhooked is not None:
+        if plan.views:
+            raise NotImplementedError(f"Key views are not available for {facts.name}: they need the rotated q and k, "
+                                      f"but {facts.rotation_unhooked}")
+        pre = _PreRotationControl(model, plan, facts.rotary_layers)
+        with hooked(model, pre.hooks()):
+            yield plan
+        return
     control = _RopeControl(model, plan, facts.rotary_layers)
     with hooked(model, control.hooks()):
         yield plan

@@ -19,8 +19,8 @@ import torch
 from jaxtyping import Bool
 
 from posprobe.backend.facts import model_facts, require_rotary
-from posprobe.backend.hooks import hook_name, hooked, layer_rotary_spec
-from posprobe.backend.model import n_layers
+from posprobe.backend.hooks import hook_name, hooked, layer_rotary_spec, score_edits_apply
+from posprobe.backend.model import model_name, n_layers
 from posprobe.core.positions import KeyView, PositionError, PositionPlan, rope_positions, shifted_plan
 from posprobe.rope import RotarySpec, wavelength
 
@@ -242,6 +242,11 @@ def apply_plan(model: Any, plan: PositionPlan) -> Iterator[PositionPlan]:
     """`rope_positions(model, plan)` plus meta["score_scale"] (YaRN temperature) and meta["keep"] (eviction)."""
     scale = float(plan.meta.get("score_scale", 1.0))
     keep = plan.meta.get("keep")
+    if (scale != 1.0 or keep is not None) and not score_edits_apply(model):
+        what = "YaRN's attention temperature" if scale != 1.0 else "StreamingLLM's eviction"
+        raise NotImplementedError(f"{what} edits the attention scores, but {model_name(model)}'s attention runs "
+                                  "inside Hugging Face's own module, where an edit of the scores does not reach its "
+                                  "output")
     with rope_positions(model, plan):
         if scale == 1.0 and keep is None:
             yield plan
