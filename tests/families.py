@@ -89,6 +89,10 @@ def _configs() -> dict:
                     T.Cohere2ForCausalLM),
         "glm": (T.GlmConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                             num_key_value_heads=2, head_dim=8, max_position_embeddings=128, **c), T.GlmForCausalLM),
+        "t5": (T.T5Config(vocab_size=259, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+                          relative_attention_num_buckets=8, relative_attention_max_distance=16, pad_token_id=258,
+                          eos_token_id=257, decoder_start_token_id=258, initializer_factor=1.0),
+               T.T5ForConditionalGeneration),
         "falcon_rw": (T.FalconConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, multi_query=False,
                                      parallel_attn=False, bias=True, new_decoder_architecture=False, alibi=True, **c),
                       T.FalconForCausalLM),
@@ -104,7 +108,7 @@ ADJACENT = ("cohere", "cohere2", "glm")
 #: Every family of the support matrix, in its row order.
 ALL_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "smollm3", "gpt2", "gpt_neo", "opt",
                 "bert", "gpt_neox", "gptj", "bloom", "phi3", "phi", "gemma", "granite", "olmo2", "stablelm",
-                "starcoder2", "roberta", "mpt", "falcon", "falcon_rw", "cohere", "cohere2", "glm")
+                "starcoder2", "roberta", "mpt", "falcon", "falcon_rw", "cohere", "cohere2", "glm", "t5")
 
 
 def tiny_family(name: str, seed: int = 0) -> tuple[object, object]:

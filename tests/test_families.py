@@ -74,7 +74,7 @@ def test_offset_tables_identity_plan_is_the_models_own_forward(name):
             assert torch.equal(bridge(ids), own)
 
 
-@pytest.mark.parametrize("name", [f for f in ALL_FAMILIES if f != "falcon_rw"])
+@pytest.mark.parametrize("name", [f for f in ALL_FAMILIES if f not in ("falcon_rw", "t5")])
 def test_the_bridge_is_the_hf_model(name):
     bridge, hf = tiny_family(name)
     ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
@@ -284,7 +284,7 @@ def test_falcon_with_alibi_is_refused_because_the_bridge_is_not_hf():
         model_facts(bridge)
 
 
-@pytest.mark.parametrize("name", [f for f in ALL_FAMILIES if f not in ("bert", "roberta", "falcon_rw")])
+@pytest.mark.parametrize("name", [f for f in ALL_FAMILIES if f not in ("bert", "roberta", "falcon_rw", "t5")])
 def test_residual_to_logits_is_the_models_own_head(name):
     # The logit lens's last step on the final residual equals HF's logits: final norm, unembedding and what each
     # family's forward does after it (Granite's logits_scaling, Cohere's logit_scale, Gemma's soft-cap). Cohere's
@@ -344,3 +344,38 @@ def test_gptj_queries_and_keys_at_different_positions_inside_hfs_own_attention()
         own = bridge(ids)
         with rope_positions(bridge, PositionPlan(p, p.clone())):
             assert torch.equal(bridge(ids), own)  # the identity plan turns by 0: bit-equal
+
+
+def test_t5_is_refused_as_a_whole_before_any_forward(monkeypatch):
+    # T5 booted as a bridge has encoder_blocks / decoder_blocks and no `blocks`: model_facts crashed on it with an
+    # AttributeError. Every analysis now refuses it with one message, probes included, before any forward.
+    from posprobe.analyses.configs import ProbeConfig
+    from posprobe.analyses.probes import run_probes
+
+    bridge, _ = tiny_family("t5")
+    calls = []
+    monkeypatch.setattr(type(bridge), "forward", lambda *a, **k: calls.append(1))
+    with pytest.raises(NotImplementedError, match="encoder-decoder"):
+        model_facts(bridge)
+    with pytest.raises(NotImplementedError, match="encoder-decoder"):
+        run_probes(bridge, "some text " * 20, ProbeConfig(window=8, max_windows=2, progress=False))
+    assert calls == []
+
+
+@pytest.mark.parametrize("name", ["gpt_neo", "opt", "gptj"])
+def test_decomposition_on_attention_tl_hands_to_hf(name):
+    # Was refused (GPT-Neo's terms had been written 1.04 off): TL runs these layers inside HF's own module and fires
+    # hook_attn_scores with the pattern, after the fact. The scores are rebuilt from hook_q / hook_k (turned to their
+    # positions on GPT-J) with the layer's causal and local masks; layer 1 of GPT-Neo is local (window 16 < 102
+    # tokens). Softmax of the summed terms = HF's attention weights.
+    from matrix_cells import TEXT, _hf_attention_weights
+
+    from posprobe.analyses.decompose import decompose_heads
+
+    bridge, _ = tiny_family(name)
+    sentence = "The quick brown fox jumps over the lazy dog while the cat sleeps in the warm sun near the river bank."
+    dec, _ = decompose_heads(bridge, DecomposeConfig(layer=1, text=TEXT, sentence=sentence, max_windows=2,
+                                                     progress=False))
+    assert dec.tokens.shape[1] > 16
+    att = _hf_attention_weights(bridge, dec.tokens, 1)
+    assert (torch.softmax(dec.reconstructed(), -1).double() - att.double()).abs().max() <= 1e-5

@@ -46,7 +46,7 @@ from jaxtyping import Float, Int
 
 from posprobe.analyses.configs import DecomposeConfig
 from posprobe.backend.facts import WrongModelKind, model_facts, require_supported
-from posprobe.backend.hooks import attention_scores, kept_scores, rotate_at, scores_hook_is_pattern
+from posprobe.backend.hooks import attention_scores, kept_pairs, kept_scores, rotate_at, scores_hook_is_pattern
 from posprobe.backend.model import (
     NormSpec,
     device_of,
@@ -165,13 +165,20 @@ def _as_tokens(tokens: Any) -> torch.Tensor:
 def _capture(model: Any, tokens: torch.Tensor, points: Sequence[str], layer: int) -> dict[str, torch.Tensor]:
     # The maths below runs on the CPU (float64), wherever the model lives.
     derive = "scores" in points and scores_hook_is_pattern(model)
-    if derive:  # the hook carries the pattern: rebuild the scores from this layer's q and k (BERT: unrotated)
+    if derive:  # the hook carries the pattern (TL delegates the attention to HF's module): rebuild the scores from
+        # this layer's q and k, turned to their own positions on a RoPE layer, and mask the pairs the layer drops.
         points = [p for p in points if p != "scores"] + ["q", "k"]
     got = capture(model, tokens.to(device_of(model)), list(dict.fromkeys(points)), layers=[layer])
     out = {p: x.cpu() for (p, _), x in got.items()}
     if derive:
-        out["scores"] = attention_scores(model, layer, got[("q", layer)], got[("k", layer)]).cpu()
-    if "scores" in out:  # masked entries as -inf on every backend (a bridge fills the dtype's minimum)
+        q, k = got[("q", layer)], got[("k", layer)]
+        spec = (model_facts(model).rotary or (None,) * (layer + 1))[layer]
+        if spec is not None:
+            pos = torch.arange(q.shape[1], dtype=torch.float64)
+            q, k = rotate_at(model, layer, q, pos, spec), rotate_at(model, layer, k, pos, spec)
+        s = attention_scores(model, layer, q, k).cpu()
+        out["scores"] = s.masked_fill(~kept_pairs(model, layer, s.shape[-2], s.shape[-1]), float("-inf"))
+    elif "scores" in out:  # masked entries as -inf on every backend (a bridge fills the dtype's minimum)
         s = out["scores"]
         out["scores"] = s.masked_fill(~kept_scores(model, s), float("-inf"))
     return out

@@ -38,9 +38,11 @@ def run_probes(model: Any, text: str | None = None, config: ProbeConfig | None =
                source: str | None = None) -> Result:
     """Position probes over `config.max_windows` windows of `config.window` tokens of `text` (default:
     the built-in text); the result's meta records the data in the common schema."""
+    from posprobe.backend.facts import model_facts
     from posprobe.data import BUILTIN_TEXT
 
     cfg = config or ProbeConfig()
+    model_facts(model)  # refuses, before tokenising, a model no hook value of which can be trusted
     body = BUILTIN_TEXT if text is None else text
     rows = text_rows(model, body, cfg.window, cfg.max_windows)
     result = position_probes(model, rows, cfg)

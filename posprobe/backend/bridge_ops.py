@@ -135,12 +135,22 @@ def embedding_points(model: Any) -> dict[str, str]:
     return {k: v for k, v in out.items() if hook_name(v, 0) in known}
 
 
+def kept_pairs(model: Any, layer: int, n_q: int, n_k: int) -> torch.Tensor:
+    # Queries are the last n_q of the n_k positions.
+    if is_encoder(model):
+        return torch.ones(n_q, n_k, dtype=torch.bool)
+    i = torch.arange(n_k - n_q, n_k)[:, None]
+    j = torch.arange(n_k)[None, :]
+    window = hf.attention_window(model.original_model, layer)
+    return (j <= i) & (j > i - window) if window else j <= i
+
+
 def scores_not_bilinear(model: Any) -> str | None:
     if model.cfg.positional_embedding_type == "alibi":
         return "adds ALiBi distance biases to its scores"
-    if _delegated(model) and not is_encoder(model):
-        return ("hands its attention to Hugging Face's module (TL fires the score hooks after the fact, without the "
-                "causal and local masks)")
+    if _delegated(model) and not is_encoder(model) and _tl_major() < 4:
+        return (f"hands its attention to Hugging Face's module, whose q/k hooks TransformerLens {_tl_version()} "
+                "does not fire (TransformerLens >= 4 does)")
     for layer in range(n_layers(model)):
         if any(n is not None for n in qk_norms(model, layer)):
             return "normalises q/k (QK-norm)"
@@ -311,10 +321,15 @@ PATTERN_PROVEN_MODEL_TYPES = PROVEN_MODEL_TYPES + ("gptj",)
 
 
 def forward_unsupported(model: Any) -> str | None:
-    # Measured (TL 4.3, transformers 5.23, tiny random models): the bridge's own forward of Falcon with ALiBi
-    # (Falcon-RW) is 0.1-0.9 away from HF's logits in every config tried (multi-query or not, parallel attention or
-    # not, biases or not); Falcon with rotary matches to 1e-6. Every hook value would be off: refused as a whole.
+    # Encoder-decoder bridges (T5) have no `blocks`: every analysis walks one stack. Measured (TL 4.3, transformers
+    # 5.23, tiny random models): the bridge's own forward of Falcon with ALiBi (Falcon-RW) is 0.1-0.9 away from HF's
+    # logits in every config tried (multi-query or not, parallel attention or not, biases or not); Falcon with rotary
+    # matches to 1e-6. Every hook value would be off: refused as a whole.
     cfg = hf.text_config(model.original_model)
+    if not hasattr(model, "blocks"):
+        return (f"TransformerLens bridges {type(model.original_model).__name__} as an encoder-decoder (encoder_blocks, "
+                "decoder_blocks); posprobe reads one stack of blocks and does not analyse encoder-decoder models "
+                "(T5's relative position buckets) yet")
     if str(getattr(cfg, "model_type", "")) == "falcon" and getattr(cfg, "alibi", False):
         return (f"TransformerLens {_tl_version()}'s bridge does not reproduce Hugging Face's forward for Falcon with "
                 "ALiBi (Falcon-RW; logits 0.1-0.9 apart on tiny random models), so no hook value can be trusted")

@@ -82,6 +82,18 @@ def sliding_window(hf_model: Any) -> int | None:
     return getattr(text_config(hf_model), "sliding_window", None) or None
 
 
+def attention_window(hf_model: Any, layer: int) -> int | None:
+    """How many keys back `layer` attends (a key j is kept by query i when i - window < j <= i): the sliding window
+    of a "sliding_attention" layer, GPT-Neo's `window_size` on its "local" layers; None for full attention."""
+    cfg = text_config(hf_model)
+    if (layer_type(hf_model, layer) or "").startswith("sliding"):
+        return sliding_window(hf_model)
+    kinds = getattr(cfg, "attention_layers", None)  # GPT-Neo: "global" / "local" per layer
+    if kinds and kinds[layer] == "local":
+        return int(cfg.window_size)
+    return None
+
+
 def final_logit_softcap(hf_model: Any) -> float | None:
     """Gemma-style tanh cap on the output logits, or None."""
     cap = getattr(text_config(hf_model), "final_logit_softcapping", None)

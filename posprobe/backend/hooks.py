@@ -79,6 +79,12 @@ def scores_hook_is_pattern(model: Any) -> bool:
     return ops(model).scores_hook_is_pattern(model)
 
 
+def kept_pairs(model: Any, layer: int, n_q: int, n_k: int) -> torch.Tensor:
+    """`[n_q, n_k]` bool: the (query, key) pairs `layer` attends to (causal, within its local window; all pairs in
+    an encoder), queries being the last n_q of n_k positions. For scores rebuilt from q and k."""
+    return ops(model).kept_pairs(model, layer, n_q, n_k)
+
+
 def kept_scores(model: Any, scores: torch.Tensor) -> torch.Tensor:
     """Boolean mask of the `hook_attn_scores` entries the layer did not mask out (causal, padding)."""
     return ops(model).kept_scores(model, scores)

@@ -97,6 +97,16 @@ def embedding_points(model: Any) -> dict[str, str]:
     return {"word": "embed", "position": "pos_embed"}
 
 
+def kept_pairs(model: Any, layer: int, n_q: int, n_k: int) -> torch.Tensor:
+    i = torch.arange(n_k - n_q, n_k)[:, None]
+    j = torch.arange(n_k)[None, :]
+    if getattr(model.cfg, "attention_dir", "causal") == "bidirectional":
+        return torch.ones(n_q, n_k, dtype=torch.bool)
+    local = getattr(model.blocks[layer].attn, "attn_type", "global") == "local"
+    window = getattr(model.cfg, "window_size", None) if local else None
+    return (j <= i) & (j > i - window) if window else j <= i
+
+
 def scores_not_bilinear(model: Any) -> str | None:
     cfg = model.cfg
     if cfg.use_qk_norm or cfg.original_architecture in _OLMO:
