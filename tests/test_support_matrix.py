@@ -75,6 +75,10 @@ def _layer_positions(name: str) -> str:
 
 
 def test_the_generated_matrix_is_the_committed_one():
+    from importlib.metadata import version
+
+    if not version("transformer-lens").startswith("4.3"):
+        pytest.skip("docs/support-matrix.md is generated under TransformerLens 4.3 (the cells above ran here too)")
     missing = [(f, a) for f in ALL_FAMILIES for a in CELLS if (f, a) not in _RESULTS]
     if missing:
         pytest.skip(f"{len(missing)} cells did not run in this session (run the whole file)")

@@ -148,9 +148,6 @@ def kept_pairs(model: Any, layer: int, n_q: int, n_k: int) -> torch.Tensor:
 def scores_not_bilinear(model: Any) -> str | None:
     if model.cfg.positional_embedding_type == "alibi":
         return "adds ALiBi distance biases to its scores"
-    if _delegated(model) and not is_encoder(model) and _tl_major() < 4:
-        return (f"hands its attention to Hugging Face's module, whose q/k hooks TransformerLens {_tl_version()} "
-                "does not fire (TransformerLens >= 4 does)")
     for layer in range(n_layers(model)):
         if any(n is not None for n in qk_norms(model, layer)):
             return "normalises q/k (QK-norm)"
@@ -317,7 +314,7 @@ PROVEN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "
 
 #: HF model types whose hook_pattern the support matrix proves equal to Hugging Face's attention weights (pattern
 #: analyses: heads).
-PATTERN_PROVEN_MODEL_TYPES = PROVEN_MODEL_TYPES + ("gptj",)
+PATTERN_PROVEN_MODEL_TYPES = PROVEN_MODEL_TYPES + ("xglm",)
 
 
 def forward_unsupported(model: Any) -> str | None:
@@ -336,8 +333,21 @@ def forward_unsupported(model: Any) -> str | None:
     return None
 
 
+def _old_tl_cohere(model: Any) -> str | None:
+    # Measured on TL 3.9 (tiny random Cohere / Cohere 2): the logits equal HF's, but hook_pattern is 0.2-0.5 off HF's
+    # attention weights and the rotated q 2.7-3.6 off: TL 3.9's hooks see half-split pairs where Cohere interleaves.
+    mt = str(getattr(hf.text_config(model.original_model), "model_type", ""))
+    if mt in ("cohere", "cohere2") and _tl_major() < 4:
+        return (f"TransformerLens {_tl_version()}'s hooks on {type(model.original_model).__name__} carry q/k rotated "
+                "as half-split pairs where Cohere interleaves them (hook_pattern up to 0.5 off Hugging Face's; "
+                "TransformerLens >= 4 matches)")
+    return None
+
+
 def attention_unsupported(model: Any) -> str | None:
     mt = str(getattr(hf.text_config(model.original_model), "model_type", ""))
+    if _old_tl_cohere(model):
+        return _old_tl_cohere(model)
     if _delegated(model) and _tl_major() < 4:
         arch = type(model.original_model).__name__
         return (f"TransformerLens {_tl_version()} does not fire hook_pattern on {arch}'s delegated attention "
@@ -406,13 +416,20 @@ def alibi_slopes(model: Any) -> tuple[tuple[float, ...], ...]:
     return tuple(out)
 
 
+def _sinusoidal(model: Any) -> bool:
+    # XGLM (and fairseq-style models) add a fixed sinusoidal table; TL's config calls it "standard".
+    return any("Sinusoidal" in type(m).__name__ for m in model.original_model.modules())
+
+
 def layer_kinds(model: Any) -> tuple[str, ...]:
-    kind = tl_positional_kind(model.cfg.positional_embedding_type)
+    kind = "sinusoidal" if _sinusoidal(model) else tl_positional_kind(model.cfg.positional_embedding_type)
     nope = hf.nope_layers(model.original_model)
     return tuple("nope" if l in nope else kind for l in range(n_layers(model)))
 
 
 def positional_unsupported(model: Any) -> str | None:
+    if _old_tl_cohere(model):
+        return _old_tl_cohere(model)
     hf_model = model.original_model
     cfg = hf.text_config(hf_model)
     mt = str(getattr(cfg, "model_type", ""))
@@ -423,6 +440,10 @@ def positional_unsupported(model: Any) -> str | None:
             alibi_slopes(model)  # measured; a bias that is not linear in the key position is refused
         except NotImplementedError as e:
             return str(e)
+    if kind in ("standard", "shortformer") and not hasattr(model, "pos_embed"):
+        what = "fixed sinusoidal positions" if _sinusoidal(model) else "its position embedding"
+        return (f"{arch} adds {what} inside Hugging Face's model (TL's bridge has no pos_embed component), which "
+                "posprobe cannot read or control yet")
     if kind in ("relative_positional_bias", "relative_bias"):
         return f"{arch} uses T5-style relative position buckets, which posprobe has no adapter for yet"
     if kind == "rotary":

@@ -131,7 +131,8 @@ def describe_layers(kinds: tuple[str, ...], rotary: tuple[RotarySpec | None, ...
         else:
             text = {"rotary": "rotary", "nope": "NoPE (no positional encoding)", "learned_absolute":
                     "learned absolute (added to the embedding)", "alibi": "ALiBi (linear distance bias)",
-                    "relative_bias": "relative position buckets (T5)"}.get(kind, kind)
+                    "relative_bias": "relative position buckets (T5)",
+                    "sinusoidal": "fixed sinusoidal (added to the embedding)"}.get(kind, kind)
         if kind == "alibi" and alibi is not None:
             text = f"ALiBi ({_slopes_text(alibi[l])})"
         if l < len(attn_types) and attn_types[l] == "local":
@@ -161,7 +162,8 @@ def model_facts(model: Any) -> ModelFacts:
     return ModelFacts(
         name=str(cfg.model_name),
         source=str(getattr(model, "posprobe_source", "object")),
-        positional_kind=tl_positional_kind(pet),
+        # TL calls a fixed sinusoidal table "standard" too (XGLM): the adapter's per-layer kinds tell them apart.
+        positional_kind="sinusoidal" if "sinusoidal" in kinds else tl_positional_kind(pet),
         is_encoder=is_encoder(model),
         n_ctx=int(cfg.n_ctx),
         n_layers=int(cfg.n_layers),
@@ -170,7 +172,7 @@ def model_facts(model: Any) -> ModelFacts:
         n_kv_heads=int(getattr(cfg, "n_key_value_heads", None) or cfg.n_heads),
         d_head=int(cfg.d_head),
         has_lm_head=has_lm_head(model),
-        has_w_pos=pet in ("standard", "shortformer"),
+        has_w_pos=pet in ("standard", "shortformer") and "sinusoidal" not in kinds and hasattr(model, "pos_embed"),
         rotary=rotary,
         attn_types=attn_types,
         normalization=str(cfg.normalization_type),
@@ -256,6 +258,8 @@ def require_rotated_qk(facts: ModelFacts, what: str) -> None:
 def require_learned(facts: ModelFacts, what: str) -> None:
     """Raise WrongModelKind unless the model adds learned absolute position embeddings; NotImplementedError
     where their layout is not one posprobe has proven (e.g. OPT's offset table)."""
+    if facts.positional_kind == "sinusoidal":  # a position table, but one posprobe cannot reach yet (XGLM)
+        require_supported(facts, what)
     if not facts.has_w_pos:
         raise WrongModelKind(
             f"{what} needs learned absolute position embeddings (W_pos), but {facts.name} uses "
