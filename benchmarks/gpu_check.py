@@ -153,11 +153,11 @@ def speed(model, device: str, dtype: str, *, tokens: int, window: int, batches: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from posprobe.cli.args import device_choice
+    from posprobe.cli.args import resolve_device
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="tiny-rope")
-    p.add_argument("--device", default="auto", type=device_choice, help="auto (cuda > mps > cpu), cpu, cuda, mps")
+    p.add_argument("--device", default="auto", type=resolve_device, help="auto (cuda > mps > cpu), cpu, cuda, mps")
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
                    choices=["float64", "float32", "bfloat16", "float16"])
     p.add_argument("--tokens", type=int, default=32768, help="tokens per timed pass")

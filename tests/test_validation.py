@@ -224,3 +224,50 @@ def test_gguf_header_matches_the_gguf_package():
                 "llama.attention.head_count_kv", "tokenizer.ggml.bos_token_id"):
         assert ours[key] == pytest.approx(theirs[key].contents()), key
     assert "tokenizer.ggml.tokens" not in ours  # long arrays are skipped, not decoded
+
+
+# --------------------------------------------------------------------------- checks the README promises before loading
+
+
+def test_device_torch_lacks_fails_before_loading_with_the_fix(no_loading, capsys, monkeypatch):
+    # Was: `--device cuda` without a GPU failed after the weights loaded, naming a cache path; tiny models ran on it.
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    err = _fails(capsys, ["info", "tiny-rope", "--device", "cuda"])
+    assert "--device cuda: this torch" in err and "--device cpu" in err and "--device auto" in err
+    assert "cache" not in err
+
+
+def test_device_typo_fails_before_loading(no_loading, capsys):
+    err = _fails(capsys, ["info", "tiny-ape", "--device", "gpu"])  # was accepted silently on tiny models
+    assert "--device gpu: unknown device; use cpu, cuda, cuda:N, mps, or auto" in err
+
+
+def test_cuda_index_past_the_devices_fails_before_loading(no_loading, capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    err = _fails(capsys, ["info", "tiny-ape", "--device", "cuda:1"])
+    assert "1 CUDA device(s), cuda:0..cuda:0" in err
+
+
+@pytest.mark.parametrize("command", [["surgery-eval", "tiny-rope", "--preset", "pi:scale=2"], ["heads", "tiny-ape"],
+                                     ["freq-report", "tiny-rope"], ["probe", "tiny-ape"], ["geometry", "tiny-ape"],
+                                     ["atlas", "tiny-ape"]])
+def test_text_too_short_for_one_window_fails_before_loading(no_loading, capsys, tmp_path, command):
+    # Was: found after the weights loaded (7-18 s on the real models). A token covers at least one byte.
+    short = tmp_path / "short.txt"
+    short.write_text("Too short.")
+    out = tmp_path / "out"
+    err = _fails(capsys, [*command, "--text", str(short), "--window", "32", "--out", str(out)])
+    assert f"--text {short} has 10 bytes, too short for one window of 32 tokens" in err
+    assert not out.exists()
+
+
+def test_bad_preset_fails_before_loading(no_loading, capsys, tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("Some words to read. " * 20)
+    err = _fails(capsys, ["surgery-eval", "tiny-rope", "--preset", "pi:scale=-1", "--text", str(text)])
+    assert "pi" in err and "scale" in err

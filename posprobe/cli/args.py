@@ -15,7 +15,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """MODEL plus the loading options every model-taking subcommand shares."""
     p.add_argument("model", help="TL model name, HF folder, .gguf file, packaged alias (smollm2, gemma3-270m, "
                                  "minilm) or built-in random spec (tiny-ape, tiny-rope)")
-    p.add_argument("--device", default="cpu", type=device_choice,
+    p.add_argument("--device", default="cpu",
                    help="cpu, cuda, cuda:1, mps, or auto (the best present: cuda > mps > cpu); default: cpu")
     p.add_argument("--dtype", default="float32", choices=["float64", "float32", "bfloat16", "float16"])
     p.add_argument("--n-ctx", type=int, default=None, help="cap the context length (bounds buffers)")
@@ -33,9 +33,36 @@ def best_device() -> str:
     return "cpu"
 
 
-def device_choice(text: str) -> str:
-    """--device value: "auto" resolved by `best_device` (torch is imported only then), others as given."""
-    return best_device() if text.strip().lower() == "auto" else text
+def resolve_device(text: str) -> str:
+    """--device value, checked against what this torch can use before any weights load (ValueError naming the fix
+    otherwise): "auto" resolved by `best_device`; "cpu" as given; "cuda", "cuda:N" and "mps" only where present
+    (torch is imported for those)."""
+    import re
+
+    name = text.strip().lower()
+    if name == "auto":
+        return best_device()
+    if name == "cpu":
+        return name
+    m = re.fullmatch(r"(cuda|mps)(?::(\d+))?", name)
+    if m is None:
+        raise ValueError(f"--device {text}: unknown device; use cpu, cuda, cuda:N, mps, or auto (the best device "
+                         "present)")
+    import torch
+
+    fix = "use --device cpu, or --device auto for the best device present"
+    if m.group(1) == "cuda":
+        if not torch.cuda.is_available():
+            why = "was built without CUDA" if torch.version.cuda is None else "sees no CUDA GPU (driver or devices)"
+            raise ValueError(f"--device {text}: this torch {torch.__version__} {why}; {fix}")
+        index, count = int(m.group(2) or 0), torch.cuda.device_count()
+        if index >= count:
+            raise ValueError(f"--device {text}: this machine has {count} CUDA device(s), cuda:0..cuda:{count - 1}")
+        return name
+    mps = getattr(torch.backends, "mps", None)
+    if mps is None or not mps.is_available():
+        raise ValueError(f"--device {text}: this torch {torch.__version__} has no MPS (Apple GPU) device; {fix}")
+    return name
 
 
 def add_text_argument(p: argparse.ArgumentParser, *, required: bool = False) -> None:

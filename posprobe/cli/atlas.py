@@ -25,7 +25,7 @@ def run(args: argparse.Namespace) -> int:
     config = config_from_args(AtlasConfig, args, progress=not args.no_progress)
     early = checks.peek_model(args)
     checks.check_window(early, args, config.window)
-    text = checks.read_text_early(args.text)  # None: the built-in text
+    text = checks.read_text_early(args.text, config.window)  # None: the built-in text
 
     from posprobe.analyses.atlas import run_atlas
     from posprobe.backend.loading import load_model

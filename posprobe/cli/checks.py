@@ -81,8 +81,18 @@ def check_layers(facts: PeekedFacts | None, layers: Sequence[int] | None, flag: 
         raise ValueError(f"{flag} {', '.join(map(str, sorted(set(bad))))} out of range: layers are {span}")
 
 
-def read_text_early(path: str | None) -> str | None:
-    """Read (and so validate) a --text file before the model loads; None when not given."""
+def read_text_early(path: str | None, window: int | None = None) -> str | None:
+    """Read (and so validate) a --text file before the model loads; None when not given. With `window`, a text that
+    cannot fill one window of that many tokens is refused here: a token covers at least one UTF-8 byte, so fewer
+    bytes than the window's text tokens (window - 1 after a BOS, less a SentencePiece word-start and an end
+    token) can never be enough, whatever the tokenizer."""
     from posprobe.data import read_text
 
-    return read_text(path) if path else None
+    if not path:
+        return None
+    text = read_text(path)
+    n = len(text.encode("utf-8"))
+    if window is not None and n + 3 < window:
+        raise ValueError(f"--text {path} has {n} bytes, too short for one window of {window} tokens (a token covers "
+                         "at least one byte): give a longer text or a smaller --window")
+    return text

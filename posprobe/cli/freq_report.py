@@ -22,7 +22,7 @@ def run(args: argparse.Namespace) -> int:
     early = checks.peek_model(args)
     checks.require_rotary(early, "freq-report")
     checks.check_window(early, args, args.window)
-    text = checks.read_text_early(args.text)  # None: the built-in text
+    text = checks.read_text_early(args.text, args.window)  # None: the built-in text
 
     from posprobe.analyses.configs import FrequencyConfig
     from posprobe.cli.args import config_from_args

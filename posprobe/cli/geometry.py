@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
             raise checks.WrongModelKind(f"--max-pos selects W_pos rows, but {early.name} uses "
                                         f"{early.positional_kind} positions (no W_pos); drop --max-pos")
         checks.check_window(early, args, args.max_pos, "--max-pos")
-    text = checks.read_text_early(args.text)  # None: the built-in text
+    text = checks.read_text_early(args.text, args.window)  # None: the built-in text
 
     from posprobe.analyses.geometry import run_geometry
     from posprobe.backend.loading import load_model

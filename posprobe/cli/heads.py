@@ -26,7 +26,7 @@ def run(args: argparse.Namespace) -> int:
     early = checks.peek_model(args)
     checks.check_window(early, args, config.window)
     checks.check_window(early, args, 1 + 2 * config.induction_len, "--induction-len (1 + 2 x)")
-    text = checks.read_text_early(args.text)  # None: the built-in text
+    text = checks.read_text_early(args.text, config.window)  # None: the built-in text
 
     from posprobe.analyses.heads import run_heads
     from posprobe.backend.loading import load_model

@@ -54,6 +54,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
+        if getattr(args, "device", None) is not None:  # before any weights load: a device torch lacks, or a typo
+            from posprobe.cli.args import resolve_device
+
+            args.device = resolve_device(args.device)
         if getattr(args, "figures", None):  # a bad format fails before any work
             from posprobe.report.export import parse_formats
 

@@ -28,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
     early = checks.peek_model(args)
     checks.check_layers(early, config.layers, "--layers")
     checks.check_window(early, args, config.window)
-    text = checks.read_text_early(args.text)  # None: the built-in text
+    text = checks.read_text_early(args.text, config.window)  # None: the built-in text
 
     from posprobe.analyses.probes import run_probes
     from posprobe.backend.loading import load_model

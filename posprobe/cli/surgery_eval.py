@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     early = checks.peek_model(args)
     checks.require_rotary(early, "surgery-eval")
     checks.check_window(early, args, config.window)
-    text = checks.read_text_early(args.text)
+    text = checks.read_text_early(args.text, config.window)
 
     from posprobe.analyses.squish import run_surgery_eval
     from posprobe.backend.loading import load_model
