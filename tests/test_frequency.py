@@ -152,9 +152,9 @@ def test_usage_stats_match_plain_torch(tiny_rope64):
             assert math.isclose(hr.eta2, (between / x.var(unbiased=False)).item(), rel_tol=1e-6)
             pat = cap["pattern", l][:, h]
             assert math.isclose(hr.prev_mass, pat.diagonal(-1, -2, -1).mean().item(), rel_tol=1e-9)
-            assert math.isclose(hr.diag_mass, pat[:, 1:, 1:].diagonal(0, -2, -1).mean().item(), rel_tol=1e-9)
+            assert math.isclose(hr.self_mass, pat[:, 1:, 1:].diagonal(0, -2, -1).mean().item(), rel_tol=1e-9)
             assert math.isclose(hr.first_mass, pat[:, 1:, 0].mean().item(), rel_tol=1e-9)
-    assert set(res.heads.kind) <= {"positional", "semantic", "mixed"}
+    assert set(res.heads.kind) <= {"position-driven", "content-driven", "mixed"}
     assert len(top_heads(res.heads, 3)) == 3
 
 
@@ -258,7 +258,7 @@ def test_cli_tiny_and_bad_input(tmp_path, capsys):
     assert (
         meta["data"]["source"] == "built-in text"
         and meta["n_windows"] == 3
-        and "positional if" in meta["classification_rule"]
+        and "position-driven if" in meta["classification_rule"]
     )
     for args in (["tiny-ape"], ["tiny-rope", "--window", "999"], ["tiny-rope", "--text", str(tmp_path / "none.txt")]):
         bad = tmp_path / "bad"
@@ -295,7 +295,7 @@ def test_smollm2_report_consistent_with_dataframe(smollm2, tmp_path):
     qn = usage.df[usage.df.metric == "q_norm"].groupby("band").value.mean()
     assert qn.iloc[-8:].mean() > qn.iloc[:8].mean()
     # Real LMs have attention-sink heads (most mass on the first token).
-    sig = heads[["diag_mass", "prev_mass", "first_mass"]]
+    sig = heads[["self_mass", "prev_mass", "first_mass"]]
     assert ((sig >= 0) & (sig <= 1)).all().all() and heads.first_mass.max() > 0.5
 
 

@@ -37,7 +37,8 @@ def _reference(patterns: list[torch.Tensor], first_k: int) -> dict[str, np.ndarr
         B, H, n, _ = p.shape
         i = torch.arange(n)
         prev = p[:, :, i[1:], i[1:] - 1].mean((0, 2))
-        self_ = p[:, :, i, i].mean((0, 2))
+        # Queries 1..n-1 for self/first masses: a decoder's query 0 sees only itself (forced 1).
+        self_ = p[:, :, i[1:], i[1:]].mean((0, 2))
         # Gu et al. 2024: alpha_k = 1 / (T - k + 1) * sum_{i >= k} A[i, k], k = the first token (all T queries see it).
         sink = p[:, :, :, 0].sum(2).mean(0) / n
         ent = -(torch.special.xlogy(p, p)).sum(-1)  # [B, H, n]
@@ -53,8 +54,8 @@ def _reference(patterns: list[torch.Tensor], first_k: int) -> dict[str, np.ndarr
                 preds.append(torch.full_like(diag, diag.mean()))
             v, f = torch.cat(vals), torch.cat(preds)
             r2.append(1 - ((v - f) ** 2).sum() / ((v - v.mean()) ** 2).sum())
-        out[l] = dict(prev_mass=prev, self_mass=self_, sink_score=sink, first_mass=p[:, :, :, 0].mean((0, 2)),
-                      first_k_mass=p[:, :, :, :first_k].sum(-1).mean((0, 2)), entropy=ent.mean((0, 2)),
+        out[l] = dict(prev_mass=prev, self_mass=self_, sink_score=sink, first_mass=p[:, :, 1:, 0].mean((0, 2)),
+                      first_k_mass=p[:, :, 1:, :first_k].sum(-1).mean((0, 2)), entropy=ent.mean((0, 2)),
                       relative_entropy=rel_ent, mean_distance=dist, relative_r2=torch.stack(r2))
     return out
 
@@ -136,6 +137,8 @@ def test_cli_writes_report(tmp_path, capsys):
                  "--sink-threshold", "0.05", "--out", str(out), "--no-progress"]) == 0
     names = {p.name for p in out.iterdir()}
     assert {"heads.parquet", "head_classes.csv", "offsets.parquet", "meta.json", "report.html"} <= names
-    assert "sink" in capsys.readouterr().out  # the low threshold makes every head a sink head
+    printed = capsys.readouterr().out
+    # The atlas's sentence, not a bare value_counts; the low threshold makes every head a sink head.
+    assert printed.startswith("Of 8 heads: 8 sink") and "100% of heads are sink heads (threshold 0.05)" in printed
     assert main(["heads", "tiny-ape", "--window", "999", "--out", str(tmp_path / "bad")]) == 2
     assert not (tmp_path / "bad").exists()

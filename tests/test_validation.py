@@ -271,3 +271,20 @@ def test_bad_preset_fails_before_loading(no_loading, capsys, tmp_path):
     text.write_text("Some words to read. " * 20)
     err = _fails(capsys, ["surgery-eval", "tiny-rope", "--preset", "pi:scale=-1", "--text", str(text)])
     assert "pi" in err and "scale" in err
+
+
+def test_no_progress_also_silences_transformers_loading_bar(tmp_path, monkeypatch):
+    # Was: --no-progress left transformers' "Loading weights" bar on stderr.
+    import transformers
+
+    from posprobe.cli import main
+
+    monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "0")  # restored (removed) after the test
+    transformers.utils.logging.enable_progress_bar()
+    try:
+        assert main(["heads", "tiny-ape", "--window", "16", "--max-windows", "2", "--induction-len", "0",
+                     "--out", str(tmp_path / "h"), "--no-progress"]) == 0
+        assert not transformers.utils.logging.is_progress_bar_enabled()
+        assert __import__("os").environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1"
+    finally:
+        transformers.utils.logging.enable_progress_bar()

@@ -30,9 +30,11 @@ from posprobe.rope import RotarySpec, _grouped_band_products, angular_frequency,
 #: Elements of one [head, band, query_pos, key_pos] block processed at once (bounds transient memory).
 CHUNK_ELEMENTS = 1 << 24
 
+#: Score-based kinds, named apart from the pattern-based classes of `heads` ("relative-position" there is a head whose
+#: attention pattern is explained by the offset; "position-driven" here is one whose pre-softmax scores are).
 CLASSIFICATION_RULE = (
-    "positional if eta2 >= 0.3 (at least 30% of the variance of the head's causal scores is explained by "
-    "binned relative distance) or previous-token / self attention mass >= 0.5; semantic if eta2 < 0.1; "
+    "position-driven if eta2 >= 0.3 (at least 30% of the variance of the head's causal scores is explained by "
+    "binned relative distance) or previous-token / self attention mass >= 0.5; content-driven if eta2 < 0.1; "
     "mixed otherwise"
 )
 
@@ -261,7 +263,7 @@ def frequency_usage(
     and abs_share (band's share of the sum of absolute contributions); band -1 is the unrotated
     remainder (partial rotary). `.profile` gives mean_contrib / mean_abs_contrib per rel_pos bin
     (rel_pos = lower bin edge, rel_pos_hi inclusive upper edge). `.heads` has one row per head: pattern
-    signatures (diag_mass, prev_mass, first_mass, mean attention over queries 1..), eta2 (share of score
+    signatures (self_mass, prev_mass, first_mass: mean attention over queries 1..), eta2 (share of score
     variance explained by rel_pos bin), fast_share (abs share of bands with wavelength <= window) and kind.
 
     `queries` limits the score statistics (contributions, shares, profile, eta2) to the last `queries`
@@ -354,7 +356,7 @@ def _tables(facts: ModelFacts, accs: dict[int, _Acc], edges: list[int], window: 
         eta2 = (between / var.clamp_min(1e-300)).clamp(0, 1)
         fast = torch.tensor([w <= window for w in wavelength(spec)] + [False] * (nbx - nb))
         d, p, f = (x / max(a.n_rows, 1) for x in (a.diag, a.prev, a.first))
-        kind = ["positional" if e >= 0.3 or pp >= 0.5 or dd >= 0.5 else "semantic" if e < 0.1 else "mixed"
+        kind = ["position-driven" if e >= 0.3 or pp >= 0.5 or dd >= 0.5 else "content-driven" if e < 0.1 else "mixed"
                 for e, pp, dd in zip(eta2.tolist(), p.tolist(), d.tolist())]
         hparts.append(
             dict(
@@ -362,7 +364,7 @@ def _tables(facts: ModelFacts, accs: dict[int, _Acc], edges: list[int], window: 
                 head=np.arange(H),
                 kv_head=kv.numpy(),
                 base=np.full(H, float(spec.base)),
-                diag_mass=d.numpy(),
+                self_mass=d.numpy(),
                 prev_mass=p.numpy(),
                 first_mass=f.numpy(),
                 eta2=eta2.numpy(),

@@ -109,11 +109,15 @@ def signature_frames(state: dict, n: int, encoder: bool, cfg: HeadsConfig) -> tu
         lo, hi = zero + 2, zero + min(cfg.max_offset, n - 1) + 1
         far = mean_at[:, lo:hi]
         best = far.argmax(1) if far.shape[1] else torch.zeros(diag.shape[0], dtype=torch.long)
+        # A decoder's query 0 sees only itself (attention 1 on key 0 = itself): self_mass, first_mass and first_k_mass
+        # average over the queries that can choose (1..n-1), as the frequency report does; encoders over all.
+        forced = 0 if encoder else rows
+        choosing = max(queries - forced, 1)
         out[layer] = {
-            "self_mass": mean_at[:, zero],
+            "self_mass": (diag[:, zero] - forced) / choosing,
             "prev_mass": mean_at[:, zero + 1] if n > 1 else torch.full_like(total, float("nan")),
-            "first_mass": col[:, 0] / queries,
-            "first_k_mass": col[:, : cfg.first_k].sum(1) / queries,
+            "first_mass": (col[:, 0] - forced) / choosing,
+            "first_k_mass": (col[:, : cfg.first_k].sum(1) - forced) / choosing,
             # Gu et al. 2024: alpha_k = sum_i A[i, k] / (number of queries that can see key k); k = first token.
             "sink_score": col[:, 0] / queries,
             "fixed_offset": (best + 2).double() if far.shape[1] else torch.full_like(total, float("nan")),

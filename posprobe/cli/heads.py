@@ -36,7 +36,9 @@ def run(args: argparse.Namespace) -> int:
     result = run_heads(model, text, config, source=args.text)
     if not distributed.is_writer():  # under torchrun every rank holds the merged result; rank 0 writes it
         return 0
-    print(result.tables["head_classes"].kind.value_counts().to_string())
+    from posprobe.report.heads import summary_text
+
+    print(summary_text(result))  # the sentence the atlas prints for this section, from the same numbers
     paths = result.save(args.out, figure_formats=args.figures)
     print(f"wrote {paths['report']}")
     return 0

@@ -54,6 +54,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
+        if getattr(args, "no_progress", False):  # also transformers' "Loading weights" bar (read at its import)
+            os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+            if "transformers" in sys.modules:
+                sys.modules["transformers"].utils.logging.disable_progress_bar()
         if getattr(args, "device", None) is not None:  # before any weights load: a device torch lacks, or a typo
             from posprobe.cli.args import resolve_device
 

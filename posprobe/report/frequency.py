@@ -171,7 +171,7 @@ def sections(result: Any) -> list[Section]:
         )
     for layer, head in top:
         h = heads[(heads.layer == layer) & (heads["head"] == head)]
-        tables = [h[["layer", "head", "kv_head", "kind", "eta2", "fast_share", "diag_mass", "prev_mass", "first_mass"]]]
+        tables = [h[["layer", "head", "kv_head", "kind", "eta2", "fast_share", "self_mass", "prev_mass", "first_mass"]]]
         if ablation is not None and len(ablation):
             a = ablation[(ablation.layer == layer) & (ablation["head"] == head)]
             if len(a):

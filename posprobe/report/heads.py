@@ -95,8 +95,14 @@ def summary_text(result: Any) -> str:
     top = wide.sort_values("prev_mass", ascending=False).head(3)
     prev = ", ".join(f"L{int(r.layer)}H{int(r.head)} ({r.prev_mass:.2f})" for r in top.itertuples())
     sink_layers = wide[wide.sink_score > m["config"]["sink_threshold"]].groupby("layer").size()
-    sinks = (", ".join(f"layer {int(l)}: {c}" for l, c in sink_layers.sort_values(ascending=False).head(3).items())
-             or "none")
+    if len(sink_layers):  # every layer tied at the top, not three of them picked by sort order
+        most = int(sink_layers.max())
+        tied = sorted(int(l) for l, c in sink_layers.items() if c == most)
+        per_layer = int(wide.groupby("layer").size().iloc[0])
+        sinks = (f"layer{'s' if len(tied) > 1 else ''} {', '.join(map(str, tied))} ({most} of {per_layer} heads"
+                 f"{' each' if len(tied) > 1 else ''})")
+    else:
+        sinks = "no layer"
     return (
         f"Of {n} heads: {', '.join(parts) if parts else 'none in any class'} (a head can be in several). "
         f"{m['sink_fraction']:.0%} of heads are sink heads (threshold {m['config']['sink_threshold']}); "

@@ -88,9 +88,9 @@ COLUMNS: dict[str, str] = {
     "base": "RoPE base of the layer (theta)",
     "eta2": "share of score variance explained by rel_pos bin",
     "fast_share": "abs score share of bands with wavelength <= window",
-    "diag_mass": "mean attention to self",
-    "prev_mass": "mean attention to the previous token",
-    "first_mass": "mean attention to the first token",
+    "prev_mass": "mean attention from i to i-1 (queries 1..n-1)",
+    "self_mass": "mean attention from i to itself (decoders: queries 1..n-1; query 0 can only attend to itself)",
+    "first_mass": "mean attention to the first token (decoders: queries 1..n-1; query 0 can only attend to itself)",
     "variant": "variant of a condition or plan",
     "mode": "ablation mode (unrotate, zero)",
     "fraction_kept": "fraction of bands kept rotating",
@@ -111,6 +111,33 @@ COLUMNS: dict[str, str] = {
     "prediction": "first run of digits in the greedy answer ('' if none)",
     "exact_match": "prediction equals target exactly",
     "needle_pos": "token position where the passkey sentence starts",
+}
+
+#: The names that appear as values of a `metric` column, one definition each (same name, same number in every
+#: command: `heads`, `freq-report`, the atlas and the notebooks read these). Shared with COLUMNS where a name is also
+#: a column (the frequency report's per-head table).
+METRICS: dict[str, str] = {
+    "prev_mass": COLUMNS["prev_mass"],
+    "self_mass": COLUMNS["self_mass"],
+    "first_mass": COLUMNS["first_mass"],
+    "first_k_mass": "mean attention on the first k tokens (HeadsConfig.first_k; decoders: queries 1..n-1)",
+    "sink_score": "Gu et al. 2024 sink score: attention on the first token summed over every query that sees it "
+                  "(query 0 included), divided by their number",
+    "fixed_offset": "offset d >= 2 with the largest mean attention",
+    "fixed_offset_mass": "mean attention at fixed_offset",
+    "mean_distance": "mean over queries of the attention-weighted |i - j| (tokens)",
+    "entropy": "mean attention entropy per query (nats)",
+    "relative_entropy": "entropy / log(keys the query sees), queries that see more than one key",
+    "relative_r2": "R² of the pattern explained by its offset i - j alone (per-diagonal means)",
+    "prev_token_score": "TransformerLens head_detector 'mul' score of the previous-token pattern",
+    "induction_score": "attention from a repeated token to the token after its first occurrence (repeated random "
+                       "tokens; TL head_detector 'mul')",
+    "duplicate_score": "attention from a repeated token to its first occurrence (TL head_detector 'mul')",
+    "q_norm": "mean norm of a band's 2-d slice of the rotated query",
+    "k_norm": "mean norm of a band's 2-d slice of the rotated key",
+    "mean_contrib": "mean signed contribution of a band to the pre-softmax score (score units)",
+    "mean_abs_contrib": "mean |contribution| of a band to the pre-softmax score (score units)",
+    "abs_share": "a band's share of the head's summed |contribution| (0-1)",
 }
 
 REQUIRED_META: dict[str, type | tuple[type, ...]] = {

@@ -168,7 +168,7 @@ HEADERS: dict[str, str] = {
     "pos": "position",
     "eta2": "η² (rel. position)",
     "fast_share": "fast-band share",
-    "diag_mass": "attention to self",
+    "self_mass": "attention to self",
     "prev_mass": "attention to previous",
     "first_mass": "attention to first",
     "fraction_kept": "fraction of bands kept",
