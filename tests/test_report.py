@@ -163,17 +163,41 @@ def test_save_writes_all_files(tmp_path, demo_page):  # noqa: D103
     assert "<p>sum</p>" in html and "<title>Loss</title>" in html
 
 
+def test_big_tables_are_parquet_only_unless_asked(tmp_path, demo_page):
+    from posprobe.report.result import CSV_MAX_ROWS
+
+    big = pd.DataFrame({"position": range(CSV_MAX_ROWS + 1), "value": 0.5})
+    res = Result({"loss": _df(), "big": big}, {"analysis": "demo"})
+    auto = res.save(tmp_path / "auto")
+    assert "loss.csv" in auto and "big.csv" not in auto and not (tmp_path / "auto" / "big.csv").exists()
+    meta = json.loads(auto["meta"].read_text())
+    assert meta["csv_tables"] == ["loss"] and meta["tables"] == ["loss", "big"]
+    assert "parquet only" in auto["report"].read_text(encoding="utf-8")
+    every = res.save(tmp_path / "all", csv="all")
+    pd.testing.assert_frame_equal(pd.read_csv(every["big.csv"]), big)
+    assert not {k for k in res.save(tmp_path / "none", csv="none") if k.endswith(".csv")}
+    with pytest.raises(ValueError, match="csv must be"):
+        res.save(tmp_path / "bad", csv="some")
+    assert not (tmp_path / "bad").exists()
+
+
+def test_a_report_can_load_a_shared_local_plotly(tmp_path, demo_page):
+    demo_page.figs = _figs(1)
+    html = Result({"loss": _df()}, {"analysis": "demo"}).to_html(plotly_src="../plotly.min.js")
+    assert PLOTLYJS not in html and '<script type="text/javascript" src="../plotly.min.js"' in html
+
+
 def test_meta_json_roundtrip(tmp_path):
     meta = {"z": 1, "a": {"y": [1, 2.5, None], "b": "x"}, "flag": True, "path": Path("/tmp/x")}
     res = Result({"r": _df()}, meta)
     paths = res.save(tmp_path)
     text = paths["meta"].read_text(encoding="utf-8")
     loaded = json.loads(text)
-    assert loaded == {**meta, "path": "/tmp/x", "tables": ["r"]}  # default=str for non-JSON types
+    assert loaded == {**meta, "path": "/tmp/x", "tables": ["r"], "csv_tables": ["r"]}  # default=str for non-JSON
     assert list(loaded) == sorted(loaded)  # sorted keys
     # numpy scalars/arrays become plain JSON numbers/lists
     Result({"r": _df()}, {"x": np.float64(0.5), "arr": np.arange(3)}).save(tmp_path)
-    assert json.loads(paths["meta"].read_text()) == {"arr": [0, 1, 2], "x": 0.5, "tables": ["r"]}
+    assert json.loads(paths["meta"].read_text()) == {"arr": [0, 1, 2], "x": 0.5, "tables": ["r"], "csv_tables": ["r"]}
     back = Result.load(tmp_path)
     pd.testing.assert_frame_equal(back.df, res.df)
     assert back.meta["x"] == 0.5 and list(back.tables) == ["r"]

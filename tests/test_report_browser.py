@@ -190,6 +190,24 @@ def test_analysis_report_in_chromium(name, tiny_ape, tiny_rope, tmp_path):
     assert not v["index_header"], "a table has an empty header (a pandas index column)"
 
 
+@pytest.mark.browser
+def test_atlas_folder_shares_one_local_plotly_and_every_report_draws(tiny_rope, tmp_path):
+    """An atlas folder holds one plotly.min.js (was inlined in every report: 47 MB for SmolLM2, now 8.4 MB); the
+    atlas page and a section page load it by relative path, offline, and draw every figure."""
+    require_chromium()
+    result = _run_analysis("atlas", None, tiny_rope)
+    paths = result.save(tmp_path / "atlas")
+    js = list((tmp_path / "atlas").rglob("plotly*.js"))
+    assert js == [tmp_path / "atlas" / "plotly.min.js"]
+    for key, part in (("report", result), ("heads/report", result.parts["heads"])):
+        html = paths[key].read_text(encoding="utf-8")
+        assert "Plotly.newPlot" in html and len(html) < 1_000_000  # the figures, not plotly.js itself
+        n_figs = len(part.report_figures())
+        rep = load_page(paths[key], _REPORT_PROBE, width=1280, timeout=90,
+                        until=lambda v, n=n_figs: bool(v) and len(v["figs"]) == n and all(f["drawn"] for f in v["figs"]))
+        assert rep.errors == [] and rep.ok, (key, rep.errors, rep.value)
+
+
 def test_control_report_plots_its_own_quantity(tiny_rope):
     """The RoPE shift control plots max |Δ log p| vs k with the tolerance band, not an empty flips chart."""
     result = _run_analysis("shift-test-control", None, tiny_rope)

@@ -41,18 +41,23 @@ class AtlasResult(Result):
         super().__init__(tables, meta)
         self.parts = parts
 
-    def save(self, out_dir: Any, *, figure_formats: Any = ()) -> dict[str, Path]:
+    def save(self, out_dir: Any, *, figure_formats: Any = (), csv: str = "auto") -> dict[str, Path]:
         """Each section's outputs in `<out_dir>/<section>/`, then the atlas's own files and report
-        (keys `<section>/<key>` for the sections, the usual keys for the atlas's own files)."""
+        (keys `<section>/<key>` for the sections, the usual keys for the atlas's own files). Every report of the
+        folder loads one local `plotly.min.js` at its top (offline still; one copy instead of one per report)."""
         from posprobe.report.export import parse_formats
+        from posprobe.report.html import PLOTLY_JS, write_plotlyjs
+        from posprobe.report.result import csv_tables
 
         formats = parse_formats(figure_formats)  # a bad format fails before anything is written
+        csv_tables({}, csv)  # a bad value too
         Path(out_dir).mkdir(exist_ok=True)
         paths: dict[str, Path] = {}
         for name, part in self.parts.items():
-            saved = part.save(Path(out_dir) / name, figure_formats=formats)
+            saved = part.save(Path(out_dir) / name, figure_formats=formats, csv=csv, plotly_src="../" + PLOTLY_JS)
             paths.update({f"{name}/{k}": v for k, v in saved.items()})
-        paths.update(super().save(out_dir, figure_formats=formats))
+        paths.update(super().save(out_dir, figure_formats=formats, csv=csv, plotly_src=PLOTLY_JS,
+                                  extra={PLOTLY_JS: write_plotlyjs}))
         return paths
 
 

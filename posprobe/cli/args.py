@@ -75,7 +75,9 @@ def add_text_argument(p: argparse.ArgumentParser, *, required: bool = False) -> 
 def add_output_arguments(p: argparse.ArgumentParser, *, required: bool = True) -> None:
     """--out (the result folder) and --no-progress."""
     p.add_argument("--out", metavar="DIR", required=required, default=None,
-                   help="folder for <table>.parquet/.csv, meta.json and report.html (its parent must exist)")
+                   help="folder for <table>.parquet (+ .csv), meta.json and report.html (its parent must exist)")
+    p.add_argument("--csv", choices=["auto", "all", "none"], default="auto",
+                   help="CSV beside each parquet table: auto (tables of at most 20,000 rows), all, none")
     p.add_argument("--figures", metavar="FORMATS", default="",
                    help="also write every report figure as files, e.g. svg,pdf,png (needs kaleido and Chromium)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")

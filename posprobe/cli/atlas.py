@@ -36,6 +36,6 @@ def run(args: argparse.Namespace) -> int:
 
     for s in result.meta["sections"]:
         print(f"[{s}] {paragraph(result, s)}")
-    paths = result.save(args.out, figure_formats=args.figures)
+    paths = result.save(args.out, figure_formats=args.figures, csv=args.csv)
     print(f"wrote {paths['report']} (and one folder per section)")
     return 0

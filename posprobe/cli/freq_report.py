@@ -38,6 +38,6 @@ def run(args: argparse.Namespace) -> int:
     result = run_frequency(model, text, config, source=args.text)
     if not distributed.is_writer():  # under torchrun every rank holds the merged result; rank 0 writes it
         return 0
-    paths = result.save(args.out, figure_formats=args.figures)
+    paths = result.save(args.out, figure_formats=args.figures, csv=args.csv)
     print(f"wrote {len(paths)} files to {args.out} (report: {paths['report']})")
     return 0

@@ -39,6 +39,6 @@ def run(args: argparse.Namespace) -> int:
     from posprobe.report.heads import summary_text
 
     print(summary_text(result))  # the sentence the atlas prints for this section, from the same numbers
-    paths = result.save(args.out, figure_formats=args.figures)
+    paths = result.save(args.out, figure_formats=args.figures, csv=args.csv)
     print(f"wrote {paths['report']}")
     return 0

@@ -52,6 +52,6 @@ def run(args: argparse.Namespace) -> int:
         grid = acc.pivot_table(index=["preset", "length"], columns="depth", values="value", sort=False, dropna=False)
         print(grid.to_string(float_format=lambda v: f"{v:.2f}"))
     if args.out:
-        paths = result.save(args.out, figure_formats=args.figures)
+        paths = result.save(args.out, figure_formats=args.figures, csv=args.csv)
         print(f"wrote {paths['report']}")
     return 0

@@ -35,6 +35,6 @@ def run(args: argparse.Namespace) -> int:
 
     model = load_model(args.model, device=args.device, dtype=args.dtype, n_ctx=args.n_ctx)
     result = run_probes(model, text, config, source=args.text)
-    paths = result.save(args.out, figure_formats=args.figures)
+    paths = result.save(args.out, figure_formats=args.figures, csv=args.csv)
     print(f"wrote {paths['report']}")
     return 0

@@ -112,6 +112,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"shift test: {model['name']} ({model['positional_kind']}), data: {source or args.text}")
     print(console_table(result))
     if args.out:
-        paths = result.save(args.out, figure_formats=args.figures)
+        paths = result.save(args.out, figure_formats=args.figures, csv=args.csv)
         print(f"wrote {paths['report']} and {len(paths) - 1} other files")
     return 0

@@ -64,6 +64,6 @@ def run(args: argparse.Namespace) -> int:
         print("reference loss (nats/token): " + ", ".join(f"{name} {x:.4f}" for name, x in nll.items()))
         print(f"fraction of the instruction's effect kept ({v}): {meta['effect_kept'][v]:.3f}")
     if args.out:
-        paths = result.save(args.out, figure_formats=args.figures)
+        paths = result.save(args.out, figure_formats=args.figures, csv=args.csv)
         print(f"wrote {paths['report']}")
     return 0

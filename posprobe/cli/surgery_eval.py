@@ -40,6 +40,6 @@ def run(args: argparse.Namespace) -> int:
     for spec, v in result.df.groupby("preset", sort=False).value.mean().items():
         print(f"{spec:<40} mean loss {v:.4f} nats/token")
     if args.out:
-        paths = result.save(args.out, figure_formats=args.figures)
+        paths = result.save(args.out, figure_formats=args.figures, csv=args.csv)
         print(f"wrote {paths['report']}")
     return 0

@@ -13,6 +13,7 @@ from __future__ import annotations
 import html as _html
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
@@ -231,8 +232,21 @@ def _footer_html(meta: dict | None) -> str:
     return f"<footer><dl>{rows}</dl></footer>"
 
 
-def render_html(title: str, sections: list[Section], meta: dict | None = None) -> str:
-    """Render a complete, self-contained HTML page (plotly.js inlined once).
+#: The file name of the one plotly.js a folder of reports shares (see `render_html(plotly_src=...)`).
+PLOTLY_JS = "plotly.min.js"
+
+
+def write_plotlyjs(path: str) -> None:
+    """Write the installed plotly.js (the same code the self-contained reports inline) to `path`."""
+    from plotly.offline import get_plotlyjs
+
+    Path(path).write_text(get_plotlyjs(), encoding="utf-8")
+
+
+def render_html(title: str, sections: list[Section], meta: dict | None = None, *,
+                plotly_src: str | None = None) -> str:
+    """Render a complete HTML page: self-contained (plotly.js inlined once), or, with `plotly_src`, loading plotly.js
+    from that relative path (a folder of several reports shares one local copy: still offline).
 
     Figure divs get the ids ``posprobe-fig-0``, ``posprobe-fig-1``, ... in
     document order.  ``meta`` (e.g. model name, versions) goes in a footer.
@@ -252,9 +266,14 @@ def render_html(title: str, sections: list[Section], meta: dict | None = None) -
             body.append(table_html(sec.table))
         parts.append("<section>" + "\n".join(body) + "</section>")
 
-    plotlyjs = get_plotlyjs()
-    if "</script" in plotlyjs.lower():  # would terminate the inline script early
-        plotlyjs = plotlyjs.replace("</script", "<\\/script").replace("</SCRIPT", "<\\/SCRIPT")
+    if plotly_src is not None:
+        script = f'<script type="text/javascript" src="{_esc(plotly_src)}" charset="utf-8"></script>'
+    else:
+        plotlyjs = get_plotlyjs()
+        if "</script" in plotlyjs.lower():  # would terminate the inline script early
+            plotlyjs = plotlyjs.replace("</script", "<\\/script").replace("</SCRIPT", "<\\/SCRIPT")
+        script = f'<script type="text/javascript">{plotlyjs}</script>'
+
     return "\n".join(
         [
             "<!DOCTYPE html>",
@@ -265,7 +284,7 @@ def render_html(title: str, sections: list[Section], meta: dict | None = None) -
             '<meta name="generator" content="posprobe">',
             f"<title>{_esc(title)}</title>",
             f"<style>{_CSS}</style>",
-            f'<script type="text/javascript">{plotlyjs}</script>',
+            script,
             "</head>",
             "<body>",
             "<main>",

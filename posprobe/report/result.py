@@ -123,25 +123,31 @@ class Result:
         """The analysis's plotly figures, built from the tables and meta."""
         return list(page_for(self).figures(self))
 
-    def to_html(self) -> str:
-        """The self-contained HTML report (plotly.js inline, no network)."""
+    def to_html(self, *, plotly_src: str | None = None, csv: str = "auto") -> str:
+        """The HTML report: self-contained (plotly.js inline, no network), or loading plotly.js from the relative
+        path `plotly_src` (a folder of reports sharing one local copy)."""
         page = page_for(self)
         sections = list(page.sections(self))
-        n_rows = {k: len(v) for k, v in self.tables.items()}
+        with_csv = csv_tables(self.tables, csv)
+        files = [f"<code>{_esc(k)}</code> ({len(v)} rows{'' if k in with_csv else ', parquet only'})"
+                 for k, v in self.tables.items()]
         sections.append(
             Section(
                 "Tables",
-                html="<p>"
-                + ", ".join(f"<code>{_esc(k)}</code> ({n} rows)" for k, n in n_rows.items())
-                + " — full data in the parquet/CSV files.</p>",
+                html="<p>" + ", ".join(files) + " — full data in the parquet files (and a CSV beside each table of at "
+                f"most {CSV_MAX_ROWS:,} rows; <code>--csv all</code> / <code>save(csv='all')</code> writes every "
+                "CSV).</p>",
             )
         )
-        return render_html(page.title(self), sections, meta=_footer_meta(self.meta))
+        return render_html(page.title(self), sections, meta=_footer_meta(self.meta), plotly_src=plotly_src)
 
     def save(
-        self, out_dir: str | os.PathLike, *, figure_formats: str | tuple[str, ...] | list[str] = ()
+        self, out_dir: str | os.PathLike, *, figure_formats: str | tuple[str, ...] | list[str] = (),
+        csv: str = "auto", plotly_src: str | None = None, extra: dict[str, Callable[[str], None]] | None = None,
     ) -> dict[str, Path]:
-        """Write `<table>.parquet` + `<table>.csv` per table, `meta.json` and `report.html`, atomically.
+        """Write `<table>.parquet` per table (and `<table>.csv` for tables of at most CSV_MAX_ROWS rows, or every
+        table with `csv="all"`), `meta.json` and `report.html`, atomically; `plotly_src` as in `to_html`, `extra`
+        more files (name -> writer of a path) staged and committed with the rest.
 
         `figure_formats` ("svg,pdf,png" or a sequence of those) also writes every figure of the report as
         `figures/<nn>-<slug>.<fmt>` (numbered in report order, slug from the figure title, caption printed
@@ -153,9 +159,11 @@ class Result:
         from posprobe.report.export import parse_formats
 
         formats = parse_formats(figure_formats)  # a bad format fails before anything is written
-        meta = {**self.meta, "tables": list(self.tables)}
-        return _write_bundle(out_dir, self.tables, meta, self.to_html,
-                             figures=self.report_figures if formats else None, figure_formats=formats)
+        with_csv = csv_tables(self.tables, csv)
+        meta = {**self.meta, "tables": list(self.tables), "csv_tables": sorted(with_csv)}
+        return _write_bundle(out_dir, self.tables, meta, lambda: self.to_html(plotly_src=plotly_src, csv=csv),
+                             figures=self.report_figures if formats else None, figure_formats=formats,
+                             csv=with_csv, extra=extra)
 
     def report_figures(self) -> list:
         """Every figure of the HTML report, in page order (what `save(figure_formats=...)` exports)."""
@@ -168,6 +176,18 @@ class Result:
         meta = json.loads((out / "meta.json").read_text(encoding="utf-8"))
         names = meta.get("tables") or [p.stem for p in sorted(out.glob("*.parquet"))]
         return cls({n: pd.read_parquet(out / f"{n}.parquet") for n in names}, meta)
+
+
+#: Tables longer than this are written as parquet only unless CSV is asked for (an atlas's frequency profile alone
+#: was a 16 MB CSV).
+CSV_MAX_ROWS = 20_000
+
+
+def csv_tables(tables: dict[str, pd.DataFrame], csv: str) -> set[str]:
+    """The tables that get a CSV beside their parquet: "auto" (those of at most CSV_MAX_ROWS rows), "all", "none"."""
+    if csv not in ("auto", "all", "none"):
+        raise ValueError(f"csv must be 'auto', 'all' or 'none'; got {csv!r}")
+    return {n for n, df in tables.items() if csv == "all" or (csv == "auto" and len(df) <= CSV_MAX_ROWS)}
 
 
 def _stem(meta: dict) -> str:
@@ -203,6 +223,8 @@ def _write_bundle(
     *,
     figures: Callable[[], list] | None = None,
     figure_formats: tuple[str, ...] = (),
+    csv: set[str] | None = None,
+    extra: dict[str, Callable[[str], None]] | None = None,
 ) -> dict[str, Path]:
     """Write each table as ``<name>.parquet`` and ``<name>.csv``, plus ``meta.json`` and ``report.html``.
 
@@ -216,9 +238,14 @@ def _write_bundle(
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     targets: dict[str, Path] = {}
+    csv = set(tables) if csv is None else csv
     for name in tables:
         targets[f"{name}.parquet"] = out / f"{name}.parquet"
-        targets[f"{name}.csv"] = out / f"{name}.csv"
+        if name in csv:
+            targets[f"{name}.csv"] = out / f"{name}.csv"
+    for name in extra or {}:
+        _check_name(name)
+        targets[name] = out / name
     targets["meta"] = out / "meta.json"
     if html is not None:
         targets["report"] = out / "report.html"
@@ -238,7 +265,10 @@ def _write_bundle(
         meta_json = json.dumps(meta, sort_keys=True, indent=2, default=_json_default)
         for name, df in tables.items():
             stage(f"{name}.parquet", lambda p, df=df: df.to_parquet(p))
-            stage(f"{name}.csv", lambda p, df=df: df.to_csv(p, index=not _has_trivial_index(df)))
+            if name in csv:
+                stage(f"{name}.csv", lambda p, df=df: df.to_csv(p, index=not _has_trivial_index(df)))
+        for name, write in (extra or {}).items():
+            stage(name, write)
         stage("meta", lambda p: Path(p).write_text(meta_json + "\n", encoding="utf-8"))
         if page is not None:
             stage("report", lambda p: Path(p).write_text(page, encoding="utf-8"))
