@@ -21,6 +21,8 @@
 
 # %%
 import os
+import tempfile
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import plotly.express as px
@@ -44,5 +46,8 @@ mass = df[df.metric == "attn_mass"]
 px.line(mass, x="layer", y="value", color="variant", title="Attention mass from generated tokens onto the instruction")
 
 # %%
-paths = result.save("key_squishing")
+# Results go to $POSPROBE_OUT, or a fresh temporary folder: never into the folder the notebook runs from.
+OUT = Path(os.environ.get("POSPROBE_OUT") or tempfile.mkdtemp(prefix="posprobe-"))
+OUT.mkdir(parents=True, exist_ok=True)
+paths = result.save(OUT / "key_squishing")
 print(paths["report"])

@@ -27,6 +27,7 @@
 
 # %%
 import os
+import tempfile
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -69,5 +70,8 @@ figs = result.figures()
 figs[0]
 
 # %%
-paths = result.save("long_context")
+# Results go to $POSPROBE_OUT, or a fresh temporary folder: never into the folder the notebook runs from.
+OUT = Path(os.environ.get("POSPROBE_OUT") or tempfile.mkdtemp(prefix="posprobe-"))
+OUT.mkdir(parents=True, exist_ok=True)
+paths = result.save(OUT / "long_context")
 print(paths["report"])

@@ -19,6 +19,8 @@
 
 # %%
 import os
+import tempfile
+from pathlib import Path
 
 import posprobe as pp
 
@@ -61,5 +63,8 @@ for section in mini.meta["sections"]:
     print(f"[{section}]", paragraph(mini, section), "\n")
 
 # %%
-paths = smol.save("atlas-smollm2")
+# Results go to $POSPROBE_OUT, or a fresh temporary folder: never into the folder the notebook runs from.
+OUT = Path(os.environ.get("POSPROBE_OUT") or tempfile.mkdtemp(prefix="posprobe-"))
+OUT.mkdir(parents=True, exist_ok=True)
+paths = smol.save(OUT / "atlas-smollm2")
 print(paths["report"])

