@@ -26,6 +26,23 @@ def _check_saved(result, out):
     return page
 
 
+def test_the_atlas_page_says_what_its_windows_can_show(tiny_rope, tmp_path):
+    # The defaults are shallow next to a long context: the page says so, with the numbers of this model and window.
+    import html
+
+    from posprobe.backend.facts import model_facts
+    from posprobe.rope import wavelength
+
+    r = run_atlas(tiny_rope, None, AtlasConfig(**SMALL))
+    page = html.unescape(r.to_html())
+    spec = model_facts(tiny_rope).rotary[0]
+    turning = sum(wl <= 32 for wl in wavelength(spec))
+    assert 0 < turning < spec.n_bands
+    assert "Windows of 32 tokens cover 12.5% of the 256-position context" in page
+    assert "offsets 0-31 only" in page and "predicting the mean errs by 8 positions" in page
+    assert f"{turning} of {spec.n_bands} rotary bands complete a turn inside a window" in page
+
+
 def test_rope_model_gets_frequency_and_the_shift_test_as_invariance_control(tiny_rope, tmp_path):
     r = run_atlas(tiny_rope, None, AtlasConfig(**SMALL))
     assert r.meta["sections"] == ["facts", "heads", "frequency", "probes", "shift"]

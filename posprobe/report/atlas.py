@@ -106,6 +106,28 @@ def figures(result: Any) -> list:
     return figs
 
 
+def window_scope(meta: dict) -> str:
+    """What windows of this size can and cannot show, in words: the share of the context, the offsets and positions a
+    head signature or probe sees, the probe's chance error, and (RoPE) how many bands turn once inside a window."""
+    import math
+
+    f, sections = meta["model"], meta["sections"]
+    n_ctx = int(f["n_ctx"])
+    w = min(int(meta["config"]["window"]), n_ctx)
+    text = (f"Windows of {w} tokens cover {w / n_ctx:.1%} of the {n_ctx}-position context: head signatures see "
+            f"offsets 0-{w - 1} only, so behaviour at longer range cannot show")
+    if "probes" in sections:
+        text += f"; the probes see positions 0-{w - 1} (predicting the mean errs by {w / 4:.0f} positions)"
+    if "frequency" in sections and f.get("rotary_dim"):
+        bases = f.get("rotary_base_per_layer")
+        base = min(bases) if isinstance(bases, list) else float(bases)
+        d = int(f["rotary_dim"])
+        turning = sum(2 * math.pi * base ** (2 * i / d) <= w for i in range(d // 2))
+        text += (f"; {turning} of {d // 2} rotary bands complete a turn inside a window (base {base:g}), the slower "
+                 f"{d // 2 - turning} are seen over part of a turn")
+    return text + ". Larger windows (AtlasConfig.window, --window) show more, at a cost linear to quadratic in w."
+
+
 def sections(result: Any) -> list[Section]:
     """Table of contents, then per section: heading, paragraph, key figure(s), link to the full report."""
     m = result.meta
@@ -113,7 +135,8 @@ def sections(result: Any) -> list[Section]:
     toc = "".join(f'<li><a href="#atlas-{s}">{html.escape(_TITLES[s])}</a></li>' for s in m["sections"])
     skipped = ", ".join(_TITLES[s] for s in m.get("skipped", []))
     intro = (f"<ol>{toc}</ol><p>Data: {html.escape(str(m['data']['source']))}; windows of {m['config']['window']} "
-             f"tokens. {('Not applicable to this model: ' + html.escape(skipped) + '.') if skipped else ''}</p>")
+             f"tokens. {('Not applicable to this model: ' + html.escape(skipped) + '.') if skipped else ''}</p>"
+             f"<p>{html.escape(window_scope(m))}</p>")
     out = [Section("Contents", html=intro)]
     keyfig = {"heads": 2, "frequency": 1, "geometry": 1, "probes": 1, "shift": 1}
     for s in m["sections"]:
