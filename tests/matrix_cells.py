@@ -178,17 +178,16 @@ def _hf_attention_weights(bridge: Any, ids: torch.Tensor, layer: int) -> torch.T
     return s.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf")).softmax(-1)
 
 
-def _hf_rotated_qk(hf: Any, ids: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    # HF's own rotated q and k of `layer` (full head: rotated dims then the pass-through ones), caught at its
-    # modeling module's apply_rotary_pos_emb. Phi / StableLM hand it the rotated slice only: the pass-through
-    # dims are then taken from HF's q_proj / k_proj outputs, which that attention passes on unchanged.
+def hf_rope_io(hf: Any, ids: torch.Tensor, layer: int) -> tuple[tuple, tuple, dict, Any]:
+    """HF's own forward on `ids`, caught at its modeling module's apply_rotary_pos_emb for `layer`: ((q, k) handed to
+    it, (q, k) it returned, {"q"/"k": that attention's q_proj / k_proj output where it has them}, the attention)."""
     attn = [m for m in hf.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")][layer]
     mod = sys.modules[type(attn).__module__]
     orig, seen, proj = mod.apply_rotary_pos_emb, [], {}
 
     def spy(q, k, *a, **kw):
         out = orig(q, k, *a, **kw)
-        seen.append(out)
+        seen.append(((q, k), out))
         return out
 
     def keep(name):
@@ -203,8 +202,17 @@ def _hf_rotated_qk(hf: Any, ids: torch.Tensor, layer: int) -> tuple[torch.Tensor
         mod.apply_rotary_pos_emb = orig
         for h in handles:
             h.remove()
+    ins, outs = seen[layer]
+    return ins, outs, proj, attn
+
+
+def _hf_rotated_qk(hf: Any, ids: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # HF's own rotated q and k of `layer` (full head: rotated dims then the pass-through ones). Phi / StableLM hand
+    # apply_rotary_pos_emb the rotated slice only: the pass-through dims are then HF's q_proj / k_proj outputs, which
+    # that attention passes on unchanged.
+    _, outs, proj, attn = hf_rope_io(hf, ids, layer)
     out = []
-    for w, rot in zip("qk", seen[layer]):
+    for w, rot in zip("qk", outs):
         rot = rot.transpose(1, 2)  # TL layout: batch pos head d_head
         if w in proj and rot.shape[-1] < attn.head_dim:
             full = proj[w].view(*rot.shape[:2], -1, attn.head_dim)

@@ -164,7 +164,6 @@ def test_partial_and_adjacent_rotary_queries_and_keys_at_different_positions(nam
     # Only the rotary dims move, paired as the model pairs them. Queries at p + 5, keys at p / 2: layer 0's scores
     # equal plain torch on HF's own q and k before rotation (caught at its modeling module), turned as complex
     # numbers, dotted and scaled. Cohere was read as half-split before (its TL flag is rotary_interleaved_cos_sin).
-    import sys
 
     from posprobe.backend.bridge import plain_hf_model
     from posprobe.backend.hooks import hooked
@@ -178,22 +177,12 @@ def test_partial_and_adjacent_rotary_queries_and_keys_at_different_positions(nam
         assert f.unsupported is not None and version("transformer-lens") in f.unsupported
         return
     assert f.unsupported is None and LAYERS[name] in " | ".join(f.summary()["layer_positions"])
-    attn = [m for m in hf.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")][0]
-    mod, seen, proj = sys.modules[type(attn).__module__], [], {}
-    orig = mod.apply_rotary_pos_emb
-    mod.apply_rotary_pos_emb = lambda q, k, *a, **kw: (seen.append((q, k)), orig(q, k, *a, **kw))[1]
-    handles = [getattr(attn, f"{w}_proj").register_forward_hook(lambda m, i, o, w=w: proj.__setitem__(w, o))
-               for w in "qk" if hasattr(attn, f"{w}_proj")]
+    from matrix_cells import hf_rope_io
+
     ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
-    try:
-        with torch.no_grad():
-            hf(ids)
-    finally:
-        mod.apply_rotary_pos_emb = orig
-        for h in handles:
-            h.remove()
+    ins, _, proj, _ = hf_rope_io(hf, ids, 0)
     hd = hf.config.hidden_size // hf.config.num_attention_heads
-    q, k = (t.transpose(1, 2) for t in seen[0])  # batch pos head d
+    q, k = (t.transpose(1, 2) for t in ins)  # batch pos head d
     if q.shape[-1] < hd:  # Phi / StableLM hand over the rotated slice: the full heads are q_proj's
         q, k = (proj[w].view(1, 12, -1, hd) for w in "qk")
     spec = f.rotary[0]
