@@ -16,6 +16,13 @@ import torch
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 IN_CI = os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
 
+# Property tests (tests/test_properties.py): a bounded example budget, no per-example deadline (tiny-model forwards
+# vary with load); derandomised in CI, so a CI failure replays exactly.
+from hypothesis import settings  # noqa: E402
+
+settings.register_profile("posprobe", max_examples=30, deadline=None, derandomize=IN_CI, print_blob=True)
+settings.load_profile("posprobe")
+
 
 def need_package(module: str, install: str) -> None:
     """Skip (locally) or fail (in CI, which installs everything) when a weights package is absent."""
