@@ -62,3 +62,21 @@ def gpt2_layer0(model) -> dict[str, torch.Tensor | float]:
 def masked(scores: torch.Tensor) -> torch.Tensor:
     """Entries a layer masked out: -inf (TL 3) or the dtype's most negative value (HF / TransformerBridge)."""
     return scores <= torch.finfo(scores.dtype).min
+
+
+def complex_rotate(x: torch.Tensor, positions: torch.Tensor, spec) -> torch.Tensor:
+    """RoPE as complex multiplication (float64), independent of posprobe.rope: band b pairs dims (b, b + r/2)
+    (half-split) or (2b, 2b + 1) (adjacent) of the first `spec.rotary_dim` dims of `x` [batch, pos, head, d_head],
+    turned by position / (base^(2b/r) * freq_scale_b); removed bands and the dims past rotary_dim stay. `positions`
+    [pos] or [batch, pos]; returned in x's dtype."""
+    h = spec.rotary_dim // 2
+    xr = x[..., : spec.rotary_dim].double()
+    re, im = (xr[..., 0::2], xr[..., 1::2]) if spec.adjacent else (xr[..., :h], xr[..., h:])
+    scale = spec.freq_scale or (1.0,) * h
+    inv = torch.tensor([0.0 if b in spec.removed else 1.0 / (spec.base ** (2 * b / spec.rotary_dim) * scale[b])
+                        for b in range(h)], dtype=torch.float64)
+    pos = positions.double() if positions.dim() == 2 else positions.double()[None].expand(x.shape[0], -1)
+    theta = pos[..., None, None] * inv  # batch pos 1 band
+    z = torch.complex(re, im) * torch.polar(torch.ones_like(theta), theta)
+    turned = torch.stack([z.real, z.imag], -1).flatten(-2) if spec.adjacent else torch.cat([z.real, z.imag], -1)
+    return torch.cat([turned, x[..., spec.rotary_dim:].double()], -1).to(x.dtype)

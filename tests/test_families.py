@@ -15,9 +15,11 @@ from importlib.metadata import version
 import pytest
 import torch
 from families import ADJACENT, ALL_FAMILIES, FAMILIES, PARTIAL, tiny_family
+from hf_util import complex_rotate
 
 from posprobe.analyses.configs import DecomposeConfig, FrequencyConfig
 from posprobe.backend.facts import model_facts
+from posprobe.rope import RotarySpec
 
 REFUSAL = {
     "olmo2": "normalises q/k across heads",
@@ -147,18 +149,6 @@ def test_a_rotation_hook_that_never_fires_raises(monkeypatch):
             bridge(ids)
 
 
-def _complex_rotate(x: torch.Tensor, pos: torch.Tensor, rotary_dim: int, base: float, adjacent: bool) -> torch.Tensor:
-    # Independent of posprobe.rope: each pair as one complex number turned by pos * base^(-2i/r); pairs (i, i + r/2)
-    # (half-split) or (2i, 2i + 1) (adjacent).
-    h = rotary_dim // 2
-    xr = x[..., :rotary_dim].double()
-    re, im = (xr[..., 0::2], xr[..., 1::2]) if adjacent else (xr[..., :h], xr[..., h:])
-    theta = pos.double()[:, None, None] * base ** (-torch.arange(h, dtype=torch.float64) * 2 / rotary_dim)
-    z = torch.complex(re, im) * torch.polar(torch.ones_like(theta), theta)
-    turned = torch.stack([z.real, z.imag], -1).flatten(-2) if adjacent else torch.cat([z.real, z.imag], -1)
-    return torch.cat([turned, x[..., rotary_dim:].double()], dim=-1)
-
-
 @pytest.mark.parametrize("name", PARTIAL + ADJACENT)
 def test_partial_and_adjacent_rotary_queries_and_keys_at_different_positions(name):
     # Only the rotary dims move, paired as the model pairs them. Queries at p + 5, keys at p / 2: layer 0's scores
@@ -189,8 +179,8 @@ def test_partial_and_adjacent_rotary_queries_and_keys_at_different_positions(nam
     adjacent = name in ADJACENT
     assert spec.adjacent == adjacent and (adjacent or spec.rotary_dim < f.d_head)
     p = torch.arange(12, dtype=torch.float64)
-    qr = _complex_rotate(q[0], p + 5, spec.rotary_dim, spec.base, adjacent)
-    kr = _complex_rotate(k[0], p / 2, spec.rotary_dim, spec.base, adjacent)
+    qr = complex_rotate(q.double(), p + 5, spec)[0]
+    kr = complex_rotate(k.double(), p / 2, spec)[0]
     kr = kr.repeat_interleave(qr.shape[1] // kr.shape[1], dim=1)
     want = torch.einsum("qhd,khd->hqk", qr, kr) / hd ** 0.5
     got = {}
@@ -324,7 +314,8 @@ def test_gptj_queries_and_keys_at_different_positions_inside_hfs_own_attention()
     q, k, v = (proj[w][0].view(12, -1, hd).double() for w in "qkv")
     p = torch.arange(12, dtype=torch.float64)
     rd = hf.config.rotary_dim
-    qr, kr = _complex_rotate(q, p + 5, rd, 10000.0, True), _complex_rotate(k, p / 2, rd, 10000.0, True)
+    spec = RotarySpec(rotary_dim=rd, base=10000.0, adjacent=True)
+    qr, kr = complex_rotate(q[None], p + 5, spec)[0], complex_rotate(k[None], p / 2, spec)[0]
     s = torch.einsum("qhd,khd->hqk", qr, kr) / hd ** 0.5
     s = s.masked_fill(~torch.ones(12, 12, dtype=torch.bool).tril(), float("-inf"))
     want = torch.einsum("hqk,khd->qhd", s.softmax(-1), v)

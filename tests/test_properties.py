@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 import torch
+from hf_util import complex_rotate
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
@@ -38,26 +39,11 @@ def rotations(draw):
     return spec, x, torch.tensor(flat, dtype=torch.float64).reshape(shape)
 
 
-def _complex_rotation(x: torch.Tensor, positions: torch.Tensor, spec: RotarySpec) -> torch.Tensor:
-    # Band b pairs dims (b, b + r/2) or (2b, 2b + 1), turned by position / (base^(2b/r) * scale_b); removed bands stay.
-    h = spec.rotary_dim // 2
-    xr = x[..., : spec.rotary_dim]
-    re, im = (xr[..., 0::2], xr[..., 1::2]) if spec.adjacent else (xr[..., :h], xr[..., h:])
-    inv = torch.tensor([0.0 if b in spec.removed else
-                        1.0 / (spec.base ** (2 * b / spec.rotary_dim) * (spec.freq_scale or (1.0,) * h)[b])
-                        for b in range(h)], dtype=torch.float64)
-    pos = positions if positions.dim() == 2 else positions[None].expand(x.shape[0], -1)
-    theta = pos[..., None, None] * inv  # batch pos 1 band
-    z = torch.complex(re, im) * torch.polar(torch.ones_like(theta), theta)
-    turned = torch.stack([z.real, z.imag], -1).flatten(-2) if spec.adjacent else torch.cat([z.real, z.imag], -1)
-    return torch.cat([turned, x[..., spec.rotary_dim:]], -1)
-
-
 @given(rotations())
 def test_rotation_by_any_plan_equals_complex_multiplication(case):
     spec, x, positions = case
     got = rotate(x, positions, spec)
-    want = _complex_rotation(x, positions, spec)
+    want = complex_rotate(x, positions, spec)
     assert (got - want).abs().max() <= 1e-9 * (1 + positions.abs().max())
     assert torch.equal(got[..., spec.rotary_dim:], x[..., spec.rotary_dim:])  # only the rotary dims move
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from hf_util import hf_of, masked
+from hf_util import complex_rotate, hf_of, masked
 
 from posprobe.backend.facts import WrongModelKind
 from posprobe.backend.hooks import hook_name, hooked, live_hook_count
@@ -24,20 +24,8 @@ TEXT = "The quick brown fox jumps over the lazy dog near the river bank."
 
 
 def _complex_rotate(x: torch.Tensor, pos: torch.Tensor, base: float, adjacent: bool) -> torch.Tensor:
-    # Independent formulation: each band is a complex number multiplied by exp(i * pos * theta_b).
-    d = x.shape[-1]
-    theta = base ** (-torch.arange(d // 2, dtype=torch.float64) * 2 / d)
-    if adjacent:
-        z = torch.complex(x[..., 0::2], x[..., 1::2])
-    else:
-        z = torch.complex(x[..., : d // 2], x[..., d // 2:])
-    z = z * torch.polar(torch.ones_like(theta), pos.to(torch.float64)[None, :, None, None] * theta)
-    out = torch.empty_like(x)
-    if adjacent:
-        out[..., 0::2], out[..., 1::2] = z.real, z.imag
-    else:
-        out[..., : d // 2], out[..., d // 2:] = z.real, z.imag
-    return out
+    # Independent formulation (tests/hf_util.complex_rotate): each band a complex number times exp(i * pos * theta_b).
+    return complex_rotate(x, pos, RotarySpec(rotary_dim=x.shape[-1], base=base, adjacent=adjacent))
 
 
 @pytest.mark.parametrize("adjacent", [False, True])

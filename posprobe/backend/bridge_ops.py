@@ -346,8 +346,8 @@ def _old_tl_cohere(model: Any) -> str | None:
 
 def attention_unsupported(model: Any) -> str | None:
     mt = str(getattr(hf.text_config(model.original_model), "model_type", ""))
-    if _old_tl_cohere(model):
-        return _old_tl_cohere(model)
+    if (old := _old_tl_cohere(model)) is not None:
+        return old
     if _delegated(model) and _tl_major() < 4:
         arch = type(model.original_model).__name__
         return (f"TransformerLens {_tl_version()} does not fire hook_pattern on {arch}'s delegated attention "
@@ -428,8 +428,8 @@ def layer_kinds(model: Any) -> tuple[str, ...]:
 
 
 def positional_unsupported(model: Any) -> str | None:
-    if _old_tl_cohere(model):
-        return _old_tl_cohere(model)
+    if (old := _old_tl_cohere(model)) is not None:
+        return old
     hf_model = model.original_model
     cfg = hf.text_config(hf_model)
     mt = str(getattr(cfg, "model_type", ""))
