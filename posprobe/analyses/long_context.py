@@ -21,16 +21,16 @@ from typing import Any
 
 import pandas as pd
 import torch
-from tqdm.auto import tqdm
 
 from posprobe.analyses.configs import LongContextConfig
 from posprobe.backend import hf as HF
 from posprobe.backend.facts import hf_facts
 from posprobe.backend.kind import is_bridge
-from posprobe.backend.model import model_name, tokenizer_of
+from posprobe.backend.model import model_name, tokenizer_of, weights_fingerprint
 from posprobe.core import long_engine as LA
 from posprobe.core.presets import preset_pairs
 from posprobe.core.surgery import PairRule
+from posprobe.report.checkpoint import Checkpoint, run_key
 from posprobe.report.result import Result
 from posprobe.report.schema import data_meta, make_meta, text_sha256
 
@@ -157,7 +157,8 @@ def _keys(cfg: LongContextConfig) -> dict[tuple[int, float, int], str]:
 
 
 def run_long_context(model: Any, text: str, config: LongContextConfig | None = None, *, tokenizer: Any = None,
-                     name: str | None = None, source: str | None = None) -> Result:
+                     name: str | None = None, source: str | None = None, work: str | Path | None = None,
+                     fresh: bool = False) -> Result:
     """Loss by position and passkey retrieval per preset and length; a Result with tables `long_context`,
     `long_context_summary` and (with passkey lengths) `passkey`, `passkey_accuracy`.
 
@@ -165,6 +166,11 @@ def run_long_context(model: Any, text: str, config: LongContextConfig | None = N
     RoPE decoder (`load_model`; its wrapped HF model runs, with the same numbers; the tokenizer defaults to the
     bridge's, which, as TL does, puts BOS first). Batch of one sequence;
     every check (presets, learned positions, text length, memory) runs before the first forward pass.
+
+    `work`: a folder where each window's losses and each passkey trial are kept as they complete
+    (`posprobe.report.checkpoint`); calling again with the same folder resumes, and the tables equal an
+    uninterrupted run's exactly. Another model, text or config there is refused; `fresh=True` discards it first.
+    The folder is left in place (delete it with `discard_work_folder` once the result is saved).
     """
     cfg = config or LongContextConfig()
     if is_bridge(model):
@@ -174,7 +180,7 @@ def run_long_context(model: Any, text: str, config: LongContextConfig | None = N
 
         with hf_model_inside(model) as hf:
             return run_long_context(hf, text, cfg, tokenizer=tokenizer or tokenizer_of(model),
-                                    name=name or model_name(model), source=source)
+                                    name=name or model_name(model), source=source, work=work, fresh=fresh)
     hf, tok = _parts(model, tokenizer)
     rules = {spec: preset_pairs(spec) for spec in cfg.presets}
     ids = _bos(tok) + _encode(tok, text)
@@ -183,13 +189,23 @@ def run_long_context(model: Any, text: str, config: LongContextConfig | None = N
     bos = _bos(tok)
     body = ids[len(bos):]
     rows, summary = [], []
-    todo = [(L, spec) for L in cfg.lengths for spec in cfg.presets]
     windows: dict[int, list[list[int]]] = {}
     for L in cfg.lengths:
         n = max(1, min(cfg.max_windows, len(body) // (L - len(bos))))
         windows[L] = [bos + body[s:s + L - len(bos)] for s in range(0, n * (L - len(bos)), L - len(bos))]
-    for L, spec in tqdm(todo, desc="long-context loss", disable=not cfg.progress):
-        nll = torch.stack([LA.token_nll(hf, torch.tensor(w), rules[spec], chunk=cfg.chunk) for w in windows[L]])
+    facts = hf_facts(hf, name).summary()
+    data = data_meta(source or "text", n_items=sum(len(w) for w in windows.values()), unit="windows",
+                     sha256=text_sha256(text))
+    ckpt = Checkpoint(work, run_key("long-context", model={"facts": facts, "weights": weights_fingerprint(hf)},
+                                    data=data, config=cfg), fresh=fresh)
+    units = [(L, spec, w) for L in cfg.lengths for spec in cfg.presets for w in range(len(windows[L]))]
+    nlls = ckpt.map(units, lambda u: LA.token_nll(hf, torch.tensor(windows[u[0]][u[2]]), rules[u[1]], chunk=cfg.chunk),
+                    name=lambda u: f"loss|{u[1]}|{u[0]}|{u[2]}", desc="long-context loss", progress=cfg.progress)
+    by_run: dict[tuple[int, str], list[torch.Tensor]] = {}
+    for (L, spec, _), v in zip(units, nlls):
+        by_run.setdefault((L, spec), []).append(v)
+    for (L, spec), parts in by_run.items():
+        nll = torch.stack(parts)
         for a, b, v, c in binned_loss(nll, cfg.bin_size):
             rows.append(dict(model=name, preset=spec, length=L, bin_start=a, bin_end=b, metric="nll", value=v, count=c))
         stats = summarize_nll(
@@ -199,32 +215,35 @@ def run_long_context(model: Any, text: str, config: LongContextConfig | None = N
             summary.append(dict(model=name, preset=spec, length=L, metric=metric, value=v, count=len(windows[L])))
     tables = {"long_context": pd.DataFrame(rows), "long_context_summary": pd.DataFrame(summary)}
     if cfg.passkey_lengths:
-        tables.update(_passkey(hf, tok, rules, cfg, name))
-    n_win = sum(len(w) for w in windows.values())
-    data = data_meta(source or "text", n_items=n_win, unit="windows", sha256=text_sha256(text))
-    meta = make_meta("long-context", model=hf_facts(hf, name).summary(), data=data, config=cfg, trained_ctx=ctx,
+        tables.update(_passkey(hf, tok, rules, cfg, name, ckpt))
+    meta = make_meta("long-context", model=facts, data=data, config=cfg, trained_ctx=ctx,
                      plan={spec: r.label for spec, r in rules.items()},
                      plan_meta={spec: dict(r.meta) for spec, r in rules.items()},
                      passkey_format={"intro": PASSKEY_INTRO, "filler": PASSKEY_FILLER, "needle": PASSKEY_NEEDLE,
-                                     "question": PASSKEY_QUESTION})
+                                     "question": PASSKEY_QUESTION},
+                     checkpoint={"folder": str(work) if work is not None else None, "resumed_units": ckpt.resumed})
     return Result(tables, meta)
 
 
 def _passkey(
-    hf: Any, tok: Any, rules: dict[str, PairRule], cfg: LongContextConfig, name: str
+    hf: Any, tok: Any, rules: dict[str, PairRule], cfg: LongContextConfig, name: str, ckpt: Checkpoint
 ) -> dict[str, pd.DataFrame]:
     keys = _keys(cfg)
-    rows = []
     eos = getattr(tok, "eos_token_id", None)
-    todo = [(spec, L, d, t) for spec in cfg.presets for (L, d, t) in keys]
-    for spec, L, d, t in tqdm(todo, desc="passkey", disable=not cfg.progress):
+
+    def trial(u: tuple[str, int, float, int]) -> dict:
+        spec, L, d, t = u
         p = passkey_prompt(tok, L, d, keys[(L, d, t)])
         new = LA.greedy_decode(hf, torch.tensor(p.ids), rules[spec], cfg.new_tokens, chunk=cfg.chunk, stop_token=eos)
         answer = tok.decode(new.tolist(), skip_special_tokens=True)
         digits = re.search(r"\d+", answer)
         pred = digits.group(0) if digits else ""
-        rows.append(dict(model=name, preset=spec, length=L, depth=d, trial=t, target=p.key, prediction=pred,
-                         exact_match=pred == p.key, needle_pos=p.needle_pos))
+        return dict(model=name, preset=spec, length=L, depth=d, trial=t, target=p.key, prediction=pred,
+                    exact_match=pred == p.key, needle_pos=p.needle_pos)
+
+    todo = [(spec, L, d, t) for spec in cfg.presets for (L, d, t) in keys]
+    rows = ckpt.map(todo, trial, name=lambda u: f"passkey|{u[0]}|{u[1]}|{u[2]!r}|{u[3]}", desc="passkey",
+                    progress=cfg.progress)
     trials = pd.DataFrame(rows)
     acc = (trials.groupby(["model", "preset", "length", "depth"], sort=False)
            .agg(value=("exact_match", "mean"), count=("exact_match", "size")).reset_index())

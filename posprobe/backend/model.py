@@ -147,3 +147,24 @@ def scores_not_bilinear(model: Any) -> str | None:
     """Why attention scores are not bilinear in the (normalised) attention input (QK-norm, soft-cap,
     log-n scaling, q/k/v clipping), or None when they are."""
     return ops(model).scores_not_bilinear(model)
+
+
+def weights_fingerprint(model: Any) -> dict[str, Any]:
+    """An identity of a model's weights for checkpoint keys: parameter count, dtype, device type, and a sha256
+    over every parameter's name, shape, float64 sum and float64 norm (one read of the weights, no copies);
+    changes when any parameter does."""
+    import hashlib
+
+    h = hashlib.sha256()
+    n, first = 0, None
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            first = p if first is None else first
+            n += p.numel()
+            total = float(p.sum(dtype=torch.float64))
+            norm = float(torch.linalg.vector_norm(p, dtype=torch.float64))
+            h.update(f"{name}:{tuple(p.shape)}:{total!r}:{norm!r};".encode())
+    if first is None:
+        return {"n_params": 0}
+    return {"n_params": n, "dtype": str(first.dtype).removeprefix("torch."), "device": first.device.type,
+            "digest": h.hexdigest()}

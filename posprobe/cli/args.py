@@ -83,6 +83,13 @@ def add_output_arguments(p: argparse.ArgumentParser, *, required: bool = True) -
     p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
 
 
+def add_resume_arguments(p: argparse.ArgumentParser) -> None:
+    """--fresh: for commands that keep completed units in `<out>.work` and resume from there when rerun."""
+    p.add_argument("--fresh", action="store_true",
+                   help="discard the work folder an interrupted run left beside --out (<out>.work) and start over; "
+                        "without it, rerunning the same command resumes from there")
+
+
 def add_analysis_arguments(p: argparse.ArgumentParser, config_cls: type) -> None:
     """The flags of a command that runs one analysis over a text: MODEL and loading options, --text,
     one flag per field of `config_cls`, then --out/--figures/--no-progress."""

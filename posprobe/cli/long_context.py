@@ -10,12 +10,19 @@ HELP = ("Loss by position past the trained context and passkey retrieval (length
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from posprobe.analyses.configs import LongContextConfig
-    from posprobe.cli.args import add_config_arguments, add_model_arguments, add_output_arguments, add_text_argument
+    from posprobe.cli.args import (
+        add_config_arguments,
+        add_model_arguments,
+        add_output_arguments,
+        add_resume_arguments,
+        add_text_argument,
+    )
 
     add_model_arguments(p)
     add_text_argument(p, required=True)
     add_config_arguments(p, LongContextConfig)
     add_output_arguments(p, required=False)
+    add_resume_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -38,10 +45,14 @@ def run(args: argparse.Namespace) -> int:
 
     from posprobe.analyses.long_context import run_long_context
     from posprobe.backend.loading import load_hf_model
+    from posprobe.report.checkpoint import discard_work_folder, work_folder_for
 
+    # With --out, every finished window and passkey trial is kept in <out>.work: a rerun resumes from there.
+    work = work_folder_for(args.out) if args.out else None
     print(f"loading {args.model} ...", file=sys.stderr)
     model, tokenizer = load_hf_model(args.model, dtype=args.dtype, device=args.device)
-    result = run_long_context(model, text, config, tokenizer=tokenizer, name=str(args.model), source=args.text)
+    result = run_long_context(model, text, config, tokenizer=tokenizer, name=str(args.model), source=args.text,
+                              work=work, fresh=args.fresh)
     s = result.tables["long_context_summary"]
     table = s.pivot_table(index=["length", "preset"], columns="metric", values="value", sort=False, dropna=False)
     print(f"trained context {result.meta['trained_ctx']} tokens; NLL in nats/token; break_pos -1 = never")
@@ -53,5 +64,6 @@ def run(args: argparse.Namespace) -> int:
         print(grid.to_string(float_format=lambda v: f"{v:.2f}"))
     if args.out:
         paths = result.save(args.out, figure_formats=args.figures, csv=args.csv)
+        discard_work_folder(work)
         print(f"wrote {paths['report']}")
     return 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import platform
@@ -292,7 +293,7 @@ def _write_bundle(
                 for _, tmp, _ in jobs:
                     _fsync_path(tmp)
         _commit(temps, targets)
-    except BaseException:
+    except BaseException as exc:
         for tmp in temps.values():
             Path(tmp).unlink(missing_ok=True)
         if fig_dir_created:
@@ -305,11 +306,19 @@ def _write_bundle(
                 out.rmdir()  # only succeeds if we left it empty
             except OSError:
                 pass
+        if disk_full(exc):
+            raise OSError(errno.ENOSPC, f"no space left on the device holding {out} while writing the results; "
+                                        "nothing there was changed (free space and rerun)") from exc
         raise
     _fsync_path(out)  # persist the renames
     if fig_dir_created or fig_dir in {t.parent for t in targets.values()}:
         _fsync_path(fig_dir)
     return targets
+
+
+def disk_full(exc: BaseException) -> bool:
+    """Whether an exception is "no space left on device" (pyarrow's IO errors carry it only in the message)."""
+    return isinstance(exc, OSError) and (exc.errno == errno.ENOSPC or "No space left on device" in str(exc))
 
 
 def _umask() -> int:
