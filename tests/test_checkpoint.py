@@ -326,3 +326,47 @@ def test_disk_full_gives_one_clear_error_and_keeps_the_previous_out(cli_case, tm
         assert _units(work_folder_for(out)) == N_UNITS  # every unit kept for the rerun once space is freed
     finally:
         subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+# ---- the shift test: blocks of scored pairs and text windows --------------------------------------------------
+
+def test_an_interrupted_shift_test_resumes_to_the_uninterrupted_tables(tmp_path, monkeypatch, tiny_ape):
+    from posprobe.analyses import shift as SH
+    from posprobe.analyses.configs import ShiftConfig
+    from posprobe.core.scoring import _Scorer as Scorer
+    from posprobe.data import builtin_pairs
+
+    monkeypatch.setattr(SH, "UNIT_ITEMS", 16)  # many blocks from a few pairs
+    pairs = builtin_pairs(max_pairs=8)
+    cfg = ShiftConfig(ks=(0, 40), n_bootstrap=50, window=24, max_windows=20, progress=False)
+    text = TEXT
+    clean = SH.run_shift_test(tiny_ape, pairs, text=text, config=cfg)
+    n_pair_blocks = -(-2 * len(pairs) // 16)
+    assert n_pair_blocks >= 3
+    calls = {"pairs": 0, "text": 0}
+    real_pairs, real_text = Scorer.pair_logprobs, Scorer.token_logprobs
+
+    def pair_lps(self, *a, **k):
+        calls["pairs"] += 1
+        if calls["pairs"] == 3:
+            raise KeyboardInterrupt
+        return real_pairs(self, *a, **k)
+
+    def text_lps(self, *a, **k):
+        calls["text"] += 1
+        if calls["text"] == 2:
+            raise KeyboardInterrupt
+        return real_text(self, *a, **k)
+
+    monkeypatch.setattr(Scorer, "pair_logprobs", pair_lps)
+    monkeypatch.setattr(Scorer, "token_logprobs", text_lps)
+    work = tmp_path / "shift.work"
+    for _ in range(2):
+        with pytest.raises(KeyboardInterrupt):
+            SH.run_shift_test(tiny_ape, pairs, text=text, config=cfg, work=work)
+    resumed = SH.run_shift_test(tiny_ape, pairs, text=text, config=cfg, work=work)
+    n_text_blocks = -(-2 * 20 // 16)
+    assert calls == {"pairs": n_pair_blocks + 1, "text": n_text_blocks + 1}  # each failed call once, nothing twice
+    _assert_same_tables(clean, resumed)
+    with pytest.raises(CheckpointMismatch, match="data.pairs"):
+        SH.run_shift_test(tiny_ape, pairs[:-1], text=text, config=cfg, work=work)

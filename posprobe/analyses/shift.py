@@ -8,6 +8,7 @@ the result is an invariance control, and its measured deviation is reported.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any, Literal, Sequence
 
 import numpy as np
@@ -18,6 +19,7 @@ from posprobe.analyses.configs import ShiftConfig, ShiftError
 from posprobe.backend.model import forward, n_layers, tokenizer_of
 from posprobe.core.scoring import Positioned
 from posprobe.data import BUILTIN_SOURCE, DataError, MinimalPair, pairs_fingerprint
+from posprobe.report.checkpoint import Checkpoint, run_key
 from posprobe.report.result import Result
 from posprobe.report.schema import data_meta, make_meta, text_sha256
 from posprobe.report.shift import ppl_by_k
@@ -106,8 +108,9 @@ def check_context(lengths: Sequence[int], texts: Sequence[str], ks: Sequence[int
 
 
 def score_pairs(scorer: Any, tokenizer: Any, pairs: Sequence[MinimalPair], cfg: ShiftConfig, prefix: list[int],
-                ks: Sequence[int]) -> pd.DataFrame:
-    """Log-prob (nats) of every good and bad sentence at every k; one row per (k, pair)."""
+                ks: Sequence[int], ckpt: Checkpoint | None = None) -> pd.DataFrame:
+    """Log-prob (nats) of every good and bad sentence at every k; one row per (k, pair). With a checkpoint,
+    each block of `UNIT_ITEMS` (k, pair) items is kept as it completes."""
     sents = sorted({s for p in pairs for s in (p.good, p.bad)})
     ids = {s: tokenizer(s, add_special_tokens=False).input_ids for s in sents}
     skip = 0 if prefix else 1  # without a prefix the first token has nothing to be predicted from
@@ -116,8 +119,10 @@ def score_pairs(scorer: Any, tokenizer: Any, pairs: Sequence[MinimalPair], cfg: 
     items = [(place(prefix, ids[p.good], k, cfg.prefix_position), place(prefix, ids[p.bad], k, cfg.prefix_position))
              for k, p in at_k]
     # Pair-aware scoring: the shared start of a pair is computed once, identical sentences once.
-    lps = _sharded(lambda its: scorer.pair_logprobs(its, batch_size=cfg.batch_size, progress=cfg.progress,
-                                                    desc="pairs"), items)
+    def score(its: list, bar: bool) -> list:
+        return scorer.pair_logprobs(its, batch_size=cfg.batch_size, progress=bar, desc="pairs")
+
+    lps = _in_units(ckpt, items, score, tag="pairs", progress=cfg.progress)
     rows = []
     for (k, p), (lp_good, lp_bad) in zip(at_k, lps):
         rows.append((p.paradigm, p.field, p.phenomenon, p.pair_id, k, float(lp_good[first:].sum()),
@@ -127,6 +132,24 @@ def score_pairs(scorer: Any, tokenizer: Any, pairs: Sequence[MinimalPair], cfg: 
     df["margin"] = df.logp_good - df.logp_bad
     df["correct"] = df.margin > 0
     return df
+
+
+# (k, pair) items or text windows per unit: the scoring runs block by block (so a block's batches never depend on
+# what else is in the run), and each block is one checkpoint unit. Full BLiMP at two k: 132 units.
+UNIT_ITEMS = 1024
+
+
+def _in_units(ckpt: Checkpoint | None, items: list, score: Any, *, tag: str, progress: bool) -> list:
+    """`score(block, show_bar)` over blocks of `UNIT_ITEMS` items, sharded under torchrun, each block read back
+    from / stored in `ckpt`; the results in item order. One block shows the scorer's own progress bar, more show
+    one bar over blocks."""
+    ckpt = ckpt or Checkpoint(None, {})
+    blocks = [items[a:a + UNIT_ITEMS] for a in range(0, len(items), UNIT_ITEMS)]
+    inner = progress and len(blocks) == 1
+    parts = ckpt.map(list(range(len(blocks))), lambda b: _sharded(lambda its: score(its, inner), blocks[b]),
+                     name=lambda b: f"{tag}|{b}", desc=f"{tag} (blocks of {UNIT_ITEMS})",
+                     progress=progress and not inner)
+    return [x for part in parts for x in part]
 
 
 def _sharded(score: Any, items: list) -> list:
@@ -179,7 +202,8 @@ def summarize_pairs(pairs: pd.DataFrame, *, n_boot: int, seed: int) -> pd.DataFr
 
 
 def score_text(
-    scorer: Any, tokenizer: Any, text: str, cfg: ShiftConfig, prefix: list[int], ks: Sequence[int]
+    scorer: Any, tokenizer: Any, text: str, cfg: ShiftConfig, prefix: list[int], ks: Sequence[int],
+    ckpt: Checkpoint | None = None,
 ) -> pd.DataFrame:
     """Per-token loss (nats) of fixed windows of `text` at every k, by position inside the window."""
     from posprobe.data import token_windows
@@ -189,8 +213,9 @@ def score_text(
     ids = tokenizer(text[:chars], add_special_tokens=False).input_ids
     windows = token_windows(ids, cfg.window, max_windows=cfg.max_windows)
     items = [place(prefix, w, k, cfg.prefix_position) for k in ks for w in windows]
-    lps = _sharded(lambda its: scorer.token_logprobs(its, batch_size=cfg.batch_size, progress=cfg.progress,
-                                                     desc="text windows"), items)
+    lps = _in_units(ckpt, items, lambda its, bar: scorer.token_logprobs(its, batch_size=cfg.batch_size,
+                                                                        progress=bar, desc="text windows"),
+                    tag="text windows", progress=cfg.progress)
     rows = []
     first = len(prefix) - 1 if prefix else 0
     for j, (item, lp) in enumerate(zip(items, lps)):
@@ -265,6 +290,27 @@ def prepare(model: Any, *, backend: str = "auto", device: str = "cpu", dtype: st
     return Prepared(f.name, scorer, tokenizer_of(tl), f.positional_kind, f.n_ctx, f.is_encoder, "tl", tl, f)
 
 
+def _checkpoint(prep: Prepared, pairs: Sequence[MinimalPair] | None, text: str | None, cfg: ShiftConfig, *,
+                backend: str, work: str | Path | None, fresh: bool) -> Checkpoint:
+    from posprobe.backend.model import weights_fingerprint
+    from posprobe.core import distributed
+
+    if work is None or prep.is_encoder:  # encoders' drift is one short pass: nothing worth keeping
+        return Checkpoint(None, {})
+    if distributed.active():
+        import sys
+
+        print("shift-test: no checkpoints under torchrun (every rank would write the same units)", file=sys.stderr)
+        return Checkpoint(None, {})
+    weights = prep.tl_model if prep.tl_model is not None else prep.scorer.model
+    data = {"pairs": pairs_fingerprint(pairs) if pairs is not None else None,
+            "text": text_sha256(text) if text is not None else None}
+    key = run_key("shift-test", model={"facts": prep.facts.summary(), "backend": backend,
+                                       "weights": weights_fingerprint(weights)},
+                  data=data, config=config_meta(cfg), unit_items=UNIT_ITEMS)
+    return Checkpoint(work, key, fresh=fresh)
+
+
 def hf_scorable(model: Any) -> bool:
     """True where `prepare(model, backend="hf")` can score a loaded model with Hugging Face's own forward: a
     TransformerBridge over a decoder with a trained LM head."""
@@ -305,11 +351,15 @@ def run_shift_test(
     backend: str = "auto",
     device: str = "cpu",
     dtype: str = "float32",
+    work: str | Path | None = None,
+    fresh: bool = False,
 ) -> ShiftResult:
     """Shift test of `model` (spec or TL object) on minimal pairs and/or text; returns a ShiftResult.
 
     Without pairs or text, the built-in template pairs are used. All checks (k past the context,
-    empty data, negative k) happen before any scoring.
+    empty data, negative k) happen before any scoring. `work`: a folder where blocks of scored pairs and
+    windows are kept as they complete; the same call resumes from it to the same tables (another model, data or
+    config there is refused; `fresh=True` discards it first; not under torchrun, where it is ignored).
     """
     from posprobe.data import builtin_pairs
 
@@ -338,14 +388,15 @@ def run_shift_test(
             raise ShiftError("Empty input: the text is empty")
         check_context([cfg.window + len(prefix)], ["text window"], ks, limit, "text window")
     pair_df, summary, tokens, drift = (pd.DataFrame() for _ in range(4))
+    ckpt = _checkpoint(prep, pairs, text, cfg, backend=prep.backend, work=work, fresh=fresh)
     if prep.is_encoder:
         drift = encoder_drift(prep.tl_model, [p.good for p in pairs] if pairs else [text[:2000]], ks, cfg)
     else:
         if pairs is not None:
-            pair_df = score_pairs(prep.scorer, prep.tokenizer, pairs, cfg, prefix, ks)
+            pair_df = score_pairs(prep.scorer, prep.tokenizer, pairs, cfg, prefix, ks, ckpt)
             summary = summarize_pairs(pair_df, n_boot=cfg.n_bootstrap, seed=cfg.seed)
         if text is not None:
-            tokens = score_text(prep.scorer, prep.tokenizer, text, cfg, prefix, ks)
+            tokens = score_text(prep.scorer, prep.tokenizer, text, cfg, prefix, ks, ckpt)
     for df in (pair_df, tokens, drift):
         if len(df):
             df.insert(0, "model", prep.name)

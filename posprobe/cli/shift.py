@@ -13,7 +13,7 @@ HELP = ("Start every sentence at position k (no prior context) and measure how m
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from posprobe.analyses.configs import ShiftConfig
-    from posprobe.cli.args import add_config_arguments, add_model_arguments, add_output_arguments
+    from posprobe.cli.args import add_config_arguments, add_model_arguments, add_output_arguments, add_resume_arguments
 
     add_model_arguments(p)
     p.add_argument("--blimp", metavar="DIR", help="folder of official BLiMP .jsonl files, or 'hub' to download "
@@ -29,6 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="hf: native position_ids (fast; needs weights on disk); tl: TransformerLens hooks")
     add_config_arguments(p, ShiftConfig)
     add_output_arguments(p, required=False)
+    add_resume_arguments(p)
 
 
 def _pairs(args: argparse.Namespace, seed: int):
@@ -102,10 +103,14 @@ def run(args: argparse.Namespace) -> int:
 
     from posprobe.analyses.shift import run_shift_test
     from posprobe.core import distributed
+    from posprobe.report.checkpoint import discard_work_folder, work_folder_for
     from posprobe.report.shift import console_table
 
+    # With --out, blocks of scored pairs and text windows are kept in <out>.work: a rerun resumes from there.
+    work = work_folder_for(args.out) if args.out else None
     result = run_shift_test(args.model, pairs, text=text, config=cfg, data_source=source, backend=args.backend,
-                            device=distributed.local_device(args.device), dtype=args.dtype)
+                            device=distributed.local_device(args.device), dtype=args.dtype, work=work,
+                            fresh=args.fresh)
     if not distributed.is_writer():  # under torchrun every rank holds the merged result; rank 0 writes it
         return 0
     model = result.meta["model"]
@@ -113,5 +118,6 @@ def run(args: argparse.Namespace) -> int:
     print(console_table(result))
     if args.out:
         paths = result.save(args.out, figure_formats=args.figures, csv=args.csv)
+        discard_work_folder(work)
         print(f"wrote {paths['report']} and {len(paths) - 1} other files")
     return 0
