@@ -231,6 +231,27 @@ def _wait_for(path: Path, proc: subprocess.Popen) -> float:
     return time.monotonic()
 
 
+def _wait_for_work(proc: subprocess.Popen, work: Path, resuming: bool) -> None:
+    import threading
+
+    proc.stderr_lines = []  # type: ignore[attr-defined]
+    said = threading.Event()
+
+    def read() -> None:
+        for line in proc.stderr:
+            proc.stderr_lines.append(line.decode())  # type: ignore[attr-defined]
+            if line.startswith(b"resuming"):
+                said.set()
+
+    proc.reader = threading.Thread(target=read, daemon=True)  # type: ignore[attr-defined]
+    proc.reader.start()  # type: ignore[attr-defined]
+    start = time.monotonic()
+    while proc.poll() is None and time.monotonic() - start < 300:
+        if said.is_set() or (not resuming and (work / "run.json").exists()):
+            return
+        time.sleep(0.01)
+
+
 def test_sigkill_at_random_points_then_resume_equals_the_clean_run(cli_case):
     base = cli_case
     clean_out, clean_work = base / "clean", work_folder_for(base / "clean")
@@ -248,17 +269,20 @@ def test_sigkill_at_random_points_then_resume_equals_the_clean_run(cli_case):
     kills, mid_run, trials = 0, 0, 0
     while kills < 10 and trials < 40:
         trials += 1
+        resuming = (work / "run.json").exists()
         proc = subprocess.Popen(_argv(base, out), env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        _wait_for(work / "run.json", proc)
+        # The work starts when a fresh run creates its folder, or when a resumed one says what it found there.
+        _wait_for_work(proc, work, resuming)
         time.sleep(rng.uniform(0, 1.1 * work_phase))  # a random point of the work (or just after it)
         if proc.poll() is None:
             proc.send_signal(signal.SIGKILL)
             proc.wait()
             kills += 1
             mid_run += 0 < _units(work) < N_UNITS  # killed inside the work, with some of it done
-        else:  # it finished first: the next trial starts a new run over the same --out
-            assert proc.returncode == 0, proc.stderr.read().decode()
+        proc.reader.join()  # the pipe ends with the process
         proc.stderr.close()
+        if proc.returncode != -signal.SIGKILL:  # it finished first: the next trial starts a new run
+            assert proc.returncode == 0, proc.stderr_lines
     final = subprocess.run(_argv(base, out), env=_env(), capture_output=True, text=True, timeout=600)
     assert final.returncode == 0, final.stderr
     print(f"{trials} runs, {kills} killed, {mid_run} of them inside the work", file=sys.stderr)
@@ -370,3 +394,55 @@ def test_an_interrupted_shift_test_resumes_to_the_uninterrupted_tables(tmp_path,
     _assert_same_tables(clean, resumed)
     with pytest.raises(CheckpointMismatch, match="data.pairs"):
         SH.run_shift_test(tiny_ape, pairs[:-1], text=text, config=cfg, work=work)
+
+
+# ---- corpus passes: the reducers' sums after n batches ---------------------------------------------------------
+
+@pytest.mark.parametrize("analysis", ["heads", "frequency"])
+def test_an_interrupted_corpus_pass_resumes_to_the_uninterrupted_tables(analysis, tmp_path, monkeypatch, tiny_rope):
+    from posprobe.analyses.configs import FrequencyConfig, HeadsConfig
+    from posprobe.analyses.frequency import run_frequency
+    from posprobe.analyses.heads import run_heads
+    from posprobe.core import capture
+    from posprobe.report.checkpoint import StreamResume
+
+    if analysis == "heads":
+        cfg = HeadsConfig(window=24, max_windows=12, batch_size=2, induction_len=8, progress=False)
+        run = lambda **k: run_heads(tiny_rope, TEXT, cfg, **k)  # noqa: E731
+    else:
+        cfg = FrequencyConfig(window=24, max_windows=12, batch_size=2, queries=8, ablate=False, progress=False)
+        run = lambda **k: run_frequency(tiny_rope, TEXT, cfg, **k)  # noqa: E731
+    clean = run()
+    monkeypatch.setattr(StreamResume, "__init__", _every_batch(StreamResume.__init__))
+    real = capture._run_through
+    calls = {"n": 0}
+
+    def forward(*a, **k):
+        calls["n"] += 1
+        if calls["n"] in (3, 7):  # two crashes: after 2 batches, then after 3 more
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(capture, "_run_through", forward)
+    work = tmp_path / f"{analysis}.work"
+    for _ in range(2):
+        with pytest.raises(KeyboardInterrupt):
+            run(work=work)
+    resumed = run(work=work)
+    induction = 1 if analysis == "heads" else 0  # the heads' induction pass: one forward after the corpus pass
+    assert calls["n"] == 6 + 2 + induction  # 6 batches of 2 windows, each computed once, plus the two that crashed
+    _assert_same_tables(clean, resumed)
+    with pytest.raises(CheckpointMismatch, match="config.batch_size"):
+        if analysis == "heads":
+            run_heads(tiny_rope, TEXT, HeadsConfig(window=24, max_windows=12, batch_size=3, progress=False), work=work)
+        else:
+            run_frequency(tiny_rope, TEXT, FrequencyConfig(window=24, max_windows=12, batch_size=3, queries=8,
+                                                           ablate=False, progress=False), work=work)
+
+
+def _every_batch(init):
+    def patched(self, *a, **k):
+        init(self, *a, **k)
+        self.every_s = 0.0  # save after every batch, so a crash at any batch resumes from the one before
+
+    return patched

@@ -10,6 +10,7 @@ is streamed over the corpus with fixed-size per-layer accumulators (memory does 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
@@ -23,6 +24,7 @@ from posprobe.backend.hooks import score_scale, score_soft_cap
 from posprobe.backend.model import device_of
 from posprobe.core import distributed
 from posprobe.core.capture import Reducer, check_rows, stream, to_cpu_once
+from posprobe.report.checkpoint import stream_resume
 from posprobe.report.result import Result
 from posprobe.report.schema import data_meta, make_meta, text_sha256
 from posprobe.rope import RotarySpec, _grouped_band_products, angular_frequency, band_norms, wavelength
@@ -81,9 +83,10 @@ class FrequencyUsage(Result):
 
 
 def run_frequency(model: Any, text: str | None = None, config: FrequencyConfig | None = None, *,
-                  source: str | None = None) -> FrequencyUsage:
+                  source: str | None = None, work: str | Path | None = None, fresh: bool = False) -> FrequencyUsage:
     """Per-band RoPE usage of every head over windows of `text` (default: the built-in text), plus band
-    ablations (loss change in nats/token) when `config.ablate`. Returns a FrequencyUsage result."""
+    ablations (loss change in nats/token) when `config.ablate`. Returns a FrequencyUsage result.
+    `work`/`fresh`: the corpus pass's checkpoint folder, as in `frequency_usage`."""
     from posprobe.backend.model import encode_text, tokenizer_of
     from posprobe.data import BUILTIN_TEXT, framed_windows
 
@@ -97,7 +100,7 @@ def run_frequency(model: Any, text: str | None = None, config: FrequencyConfig |
     rows = framed_windows(encode_text(model, body), cfg.window, pre=[bos] if bos is not None else [],
                           max_windows=cfg.max_windows)
     usage = frequency_usage(model, rows, batch_size=cfg.batch_size, layers=cfg.layers, queries=cfg.queries,
-                            progress=cfg.progress)
+                            progress=cfg.progress, work=work, fresh=fresh)
     top = top_heads(usage.heads, cfg.top_heads)
     tables = dict(usage.tables)
     if cfg.ablate:
@@ -121,6 +124,20 @@ class _Acc:
         self.bin_n = z(n_bins)
         self.s2 = z(n_heads)
         self.diag, self.prev, self.first, self.n_rows = z(n_heads), z(n_heads), z(n_heads), 0
+
+
+def _pack(state: dict) -> dict:
+    # The sums of every layer as plain dicts; "_q" is a batch's pending rotated queries, stale between batches.
+    return {layer: dict(vars(acc)) for layer, acc in state.items() if layer != "_q"}
+
+
+def _unpack(value: dict) -> dict:
+    out = {}
+    for layer, d in value.items():
+        acc = _Acc.__new__(_Acc)
+        vars(acc).update(d)
+        out[layer] = acc
+    return out
 
 
 class _Scratch:
@@ -253,6 +270,8 @@ def frequency_usage(
     layers: Sequence[int] | None = None,
     queries: int | None = None,
     progress: bool = True,
+    work: str | Path | None = None,
+    fresh: bool = False,
 ) -> FrequencyUsage:
     """Stream `token_rows` through a RoPE model once and measure per-band usage of every head.
 
@@ -269,6 +288,10 @@ def frequency_usage(
     `queries` limits the score statistics (contributions, shares, profile, eta2) to the last `queries`
     query positions of each window, with all their keys (every rel_pos still occurs): their cost grows
     with queries * window instead of window**2. None measures every causal entry exactly.
+
+    `work`: a folder where the pass keeps its sums as it goes (`posprobe.report.checkpoint.StreamResume`); the
+    same call resumes from there to the same tables; another model, rows or settings there is refused, and
+    `fresh=True` discards it first.
     """
     facts = model_facts(model)
     require_rotated_qk(facts, "Per-frequency RoPE usage")
@@ -287,7 +310,11 @@ def frequency_usage(
     # Under torchrun each process streams its share of the batches and the sums are added up over
     # processes (core.distributed); a single process takes every batch.
     spans = distributed.shard_batches(rows.shape[0], batch_size)
-    stream(model, (rows[a:b] for a, b in spans), [red], total=len(spans), progress=progress, desc="freq-usage")
+    config = dict(batch_size=batch_size, layers=layers, queries=queries)
+    resume = stream_resume(work, fresh=fresh, analysis="frequency", model=model, rows=rows, config=config,
+                           pack=_pack, unpack=_unpack)
+    stream(model, (rows[a:b] for a, b in spans), [red], total=len(spans), progress=progress, desc="freq-usage",
+           resume=resume)
     state = red.state
     state.pop("_q", None)
     if distributed.active():
@@ -299,7 +326,6 @@ def frequency_usage(
     # Every layer's sums cross to the CPU in one copy (the tables are built with numpy).
     band_df, prof_df, head_df = _tables(facts, to_cpu_once({l: state[l] for l in layers}), edges, window)
     data = data_meta("token rows", n_items=int(rows.shape[0]), unit="windows")
-    config = dict(batch_size=batch_size, layers=layers, queries=queries)
     meta = {
         **make_meta("frequency", model=facts.summary(), data=data, config=config),
         "n_windows": int(rows.shape[0]),

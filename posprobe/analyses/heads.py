@@ -17,6 +17,7 @@ Every statistic is a ratio of corpus-wide sums, so a chunked run equals a single
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
@@ -28,6 +29,7 @@ from posprobe.backend.model import encode_text, first_token, tokenizer_of
 from posprobe.core import distributed
 from posprobe.core.capture import Reducer, capture, float64_device, stream, to_cpu_once
 from posprobe.data import BUILTIN_TEXT, framed_windows
+from posprobe.report.checkpoint import stream_resume
 from posprobe.report.result import Result
 from posprobe.report.schema import data_meta, make_meta, text_sha256
 
@@ -183,10 +185,13 @@ def _classes(values: dict[str, float], cfg: HeadsConfig) -> list[str]:
 
 
 @torch.no_grad()
-def head_signatures(model: Any, token_rows: Any, config: HeadsConfig | None = None) -> Result:
+def head_signatures(model: Any, token_rows: Any, config: HeadsConfig | None = None, *,
+                    work: str | Path | None = None, fresh: bool = False) -> Result:
     """Head signatures over equal-length `token_rows` (plus the induction pass unless
     `config.induction_len` is 0). Returns a Result with tables `heads` (layer, head, metric, value),
-    `head_classes` (layer, head, kind, classes) and `offsets` (mean attention by rel_pos, top heads)."""
+    `head_classes` (layer, head, kind, classes) and `offsets` (mean attention by rel_pos, top heads).
+    `work`: a folder where the corpus pass keeps its sums as it goes; the same call resumes from there to the
+    same tables (another model, rows or config is refused; `fresh=True` discards it first)."""
     cfg = config or HeadsConfig()
     facts = model_facts(model)
     require_attention_supported(facts, "Head signatures")
@@ -200,8 +205,9 @@ def head_signatures(model: Any, token_rows: Any, config: HeadsConfig | None = No
     red = _reducer(layers, n, facts.is_encoder)
     # Under torchrun each process streams its share of the batches; the sums are added over processes.
     spans = distributed.shard_batches(rows.shape[0], cfg.batch_size)
+    resume = stream_resume(work, fresh=fresh, analysis="heads", model=model, rows=rows, config=cfg)
     stream(model, (rows[a:b] for a, b in spans), [red], total=len(spans), progress=cfg.progress,
-           desc="head signatures")
+           desc="head signatures", resume=resume)
     if distributed.active():
         sums = [red.state[l] for l in layers]
         distributed.all_reduce_sums([v for s in sums for v in s.values() if isinstance(v, torch.Tensor)])
@@ -243,9 +249,9 @@ def head_signatures(model: Any, token_rows: Any, config: HeadsConfig | None = No
 
 
 def run_heads(model: Any, text: str | None = None, config: HeadsConfig | None = None, *,
-              source: str | None = None) -> Result:
+              source: str | None = None, work: str | Path | None = None, fresh: bool = False) -> Result:
     """Head signatures over windows of `text` (default: posprobe's built-in text), each window framed
-    the way the model expects (BOS, or CLS ... SEP for encoders)."""
+    the way the model expects (BOS, or CLS ... SEP for encoders); `work`/`fresh` as in `head_signatures`."""
     from posprobe.backend.model import special_tokens
 
     cfg = config or HeadsConfig()
@@ -255,7 +261,7 @@ def run_heads(model: Any, text: str | None = None, config: HeadsConfig | None = 
         first = first_token(model)
         pre = [first] if first is not None else []
     rows = framed_windows(encode_text(model, body), cfg.window, pre=pre, post=post, max_windows=cfg.max_windows)
-    result = head_signatures(model, rows, cfg)
+    result = head_signatures(model, rows, cfg, work=work, fresh=fresh)
     result.meta["data"] = data_meta(source or ("built-in text" if text is None else "text"), n_items=len(rows),
                                     unit="windows", sha256=text_sha256(body))
     return result

@@ -7,9 +7,10 @@ HELP = "Per-frequency RoPE usage per head (band norms, score shares, rel-pos pro
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from posprobe.analyses.configs import FrequencyConfig
-    from posprobe.cli.args import add_analysis_arguments
+    from posprobe.cli.args import add_analysis_arguments, add_resume_arguments
 
     add_analysis_arguments(p, FrequencyConfig)
+    add_resume_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -35,9 +36,14 @@ def run(args: argparse.Namespace) -> int:
     from posprobe.core import distributed
 
     model = load_model(args.model, device=distributed.local_device(args.device), dtype=args.dtype, n_ctx=args.n_ctx)
-    result = run_frequency(model, text, config, source=args.text)
+    from posprobe.report.checkpoint import discard_work_folder, work_folder_for
+
+    # The corpus pass keeps its sums in <out>.work as it goes: a rerun of the same command resumes from there.
+    work = work_folder_for(args.out)
+    result = run_frequency(model, text, config, source=args.text, work=work, fresh=args.fresh)
     if not distributed.is_writer():  # under torchrun every rank holds the merged result; rank 0 writes it
         return 0
     paths = result.save(args.out, figure_formats=args.figures, csv=args.csv)
+    discard_work_folder(work)
     print(f"wrote {len(paths)} files to {args.out} (report: {paths['report']})")
     return 0

@@ -10,9 +10,10 @@ HELP = ("Head signatures: attention to self, i-1 and the first token, attention 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from posprobe.analyses.configs import HeadsConfig
-    from posprobe.cli.args import add_analysis_arguments
+    from posprobe.cli.args import add_analysis_arguments, add_resume_arguments
 
     add_analysis_arguments(p, HeadsConfig)
+    add_resume_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -33,12 +34,17 @@ def run(args: argparse.Namespace) -> int:
     from posprobe.core import distributed
 
     model = load_model(args.model, device=distributed.local_device(args.device), dtype=args.dtype, n_ctx=args.n_ctx)
-    result = run_heads(model, text, config, source=args.text)
+    from posprobe.report.checkpoint import discard_work_folder, work_folder_for
+
+    # The corpus pass keeps its sums in <out>.work as it goes: a rerun of the same command resumes from there.
+    work = work_folder_for(args.out)
+    result = run_heads(model, text, config, source=args.text, work=work, fresh=args.fresh)
     if not distributed.is_writer():  # under torchrun every rank holds the merged result; rank 0 writes it
         return 0
     from posprobe.report.heads import summary_text
 
     print(summary_text(result))  # the sentence the atlas prints for this section, from the same numbers
     paths = result.save(args.out, figure_formats=args.figures, csv=args.csv)
+    discard_work_folder(work)
     print(f"wrote {paths['report']}")
     return 0

@@ -180,11 +180,14 @@ def stream(
     progress: bool = True,
     desc: str = "batches",
     context: Callable[[], Any] | None = None,
+    resume: Any = None,
 ) -> list[dict]:
     """Feed every batch through the model once, letting each reducer fold its hooks' activations.
 
     Memory stays bounded by one batch's activations plus the reducers' states. `context`, if given,
     is entered around each forward (e.g. a position plan). Returns each reducer's state.
+    `resume` (a `posprobe.report.checkpoint.StreamResume`): restore the states after the batches an earlier run
+    finished, skip those batches, and save the states as the pass goes.
     """
     needed = sorted({(p, l) for r in reducers for p in r.points for l in r.layers}, key=lambda x: (x[1], x[0]))
     if not needed:
@@ -205,9 +208,19 @@ def stream(
         return hook
 
     hooks = [(hook_name(p, l), make(p, l)) for p, l in needed]
-    seen = 0
-    with hooked(model, hooks), tqdm(total=total, desc=desc, unit="batch", disable=not progress) as bar:
+    seen = skip = 0
+    got = resume.load() if resume is not None else None
+    if got is not None:
+        skip, states = got
+        for r, st in zip(reducers, states):
+            r.state.clear()
+            r.state.update(st)
+    with hooked(model, hooks), tqdm(total=total, desc=desc + (f" (resumed {skip})" if skip else ""), unit="batch",
+                                    disable=not progress, initial=skip) as bar:
         for toks in token_batches:
+            if seen < skip:  # folded into the restored states by the earlier run
+                seen += 1
+                continue
             if context is not None:
                 with context():
                     _run_through(model, toks, layers)
@@ -215,10 +228,14 @@ def stream(
                 _run_through(model, toks, layers)
             seen += 1
             bar.update(1)
-            if seen == 1:
+            if seen == skip + 1:
                 require_fired(model, needed, fired)  # after the first batch: no pass over a corpus to find out
+            if resume is not None and resume.due():
+                resume.save(seen, [r.state for r in reducers])
     if seen == 0:
         raise ValueError("Empty input: no token batches to stream")
+    if resume is not None:
+        resume.save(seen, [r.state for r in reducers])
     return [r.state for r in reducers]
 
 

@@ -19,7 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence, TypeVar
 
-__all__ = ["Checkpoint", "CheckpointMismatch", "work_folder_for", "discard_work_folder", "run_key", "WORK_SUFFIX"]
+__all__ = ["Checkpoint", "CheckpointMismatch", "StreamResume", "work_folder_for", "discard_work_folder", "run_key",
+           "rows_sha256", "stream_resume", "WORK_SUFFIX"]
 
 T = TypeVar("T")
 
@@ -63,6 +64,14 @@ def run_key(analysis: str, *, model: dict, data: dict, config: Any, **extra: Any
         tf_version = None
     return {"analysis": analysis, "model": model, "data": data, "config": cfg, **extra,
             "versions": {"posprobe": __version__, "torch": torch.__version__, "transformers": tf_version}}
+
+
+def rows_sha256(rows: Any) -> str:
+    """sha256 of a token-id tensor's shape and values (the exact windows a corpus pass streams)."""
+    import torch
+
+    t = torch.as_tensor(rows).to("cpu", torch.int64).contiguous()
+    return hashlib.sha256(repr(tuple(t.shape)).encode() + t.numpy().tobytes()).hexdigest()
 
 
 def _digest(key: dict) -> str:
@@ -228,3 +237,70 @@ class Checkpoint:
                                             "checkpoint; the units done so far are kept there: free space and rerun "
                                             "the same command to resume") from e
             raise
+
+
+class StreamResume:
+    """Resume for `posprobe.core.capture.stream`: the reducers' states after the first n batches, saved as one
+    unit (replaced atomically) at most every `every_s` seconds of work and after the last batch. A rerun skips the
+    n batches and folds the rest into the restored states in the same order, so the sums are bit-equal.
+
+    `pack(state) -> value` turns a reducer's state into what a checkpoint holds (containers, numbers, tensors);
+    `unpack(value) -> state` rebuilds it. Identity by default (states that are dicts of tensors).
+    """
+
+    UNIT = "stream"
+
+    def __init__(self, ckpt: Checkpoint, *, pack: Callable[[dict], Any] | None = None,
+                 unpack: Callable[[Any], dict] | None = None, every_s: float = 30.0) -> None:
+        import time
+
+        self.ckpt, self.every_s = ckpt, every_s
+        self.pack = pack or (lambda st: st)
+        self.unpack = unpack or (lambda v: v)
+        self._last = time.monotonic()
+        self.saved = 0
+
+    def load(self) -> tuple[int, list[dict]] | None:
+        """(batches done, reducer states) from an earlier run, or None."""
+        if not self.ckpt.has(self.UNIT):
+            return None
+        v = self.ckpt.get(self.UNIT)
+        print(f"resuming: {v['batches']} batches done in {self.ckpt.folder}", file=sys.stderr)
+        self.saved = v["batches"]
+        return v["batches"], [self.unpack(s) for s in v["states"]]
+
+    def due(self) -> bool:
+        """Whether enough work passed since the last save."""
+        import time
+
+        return time.monotonic() - self._last >= self.every_s
+
+    def save(self, batches: int, states: Sequence[dict]) -> None:
+        """Keep the states after `batches` batches."""
+        import time
+
+        if batches > self.saved:
+            self.ckpt.put(self.UNIT, {"batches": batches, "states": [self.pack(s) for s in states]})
+            self.saved = batches
+        self._last = time.monotonic()
+
+
+def stream_resume(work: str | os.PathLike | None, *, fresh: bool, analysis: str, model: Any, rows: Any, config: Any,
+                  pack: Callable[[dict], Any] | None = None,
+                  unpack: Callable[[Any], dict] | None = None) -> StreamResume | None:
+    """The `StreamResume` of a corpus pass of `model` over token `rows` in `work` (None without a folder, and
+    under torchrun, where every rank would write the same unit). The key: analysis, model facts and weight
+    digest, the rows' hash, `config`."""
+    if work is None:
+        return None
+    from posprobe.core import distributed
+
+    if distributed.active():
+        print(f"{analysis}: no checkpoints under torchrun (every rank would write the same unit)", file=sys.stderr)
+        return None
+    from posprobe.backend.facts import model_facts
+    from posprobe.backend.model import weights_fingerprint
+
+    key = run_key(analysis, model={"facts": model_facts(model).summary(), "weights": weights_fingerprint(model)},
+                  data={"rows": rows_sha256(rows)}, config=config)
+    return StreamResume(Checkpoint(work, key, fresh=fresh), pack=pack, unpack=unpack)
