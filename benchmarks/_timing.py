@@ -74,3 +74,21 @@ def rotate(items: list, r: int) -> list:
     """`items` rotated by round number, so no method always runs first or after the same neighbour."""
     k = r % len(items)
     return items[k:] + items[:k]
+
+
+def interleaved(methods: dict, rounds: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Run every method once per round, in an order rotated by round; returns (CPU s, wall s) per method and round,
+    with the load average before and after on stderr."""
+    import sys
+
+    cpu: dict[str, list[float]] = {m: [] for m in methods}
+    wall: dict[str, list[float]] = {m: [] for m in methods}
+    print(f"before: {loadavg()}", file=sys.stderr)
+    for r in range(rounds):
+        for name in rotate(list(methods), r):
+            with Timed(rss=False) as t:
+                methods[name]()
+            cpu[name].append(t.cpu)
+            wall[name].append(t.wall)
+    print(f"after: {loadavg()}", file=sys.stderr)
+    return cpu, wall

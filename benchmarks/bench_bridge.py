@@ -31,7 +31,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
-from _timing import Timed, loadavg, ratio_summary, rotate  # noqa: E402
+from _timing import interleaved, ratio_summary  # noqa: E402
 
 # The model `posprobe info tiny-rope` builds, as plain transformers: no TransformerLens anywhere.
 PLAIN_HF_TINY = ("import torch; from posprobe.backend.tiny import tiny_hf_model, byte_tokenizer; "
@@ -74,16 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     with torch.inference_mode():
         for f in runs.values():  # warm-up
             f()
-        times: dict[str, list[float]] = {k: [] for k in runs}
-        walls: dict[str, list[float]] = {k: [] for k in runs}
-        print(f"before: {loadavg()}", file=sys.stderr)
-        for r in range(a.rounds):
-            for name in rotate(list(runs), r):
-                with Timed(rss=False) as t:
-                    runs[name]()
-                times[name].append(t.cpu)
-                walls[name].append(t.wall)
-        print(f"after: {loadavg()}", file=sys.stderr)
+        times, walls = interleaved(runs, a.rounds)
     print(f"forward {a.spec} batch {a.batch} x {a.length} tokens, {a.threads} thread(s), {a.rounds} rounds:")
     for num, den, label in (
         ("bridge", "hf", "bridge / plain HF (SDPA)"),

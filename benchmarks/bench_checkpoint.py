@@ -23,7 +23,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _timing import Timed, loadavg, ratio_summary, rotate  # noqa: E402
+from _timing import interleaved, ratio_summary  # noqa: E402
 
 
 def _model(name: str | None):
@@ -87,16 +87,7 @@ def main() -> None:
         run_long_context(model, text, cfg, tokenizer=tok, work=done)
 
     methods = {"bare": bare, "plain": plain, "checkpoint": checkpoint, "resume": resume}
-    cpu: dict[str, list[float]] = {m: [] for m in methods}
-    wall: dict[str, list[float]] = {m: [] for m in methods}
-    print(loadavg(), file=sys.stderr)
-    for r in range(args.rounds):
-        for name in rotate(list(methods), r):
-            with Timed(rss=False) as t:
-                methods[name]()
-            cpu[name].append(t.cpu)
-            wall[name].append(t.wall)
-    print(loadavg(), file=sys.stderr)
+    cpu, wall = interleaved(methods, args.rounds)
     units = len(windows) + 2 * 2
     print(f"model {args.model or 'random Llama (4 layers, d=256)'}; {args.windows} windows of {args.length} tokens "
           f"+ 4 passkey trials of {args.passkey_length} = {units} units; {args.rounds} rounds, "

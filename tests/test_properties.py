@@ -87,3 +87,99 @@ def test_per_pair_rules_equal_per_query_plans_on_random_lengths_and_chunks(tiny_
     with torch.no_grad():
         want = -token_logprobs(logits_under(tiny_rope, ids[None], preset_plan(spec, tiny_rope, n)), ids[None])[0]
     assert (got - want).abs().max() <= 1e-4, spec
+
+
+@st.composite
+def corpus_passes(draw):
+    window = draw(st.integers(2, 24))
+    return dict(n_rows=draw(st.integers(1, 4)), window=window, batch_size=draw(st.integers(1, 4)),
+                queries=draw(st.none() | st.integers(1, window + 2)),
+                chunk=draw(st.sampled_from([1, 37, 100, 1 << 24])), seed=draw(st.integers(0, 2**16)))
+
+
+@given(corpus_passes())
+def test_frequency_reducer_equals_a_float64_recomputation_on_random_shapes(tiny_rope64, case):
+    # The streaming reducer (batches, query subsets, query blocks of any size down to one row) against the band
+    # products of the captured rotated q/k, written out pair by pair in float64 over the kept causal entries.
+    import posprobe.analyses.frequency as fr
+    from posprobe.backend.facts import model_facts
+    from posprobe.backend.hooks import score_scale
+    from posprobe.core.capture import capture
+
+    facts = model_facts(tiny_rope64)
+    n = case["window"]
+    toks = torch.randint(0, 200, (case["n_rows"], n), generator=torch.Generator().manual_seed(case["seed"]))
+    old = fr.CHUNK_ELEMENTS
+    fr.CHUNK_ELEMENTS = case["chunk"]
+    try:
+        res = fr.frequency_usage(tiny_rope64, toks, batch_size=case["batch_size"], queries=case["queries"],
+                                 progress=False)
+    finally:
+        fr.CHUNK_ELEMENTS = old
+    cap = capture(tiny_rope64, toks, ["rot_q", "rot_k"])
+    first_q = 0 if case["queries"] is None else max(0, n - case["queries"])
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    causal[:first_q] = False
+    d = res.df.set_index(["layer", "head", "band", "metric"]).value
+    for layer in range(facts.n_layers):
+        spec = facts.rotary[layer]
+        half, group = spec.rotary_dim // 2, facts.n_heads // facts.n_kv_heads
+        q, k = cap["rot_q", layer], cap["rot_k", layer].repeat_interleave(group, dim=2)
+        scale = score_scale(tiny_rope64, layer)
+        for b in range(half):
+            dims = [2 * b, 2 * b + 1] if spec.adjacent else [b, b + half]
+            part = torch.einsum("bqhd,bkhd->bhqk", q[..., dims], k[..., dims]) / scale  # [batch, head, q, k]
+            kept = part[:, :, causal]  # [batch, head, entry]
+            for h in range(facts.n_heads):
+                want_abs, want = kept[:, h].abs().mean().item(), kept[:, h].mean().item()
+                assert math.isclose(d[layer, h, b, "mean_abs_contrib"], want_abs, rel_tol=1e-9, abs_tol=1e-12)
+                assert math.isclose(d[layer, h, b, "mean_contrib"], want, rel_tol=1e-9, abs_tol=1e-12)
+
+
+@st.composite
+def analysis_configs(draw):
+    from posprobe.analyses.configs import FrequencyConfig, HeadsConfig
+
+    window = draw(st.integers(3, 40))  # 2 leaves one text token after BOS: refused with its reason
+    common = dict(window=window, max_windows=draw(st.integers(1, 5)), batch_size=draw(st.integers(1, 4)),
+                  progress=False)
+    if draw(st.booleans()):
+        return HeadsConfig(**common, induction_len=draw(st.integers(0, 10)),
+                           sink_threshold=draw(st.floats(0.05, 0.95)))
+    return FrequencyConfig(**common, queries=draw(st.none() | st.integers(1, window)), ablate=False,
+                           layers=draw(st.none() | st.sets(st.integers(0, 1), min_size=1).map(tuple)))
+
+
+@given(analysis_configs())
+def test_tables_follow_the_schema_and_survive_a_save_on_random_configs(tiny_rope, cfg):
+    # Whatever the configuration: every table's columns are in the one vocabulary, meta follows the schema, the
+    # per-head tables have one row per layer x head (x metric), and a saved result loads back equal.
+    import tempfile
+
+    import pandas as pd
+
+    from posprobe.analyses.configs import HeadsConfig
+    from posprobe.analyses.frequency import run_frequency
+    from posprobe.analyses.heads import METRICS, run_heads
+    from posprobe.backend.facts import model_facts
+    from posprobe.report.result import Result
+    from posprobe.report.schema import unknown_columns, validate_meta
+
+    facts = model_facts(tiny_rope)
+    heads = isinstance(cfg, HeadsConfig)
+    res = run_heads(tiny_rope, None, cfg) if heads else run_frequency(tiny_rope, None, cfg)
+    validate_meta(res.meta)
+    for name, df in res.tables.items():
+        assert len(df) and unknown_columns(df) == [], (name, unknown_columns(df))
+    layers = facts.n_layers if heads or cfg.layers is None else len(cfg.layers)
+    if heads:
+        assert len(res.tables["heads"]) == layers * facts.n_heads * len(METRICS)
+        assert len(res.tables["head_classes"]) == layers * facts.n_heads
+    else:
+        assert len(res.tables["heads"]) == layers * facts.n_heads
+        assert res.tables["heads"].kind.isin(["position-driven", "content-driven", "mixed"]).all()
+    with tempfile.TemporaryDirectory() as tmp:
+        res.save(f"{tmp}/out", csv="none")
+        back = Result.load(f"{tmp}/out")
+    for name, df in res.tables.items():
+        pd.testing.assert_frame_equal(back.tables[name].reset_index(drop=True), df.reset_index(drop=True))
