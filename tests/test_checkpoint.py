@@ -446,3 +446,28 @@ def _every_batch(init):
         self.every_s = 0.0  # save after every batch, so a crash at any batch resumes from the one before
 
     return patched
+
+
+def test_interrupted_probes_resume_to_the_uninterrupted_table(tmp_path, monkeypatch, tiny_rope):
+    from posprobe.analyses import probes as P
+    from posprobe.analyses.configs import ProbeConfig
+
+    cfg = ProbeConfig(window=16, max_windows=8, max_tokens=100, n_splits=2, inner_splits=2, progress=False)
+    clean = P.run_probes(tiny_rope, TEXT, cfg)
+    real = P.probe_scores
+    calls = {"n": 0}
+
+    def scores(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(P, "probe_scores", scores)
+    work = tmp_path / "probes.work"
+    with pytest.raises(KeyboardInterrupt):
+        P.run_probes(tiny_rope, TEXT, cfg, work=work)
+    resumed = P.run_probes(tiny_rope, TEXT, cfg, work=work)
+    n_keys = len(cfg.points) * 2  # tiny-rope: 2 layers
+    assert calls["n"] == n_keys + 1  # the two finished probes were read back
+    _assert_same_tables(clean, resumed)

@@ -9,6 +9,7 @@ between a vector and its position); a chance baseline predicts the training mean
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import numpy as np
@@ -21,6 +22,7 @@ from posprobe.analyses.configs import ProbeConfig
 from posprobe.backend.model import encode_text, first_token
 from posprobe.core.capture import Reducer, batches, stream, to_cpu_once
 from posprobe.data import framed_windows
+from posprobe.report.checkpoint import Checkpoint, rows_sha256, run_key
 from posprobe.report.probes import fold_summary  # noqa: F401 - part of this module's API
 from posprobe.report.result import Result
 from posprobe.report.schema import data_meta, make_meta, text_sha256
@@ -35,9 +37,10 @@ def text_rows(model: Any, text: str, window: int = 64, max_windows: int | None =
 
 
 def run_probes(model: Any, text: str | None = None, config: ProbeConfig | None = None, *,
-               source: str | None = None) -> Result:
+               source: str | None = None, work: str | Path | None = None, fresh: bool = False) -> Result:
     """Position probes over `config.max_windows` windows of `config.window` tokens of `text` (default:
-    the built-in text); the result's meta records the data in the common schema."""
+    the built-in text); the result's meta records the data in the common schema. `work`/`fresh` as in
+    `position_probes`."""
     from posprobe.backend.facts import model_facts
     from posprobe.data import BUILTIN_TEXT
 
@@ -45,7 +48,7 @@ def run_probes(model: Any, text: str | None = None, config: ProbeConfig | None =
     model_facts(model)  # refuses, before tokenising, a model no hook value of which can be trusted
     body = BUILTIN_TEXT if text is None else text
     rows = text_rows(model, body, cfg.window, cfg.max_windows)
-    result = position_probes(model, rows, cfg)
+    result = position_probes(model, rows, cfg, work=work, fresh=fresh)
     result.meta["data"] = data_meta(source or ("built-in text" if text is None else "text"), n_items=len(rows),
                                     unit="windows", sha256=text_sha256(body))
     return result
@@ -132,6 +135,17 @@ def collect_residuals(
     return {k: v.numpy() for k, v in done.items()}
 
 
+def _checkpoint(work: str | Path | None, fresh: bool, model: Any, rows: torch.Tensor, cfg: ProbeConfig) -> Checkpoint:
+    if work is None:
+        return Checkpoint(None, {})
+    from posprobe.backend.facts import model_facts
+    from posprobe.backend.model import weights_fingerprint
+
+    key = run_key("probes", model={"facts": model_facts(model).summary(), "weights": weights_fingerprint(model)},
+                  data={"rows": rows_sha256(rows)}, config=cfg)
+    return Checkpoint(work, key, fresh=fresh)
+
+
 def ridge_path(xtr: np.ndarray, Ytr: np.ndarray, xte: np.ndarray, alphas: Sequence[float]) -> np.ndarray:
     """Ridge predictions (with intercept) for every penalty at once: [n_alpha, n_test, n_targets].
 
@@ -209,12 +223,16 @@ def probe_scores(X: np.ndarray, positions: np.ndarray, groups: np.ndarray, n_pos
 
 
 def position_probes(model: Any, token_rows: Sequence[Sequence[int]] | torch.Tensor,
-                    config: ProbeConfig | None = None) -> Result:
+                    config: ProbeConfig | None = None, *, work: str | Path | None = None,
+                    fresh: bool = False) -> Result:
     """Probe absolute position from the residual stream at every (point, layer).
 
     Returns a Result whose df has one row per model, point, layer, condition (probe/control/chance), fold,
     metric (mae: mean absolute error in positions; accuracy: fraction of held-out tokens in the right
     bucket), value. Folds group by token row; `report.probes.fold_summary(result.df)` gives mean and std over folds.
+    `work`: a folder where each (point, layer)'s fold scores are kept as they complete; the same call resumes from
+    there (capturing only the residuals still needed) to the same table; another model, rows or config there is
+    refused, and `fresh=True` discards it first.
     """
     from posprobe.backend.facts import model_facts
 
@@ -240,10 +258,17 @@ def position_probes(model: Any, token_rows: Sequence[Sequence[int]] | torch.Tens
     keys = [(p, l) for l in layers for p in cfg.points]
     from threadpoolctl import threadpool_limits
 
-    frames = []
-    chunks = list(_layer_chunks(keys, len(flat), facts.d_model, cfg.memory_mb))
-    bar = tqdm(total=len(keys), desc="probes", unit="probe", disable=not cfg.progress)
-    for chunk in chunks:
+    ckpt = _checkpoint(work, fresh, model, rows, cfg)
+    unit = lambda key: f"probe|{key[0]}|{key[1]}"  # noqa: E731
+    done = ckpt.announce([unit(k) for k in keys], "probes")
+    frames = {}
+    for key in keys:
+        if ckpt.has(unit(key)):
+            frames[key] = pd.DataFrame(ckpt.get(unit(key)))
+    todo = [k for k in keys if k not in frames]
+    bar = tqdm(total=len(keys), initial=done, desc="probes" + (f" (resumed {done})" if done else ""), unit="probe",
+               disable=not cfg.progress)
+    for chunk in _layer_chunks(todo, len(flat), facts.d_model, cfg.memory_mb):
         acts = collect_residuals(model, rows, chunk, flat, batch_size=cfg.batch_size, progress=cfg.progress)
         for key in chunk:
             # Positions are shifted so skipped leading tokens do not distort the buckets.
@@ -253,9 +278,10 @@ def position_probes(model: Any, token_rows: Sequence[Sequence[int]] | torch.Tens
                 df = probe_scores(acts.pop(key), positions - cfg.skip_first, groups, n_pos - cfg.skip_first, cfg)
             df.insert(0, "layer", key[1])
             df.insert(0, "point", key[0])
-            frames.append(df)
+            frames[key] = pd.DataFrame(ckpt.put(unit(key), df.to_dict("list")))
             bar.update(1)
     bar.close()
+    frames = [frames[k] for k in keys]
     df = pd.concat(frames, ignore_index=True)
     df.insert(0, "model", facts.name)
     data = data_meta("token rows", n_items=n_rows, unit="windows")

@@ -9,9 +9,10 @@ HELP = "Probe absolute position from the residual stream per layer (ridge MAE, b
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from posprobe.analyses.configs import ProbeConfig
-    from posprobe.cli.args import add_analysis_arguments
+    from posprobe.cli.args import add_analysis_arguments, add_resume_arguments
 
     add_analysis_arguments(p, ProbeConfig)
+    add_resume_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -34,7 +35,12 @@ def run(args: argparse.Namespace) -> int:
     from posprobe.backend.loading import load_model
 
     model = load_model(args.model, device=args.device, dtype=args.dtype, n_ctx=args.n_ctx)
-    result = run_probes(model, text, config, source=args.text)
+    from posprobe.report.checkpoint import discard_work_folder, work_folder_for
+
+    # Each (point, layer)'s fold scores are kept in <out>.work as they complete: a rerun resumes from there.
+    work = work_folder_for(args.out)
+    result = run_probes(model, text, config, source=args.text, work=work, fresh=args.fresh)
     paths = result.save(args.out, figure_formats=args.figures, csv=args.csv)
+    discard_work_folder(work)
     print(f"wrote {paths['report']}")
     return 0
