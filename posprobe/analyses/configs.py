@@ -258,6 +258,34 @@ class HeadsConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class SinksConfig:
+    """Attention sinks (`run_sinks`, `posprobe sinks`): the share of heads that sink on the first token (Gu et al.
+    2025, Sink_1^epsilon with per-sample thresholding) on random-token sequences and on text, and per head what sets
+    the first token apart (its key and value norms, the cosine of queries to its key)."""
+
+    length: int = option(64, "tokens per sequence, incl. BOS/CLS (Gu et al.: T = 64)")
+    random_samples: int = option(32, "random-token sequences (seeded; 0: skip the random condition)")
+    max_windows: int = option(16, "text windows (0: skip the text condition)")
+    epsilon: float = option(0.3, "a head sinks on a sample when its mean attention on the first token exceeds this")
+    first: Literal["model", "random"] = option(
+        "model", "first token of the random sequences: model = as the model expects (BOS where its tokenizer adds "
+                 "one), random = a random token like the rest")
+    batch_size: int = option(8, "sequences per forward pass")
+    seed: int = option(0, "seed of the random sequences")
+    progress: bool = option(True, "", cli=False)
+
+    def __post_init__(self) -> None:
+        _check_choices(self)
+        _at_least(self, 2, "length")
+        _at_least(self, 1, "batch_size")
+        _at_least(self, 0, "random_samples", "max_windows")
+        if not 0 <= self.epsilon <= 1:
+            raise ValueError(f"epsilon must be within [0, 1], got {self.epsilon}")
+        if self.random_samples == 0 and self.max_windows == 0:
+            raise ValueError("nothing to measure: random_samples and max_windows are both 0")
+
+
+@dataclass(frozen=True, kw_only=True)
 class AtlasConfig:
     """`posprobe atlas`: every positional analysis that applies to the model, with bounded defaults
     (a few minutes on a 2-core CPU for a 135M model), in one report."""

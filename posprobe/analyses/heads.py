@@ -28,7 +28,7 @@ from posprobe.backend.facts import model_facts, require_attention_supported
 from posprobe.backend.model import encode_text, first_token, tokenizer_of
 from posprobe.core import distributed
 from posprobe.core.capture import Reducer, capture, float64_device, stream, to_cpu_once
-from posprobe.data import BUILTIN_TEXT, framed_windows
+from posprobe.data import BUILTIN_TEXT, framed_windows, random_token_ids
 from posprobe.report.checkpoint import stream_resume
 from posprobe.report.result import Result
 from posprobe.report.schema import data_meta, make_meta, text_sha256
@@ -162,11 +162,7 @@ def detection_scores(patterns: torch.Tensor, tokens: torch.Tensor) -> dict[str, 
 def repeated_random_tokens(model: Any, length: int, batch: int, seed: int) -> torch.Tensor:
     """`[batch, 1 + 2*length]` (or without the leading BOS where the tokenizer has none): a random token
     sequence (no special tokens) followed by itself, seeded."""
-    tok = tokenizer_of(model)
-    specials = set(tok.all_special_ids)
-    vocab = torch.tensor([i for i in range(len(tok)) if i not in specials])
-    g = torch.Generator().manual_seed(seed)
-    r = vocab[torch.randint(len(vocab), (batch, length), generator=g)]
+    r = torch.tensor(random_token_ids(tokenizer_of(model), batch, length, seed))
     first = first_token(model)
     start = torch.full((batch, 1), first, dtype=torch.long) if first is not None else r[:, :0]
     return torch.cat([start, r, r], dim=1)

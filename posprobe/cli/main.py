@@ -21,6 +21,7 @@ SUBCOMMANDS = {
     "probe": "probe",
     "geometry": "geometry",
     "heads": "heads",
+    "sinks": "sinks",
     "atlas": "atlas",
 }
 

@@ -90,3 +90,13 @@ def framed_windows(token_ids: Sequence[int], length: int, *, pre: Sequence[int] 
     if body < 2:
         raise ValueError(f"window of {length} tokens leaves {body} text tokens after special tokens; need >= 2")
     return [list(pre) + w + list(post) for w in token_windows(token_ids, body, max_windows=max_windows, stride=stride)]
+
+
+def random_token_ids(tokenizer: object, batch: int, length: int, seed: int) -> list[list[int]]:
+    """`batch` rows of `length` token ids drawn uniformly (seeded) from the vocabulary without special tokens."""
+    import torch
+
+    specials = set(tokenizer.all_special_ids)  # type: ignore[attr-defined]
+    vocab = torch.tensor([i for i in range(len(tokenizer)) if i not in specials])  # type: ignore[arg-type]
+    g = torch.Generator().manual_seed(seed)
+    return vocab[torch.randint(len(vocab), (batch, length), generator=g)].tolist()

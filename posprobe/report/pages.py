@@ -22,6 +22,7 @@ PAGES = {
     "surgery-eval": "posprobe.report.squish",
     "long-context": "posprobe.report.long_context",
     "heads": "posprobe.report.heads",
+    "sinks": "posprobe.report.sinks",
     "atlas": "posprobe.report.atlas",
 }
 

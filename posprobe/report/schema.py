@@ -138,6 +138,16 @@ METRICS: dict[str, str] = {
     "mean_contrib": "mean signed contribution of a band to the pre-softmax score (score units)",
     "mean_abs_contrib": "mean |contribution| of a band to the pre-softmax score (score units)",
     "abs_share": "a band's share of the head's summed |contribution| (0-1)",
+    "first_attention": "Gu et al. 2025 alpha_1: mean over all queries (query 0 included) of the attention on the "
+                       "first token, averaged over sequences",
+    "sink_rate": "share of sequences on which the head's alpha_1 exceeds epsilon (per-sample thresholding)",
+    "sink_share": "Gu et al. 2025 Sink_1^epsilon: share of (sequence, head) pairs whose alpha_1 exceeds epsilon",
+    "first_key_norm_ratio": "norm of the first token's key / mean norm of the other keys (the kv head's, as the "
+                            "scores see it: after rotation and any QK-norm), averaged over sequences",
+    "first_value_norm_ratio": "norm of the first token's value / mean norm of the other values, averaged over "
+                              "sequences",
+    "first_key_cos": "mean cosine of each query (positions 1..) with the first token's key",
+    "other_key_cos": "mean cosine of each query (positions 1..) with the keys of positions 1.. it sees",
 }
 
 REQUIRED_META: dict[str, type | tuple[type, ...]] = {

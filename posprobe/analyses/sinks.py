@@ -1,0 +1,179 @@
+"""Attention sinks: how many heads dump their attention on the first token, and what sets that token apart.
+
+The protocol of Gu et al. 2025 ("When attention sink emerges in language models", ICLR 2025): on sequences of
+T tokens, a head's alpha_1 is the attention on the first token averaged over all T queries (query 0 included,
+as in their formula); the head sinks on that sequence when alpha_1 > epsilon (0.3); Sink_1^epsilon is the share
+of (sequence, head) pairs that sink, per layer and over all layers (per-sample thresholding, then the average).
+Two conditions: random-token sequences (seeded, no special tokens; the first token as the model expects or
+random, `SinksConfig.first`) and windows of a text.
+
+Why the first token, per head (the questions of Gu et al. and Sun et al. 2024): the norm of its key against the
+other keys (as the scores see them: rotated, after any QK-norm), the cosine of queries with its key against their
+cosine with the other keys they see, and the norm of its value against the others (sinks often carry small
+values, so attending to them changes little). Everything is streamed with fixed-size float64 sums per layer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+import torch
+
+from posprobe.analyses.configs import SinksConfig
+from posprobe.backend.facts import ModelFacts, model_facts, require_attention_supported
+from posprobe.backend.model import encode_text, special_tokens, tokenizer_of
+from posprobe.core.capture import Reducer, float64_device, stream, to_cpu_once
+from posprobe.data import BUILTIN_TEXT, framed_windows, random_token_ids
+from posprobe.report.result import Result
+from posprobe.report.schema import data_meta, make_meta, text_sha256
+
+__all__ = ["SinksConfig", "run_sinks", "sink_statistics", "HEAD_METRICS"]
+
+#: Per-head metrics of the `sink_heads` table, in report order.
+HEAD_METRICS = ("first_attention", "sink_rate", "first_key_norm_ratio", "first_value_norm_ratio", "first_key_cos",
+                "other_key_cos")
+
+
+def _qk_points(facts: ModelFacts) -> tuple[str, str]:
+    # The q and k whose dot product is the score: rotated ones for RoPE (read where the model rotates), else q/k.
+    if not facts.is_rotary:
+        return "q", "k"
+    if facts.unsupported or facts.rotation_unhooked:
+        raise NotImplementedError(f"Attention sinks are not available for {facts.name}: "
+                                  f"{facts.unsupported or facts.rotation_unhooked}")
+    if len(facts.rotary_layers) != facts.n_layers:
+        raise NotImplementedError(f"Attention sinks are not available for {facts.name} yet: it mixes rotary and "
+                                  "NoPE layers, whose rotated keys are read at different points")
+    return "rot_q", "rot_k"
+
+
+def _cos(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    # [batch, pos, head, d] x [batch, pos, head, d] -> [batch, head, q, k] cosines
+    a = a / a.norm(dim=-1, keepdim=True).clamp_min(1e-30)
+    b = b / b.norm(dim=-1, keepdim=True).clamp_min(1e-30)
+    return torch.einsum("bqhd,bkhd->bhqk", a, b)
+
+
+def _reducer(facts: ModelFacts, n: int, epsilon: float) -> Reducer:
+    qp, kp = _qk_points(facts)
+    group = facts.n_heads // facts.n_kv_heads
+    causal = torch.ones(n, n, dtype=torch.bool) if facts.is_encoder else torch.ones(n, n, dtype=torch.bool).tril()
+    others = causal.clone()
+    others[:, 0] = False
+    others[0] = False  # queries 1.. with keys 1.. they see
+    n_others = others.sum().clamp_min(1)
+
+    def fn(point: str, layer: int, x: torch.Tensor, state: dict) -> None:
+        pending = state.setdefault(("pending", layer), {})
+        pending[point] = x.to(float64_device(x.device), torch.float64)
+        if len(pending) < 4:  # q, k, v and the pattern of this layer, in whatever order the hooks fire
+            return
+        del state[("pending", layer)]
+        q, k, v, p = pending[qp], pending[kp], pending["v"], pending["pattern"]
+        s = state.get(layer)
+        if s is None:
+            z = lambda *shape: torch.zeros(*shape, dtype=torch.float64, device=p.device)  # noqa: E731
+            s = state[layer] = {name: z(facts.n_heads) for name in ("alpha", "above", "k_ratio", "v_ratio", "cos0",
+                                                                    "cosj")} | {"rows": 0}
+        alpha = p[..., 0].mean(-1)  # [batch, head]: Gu et al.'s alpha_1, over every query
+        s["alpha"] += alpha.sum(0)
+        s["above"] += (alpha > epsilon).double().sum(0)
+        kn, vn = k.norm(dim=-1), v.norm(dim=-1)  # [batch, pos, kv_head]
+        s["k_ratio"] += (kn[:, 0] / kn[:, 1:].mean(1)).repeat_interleave(group, -1).sum(0)
+        s["v_ratio"] += (vn[:, 0] / vn[:, 1:].mean(1)).repeat_interleave(group, -1).sum(0)
+        cos = _cos(q, k.repeat_interleave(group, dim=2))  # [batch, head, q, k]
+        s["cos0"] += cos[:, :, 1:, 0].mean(-1).sum(0)
+        s["cosj"] += (cos * others.to(cos.device)).sum((-2, -1)).div(n_others.to(cos.device)).sum(0)
+        s["rows"] += p.shape[0]
+
+    return Reducer([qp, kp, "v", "pattern"], list(range(facts.n_layers)), fn)
+
+
+@torch.no_grad()
+def sink_statistics(model: Any, token_rows: Any, config: SinksConfig | None = None, *,
+                    condition: str = "rows") -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Per head (`sink_heads`: layer, head, metric, value) and per layer (`sink_share`: layer, metric
+    "sink_share", value, count = sequences) over equal-length `token_rows`, labelled `condition`."""
+    cfg = config or SinksConfig()
+    facts = model_facts(model)
+    require_attention_supported(facts, "Attention sinks")
+    rows = torch.as_tensor(token_rows)
+    if rows.dim() != 2 or rows.shape[0] == 0 or rows.shape[1] < 2:
+        raise ValueError("token_rows must be a non-empty [batch, pos] set of equal-length rows with pos >= 2")
+    n = rows.shape[1]
+    if n > facts.n_ctx:
+        raise ValueError(f"sequences of {n} tokens exceed the model's context n_ctx={facts.n_ctx}")
+    red = _reducer(facts, n, cfg.epsilon)
+    spans = [(a, min(a + cfg.batch_size, rows.shape[0])) for a in range(0, rows.shape[0], cfg.batch_size)]
+    stream(model, (rows[a:b] for a, b in spans), [red], total=len(spans), progress=cfg.progress,
+           desc=f"sinks ({condition})")
+    state = to_cpu_once({l: s for l, s in red.state.items() if isinstance(l, int)})
+    heads, layers = [], []
+    for layer in range(facts.n_layers):
+        s = state[layer]
+        r = s["rows"]
+        values = {"first_attention": s["alpha"] / r, "sink_rate": s["above"] / r, "first_key_norm_ratio":
+                  s["k_ratio"] / r, "first_value_norm_ratio": s["v_ratio"] / r, "first_key_cos": s["cos0"] / r,
+                  "other_key_cos": s["cosj"] / r}
+        for m in HEAD_METRICS:
+            heads.append(pd.DataFrame({"condition": condition, "layer": layer, "head": range(facts.n_heads),
+                                       "metric": m, "value": values[m].numpy()}))
+        layers.append(dict(condition=condition, layer=layer, metric="sink_share",
+                           value=float(s["above"].sum() / (r * facts.n_heads)), count=int(r)))
+    return pd.concat(heads, ignore_index=True), pd.DataFrame(layers)
+
+
+def _random_rows(model: Any, cfg: SinksConfig) -> torch.Tensor:
+    pre, post = special_tokens(model)
+    if cfg.first == "random":
+        pre = []
+    body = cfg.length - len(pre) - len(post)
+    if body < 1:
+        raise ValueError(f"length {cfg.length} leaves no room for random tokens after the special tokens")
+    r = random_token_ids(tokenizer_of(model), cfg.random_samples, body, cfg.seed)
+    return torch.tensor([pre + x + post for x in r])
+
+
+def run_sinks(model: Any, text: str | None = None, config: SinksConfig | None = None, *,
+              source: str | None = None) -> Result:
+    """Sink_1^epsilon per layer and per head on random-token sequences and on windows of `text` (default: the
+    built-in text), with the first token's key/value norm ratios and query cosines. A Result with tables
+    `sink_heads` (condition, layer, head, metric, value) and `sink_share` (condition, layer, metric, value,
+    count); meta["sink_share"] holds the share over all layers per condition (Gu et al.'s headline number)."""
+    cfg = config or SinksConfig()
+    facts = model_facts(model)
+    require_attention_supported(facts, "Attention sinks")
+    _qk_points(facts)
+    if cfg.length > facts.n_ctx:
+        raise ValueError(f"length {cfg.length} exceeds the model's context n_ctx={facts.n_ctx}")
+    conditions: dict[str, torch.Tensor] = {}
+    if cfg.random_samples:
+        conditions["random"] = _random_rows(model, cfg)
+    body = BUILTIN_TEXT if text is None else text
+    if cfg.max_windows:
+        pre, post = special_tokens(model)
+        windows = framed_windows(encode_text(model, body), cfg.length, pre=pre, post=post,
+                                 max_windows=cfg.max_windows)
+        if not windows:
+            raise ValueError(f"the text is shorter than one window of {cfg.length} tokens")
+        conditions["text"] = torch.tensor(windows)
+    heads, shares = [], []
+    for name, rows in conditions.items():
+        h, s = sink_statistics(model, rows, cfg, condition=name)
+        heads.append(h)
+        shares.append(s)
+    heads_df, share_df = pd.concat(heads, ignore_index=True), pd.concat(shares, ignore_index=True)
+    for df in (heads_df, share_df):
+        df.insert(0, "model", facts.name)
+    overall = {c: float(g.value.mean()) for c, g in share_df.groupby("condition", sort=False)}
+    n_items = sum(len(r) for r in conditions.values())
+    data = data_meta(source or ("built-in text" if text is None else "text"), n_items=n_items, unit="sequences",
+                     sha256=text_sha256(body) if cfg.max_windows else None)
+    meta = make_meta("sinks", model=facts.summary(), data=data, config=cfg, sink_share=overall,
+                     qk_points="rotated q/k (capture points rot_q, rot_k)" if facts.is_rotary else
+                     "q/k (capture points q, k)",
+                     sequences={c: int(len(r)) for c, r in conditions.items()},
+                     first_tokens={c: tokenizer_of(model).convert_ids_to_tokens(r[:3, 0].tolist())
+                                   for c, r in conditions.items()})
+    return Result({"sink_heads": heads_df, "sink_share": share_df}, meta)

@@ -1,0 +1,98 @@
+"""Report page of the attention-sink analysis, built from the `sink_heads` and `sink_share` tables only."""
+
+from __future__ import annotations
+
+import html
+from typing import Any
+
+import pandas as pd
+
+from posprobe.report.html import Section, table_html
+from posprobe.report.style import caption, style
+
+#: Per-head metrics shown as layer x head heatmaps (one per condition), with what the colour means.
+HEATMAPS = {
+    "first_attention": "mean attention on the first token (alpha_1)",
+    "first_key_norm_ratio": "first token's key norm / other keys' mean norm",
+    "first_value_norm_ratio": "first token's value norm / other values' mean norm",
+}
+
+
+def title(result: Any) -> str:
+    """Report title."""
+    return f"Attention sinks: {result.meta['model']['name']}"
+
+
+def figure_caption(meta: dict | None, note: str | None = None) -> str:
+    """Caption of a sink figure: model, data, sequence length, epsilon."""
+    m = meta or {}
+    cfg = m.get("config", {})
+    return caption(m, {"T": cfg.get("length"), "epsilon": cfg.get("epsilon"), "sequences": m.get("sequences")},
+                   note=note)
+
+
+def share_by_layer(share: pd.DataFrame, meta: dict | None = None) -> Any:
+    """Sink_1^epsilon per layer, one line per condition."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    for cond, d in share.groupby("condition", sort=False):
+        fig.add_trace(go.Scatter(x=d.layer, y=d.value, mode="lines+markers", name=str(cond)))
+    fig.update_layout(title="Share of heads that sink on the first token, per layer (Gu et al. Sink_1^epsilon)",
+                      xaxis_title="layer", yaxis_title="share of (sequence, head) pairs", yaxis_range=[0, 1.02])
+    return style(fig, caption=figure_caption(meta, "A head sinks on a sequence when its attention on the first "
+                                                   "token, averaged over all queries, exceeds epsilon."), height=400)
+
+
+def heatmap(heads: pd.DataFrame, metric: str, condition: str, label: str, meta: dict | None = None) -> Any:
+    """Layer x head heatmap of one metric under one condition."""
+    import plotly.graph_objects as go
+
+    d = heads[(heads.metric == metric) & (heads.condition == condition)].pivot(index="layer", columns="head",
+                                                                              values="value")
+    fig = go.Figure(go.Heatmap(z=d.values, x=d.columns, y=d.index, colorscale="Viridis", colorbar=dict(title=metric),
+                               hovertemplate="layer %{y}, head %{x}<br>%{z:.3f}<extra></extra>"))
+    fig.update_layout(title=f"{label} ({condition})", xaxis_title="head", yaxis_title="layer")
+    return style(fig, caption=figure_caption(meta), height=420)
+
+
+def figures(result: Any) -> list:
+    """Share per layer, then heatmaps of the first token's attention and key/value norm ratios per condition."""
+    heads = result.tables["sink_heads"]
+    figs = [share_by_layer(result.tables["sink_share"], result.meta)]
+    for cond in heads.condition.unique():
+        figs += [heatmap(heads, m, cond, label, result.meta) for m, label in HEATMAPS.items()]
+    return figs
+
+
+def summary_text(result: Any) -> str:
+    """One paragraph in words from the numbers: the share per condition and what sets the first token apart."""
+    m, heads = result.meta, result.tables["sink_heads"]
+    eps, T = m["config"]["epsilon"], m["config"]["length"]
+    parts = []
+    for cond, value in m["sink_share"].items():
+        h = heads[heads.condition == cond].groupby("metric").value
+        sinking = heads[(heads.condition == cond) & (heads.metric == "sink_rate") & (heads.value > 0.5)]
+        ratio = heads[(heads.condition == cond) & (heads.metric.isin(["first_key_norm_ratio",
+                                                                      "first_value_norm_ratio"]))]
+        w = ratio.pivot_table(index=["layer", "head"], columns="metric", values="value")
+        keys = sinking[["layer", "head"]].merge(w.reset_index(), on=["layer", "head"])
+        why = (f"; on the heads that sink on most sequences ({len(keys)}), the first token's key norm is "
+               f"{keys.first_key_norm_ratio.median():.2f}x and its value norm "
+               f"{keys.first_value_norm_ratio.median():.2f}x the other tokens' (medians)") if len(keys) else ""
+        parts.append(f"{cond} ({m['sequences'][cond]} sequences): {value:.1%} of (sequence, head) pairs sink; queries' "
+                     f"cosine with the first key {h.mean()['first_key_cos']:.2f} vs {h.mean()['other_key_cos']:.2f} "
+                     f"with the others{why}")
+    return (f"Sink_1^{eps} on {T}-token sequences (Gu et al. 2025): " + "; ".join(parts) + ".")
+
+
+def sections(result: Any) -> list[Section]:
+    """Summary in words, the share per layer, figures, per-head table."""
+    m = result.meta
+    intro = (f"<p>{html.escape(summary_text(result))}</p><p>q/k read at: {html.escape(m['qk_points'])}; first tokens "
+             f"of the first sequences: {html.escape(str(m['first_tokens']))}.</p>")
+    share = result.tables["sink_share"].pivot(index="layer", columns="condition", values="value").round(3)
+    wide = result.tables["sink_heads"].pivot_table(index=["condition", "layer", "head"], columns="metric",
+                                                   values="value").reset_index().round(3)
+    return [Section("Summary", html=intro + table_html(share)), Section("Figures", figures=figures(result)),
+            Section("Every head", table=wide)]
