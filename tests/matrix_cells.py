@@ -20,6 +20,7 @@ from posprobe.analyses.configs import (
     HeadsConfig,
     ProbeConfig,
     ShiftConfig,
+    SinksConfig,
     SurgeryEvalConfig,
 )
 from posprobe.backend.facts import WrongModelKind, model_facts
@@ -246,6 +247,23 @@ def heads(bridge: Any) -> None:
     _close(got, att, "hook_pattern vs HF's attention weights")
 
 
+def sinks(bridge: Any) -> None:
+    from posprobe.analyses.sinks import run_sinks, sink_statistics
+
+    f = model_facts(bridge)
+    res = run_sinks(bridge, TEXT, SinksConfig(length=16, random_samples=2, max_windows=2, progress=False))
+    assert len(res.tables["sink_share"]) == 2 * f.n_layers
+    got = sink_statistics(bridge, IDS, SinksConfig(length=IDS.shape[1], progress=False), condition="ids")[0]
+    got = got[got.layer == 0].set_index(["metric", "head"]).value
+    alpha = _hf_attention_weights(bridge, IDS, 0)[0, :, :, 0].double().mean(-1)  # Gu et al.'s alpha_1 per head
+    _close(torch.tensor(got["first_attention"].sort_index().values), alpha, "alpha_1 vs HF's attention weights")
+    if f.is_rotary:  # the key norm as the scores see it: HF's own rotated key
+        _, k = _hf_rotated_qk(_plain(bridge), IDS, 0)
+        kn = k[0].double().norm(dim=-1)  # pos kv_head
+        want = (kn[0] / kn[1:].mean(0)).repeat_interleave(f.n_heads // f.n_kv_heads)
+        _close(torch.tensor(got["first_key_norm_ratio"].sort_index().values), want, "first key norm ratio vs HF's")
+
+
 def probes(bridge: Any) -> None:
     from posprobe.analyses.probes import run_probes
 
@@ -317,7 +335,8 @@ def atlas(bridge: Any) -> None:
 
 CELLS: dict[str, Callable[[Any], None]] = {
     "facts": facts, "position control": position_control, "shift-test": shift_test, "decompose": decompose,
-    "freq-report": freq_report, "heads": heads, "probes": probes, "geometry": geometry, "surgery-eval": surgery_eval,
+    "freq-report": freq_report, "heads": heads, "sinks": sinks, "probes": probes, "geometry": geometry,
+    "surgery-eval": surgery_eval,
     "long-context": long_context, "atlas": atlas,
 }
 

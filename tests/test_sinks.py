@@ -1,7 +1,7 @@
 """Attention sinks (#26, first step): Sink_1^epsilon with per-sample thresholding, and the first token's key/value
 norm ratios and query cosines, against a plain-torch recomputation from Hugging Face's own attention weights and
-q/k/v (tiny random Llama with GQA, Gemma 3 with QK-norm and local layers, GPT-2, BERT), float32 models; measured
-gaps are at most 1.2e-7 (tolerance 1e-6: float32 rounding in the two forwards)."""
+q/k/v (tiny random Llama with GQA, Gemma 3 with QK-norm and local layers, SmolLM3 with a NoPE layer, GPT-2, BERT),
+float32 models; measured gaps are at most 1.2e-7 (tolerance 1e-6: float32 rounding in the two forwards)."""
 
 from __future__ import annotations
 
@@ -42,13 +42,16 @@ def _hf_qkv(name: str, hf, ids: torch.Tensor, layer: int) -> tuple[torch.Tensor,
             h.remove()
         d = att.attention_head_size
         return tuple(got[w].view(b, n, -1, d) for w in ("query", "key", "value"))
-    q, k = _hf_rotated_qk(hf, ids, layer)  # after QK-norm and rotation: what the scores see
     attn = [m for m in hf.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")][layer]
-    h = attn.v_proj.register_forward_hook(keep("v"))
+    hs = [getattr(attn, f"{w}_proj").register_forward_hook(keep(w)) for w in "qkv"]
     with torch.no_grad():
         hf(ids)
-    h.remove()
-    return q, k, got["v"].view(b, n, -1, attn.head_dim)
+    for h in hs:
+        h.remove()
+    q, k, v = (got[w].view(b, n, -1, attn.head_dim) for w in "qkv")
+    if getattr(attn, "use_rope", True):  # SmolLM3's NoPE layers score the projections as they are
+        q, k = _hf_rotated_qk(hf, ids, layer)  # after QK-norm and rotation: what the scores see
+    return q, k, v
 
 
 def _reference(name: str, bridge, ids: torch.Tensor, eps: float, encoder: bool) -> dict:
@@ -79,7 +82,7 @@ def _reference(name: str, bridge, ids: torch.Tensor, eps: float, encoder: bool) 
     return out
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma3", "gpt2", "bert"])
+@pytest.mark.parametrize("name", ["llama", "gemma3", "smollm3", "gpt2", "bert"])
 def test_sink_statistics_equal_a_recomputation_from_hf(name):
     bridge, _ = tiny_family(name)
     f = model_facts(bridge)
@@ -113,7 +116,7 @@ def test_run_sinks_tables_meta_and_refusals(tiny_rope, tiny_ape):
     share = res.tables["sink_share"]
     assert set(share.condition) == {"random", "text"} and set(share["count"]) == {4, 3}
     assert set(res.meta["sink_share"]) == {"random", "text"}
-    assert res.meta["qk_points"].startswith("rotated")
+    assert res.meta["qk_points"] == {"rot_q/rot_k": [0, 1]}
     assert res.meta["first_tokens"]["random"] == ["<bos>"] * 3  # framed as the model expects by default
     raw = run_sinks(tiny_ape, None, SinksConfig(length=20, random_samples=4, max_windows=0, first="random",
                                                 progress=False))

@@ -35,17 +35,17 @@ HEAD_METRICS = ("first_attention", "sink_rate", "first_key_norm_ratio", "first_v
                 "other_key_cos")
 
 
-def _qk_points(facts: ModelFacts) -> tuple[str, str]:
-    # The q and k whose dot product is the score: rotated ones for RoPE (read where the model rotates), else q/k.
+def _qk_points(facts: ModelFacts) -> dict[tuple[str, str], list[int]]:
+    """{(q point, k point): layers}: the q and k whose dot product is the score — rotated ones on RoPE layers (read
+    where the model rotates), plain q/k on layers without rotation (learned/ALiBi models, NoPE layers)."""
     if not facts.is_rotary:
-        return "q", "k"
+        return {("q", "k"): list(range(facts.n_layers))}
     if facts.unsupported or facts.rotation_unhooked:
         raise NotImplementedError(f"Attention sinks are not available for {facts.name}: "
                                   f"{facts.unsupported or facts.rotation_unhooked}")
-    if len(facts.rotary_layers) != facts.n_layers:
-        raise NotImplementedError(f"Attention sinks are not available for {facts.name} yet: it mixes rotary and "
-                                  "NoPE layers, whose rotated keys are read at different points")
-    return "rot_q", "rot_k"
+    rotary = list(facts.rotary_layers)
+    nope = [l for l in range(facts.n_layers) if l not in rotary]
+    return {k: v for k, v in ((("rot_q", "rot_k"), rotary), (("q", "k"), nope)) if v}
 
 
 def _cos(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -55,8 +55,7 @@ def _cos(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.einsum("bqhd,bkhd->bhqk", a, b)
 
 
-def _reducer(facts: ModelFacts, n: int, epsilon: float) -> Reducer:
-    qp, kp = _qk_points(facts)
+def _reducer(facts: ModelFacts, n: int, epsilon: float, qp: str, kp: str, layers: list[int]) -> Reducer:
     group = facts.n_heads // facts.n_kv_heads
     causal = torch.ones(n, n, dtype=torch.bool) if facts.is_encoder else torch.ones(n, n, dtype=torch.bool).tril()
     others = causal.clone()
@@ -87,7 +86,7 @@ def _reducer(facts: ModelFacts, n: int, epsilon: float) -> Reducer:
         s["cosj"] += (cos * others.to(cos.device)).sum((-2, -1)).div(n_others.to(cos.device)).sum(0)
         s["rows"] += p.shape[0]
 
-    return Reducer([qp, kp, "v", "pattern"], list(range(facts.n_layers)), fn)
+    return Reducer([qp, kp, "v", "pattern"], layers, fn)
 
 
 @torch.no_grad()
@@ -104,11 +103,11 @@ def sink_statistics(model: Any, token_rows: Any, config: SinksConfig | None = No
     n = rows.shape[1]
     if n > facts.n_ctx:
         raise ValueError(f"sequences of {n} tokens exceed the model's context n_ctx={facts.n_ctx}")
-    red = _reducer(facts, n, cfg.epsilon)
+    reds = [_reducer(facts, n, cfg.epsilon, qp, kp, layers) for (qp, kp), layers in _qk_points(facts).items()]
     spans = [(a, min(a + cfg.batch_size, rows.shape[0])) for a in range(0, rows.shape[0], cfg.batch_size)]
-    stream(model, (rows[a:b] for a, b in spans), [red], total=len(spans), progress=cfg.progress,
+    stream(model, (rows[a:b] for a, b in spans), reds, total=len(spans), progress=cfg.progress,
            desc=f"sinks ({condition})")
-    state = to_cpu_once({l: s for l, s in red.state.items() if isinstance(l, int)})
+    state = to_cpu_once({l: s for r in reds for l, s in r.state.items() if isinstance(l, int)})
     heads, layers = [], []
     for layer in range(facts.n_layers):
         s = state[layer]
@@ -171,8 +170,7 @@ def run_sinks(model: Any, text: str | None = None, config: SinksConfig | None = 
     data = data_meta(source or ("built-in text" if text is None else "text"), n_items=n_items, unit="sequences",
                      sha256=text_sha256(body) if cfg.max_windows else None)
     meta = make_meta("sinks", model=facts.summary(), data=data, config=cfg, sink_share=overall,
-                     qk_points="rotated q/k (capture points rot_q, rot_k)" if facts.is_rotary else
-                     "q/k (capture points q, k)",
+                     qk_points={f"{qp}/{kp}": layers for (qp, kp), layers in _qk_points(facts).items()},
                      sequences={c: int(len(r)) for c, r in conditions.items()},
                      first_tokens={c: tokenizer_of(model).convert_ids_to_tokens(r[:3, 0].tolist())
                                    for c, r in conditions.items()})

@@ -86,10 +86,16 @@ def summary_text(result: Any) -> str:
     return (f"Sink_1^{eps} on {T}-token sequences (Gu et al. 2025): " + "; ".join(parts) + ".")
 
 
+def _runs(layers: list[int]) -> str:
+    return f"{layers[0]}-{layers[-1]}" if len(layers) > 1 and layers == list(range(layers[0], layers[-1] + 1)) else (
+        ", ".join(map(str, layers)))
+
+
 def sections(result: Any) -> list[Section]:
     """Summary in words, the share per layer, figures, per-head table."""
     m = result.meta
-    intro = (f"<p>{html.escape(summary_text(result))}</p><p>q/k read at: {html.escape(m['qk_points'])}; first tokens "
+    points = "; ".join(f"{pts} on layers {_runs(ls)}" for pts, ls in m["qk_points"].items())
+    intro = (f"<p>{html.escape(summary_text(result))}</p><p>q/k read at: {html.escape(points)}; first tokens "
              f"of the first sequences: {html.escape(str(m['first_tokens']))}.</p>")
     share = result.tables["sink_share"].pivot(index="layer", columns="condition", values="value").round(3)
     wide = result.tables["sink_heads"].pivot_table(index=["condition", "layer", "head"], columns="metric",
