@@ -148,3 +148,56 @@ def test_cli_writes_the_report_and_refuses_bad_input_before_loading(tmp_path, ca
     assert main(["sinks", "tiny-rope", "--epsilon", "1.5", "--out", str(tmp_path / "x")]) == 2
     assert "epsilon must be within [0, 1]" in capsys.readouterr().err
     assert loads == []
+
+
+def test_massive_activation_intervention_equals_hf_with_the_same_edit_by_a_forward_hook():
+    # posprobe edits the bridge's residual stream after block L*; the reference edits Hugging Face's decoder layer
+    # L* output with a forward hook written here from the rule (entries of the massive dims above ratio x the
+    # sequence's median |activation|), and scores with HF's own logits and eager attention weights.
+    from posprobe.analyses.massive import intervene, massive_table
+
+    bridge, _ = tiny_family("llama")
+    hf = _plain(bridge, eager=True)
+    ids = torch.randint(3, 250, (4, 20), generator=torch.Generator().manual_seed(2))
+    table = massive_table(bridge, ids, top=3, batch_size=3, progress=False, condition="c")
+    # Tiny random models have no massive activations: lower the bar to just under layer 0's third largest.
+    ratio = 0.99 * float(table[table.layer == 0].ratio.min())
+    effect, meta = intervene(bridge, ids, table, ratio=ratio, batch_size=3)
+    layer, dims = meta["layer"], meta["dims"]
+    assert layer == 0 and meta["massive_entries"] >= 1 and list(effect.variant.unique()) == ["none", "zero", "mean"]
+    block = hf.model.layers[layer]
+
+    def hidden(out):
+        return out[0] if isinstance(out, tuple) else out
+
+    seen = {}
+    h = block.register_forward_hook(lambda m, i, o: seen.__setitem__("x", hidden(o).detach().clone()))
+    with torch.no_grad():
+        hf(ids)
+    h.remove()
+    x = seen["x"].double()
+    med = x.abs().reshape(x.shape[0], -1).median(-1).values
+    hit = x[..., dims].abs() > ratio * med[:, None, None]
+    means = ((x[..., dims] * hit).sum((0, 1)) / hit.sum((0, 1))).nan_to_num(0.0)  # a dim with no hit: never used
+    assert torch.allclose(torch.tensor(meta["means"], dtype=torch.float64), means, atol=1e-5)
+    got = effect.set_index(["variant", "metric"]).value
+    for mode in ("none", "zero", "mean"):
+        def edit(m, i, o, mode=mode):
+            y = hidden(o).clone()
+            if mode != "none":
+                sub = y[..., dims]
+                mask = sub.abs() > ratio * med[:, None, None].to(y.dtype)
+                fill = torch.zeros_like(sub) if mode == "zero" else means.to(y.dtype).expand_as(sub)
+                y[..., dims] = torch.where(mask, fill, sub)
+            return (y, *o[1:]) if isinstance(o, tuple) else y
+
+        h = block.register_forward_hook(edit)
+        with torch.no_grad():
+            out = hf(ids, output_attentions=True)
+        h.remove()
+        lp = out.logits[:, :-1].double().log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
+        assert abs(got[mode, "nll"] - float(-lp.mean())) <= 1e-5, mode
+        later = out.attentions[layer + 1:]
+        first = torch.stack([a[..., 0].double().mean(-1).mean() for a in later]).mean()
+        assert abs(got[mode, "first_attention"] - float(first)) <= 1e-5, mode
+    assert got["zero", "nll"] != got["none", "nll"]  # the edit reached the forward

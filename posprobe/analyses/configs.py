@@ -270,12 +270,18 @@ class SinksConfig:
     first: Literal["model", "random"] = option(
         "model", "first token of the random sequences: model = as the model expects (BOS where its tokenizer adds "
                  "one), random = a random token like the rest")
+    massive_top: int = option(3, "largest |residual activations| kept per layer (Sun et al. 2024; 0: skip)")
+    massive_ratio: float = option(100.0, "an activation is massive above this multiple of its sequence's median "
+                                         "|activation|; the first layer with one is where they are zeroed / averaged")
     batch_size: int = option(8, "sequences per forward pass")
     seed: int = option(0, "seed of the random sequences")
     progress: bool = option(True, "", cli=False)
 
     def __post_init__(self) -> None:
         _check_choices(self)
+        _at_least(self, 0, "massive_top")
+        if self.massive_ratio <= 1:
+            raise ValueError(f"massive_ratio must be > 1, got {self.massive_ratio}")
         _at_least(self, 2, "length")
         _at_least(self, 1, "batch_size")
         _at_least(self, 0, "random_samples", "max_windows")

@@ -139,7 +139,11 @@ def run_sinks(model: Any, text: str | None = None, config: SinksConfig | None = 
     """Sink_1^epsilon per layer and per head on random-token sequences and on windows of `text` (default: the
     built-in text), with the first token's key/value norm ratios and query cosines. A Result with tables
     `sink_heads` (condition, layer, head, metric, value) and `sink_share` (condition, layer, metric, value,
-    count); meta["sink_share"] holds the share over all layers per condition (Gu et al.'s headline number)."""
+    count); meta["sink_share"] holds the share over all layers per condition (Gu et al.'s headline number).
+    With `massive_top`, also `massive_activations` (per condition and layer the largest |residual activations|
+    with position, token, dimension and ratio to the median; `posprobe.analyses.massive`) and, where a layer has
+    one above `massive_ratio` x median, `massive_intervention` (loss and first-token attention with them zeroed
+    or set to their mean; meta["massive"] says where and which dims)."""
     cfg = config or SinksConfig()
     facts = model_facts(model)
     require_attention_supported(facts, "Attention sinks")
@@ -163,15 +167,30 @@ def run_sinks(model: Any, text: str | None = None, config: SinksConfig | None = 
         heads.append(h)
         shares.append(s)
     heads_df, share_df = pd.concat(heads, ignore_index=True), pd.concat(shares, ignore_index=True)
-    for df in (heads_df, share_df):
+    tables = {"sink_heads": heads_df, "sink_share": share_df}
+    massive_meta: dict = {"skipped": "massive_top is 0"}
+    if cfg.massive_top:
+        from posprobe.analyses.massive import intervene, massive_table
+
+        tables["massive_activations"] = pd.concat(
+            [massive_table(model, rows, top=cfg.massive_top, batch_size=cfg.batch_size, progress=cfg.progress,
+                           condition=name) for name, rows in conditions.items()], ignore_index=True)
+        massive_meta = {"skipped": "no text condition (max_windows 0)"}
+        if "text" in conditions:
+            text_rows = tables["massive_activations"]
+            effect, massive_meta = intervene(model, conditions["text"], text_rows[text_rows.condition == "text"],
+                                             ratio=cfg.massive_ratio, batch_size=cfg.batch_size)
+            if len(effect):
+                tables["massive_intervention"] = effect
+    for df in tables.values():
         df.insert(0, "model", facts.name)
     overall = {c: float(g.value.mean()) for c, g in share_df.groupby("condition", sort=False)}
     n_items = sum(len(r) for r in conditions.values())
     data = data_meta(source or ("built-in text" if text is None else "text"), n_items=n_items, unit="sequences",
                      sha256=text_sha256(body) if cfg.max_windows else None)
-    meta = make_meta("sinks", model=facts.summary(), data=data, config=cfg, sink_share=overall,
+    meta = make_meta("sinks", model=facts.summary(), data=data, config=cfg, sink_share=overall, massive=massive_meta,
                      qk_points={f"{qp}/{kp}": layers for (qp, kp), layers in _qk_points(facts).items()},
                      sequences={c: int(len(r)) for c, r in conditions.items()},
                      first_tokens={c: tokenizer_of(model).convert_ids_to_tokens(r[:3, 0].tolist())
                                    for c, r in conditions.items()})
-    return Result({"sink_heads": heads_df, "sink_share": share_df}, meta)
+    return Result(tables, meta)

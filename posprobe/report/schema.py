@@ -39,6 +39,11 @@ COLUMNS: dict[str, str] = {
     "bands": "comma-separated band indices",
     "n_bands": "number of bands",
     "pos": "token position inside a window/sequence (0-based)",
+    "rank": "1 = the largest (massive activations: of the layer's |residual activations| over the corpus)",
+    "token": "the token (as the tokenizer writes it) at `pos`",
+    "dim": "residual-stream dimension (0-based)",
+    "median_abs": "mean over sequences of the sequence's median |residual activation| at that layer",
+    "ratio": "value / median_abs",
     "pos2": "second position of a position-by-position map (cosine between positions pos and pos2)",
     "query_pos": "query token position",
     "key_pos": "key token position",
@@ -148,6 +153,7 @@ METRICS: dict[str, str] = {
                               "sequences",
     "first_key_cos": "mean cosine of each query (positions 1..) with the first token's key",
     "other_key_cos": "mean cosine of each query (positions 1..) with the keys of positions 1.. it sees",
+    "nll": "mean next-token loss (nats/token)",
 }
 
 REQUIRED_META: dict[str, type | tuple[type, ...]] = {

@@ -83,7 +83,29 @@ def summary_text(result: Any) -> str:
         parts.append(f"{cond} ({m['sequences'][cond]} sequences): {value:.1%} of (sequence, head) pairs sink; queries' "
                      f"cosine with the first key {h.mean()['first_key_cos']:.2f} vs {h.mean()['other_key_cos']:.2f} "
                      f"with the others{why}")
-    return (f"Sink_1^{eps} on {T}-token sequences (Gu et al. 2025): " + "; ".join(parts) + ".")
+    return (f"Sink_1^{eps} on {T}-token sequences (Gu et al. 2025): " + "; ".join(parts) + "." + massive_text(result))
+
+
+def massive_text(result: Any) -> str:
+    """A sentence on the massive activations and their intervention, from the tables ("" without them)."""
+    acts, m = result.tables.get("massive_activations"), result.meta.get("massive", {})
+    if acts is None or not len(acts):
+        return ""
+    top = acts.sort_values("ratio", ascending=False).iloc[0]
+    out = (f" Largest residual activation: {top.value:.1f} ({top.ratio:.0f}x the median |activation|) in layer "
+           f"{int(top.layer)}, dim {int(top.dim)}, position {int(top.pos)} ({top.token!r}, {top.condition}).")
+    eff = result.tables.get("massive_intervention")
+    if eff is None or not len(eff):
+        return out + f" No intervention: {m.get('skipped', 'no massive activation')}."
+    v = eff.set_index(["variant", "metric"]).value
+    zero, mean = v["zero", "nll"] - v["none", "nll"], v["mean", "nll"] - v["none", "nll"]
+    out += (f" Setting the {m['massive_entries']} massive entries of layer {m['layer']} (dims "
+            f"{', '.join(map(str, m['dims']))}) to zero changes the text loss by {zero:+.3f} nats/token, to their "
+            f"mean by {mean:+.3f}")
+    if ("none", "first_attention") in v.index:
+        out += (f"; the first token's attention in later layers goes from {v['none', 'first_attention']:.2f} to "
+                f"{v['zero', 'first_attention']:.2f} (zero) / {v['mean', 'first_attention']:.2f} (mean)")
+    return out + "."
 
 
 def _runs(layers: list[int]) -> str:
@@ -100,5 +122,18 @@ def sections(result: Any) -> list[Section]:
     share = result.tables["sink_share"].pivot(index="layer", columns="condition", values="value").round(3)
     wide = result.tables["sink_heads"].pivot_table(index=["condition", "layer", "head"], columns="metric",
                                                    values="value").reset_index().round(3)
-    return [Section("Summary", html=intro + table_html(share)), Section("Figures", figures=figures(result)),
-            Section("Every head", table=wide)]
+    out = [Section("Summary", html=intro + table_html(share)), Section("Figures", figures=figures(result)),
+           Section("Every head", table=wide)]
+    acts = result.tables.get("massive_activations")
+    if acts is not None and len(acts):
+        cfg = m["config"]
+        rule = (f"Per layer the {cfg['massive_top']} largest |residual activations| after the block at distinct "
+                "(position, dimension), over the corpus; ratio to the mean over sequences of the median "
+                "|activation|. Intervention (Sun et al. 2024): at the first layer with an activation above "
+                f"{cfg['massive_ratio']}x the median, the entries of those dimensions above that bar are set to zero "
+                "or to their mean over the text.")
+        eff = result.tables.get("massive_intervention")
+        extra = table_html(eff.drop(columns="model").round(4)) if eff is not None and len(eff) else ""
+        out.append(Section("Massive activations", html=f"<p>{html.escape(rule)}</p>" + extra,
+                           table=acts.drop(columns="model").round(3)))
+    return out
