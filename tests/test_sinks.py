@@ -201,3 +201,31 @@ def test_massive_activation_intervention_equals_hf_with_the_same_edit_by_a_forwa
         first = torch.stack([a[..., 0].double().mean(-1).mean() for a in later]).mean()
         assert abs(got[mode, "first_attention"] - float(first)) <= 1e-5, mode
     assert got["zero", "nll"] != got["none", "nll"]  # the edit reached the forward
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_the_first_token_moved_equals_hf_with_those_position_ids(name):
+    # The control's position variant (posprobe's position plan on the bridge) against HF's own forward given the
+    # same position ids, eager attention weights.
+    from posprobe.analyses.sinks import control_variants
+    from posprobe.core.positions import token_positions
+
+    bridge, _ = tiny_family(name)
+    ids = torch.randint(3, 250, (3, 16), generator=torch.Generator().manual_seed(3))
+    variants = control_variants(bridge, ids)
+    assert list(variants) == ["as is", "first token at position 8", "'the' first", "newline first"]
+    toks, pos = variants["first token at position 8"]
+    assert pos.tolist() == [8, *range(1, 16)]
+    heads, _ = sink_statistics(bridge, toks, SinksConfig(length=16, progress=False), condition="moved",
+                               context=lambda: token_positions(bridge, pos))
+    hf = _plain(bridge, eager=True)
+    with torch.no_grad():
+        out = hf(toks, position_ids=pos[None].expand(len(toks), -1), output_attentions=True)
+    got = heads[heads.metric == "first_attention"].set_index(["layer", "head"]).value
+    for layer, att in enumerate(out.attentions):
+        want = att[..., 0].double().mean(-1).mean(0)  # alpha_1 per head, over sequences
+        err = float((torch.tensor(got[layer].sort_index().values) - want).abs().max())
+        assert err <= TOL, (name, layer, err)
+    plain, _ = sink_statistics(bridge, toks, SinksConfig(length=16, progress=False), condition="as is")
+    moved = torch.tensor(got.values)
+    assert float((moved - torch.tensor(plain[plain.metric == "first_attention"].value.values)).abs().max()) > 1e-4

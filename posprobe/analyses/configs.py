@@ -270,6 +270,8 @@ class SinksConfig:
     first: Literal["model", "random"] = option(
         "model", "first token of the random sequences: model = as the model expects (BOS where its tokenizer adds "
                  "one), random = a random token like the rest")
+    control: bool = option(True, "position-vs-token control on the text windows: the first token moved to position "
+                                 "length // 2, or replaced by 'the' / a newline")
     massive_top: int = option(3, "largest |residual activations| kept per layer (Sun et al. 2024; 0: skip)")
     massive_ratio: float = option(100.0, "an activation is massive above this multiple of its sequence's median "
                                          "|activation|; the first layer with one is where they are zeroed / averaged")

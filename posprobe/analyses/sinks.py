@@ -15,7 +15,7 @@ values, so attending to them changes little). Everything is streamed with fixed-
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import pandas as pd
 import torch
@@ -91,9 +91,11 @@ def _reducer(facts: ModelFacts, n: int, epsilon: float, qp: str, kp: str, layers
 
 @torch.no_grad()
 def sink_statistics(model: Any, token_rows: Any, config: SinksConfig | None = None, *,
-                    condition: str = "rows") -> tuple[pd.DataFrame, pd.DataFrame]:
+                    condition: str = "rows", context: Callable[[], Any] | None = None
+                    ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Per head (`sink_heads`: layer, head, metric, value) and per layer (`sink_share`: layer, metric
-    "sink_share", value, count = sequences) over equal-length `token_rows`, labelled `condition`."""
+    "sink_share", value, count = sequences) over equal-length `token_rows`, labelled `condition`; `context`
+    (e.g. a position plan) is entered around each forward."""
     cfg = config or SinksConfig()
     facts = model_facts(model)
     require_attention_supported(facts, "Attention sinks")
@@ -106,7 +108,7 @@ def sink_statistics(model: Any, token_rows: Any, config: SinksConfig | None = No
     reds = [_reducer(facts, n, cfg.epsilon, qp, kp, layers) for (qp, kp), layers in _qk_points(facts).items()]
     spans = [(a, min(a + cfg.batch_size, rows.shape[0])) for a in range(0, rows.shape[0], cfg.batch_size)]
     stream(model, (rows[a:b] for a, b in spans), reds, total=len(spans), progress=cfg.progress,
-           desc=f"sinks ({condition})")
+           desc=f"sinks ({condition})", context=context)
     state = to_cpu_once({l: s for r in reds for l, s in r.state.items() if isinstance(l, int)})
     heads, layers = [], []
     for layer in range(facts.n_layers):
@@ -121,6 +123,41 @@ def sink_statistics(model: Any, token_rows: Any, config: SinksConfig | None = No
         layers.append(dict(condition=condition, layer=layer, metric="sink_share",
                            value=float(s["above"].sum() / (r * facts.n_heads)), count=int(r)))
     return pd.concat(heads, ignore_index=True), pd.DataFrame(layers)
+
+
+def control_variants(model: Any, rows: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+    """The position-vs-token control on `rows` (StreamingLLM's and Gu et al.'s question: does the sink follow
+    position 0 or the token?): {variant: (token rows, positions or None = 0..n-1)} — as they are; the first token
+    at position n // 2 (the others unchanged, so it is still seen first); the first token replaced by "the"; by a
+    newline. Positions are set where posprobe controls them (learned, rotary, ALiBi; proven families)."""
+    n = rows.shape[1]
+    tok = tokenizer_of(model)
+    out: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {"as is": (rows, None)}
+    facts = model_facts(model)
+    if facts.positional_kind in ("learned_absolute", "rotary", "alibi") and facts.unsupported is None:
+        moved = torch.arange(n)
+        moved[0] = n // 2
+        out[f"first token at position {n // 2}"] = (rows, moved)
+    for label, text in (("'the' first", "the"), ("newline first", "\n")):
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        if ids:
+            swapped = rows.clone()
+            swapped[:, 0] = ids[0]
+            out[label] = (swapped, None)
+    return out
+
+
+def _control(model: Any, rows: torch.Tensor, cfg: SinksConfig) -> pd.DataFrame:
+    from posprobe.core.positions import token_positions
+
+    out = []
+    for variant, (toks, pos) in control_variants(model, rows).items():
+        ctx = None if pos is None else (lambda pos=pos: token_positions(model, pos, label="sink control"))
+        heads, share = sink_statistics(model, toks, cfg, condition=variant, context=ctx)
+        first = heads[heads.metric == "first_attention"].value
+        out += [dict(variant=variant, metric="sink_share", value=float(share.value.mean()), count=int(len(toks))),
+                dict(variant=variant, metric="first_attention", value=float(first.mean()), count=int(len(toks)))]
+    return pd.DataFrame(out)
 
 
 def _random_rows(model: Any, cfg: SinksConfig) -> torch.Tensor:
@@ -143,7 +180,9 @@ def run_sinks(model: Any, text: str | None = None, config: SinksConfig | None = 
     With `massive_top`, also `massive_activations` (per condition and layer the largest |residual activations|
     with position, token, dimension and ratio to the median; `posprobe.analyses.massive`) and, where a layer has
     one above `massive_ratio` x median, `massive_intervention` (loss and first-token attention with them zeroed
-    or set to their mean; meta["massive"] says where and which dims)."""
+    or set to their mean; meta["massive"] says where and which dims). With `control`, `sink_control`: the share and
+    the first token's attention on the text windows as they are, with the first token moved to position n // 2,
+    and with it replaced by "the" or a newline (`control_variants`)."""
     cfg = config or SinksConfig()
     facts = model_facts(model)
     require_attention_supported(facts, "Attention sinks")
@@ -168,6 +207,8 @@ def run_sinks(model: Any, text: str | None = None, config: SinksConfig | None = 
         shares.append(s)
     heads_df, share_df = pd.concat(heads, ignore_index=True), pd.concat(shares, ignore_index=True)
     tables = {"sink_heads": heads_df, "sink_share": share_df}
+    if cfg.control and "text" in conditions:
+        tables["sink_control"] = _control(model, conditions["text"], cfg)
     massive_meta: dict = {"skipped": "massive_top is 0"}
     if cfg.massive_top:
         from posprobe.analyses.massive import intervene, massive_table

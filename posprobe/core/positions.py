@@ -408,3 +408,22 @@ def shifted_plan(n: int, k: float, *, q_only: bool = False) -> PositionPlan:
     """Positions k..k+n-1 for queries and keys (or queries only): the shift test's RoPE plan."""
     base = torch.arange(n, dtype=torch.float64)
     return PositionPlan(base + k, base if q_only else base + k, label=f"shift{'-q' if q_only else ''}:{k:g}")
+
+
+def token_positions(model: Any, pos: torch.Tensor, label: str = "positions") -> Any:
+    """A context in which token t's query and key sit at `pos[..., t]` (`[pos]` or `[batch, pos]`, CPU), whatever
+    the model's positional kind: learned ids, ALiBi distances or RoPE rotations (WrongModelKind for others)."""
+    from posprobe.backend.model import device_of
+
+    kind = model_facts(model).positional_kind
+    if kind == "learned_absolute":
+        return learned_positions(model, pos)
+    if kind == "alibi":
+        return alibi_positions(model, PositionPlan(pos.double(), pos.double().clone(), label=label))
+    if kind == "rotary":
+        # One host->device copy for q and k (the plan keeps them on the device); mps has no float64, and float32
+        # holds every integer position below 2**24 exactly.
+        device = device_of(model)
+        p = pos.to(device, torch.float32 if device.type == "mps" else torch.float64)
+        return rope_positions(model, PositionPlan(p, p.clone(), label=label))
+    raise WrongModelKind(f"Positions can be set on learned, rotary or ALiBi models; {model_name(model)} uses {kind}")

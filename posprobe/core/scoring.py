@@ -276,19 +276,12 @@ class TLScorer(_Scorer):
 
     def _position_context(self, pos: torch.Tensor):
         # `pos` is the CPU copy: torch.equal on a device tensor would be a device sync per batch.
-        from posprobe.core.positions import PositionPlan, alibi_positions, learned_positions, rope_positions
+        from posprobe.core.positions import token_positions
 
         default = torch.arange(pos.shape[1], device=pos.device)[None].expand_as(pos)
         if torch.equal(pos, default):
             return nullcontext()  # unshifted: leave the model untouched
-        if self.facts.positional_kind == "learned_absolute":
-            return learned_positions(self.model, pos)
-        # One host->device copy for both q and k positions (the plan keeps them on the device). mps has
-        # no float64: float32 there holds every integer position below 2**24 exactly.
-        p = pos.to(self.device, torch.float32 if self.device.type == "mps" else torch.float64)
-        if self.facts.positional_kind == "alibi":
-            return alibi_positions(self.model, PositionPlan(pos.double(), pos.double().clone(), label="scoring"))
-        return rope_positions(self.model, PositionPlan(p, p.clone(), label="scoring"))
+        return token_positions(self.model, pos, label="scoring")
 
     def _hidden_and_head(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None):
         assert mask is None, "TLScorer scores single sequences only"
