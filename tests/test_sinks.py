@@ -229,3 +229,42 @@ def test_the_first_token_moved_equals_hf_with_those_position_ids(name):
     plain, _ = sink_statistics(bridge, toks, SinksConfig(length=16, progress=False), condition="as is")
     moved = torch.tensor(got.values)
     assert float((moved - torch.tensor(plain[plain.metric == "first_attention"].value.values)).abs().max()) > 1e-4
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_zeroing_a_head_equals_hf_with_its_slice_of_the_output_projection_input_zeroed(name):
+    # dormant_heads zeroes hook_z[:, :, head] on the bridge; the reference zeroes that head's d_head slice of the
+    # input to HF's output projection (o_proj / c_proj) with a forward pre-hook, and scores with HF's logits.
+    import pandas as pd
+
+    from posprobe.analyses.dormant import dormant_heads
+
+    bridge, _ = tiny_family(name)
+    f = model_facts(bridge)
+    hf = _plain(bridge)
+    ids = torch.randint(3, 250, (3, 16), generator=torch.Generator().manual_seed(4))
+    picks = pd.DataFrame({"layer": [0, 1, 1], "head": [2, 0, 3], "value": [0.9, 0.8, 0.7]})
+    found, meta = dormant_heads(bridge, ids, picks, min_attention=0.5, max_delta=0.01, max_heads=3, batch_size=2)
+    assert len(found) == 3 and set(found.kind) <= {"dormant", "active"}
+
+    def nll(pre_hook=None, layer=None):
+        proj = (hf.transformer.h[layer].attn.c_proj if name == "gpt2" else hf.model.layers[layer].self_attn.o_proj
+                ) if layer is not None else None
+        h = proj.register_forward_pre_hook(pre_hook) if proj is not None else None
+        with torch.no_grad():
+            logits = hf(ids).logits
+        if h is not None:
+            h.remove()
+        return float(-logits[:, :-1].double().log_softmax(-1).gather(-1, ids[:, 1:, None]).mean())
+
+    base = nll()
+    assert abs(meta["base_loss"] - base) <= 1e-5
+    for r in found.itertuples():
+        def zero(m, args, head=r.head):
+            x = args[0].clone()
+            x[..., head * f.d_head:(head + 1) * f.d_head] = 0
+            return (x, *args[1:])
+
+        want = nll(zero, r.layer) - base
+        assert abs(r.delta_loss - want) <= 1e-5, (name, r.layer, r.head, r.delta_loss, want)
+        assert abs(want) > 1e-6  # the head mattered: the edit reached the forward

@@ -272,6 +272,12 @@ class SinksConfig:
                  "one), random = a random token like the rest")
     control: bool = option(True, "position-vs-token control on the text windows: the first token moved to position "
                                  "length // 2, or replaced by 'the' / a newline")
+    dormant_heads: int = option(12, "heads with the most attention on the first token zeroed one at a time to find "
+                                    "dormant ones (0: skip)")
+    dormant_attention: float = option(0.8, "a dormant-head candidate puts at least this share of its attention on the "
+                                           "first token")
+    dormant_delta: float = option(0.005, "a candidate is dormant when zeroing it changes the text loss by less than "
+                                         "this (nats/token)")
     massive_top: int = option(3, "largest |residual activations| kept per layer (Sun et al. 2024; 0: skip)")
     massive_ratio: float = option(100.0, "an activation is massive above this multiple of its sequence's median "
                                          "|activation|; the first layer with one is where they are zeroed / averaged")
@@ -281,7 +287,9 @@ class SinksConfig:
 
     def __post_init__(self) -> None:
         _check_choices(self)
-        _at_least(self, 0, "massive_top")
+        _at_least(self, 0, "massive_top", "dormant_heads")
+        if not 0 <= self.dormant_attention <= 1 or self.dormant_delta < 0:
+            raise ValueError("dormant_attention must be within [0, 1] and dormant_delta >= 0")
         if self.massive_ratio <= 1:
             raise ValueError(f"massive_ratio must be > 1, got {self.massive_ratio}")
         _at_least(self, 2, "length")

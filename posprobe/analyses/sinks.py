@@ -22,7 +22,7 @@ import torch
 
 from posprobe.analyses.configs import SinksConfig
 from posprobe.backend.facts import ModelFacts, model_facts, require_attention_supported
-from posprobe.backend.model import encode_text, special_tokens, tokenizer_of
+from posprobe.backend.model import encode_text, has_lm_head, special_tokens, tokenizer_of
 from posprobe.core.capture import Reducer, float64_device, stream, to_cpu_once
 from posprobe.data import BUILTIN_TEXT, framed_windows, random_token_ids
 from posprobe.report.result import Result
@@ -182,7 +182,9 @@ def run_sinks(model: Any, text: str | None = None, config: SinksConfig | None = 
     one above `massive_ratio` x median, `massive_intervention` (loss and first-token attention with them zeroed
     or set to their mean; meta["massive"] says where and which dims). With `control`, `sink_control`: the share and
     the first token's attention on the text windows as they are, with the first token moved to position n // 2,
-    and with it replaced by "the" or a newline (`control_variants`)."""
+    and with it replaced by "the" or a newline (`control_variants`). With `dormant_heads`, `dormant_heads`: the
+    heads with the most attention on the first token, each zeroed alone, dormant or active by the loss change
+    (`posprobe.analyses.dormant`)."""
     cfg = config or SinksConfig()
     facts = model_facts(model)
     require_attention_supported(facts, "Attention sinks")
@@ -209,6 +211,16 @@ def run_sinks(model: Any, text: str | None = None, config: SinksConfig | None = 
     tables = {"sink_heads": heads_df, "sink_share": share_df}
     if cfg.control and "text" in conditions:
         tables["sink_control"] = _control(model, conditions["text"], cfg)
+    dormant_meta: dict = {"skipped": "dormant_heads is 0, no text windows or no language-model head"}
+    if cfg.dormant_heads and "text" in conditions and has_lm_head(model):
+        from posprobe.analyses.dormant import dormant_heads
+
+        text_heads = heads_df[(heads_df.condition == "text") & (heads_df.metric == "first_attention")]
+        found, dormant_meta = dormant_heads(model, conditions["text"], text_heads, min_attention=cfg.dormant_attention,
+                                            max_delta=cfg.dormant_delta, max_heads=cfg.dormant_heads,
+                                            batch_size=cfg.batch_size)
+        if len(found):
+            tables["dormant_heads"] = found
     massive_meta: dict = {"skipped": "massive_top is 0"}
     if cfg.massive_top:
         from posprobe.analyses.massive import intervene, massive_table
@@ -230,6 +242,7 @@ def run_sinks(model: Any, text: str | None = None, config: SinksConfig | None = 
     data = data_meta(source or ("built-in text" if text is None else "text"), n_items=n_items, unit="sequences",
                      sha256=text_sha256(body) if cfg.max_windows else None)
     meta = make_meta("sinks", model=facts.summary(), data=data, config=cfg, sink_share=overall, massive=massive_meta,
+                     dormant=dormant_meta,
                      qk_points={f"{qp}/{kp}": layers for (qp, kp), layers in _qk_points(facts).items()},
                      sequences={c: int(len(r)) for c, r in conditions.items()},
                      first_tokens={c: tokenizer_of(model).convert_ids_to_tokens(r[:3, 0].tolist())

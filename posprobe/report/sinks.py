@@ -83,7 +83,29 @@ def summary_text(result: Any) -> str:
         parts.append(f"{cond} ({m['sequences'][cond]} sequences): {value:.1%} of (sequence, head) pairs sink; queries' "
                      f"cosine with the first key {h.mean()['first_key_cos']:.2f} vs {h.mean()['other_key_cos']:.2f} "
                      f"with the others{why}")
-    return (f"Sink_1^{eps} on {T}-token sequences (Gu et al. 2025): " + "; ".join(parts) + "." + massive_text(result))
+    return (f"Sink_1^{eps} on {T}-token sequences (Gu et al. 2025): " + "; ".join(parts) + "." + control_text(result)
+            + massive_text(result) + dormant_text(result))
+
+
+def control_text(result: Any) -> str:
+    """A sentence on the position-vs-token control ("" without it)."""
+    ctl = result.tables.get("sink_control")
+    if ctl is None or not len(ctl):
+        return ""
+    share = ctl[ctl.metric == "sink_share"].set_index("variant").value
+    parts = [f"{v} {share[v]:.1%}" for v in share.index if v != "as is"]
+    return f" Position vs token (text windows, sink share as is {share['as is']:.1%}): " + ", ".join(parts) + "."
+
+
+def dormant_text(result: Any) -> str:
+    """A sentence on the dormant heads ("" without the table)."""
+    d, m = result.tables.get("dormant_heads"), result.meta.get("dormant", {})
+    if d is None or not len(d):
+        return f" Dormant heads: no candidate ({m['rule']})." if m.get("candidates") == 0 else ""
+    dormant = d[d.kind == "dormant"]
+    names = ", ".join(f"L{int(r.layer)}H{int(r.head)}" for r in dormant.itertuples()) or "none"
+    return (f" Dormant heads: {len(dormant)} of {len(d)} candidates ({names}); zeroing a candidate changes the loss "
+            f"by {d.delta_loss.abs().median():.4f} nats/token (median |delta|).")
 
 
 def massive_text(result: Any) -> str:
@@ -124,6 +146,16 @@ def sections(result: Any) -> list[Section]:
                                                    values="value").reset_index().round(3)
     out = [Section("Summary", html=intro + table_html(share)), Section("Figures", figures=figures(result)),
            Section("Every head", table=wide)]
+    ctl = result.tables.get("sink_control")
+    if ctl is not None and len(ctl):
+        out.append(Section("Position or token?", html="<p>Text windows as they are, with the first token moved to "
+                           "position length // 2 (still seen first), and with it replaced by 'the' or a newline.</p>",
+                           table=ctl.pivot_table(index="variant", columns="metric", values="value", sort=False)
+                           .round(3).reset_index()))
+    dormant = result.tables.get("dormant_heads")
+    if dormant is not None and len(dormant):
+        out.append(Section("Dormant heads", html=f"<p>{html.escape(m['dormant']['rule'])}.</p>",
+                           table=dormant.drop(columns="model").round(4)))
     acts = result.tables.get("massive_activations")
     if acts is not None and len(acts):
         cfg = m["config"]
