@@ -1,15 +1,18 @@
-"""Benchmark: the head-signature pass vs a bare forward over the same tokens.
+"""Benchmark: the head-signature pass (or the attention-sink pass) vs a bare forward over the same tokens.
 
 Per token count, interleaved rounds (order rotated each round):
   bare   the model's full forward with logits, batch by batch (TransformerLens computes every attention
          pattern inside it, so this is "a bare forward with attention patterns")
   heads  `head_signatures(model, rows, HeadsConfig(induction_len=0))`: the streamed pattern statistics
-         of every layer and head, tables included (the induction pass is a separate, fixed-size forward)
+         of every layer and head, tables included (the induction pass is a separate, fixed-size forward);
+         with `--analysis sinks`, `sink_statistics(model, rows, SinksConfig(...))`: alpha_1, the first token's
+         key/value norms and query cosines from q, k, v and the pattern of every layer (target <= 1.3)
 CPU time (this process, one torch thread by default) is the headline, wall time beside it; ratios are
 paired within a round. Token counts grow by adding windows, so a streaming pass shows flat memory.
 Target: heads/bare <= 1.5 in CPU time; memory flat in the number of windows.
 
     python benchmarks/bench_heads.py --model smollm2 --tokens 1024 4096 --rounds 2
+    python benchmarks/bench_heads.py --analysis sinks --window 64 --batch-size 8
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from _timing import Timed, loadavg, ratio_summary, rotate  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--analysis", choices=["heads", "sinks"], default="heads")
     ap.add_argument("--window", type=int, default=128)
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096])
@@ -35,8 +39,9 @@ def main() -> None:
 
     import torch
 
-    from posprobe.analyses.configs import HeadsConfig
+    from posprobe.analyses.configs import HeadsConfig, SinksConfig
     from posprobe.analyses.heads import head_signatures
+    from posprobe.analyses.sinks import sink_statistics
     from posprobe.backend.loading import load_model
     from posprobe.core.capture import batches
 
@@ -45,8 +50,8 @@ def main() -> None:
     vocab = len(model.tokenizer)
     gen = torch.Generator().manual_seed(0)
     cfg = HeadsConfig(window=args.window, batch_size=args.batch_size, induction_len=0, progress=False)
-    print(f"model={args.model} window={args.window} batch={args.batch_size} rounds={args.rounds} "
-          f"threads={torch.get_num_threads()} torch={torch.__version__}", flush=True)
+    print(f"analysis={args.analysis} model={args.model} window={args.window} batch={args.batch_size} "
+          f"rounds={args.rounds} threads={torch.get_num_threads()} torch={torch.__version__}", flush=True)
 
     def bare(rows: torch.Tensor) -> None:
         with torch.no_grad():
@@ -54,7 +59,10 @@ def main() -> None:
                 model(toks)
 
     def heads(rows: torch.Tensor) -> None:
-        head_signatures(model, rows, cfg)
+        if args.analysis == "sinks":
+            sink_statistics(model, rows, SinksConfig(length=args.window, batch_size=args.batch_size, progress=False))
+        else:
+            head_signatures(model, rows, cfg)
 
     runs = {"bare": bare, "heads": heads}
     heads(torch.randint(0, vocab, (1, args.window), generator=gen))  # warm-up
