@@ -45,9 +45,11 @@ def test_the_atlas_page_says_what_its_windows_can_show(tiny_rope, tmp_path):
 
 def test_rope_model_gets_frequency_and_the_shift_test_as_invariance_control(tiny_rope, tmp_path):
     r = run_atlas(tiny_rope, None, AtlasConfig(**SMALL))
-    assert r.meta["sections"] == ["facts", "heads", "frequency", "probes", "shift"]
+    assert r.meta["sections"] == ["facts", "heads", "sinks", "frequency", "probes", "shift"]
     assert r.meta["skipped"] == ["geometry"]
     page = _check_saved(r, tmp_path / "a")
+    share = r.parts["sinks"].meta["sink_share"]
+    assert f"{share['random']:.0%} of (sequence, head) pairs sink" in page and "Attention sinks" in page
     t = r.tables["atlas"].set_index(["section", "metric"]).value
     dev = t[("shift", "max_abs_logp_change")]
     assert dev < 1e-3 and f"{dev:.2g} nats" in page and "RoPE control" in page
@@ -74,7 +76,7 @@ def test_smollm2_and_minilm_atlas_end_to_end(smollm2, minilm, tmp_path):
     page = _check_saved(r, tmp_path / "smol")
     assert "RoPE control" in page and r.tables["atlas"].query("metric == 'max_prev_mass'").value.item() > 0.5
     e = run_atlas(minilm, None, AtlasConfig(**SMALL))
-    assert e.meta["sections"] == ["facts", "heads", "geometry", "probes", "shift"]
+    assert e.meta["sections"] == ["facts", "heads", "sinks", "geometry", "probes", "shift"]
     page = _check_saved(e, tmp_path / "mini")
     assert "representation drift" in page and "encoder" in page
 

@@ -1,6 +1,7 @@
 """The atlas: every positional analysis that applies to a model, run with bounded defaults, in one report.
 
-Sections: positional facts; head signatures; per-frequency RoPE usage (RoPE models); W_pos and
+Sections: positional facts; head signatures; attention sinks (Gu et al.'s share, the position-vs-token
+control, massive activations); per-frequency RoPE usage (RoPE models); W_pos and
 residual geometry (learned positions); a position-probe summary; the shift test, which is the
 invariance control for RoPE models (a common shift of queries and keys cannot change anything) and
 the effect itself for learned positions. Each section is a full Result of its own analysis, saved in
@@ -15,12 +16,14 @@ from typing import Any
 import pandas as pd
 
 from posprobe.analyses.configs import (
+    ATLAS_SECTIONS,
     AtlasConfig,
     FrequencyConfig,
     GeometryConfig,
     HeadsConfig,
     ProbeConfig,
     ShiftConfig,
+    SinksConfig,
 )
 from posprobe.backend.facts import ModelFacts, model_facts
 from posprobe.backend.model import device_of, dtype_of
@@ -28,7 +31,7 @@ from posprobe.data import BUILTIN_SOURCE, BUILTIN_TEXT, builtin_pairs
 from posprobe.report.result import Result
 from posprobe.report.schema import data_meta, make_meta, text_sha256
 
-SECTIONS = ("facts", "heads", "frequency", "geometry", "probes", "shift")
+SECTIONS = ATLAS_SECTIONS
 
 
 class AtlasResult(Result):
@@ -65,7 +68,9 @@ def applicable(facts: ModelFacts, wanted: tuple[str, ...] | None) -> list[str]:
     """The sections that apply to this model (frequency: RoPE whose rotated q/k posprobe can read; geometry: learned
     positions; shift: learned or rotary positions), restricted to `wanted` when given."""
     proven = facts.unsupported is None  # position analyses: families posprobe has proven (probes: any family)
+    readable_qk = not facts.is_rotary or (proven and facts.rotation_unhooked is None)
     ok = {"facts": True, "heads": facts.attention_unsupported is None,
+          "sinks": facts.attention_unsupported is None and readable_qk,
           "frequency": facts.is_rotary and proven and facts.rotation_unhooked is None,
           "geometry": facts.has_w_pos and proven, "probes": True,
           "shift": facts.positional_kind in ("learned_absolute", "rotary") and proven}
@@ -85,6 +90,7 @@ def run_atlas(model: Any, text: str | None = None, config: AtlasConfig | None = 
     from posprobe.analyses.heads import run_heads
     from posprobe.analyses.probes import run_probes
     from posprobe.analyses.shift import hf_scorable, run_shift_test
+    from posprobe.analyses.sinks import run_sinks
 
     cfg = config or AtlasConfig()
     facts = model_facts(model)
@@ -105,6 +111,15 @@ def run_atlas(model: Any, text: str | None = None, config: AtlasConfig | None = 
                 seed=cfg.seed,
                 progress=cfg.progress,
             ),
+            source=src,
+        ),
+        # Bounded: 8 random sequences, the text windows, the control and massive activations; no dormant-head search
+        # (one pass per candidate head: `posprobe sinks`).
+        "sinks": lambda: run_sinks(
+            model,
+            body,
+            SinksConfig(length=w, random_samples=8, max_windows=nw, dormant_heads=0, seed=cfg.seed,
+                        progress=cfg.progress),
             source=src,
         ),
         "frequency": lambda: run_frequency(
@@ -170,6 +185,13 @@ def _headlines(facts: ModelFacts, parts: dict[str, Result]) -> list[tuple[str, s
                  ("heads", "mean_first_mass", float(w.first_mass.mean())),
                  ("heads", "sink_fraction", parts["heads"].meta["sink_fraction"])]
         rows += [("heads", f"n_{k}", float(v)) for k, v in kinds.items()]
+    if "sinks" in parts:
+        share = parts["sinks"].meta["sink_share"]
+        rows += [("sinks", f"sink_share_{c}", float(v)) for c, v in share.items()]
+        ctl = parts["sinks"].tables.get("sink_control")
+        if ctl is not None and len(ctl):
+            by = ctl[ctl.metric == "sink_share"].set_index("variant").value
+            rows += [("sinks", "sink_share_the_first", float(by.get("'the' first", float("nan"))))]
     if "frequency" in parts:
         b = parts["frequency"].tables["bands"]
         share = b[(b.metric == "abs_share") & (b.band >= 0)]

@@ -12,6 +12,9 @@ from typing import Literal, get_args, get_origin, get_type_hints
 from posprobe.core import presets
 from posprobe.core.config import option
 
+#: The atlas's sections, in report order (analyses.atlas runs those that apply to a model).
+ATLAS_SECTIONS = ("facts", "heads", "sinks", "frequency", "geometry", "probes", "shift")
+
 #: Residual-stream capture points a position probe can read.
 RESIDUAL_POINTS = ("resid_pre", "resid_mid", "resid_post")
 
@@ -312,8 +315,8 @@ class AtlasConfig:
     max_pairs: int = option(10, "built-in minimal pairs per paradigm for the shift test")
     probe_tokens: int = option(600, "tokens sampled for the position probes")
     induction_len: int = option(24, "repeated random sequence length for the induction score")
-    sections: tuple[str, ...] | None = option(None, "run only these sections (facts, heads, frequency, geometry, "
-                                                    "probes, shift; default: all that apply)")
+    sections: tuple[str, ...] | None = option(None, "run only these sections (facts, heads, sinks, frequency, "
+                                                    "geometry, probes, shift; default: all that apply)")
     seed: int = option(0, "seed of every sampled piece")
     progress: bool = option(True, "", cli=False)
 
@@ -321,10 +324,9 @@ class AtlasConfig:
         _at_least(self, 2, "window")
         _at_least(self, 1, "max_windows", "max_pairs", "probe_tokens")
         _at_least(self, 0, "induction_len")
-        known = {"facts", "heads", "frequency", "geometry", "probes", "shift"}
-        bad = sorted(set(self.sections or ()) - known)
+        bad = sorted(set(self.sections or ()) - set(ATLAS_SECTIONS))
         if bad:
-            raise ValueError(f"unknown atlas sections {bad}; choose from {sorted(known)}")
+            raise ValueError(f"unknown atlas sections {bad}; choose from {sorted(ATLAS_SECTIONS)}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -8,7 +8,8 @@ from typing import Any
 
 from posprobe.report.html import Section
 
-_TITLES = {"facts": "Positional facts", "heads": "Head signatures", "frequency": "RoPE frequency usage",
+_TITLES = {"facts": "Positional facts", "heads": "Head signatures", "sinks": "Attention sinks",
+           "frequency": "RoPE frequency usage",
            "geometry": "Learned-position geometry", "probes": "Position probes", "shift": "Shift test"}
 
 
@@ -48,6 +49,19 @@ def paragraph(result: Any, section: str) -> str:
             return summary_text(part)
         return (f"Strongest previous-token attention {n('max_prev_mass'):.2f}; mean attention on the first token "
                 f"{n('mean_first_mass'):.2f}; {n('sink_fraction'):.0%} of heads are sink heads.")
+    if section == "sinks":
+        rnd, txt, the = n("sink_share_random"), n("sink_share_text"), n("sink_share_the_first")
+        text = (f"Gu et al.'s Sink_1^0.3: {rnd:.0%} of (sequence, head) pairs sink on the first token on random "
+                f"tokens, {txt:.0%} on text" if rnd is not None and txt is not None else "Attention sinks")
+        if the is not None:
+            text += f"; {the:.0%} with the text's first token replaced by 'the' (does the sink follow the token?)"
+        part = getattr(result, "parts", {}).get("sinks")
+        if part is not None:
+            from posprobe.report.sinks import massive_text
+
+            text += "." + massive_text(part)
+            return text
+        return text + "."
     if section == "frequency":
         fast, slow = n("abs_share_fastest_quarter"), n("abs_share_slowest_quarter")
         kinds = {r.metric[2:]: int(r.value) for r in result.tables["atlas"].itertuples()
@@ -95,6 +109,8 @@ def figures(result: Any) -> list:
     figs = []
     if "heads" in parts:
         figs += parts["heads"].figures()[:2]
+    if "sinks" in parts:
+        figs += parts["sinks"].figures()[:1]
     if "frequency" in parts:
         figs += parts["frequency"].figures()[:1]
     if "geometry" in parts:
@@ -138,7 +154,7 @@ def sections(result: Any) -> list[Section]:
              f"tokens. {('Not applicable to this model: ' + html.escape(skipped) + '.') if skipped else ''}</p>"
              f"<p>{html.escape(window_scope(m))}</p>")
     out = [Section("Contents", html=intro)]
-    keyfig = {"heads": 2, "frequency": 1, "geometry": 1, "probes": 1, "shift": 1}
+    keyfig = {"heads": 2, "sinks": 1, "frequency": 1, "geometry": 1, "probes": 1, "shift": 1}
     for s in m["sections"]:
         body = f'<a id="atlas-{s}"></a><p>{html.escape(paragraph(result, s))}</p>'
         if s in parts:
