@@ -24,7 +24,7 @@ from posprobe.backend.facts import model_facts
 from posprobe.backend.hooks import hooked
 from posprobe.backend.model import has_lm_head, n_layers, token_losses, tokenizer_of
 from posprobe.backend.vocab import hook_name
-from posprobe.core.capture import Reducer, capture, stream
+from posprobe.core.capture import Reducer, batches, capture, stream
 
 __all__ = ["massive_table", "massive_edit", "intervene"]
 
@@ -60,8 +60,7 @@ def massive_table(model: Any, rows: torch.Tensor, *, top: int, batch_size: int, 
     (layer, rank, value, pos, token, dim, median_abs = mean over sequences of the median |activation|,
     ratio = value / median_abs)."""
     red = _reducer(n_layers(model), top)
-    spans = [(a, min(a + batch_size, rows.shape[0])) for a in range(0, rows.shape[0], batch_size)]
-    stream(model, (rows[a:b] for a, b in spans), [red], total=len(spans), progress=progress,
+    stream(model, batches(rows, batch_size), [red], total=-(-rows.shape[0] // batch_size), progress=progress,
            desc=f"massive activations ({condition})")
     tok = tokenizer_of(model)
     out = []

@@ -23,7 +23,7 @@ import torch
 from posprobe.analyses.configs import SinksConfig
 from posprobe.backend.facts import ModelFacts, model_facts, require_attention_supported
 from posprobe.backend.model import encode_text, has_lm_head, special_tokens, tokenizer_of
-from posprobe.core.capture import Reducer, float64_device, stream, to_cpu_once
+from posprobe.core.capture import Reducer, batches, check_rows, float64_device, stream, to_cpu_once
 from posprobe.data import BUILTIN_TEXT, framed_windows, random_token_ids
 from posprobe.report.result import Result
 from posprobe.report.schema import data_meta, make_meta, text_sha256
@@ -99,16 +99,11 @@ def sink_statistics(model: Any, token_rows: Any, config: SinksConfig | None = No
     cfg = config or SinksConfig()
     facts = model_facts(model)
     require_attention_supported(facts, "Attention sinks")
-    rows = torch.as_tensor(token_rows)
-    if rows.dim() != 2 or rows.shape[0] == 0 or rows.shape[1] < 2:
-        raise ValueError("token_rows must be a non-empty [batch, pos] set of equal-length rows with pos >= 2")
+    rows = check_rows(model, token_rows)
     n = rows.shape[1]
-    if n > facts.n_ctx:
-        raise ValueError(f"sequences of {n} tokens exceed the model's context n_ctx={facts.n_ctx}")
     reds = [_reducer(facts, n, cfg.epsilon, qp, kp, layers) for (qp, kp), layers in _qk_points(facts).items()]
-    spans = [(a, min(a + cfg.batch_size, rows.shape[0])) for a in range(0, rows.shape[0], cfg.batch_size)]
-    stream(model, (rows[a:b] for a, b in spans), reds, total=len(spans), progress=cfg.progress,
-           desc=f"sinks ({condition})", context=context)
+    stream(model, batches(rows, cfg.batch_size), reds, total=-(-rows.shape[0] // cfg.batch_size),
+           progress=cfg.progress, desc=f"sinks ({condition})", context=context)
     state = to_cpu_once({l: s for r in reds for l, s in r.state.items() if isinstance(l, int)})
     heads, layers = [], []
     for layer in range(facts.n_layers):
