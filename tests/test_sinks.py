@@ -79,6 +79,20 @@ def _reference(name: str, bridge, ids: torch.Tensor, eps: float, encoder: bool) 
             "first_key_cos": first_cos.mean(0), "other_key_cos": other_cos.mean(0),
             "sink_share": float((alpha > eps).double().mean()),
         }
+        # The first delimiter of each row (after position 0, not last), written out row by row.
+        delim = {bridge.tokenizer(d, add_special_tokens=False)["input_ids"][0] for d in (".", ",", "\n", ";", ":",
+                                                                                         "!", "?")}
+        per_row = []
+        for b in range(ids.shape[0]):
+            d = next((t for t in range(1, n) if int(ids[b, t]) in delim), None)
+            if d is None or d == n - 1:
+                continue
+            per_row.append(torch.stack([att[b, :, d + 1:, d].mean(-1), kn[b, d] / kn[b, 1:].mean(0),
+                                        vn[b, d] / vn[b, 1:].mean(0), cos[b, d + 1:, d].mean(0)]))
+        assert per_row, "the test rows must hold delimiters"
+        m = torch.stack(per_row).mean(0)
+        out[layer].update(delim_attention=m[0], delim_key_norm_ratio=m[1], delim_value_norm_ratio=m[2],
+                          delim_key_cos=m[3])
     return out
 
 
@@ -87,6 +101,8 @@ def test_sink_statistics_equal_a_recomputation_from_hf(name):
     bridge, _ = tiny_family(name)
     f = model_facts(bridge)
     ids = torch.randint(3, 250, (N, T), generator=torch.Generator().manual_seed(1))
+    dot = bridge.tokenizer(".", add_special_tokens=False)["input_ids"][0]
+    ids[0, 5], ids[1, 9], ids[2, 1] = dot, dot, dot  # delimiters at chosen places (others may occur by chance)
     if f.attention_unsupported:  # TL 3.9 never fires hook_pattern on delegated attention (BERT): refused up front
         with pytest.raises(NotImplementedError, match="Attention sinks is not available"):
             sink_statistics(bridge, ids, SinksConfig(length=T, progress=False))

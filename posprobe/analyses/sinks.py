@@ -23,7 +23,7 @@ import torch
 from posprobe.analyses.configs import SinksConfig
 from posprobe.backend.facts import ModelFacts, model_facts, require_attention_supported
 from posprobe.backend.model import encode_text, has_lm_head, special_tokens, tokenizer_of
-from posprobe.core.capture import Reducer, batches, check_rows, float64_device, stream, to_cpu_once
+from posprobe.core.capture import Reducer, check_rows, float64_device, stream, to_cpu_once
 from posprobe.data import BUILTIN_TEXT, framed_windows, random_token_ids
 from posprobe.report.result import Result
 from posprobe.report.schema import data_meta, make_meta, text_sha256
@@ -32,7 +32,10 @@ __all__ = ["SinksConfig", "run_sinks", "sink_statistics", "HEAD_METRICS"]
 
 #: Per-head metrics of the `sink_heads` table, in report order.
 HEAD_METRICS = ("first_attention", "sink_rate", "first_key_norm_ratio", "first_value_norm_ratio", "first_key_cos",
-                "other_key_cos")
+                "other_key_cos", "delim_attention", "delim_key_norm_ratio", "delim_value_norm_ratio", "delim_key_cos")
+
+#: Delimiters whose first occurrence (after position 0) gets the same questions as the first token.
+DELIMITERS = (".", ",", "\n", ";", ":", "!", "?")
 
 
 def _qk_points(facts: ModelFacts) -> dict[tuple[str, str], list[int]]:
@@ -55,13 +58,15 @@ def _cos(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.einsum("bqhd,bkhd->bhqk", a, b)
 
 
-def _reducer(facts: ModelFacts, n: int, epsilon: float, qp: str, kp: str, layers: list[int]) -> Reducer:
+def _reducer(facts: ModelFacts, n: int, epsilon: float, qp: str, kp: str, layers: list[int], current: dict
+             ) -> Reducer:
     group = facts.n_heads // facts.n_kv_heads
     causal = torch.ones(n, n, dtype=torch.bool) if facts.is_encoder else torch.ones(n, n, dtype=torch.bool).tril()
     others = causal.clone()
     others[:, 0] = False
     others[0] = False  # queries 1.. with keys 1.. they see
     n_others = others.sum().clamp_min(1)
+    names = ("alpha", "above", "k_ratio", "v_ratio", "cos0", "cosj", "d_att", "d_k", "d_v", "d_cos")
 
     def fn(point: str, layer: int, x: torch.Tensor, state: dict) -> None:
         pending = state.setdefault(("pending", layer), {})
@@ -73,20 +78,50 @@ def _reducer(facts: ModelFacts, n: int, epsilon: float, qp: str, kp: str, layers
         s = state.get(layer)
         if s is None:
             z = lambda *shape: torch.zeros(*shape, dtype=torch.float64, device=p.device)  # noqa: E731
-            s = state[layer] = {name: z(facts.n_heads) for name in ("alpha", "above", "k_ratio", "v_ratio", "cos0",
-                                                                    "cosj")} | {"rows": 0}
+            s = state[layer] = {name: z(facts.n_heads) for name in names} | {"rows": 0, "delim_rows": 0}
         alpha = p[..., 0].mean(-1)  # [batch, head]: Gu et al.'s alpha_1, over every query
         s["alpha"] += alpha.sum(0)
         s["above"] += (alpha > epsilon).double().sum(0)
         kn, vn = k.norm(dim=-1), v.norm(dim=-1)  # [batch, pos, kv_head]
-        s["k_ratio"] += (kn[:, 0] / kn[:, 1:].mean(1)).repeat_interleave(group, -1).sum(0)
-        s["v_ratio"] += (vn[:, 0] / vn[:, 1:].mean(1)).repeat_interleave(group, -1).sum(0)
+        k_rest, v_rest = kn[:, 1:].mean(1), vn[:, 1:].mean(1)  # [batch, kv_head]
+        s["k_ratio"] += (kn[:, 0] / k_rest).repeat_interleave(group, -1).sum(0)
+        s["v_ratio"] += (vn[:, 0] / v_rest).repeat_interleave(group, -1).sum(0)
         cos = _cos(q, k.repeat_interleave(group, dim=2))  # [batch, head, q, k]
         s["cos0"] += cos[:, :, 1:, 0].mean(-1).sum(0)
         s["cosj"] += (cos * others.to(cos.device)).sum((-2, -1)).div(n_others.to(cos.device)).sum(0)
         s["rows"] += p.shape[0]
+        # The first delimiter of each sequence (rows without one, or with it last, are left out): the attention the
+        # queries after it give it, its key/value norm ratios and the queries' cosine with its key.
+        d = current["delim"].to(p.device)
+        rows = ((d >= 1) & (d < n - 1)).nonzero()[:, 0]
+        if len(rows):
+            dr = d[rows]
+            after = (torch.arange(n, device=p.device)[None] > dr[:, None]).double()  # [rows, query]
+            col = p[rows, :, :, dr]  # [rows, head, query]: attention on the delimiter
+            s["d_att"] += ((col * after[:, None]).sum(-1) / after.sum(-1)[:, None]).sum(0)
+            s["d_k"] += (kn[rows, dr] / k_rest[rows]).repeat_interleave(group, -1).sum(0)
+            s["d_v"] += (vn[rows, dr] / v_rest[rows]).repeat_interleave(group, -1).sum(0)
+            dc = cos[rows, :, :, dr]
+            s["d_cos"] += ((dc * after[:, None]).sum(-1) / after.sum(-1)[:, None]).sum(0)
+            s["delim_rows"] += len(rows)
 
     return Reducer([qp, kp, "v", "pattern"], layers, fn)
+
+
+def first_delimiters(model: Any, rows: torch.Tensor) -> torch.Tensor:
+    """Per row, the position (>= 1) of its first delimiter token (`DELIMITERS`, alone or after a space, as the
+    tokenizer writes them), -1 where it has none."""
+    tok = tokenizer_of(model)
+    ids = set()
+    for d in DELIMITERS:
+        for text in (d, " " + d):
+            got = tok(text, add_special_tokens=False)["input_ids"]
+            if len(got) == 1:
+                ids.add(got[0])
+    hit = torch.isin(rows, torch.tensor(sorted(ids), dtype=rows.dtype))
+    hit[:, 0] = False
+    first = hit.double().argmax(-1)
+    return torch.where(hit.any(-1), first, torch.full_like(first, -1)).long()
 
 
 @torch.no_grad()
@@ -101,17 +136,29 @@ def sink_statistics(model: Any, token_rows: Any, config: SinksConfig | None = No
     require_attention_supported(facts, "Attention sinks")
     rows = check_rows(model, token_rows)
     n = rows.shape[1]
-    reds = [_reducer(facts, n, cfg.epsilon, qp, kp, layers) for (qp, kp), layers in _qk_points(facts).items()]
-    stream(model, batches(rows, cfg.batch_size), reds, total=-(-rows.shape[0] // cfg.batch_size),
-           progress=cfg.progress, desc=f"sinks ({condition})", context=context)
+    delims = first_delimiters(model, rows)
+    current: dict = {}
+    reds = [_reducer(facts, n, cfg.epsilon, qp, kp, layers, current)
+            for (qp, kp), layers in _qk_points(facts).items()]
+
+    def fed() -> Any:  # each batch with its rows' delimiter positions, for the reducers
+        for a in range(0, rows.shape[0], cfg.batch_size):
+            current["delim"] = delims[a:a + cfg.batch_size]
+            yield rows[a:a + cfg.batch_size]
+
+    stream(model, fed(), reds, total=-(-rows.shape[0] // cfg.batch_size), progress=cfg.progress,
+           desc=f"sinks ({condition})", context=context)
     state = to_cpu_once({l: s for r in reds for l, s in r.state.items() if isinstance(l, int)})
     heads, layers = [], []
     for layer in range(facts.n_layers):
         s = state[layer]
         r = s["rows"]
+        dr = s["delim_rows"] or float("nan")  # no sequence with a delimiter: NaN, not 0
         values = {"first_attention": s["alpha"] / r, "sink_rate": s["above"] / r, "first_key_norm_ratio":
                   s["k_ratio"] / r, "first_value_norm_ratio": s["v_ratio"] / r, "first_key_cos": s["cos0"] / r,
-                  "other_key_cos": s["cosj"] / r}
+                  "other_key_cos": s["cosj"] / r, "delim_attention": s["d_att"] / dr,
+                  "delim_key_norm_ratio": s["d_k"] / dr, "delim_value_norm_ratio": s["d_v"] / dr,
+                  "delim_key_cos": s["d_cos"] / dr}
         for m in HEAD_METRICS:
             heads.append(pd.DataFrame({"condition": condition, "layer": layer, "head": range(facts.n_heads),
                                        "metric": m, "value": values[m].numpy()}))
@@ -240,6 +287,9 @@ def run_sinks(model: Any, text: str | None = None, config: SinksConfig | None = 
                      dormant=dormant_meta,
                      qk_points={f"{qp}/{kp}": layers for (qp, kp), layers in _qk_points(facts).items()},
                      sequences={c: int(len(r)) for c, r in conditions.items()},
+                     delimiter_sequences={c: int(((d >= 1) & (d < r.shape[1] - 1)).sum())
+                                          for c, r in conditions.items() for d in [first_delimiters(model, r)]},
+                     delimiters=list(DELIMITERS),
                      first_tokens={c: tokenizer_of(model).convert_ids_to_tokens(r[:3, 0].tolist())
                                    for c, r in conditions.items()})
     return Result(tables, meta)

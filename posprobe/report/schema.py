@@ -154,6 +154,11 @@ METRICS: dict[str, str] = {
     "first_key_cos": "mean cosine of each query (positions 1..) with the first token's key",
     "other_key_cos": "mean cosine of each query (positions 1..) with the keys of positions 1.. it sees",
     "nll": "mean next-token loss (nats/token)",
+    "delim_attention": "attention on the sequence's first delimiter (. , newline ; : ! ?) from the queries after it, "
+                       "averaged over the sequences that have one",
+    "delim_key_norm_ratio": "norm of the first delimiter's key / mean norm of the keys of positions 1..",
+    "delim_value_norm_ratio": "norm of the first delimiter's value / mean norm of the values of positions 1..",
+    "delim_key_cos": "mean cosine of the queries after the first delimiter with its key",
 }
 
 REQUIRED_META: dict[str, type | tuple[type, ...]] = {

@@ -80,9 +80,15 @@ def summary_text(result: Any) -> str:
         why = (f"; on the heads that sink on most sequences ({len(keys)}), the first token's key norm is "
                f"{keys.first_key_norm_ratio.median():.2f}x and its value norm "
                f"{keys.first_value_norm_ratio.median():.2f}x the other tokens' (medians)") if len(keys) else ""
+        means = h.mean()
+        delim = ""
+        if m.get("delimiter_sequences", {}).get(cond) and means.get("delim_attention") == means.get("delim_attention"):
+            delim = (f"; the first delimiter ({m['delimiter_sequences'][cond]} sequences have one) gets "
+                     f"{means['delim_attention']:.2f} of the later queries' attention on average, its value norm "
+                     f"{means['delim_value_norm_ratio']:.2f}x the others'")
         parts.append(f"{cond} ({m['sequences'][cond]} sequences): {value:.1%} of (sequence, head) pairs sink; queries' "
-                     f"cosine with the first key {h.mean()['first_key_cos']:.2f} vs {h.mean()['other_key_cos']:.2f} "
-                     f"with the others{why}")
+                     f"cosine with the first key {means['first_key_cos']:.2f} vs {means['other_key_cos']:.2f} "
+                     f"with the others{why}{delim}")
     return (f"Sink_1^{eps} on {T}-token sequences (Gu et al. 2025): " + "; ".join(parts) + "." + control_text(result)
             + massive_text(result) + dormant_text(result))
 
