@@ -3,7 +3,8 @@
 Position plans and surgery rules have a large input space (float and per-row positions, removed bands, base and
 per-band overrides, windows, groups and chunk sizes up to the boundaries); the hand-picked identity tests elsewhere
 would miss a corner. Each property is checked against an independent computation: complex numbers for the rotation,
-the per-query plan through the model for the per-pair rules.
+the per-query plan through the model for the per-pair rules, a float64 recomputation for the frequency reducer, HF's
+own forward (per-layer cos/sin) for plans on some layers.
 """
 
 from __future__ import annotations
@@ -183,3 +184,44 @@ def test_tables_follow_the_schema_and_survive_a_save_on_random_configs(tiny_rope
         back = Result.load(f"{tmp}/out")
     for name, df in res.tables.items():
         pd.testing.assert_frame_equal(back.tables[name].reset_index(drop=True), df.reset_index(drop=True))
+
+
+@st.composite
+def per_layer_plans(draw):
+    n = draw(st.integers(2, 24))
+    pos = draw(st.lists(st.floats(0.0, 200.0), min_size=n, max_size=n))  # repeated, unordered, fractional: any
+    layers = draw(st.sets(st.integers(0, 1), min_size=1))
+    return n, torch.tensor(pos, dtype=torch.float64), frozenset(layers), draw(st.integers(0, 2**16))
+
+
+@given(per_layer_plans())
+def test_per_layer_plans_equal_hf_given_those_positions_in_those_layers(tiny_rope, case):
+    # A plan on some layers only (the others at their own positions), against Hugging Face's own forward with each
+    # decoder layer handed the cos/sin of its positions by HF's rotary module (a forward pre-hook per layer).
+    from posprobe.backend.bridge import plain_hf_model
+    from posprobe.core.generation import logits_under
+    from posprobe.core.positions import PositionPlan
+
+    n, pos, layers, seed = case
+    ids = torch.randint(3, 200, (1, n), generator=torch.Generator().manual_seed(seed))
+    got = logits_under(tiny_rope, ids, PositionPlan(pos, pos.clone(), layers=layers))
+    hf = plain_hf_model(tiny_rope)
+
+    def pre(layer):
+        def hook(module, args, kwargs):
+            p = pos if layer in layers else torch.arange(n, dtype=torch.float64)
+            h = args[0] if args else kwargs["hidden_states"]
+            kwargs["position_embeddings"] = hf.model.rotary_emb(h, p[None].float())
+            return args, kwargs
+
+        return hook
+
+    handles = [block.register_forward_pre_hook(pre(i), with_kwargs=True) for i, block in enumerate(hf.model.layers)]
+    try:
+        with torch.no_grad():
+            want = hf(ids).logits
+    finally:
+        for h in handles:
+            h.remove()
+    # float32 angles on both sides (HF's recipe); positions up to 200 leave ~1e-5 of rounding in the logits.
+    assert (got - want).abs().max() <= 1e-4
