@@ -229,22 +229,25 @@ def test_the_first_token_moved_equals_hf_with_those_position_ids(name):
     bridge, _ = tiny_family(name)
     ids = torch.randint(3, 250, (3, 16), generator=torch.Generator().manual_seed(3))
     variants = control_variants(bridge, ids)
-    assert list(variants) == ["as is", "first token at position 8", "'the' first", "newline first"]
-    toks, pos = variants["first token at position 8"]
-    assert pos.tolist() == [8, *range(1, 16)]
-    heads, _ = sink_statistics(bridge, toks, SinksConfig(length=16, progress=False), condition="moved",
-                               context=lambda: token_positions(bridge, pos))
+    assert list(variants) == ["as is", "first token at position 8", "second token at position 0", "'the' first",
+                              "newline first"]
+    assert variants["second token at position 0"][1].tolist() == [1, 0, *range(2, 16)]
+    assert variants["first token at position 8"][1].tolist() == [8, *range(1, 16)]
     hf = _plain(bridge, eager=True)
-    with torch.no_grad():
-        out = hf(toks, position_ids=pos[None].expand(len(toks), -1), output_attentions=True)
-    got = heads[heads.metric == "first_attention"].set_index(["layer", "head"]).value
-    for layer, att in enumerate(out.attentions):
-        want = att[..., 0].double().mean(-1).mean(0)  # alpha_1 per head, over sequences
-        err = float((torch.tensor(got[layer].sort_index().values) - want).abs().max())
-        assert err <= TOL, (name, layer, err)
-    plain, _ = sink_statistics(bridge, toks, SinksConfig(length=16, progress=False), condition="as is")
-    moved = torch.tensor(got.values)
-    assert float((moved - torch.tensor(plain[plain.metric == "first_attention"].value.values)).abs().max()) > 1e-4
+    for variant in ("first token at position 8", "second token at position 0"):
+        toks, pos = variants[variant]
+        heads, _ = sink_statistics(bridge, toks, SinksConfig(length=16, progress=False), condition="moved",
+                                   context=lambda pos=pos: token_positions(bridge, pos))
+        with torch.no_grad():
+            out = hf(toks, position_ids=pos[None].expand(len(toks), -1), output_attentions=True)
+        got = heads[heads.metric == "first_attention"].set_index(["layer", "head"]).value
+        for layer, att in enumerate(out.attentions):
+            want = att[..., 0].double().mean(-1).mean(0)  # alpha_1 per head, over sequences
+            err = float((torch.tensor(got[layer].sort_index().values) - want).abs().max())
+            assert err <= TOL, (name, variant, layer, err)
+        plain, _ = sink_statistics(bridge, toks, SinksConfig(length=16, progress=False), condition="as is")
+        moved = torch.tensor(got.values)
+        assert float((moved - torch.tensor(plain[plain.metric == "first_attention"].value.values)).abs().max()) > 1e-4
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])

@@ -170,8 +170,9 @@ def sink_statistics(model: Any, token_rows: Any, config: SinksConfig | None = No
 def control_variants(model: Any, rows: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
     """The position-vs-token control on `rows` (StreamingLLM's and Gu et al.'s question: does the sink follow
     position 0 or the token?): {variant: (token rows, positions or None = 0..n-1)} — as they are; the first token
-    at position n // 2 (the others unchanged, so it is still seen first); the first token replaced by "the"; by a
-    newline. Positions are set where posprobe controls them (learned, rotary, ALiBi; proven families)."""
+    at position n // 2 (the others unchanged, so it is still seen first); the second token at position 0 and the
+    first at 1 (another token holds position 0); the first token replaced by "the"; by a newline. Positions are set
+    where posprobe controls them (learned, rotary, ALiBi; proven families)."""
     n = rows.shape[1]
     tok = tokenizer_of(model)
     out: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {"as is": (rows, None)}
@@ -180,6 +181,9 @@ def control_variants(model: Any, rows: torch.Tensor) -> dict[str, tuple[torch.Te
         moved = torch.arange(n)
         moved[0] = n // 2
         out[f"first token at position {n // 2}"] = (rows, moved)
+        swapped_pos = torch.arange(n)
+        swapped_pos[0], swapped_pos[1] = 1, 0
+        out["second token at position 0"] = (rows, swapped_pos)
     for label, text in (("'the' first", "the"), ("newline first", "\n")):
         ids = tok(text, add_special_tokens=False)["input_ids"]
         if ids:
