@@ -121,23 +121,36 @@ def intervene(model: Any, rows: torch.Tensor, table: pd.DataFrame, *, ratio: flo
         count += hit.double().sum((0, 1)).cpu()
     means = (total / count.clamp_min(1)).float()
     out = []
+    acc = {"first": 0.0}
+    fired: set[int] = set()
+
+    def read_pattern(layer: int) -> Callable:
+        def hook(x: torch.Tensor, hook: Any) -> torch.Tensor:
+            fired.add(layer)
+            acc["first"] += float(x[..., 0].double().mean(-1).sum())
+            return x
+
+        return hook
+
+    readers = [(hook_name("pattern", l), read_pattern(l)) for l in later]
+    n_heads = model_facts(model).n_heads * len(later)
     for mode in ("none", "zero", "mean"):
         edit = None if mode == "none" else massive_edit(dims, ratio, mode, means)
-        hooks = [] if edit is None else [(point, lambda x, hook, e=edit: e(x))]
-        nll, first, n_tok = 0.0, 0.0, 0
+        hooks = ([] if edit is None else [(point, lambda x, hook, e=edit: e(x))]) + readers
+        nll, n_tok = 0.0, 0
+        acc["first"] = 0.0
         with hooked(model, hooks):
             for a in range(0, rows.shape[0], batch_size):
-                batch = rows[a:a + batch_size]
-                loss = token_losses(model, batch)
+                fired.clear()
+                loss = token_losses(model, rows[a:a + batch_size])  # one forward: the loss and the later patterns
+                if fired != set(later):
+                    raise RuntimeError(f"the attention pattern of layers {sorted(set(later) - fired)} was never "
+                                       "seen: the first-token attention after the edit cannot be measured")
                 nll += float(loss.double().sum())
                 n_tok += loss.numel()
-                if later:
-                    got = capture(model, batch, ["pattern"], layers=later)
-                    first += sum(float(got[("pattern", l)][..., 0].double().mean(-1).sum()) for l in later)
-        n_heads = model_facts(model).n_heads * len(later)
         out.append(dict(variant=mode, metric="nll", value=nll / n_tok, count=n_tok))
         if later:
-            out.append(dict(variant=mode, metric="first_attention", value=first / (rows.shape[0] * n_heads),
+            out.append(dict(variant=mode, metric="first_attention", value=acc["first"] / (rows.shape[0] * n_heads),
                             count=n_heads))
     meta = {"layer": layer, "dims": dims, "ratio": ratio, "massive_entries": int(count.sum()),
             "means": [float(m) for m in means]}

@@ -291,7 +291,7 @@ def prepare(model: Any, *, backend: str = "auto", device: str = "cpu", dtype: st
 
 
 def _checkpoint(prep: Prepared, pairs: Sequence[MinimalPair] | None, text: str | None, cfg: ShiftConfig, *,
-                backend: str, work: str | Path | None, fresh: bool) -> Checkpoint:
+                work: str | Path | None, fresh: bool) -> Checkpoint:
     from posprobe.backend.model import weights_fingerprint
     from posprobe.core import distributed
 
@@ -305,7 +305,7 @@ def _checkpoint(prep: Prepared, pairs: Sequence[MinimalPair] | None, text: str |
     weights = prep.tl_model if prep.tl_model is not None else prep.scorer.model
     data = {"pairs": pairs_fingerprint(pairs) if pairs is not None else None,
             "text": text_sha256(text) if text is not None else None}
-    key = run_key("shift-test", model={"facts": prep.facts.summary(), "backend": backend,
+    key = run_key("shift-test", model={"facts": prep.facts.summary(), "backend": prep.backend,
                                        "weights": weights_fingerprint(weights)},
                   data=data, config=config_meta(cfg), unit_items=UNIT_ITEMS)
     return Checkpoint(work, key, fresh=fresh)
@@ -388,7 +388,7 @@ def run_shift_test(
             raise ShiftError("Empty input: the text is empty")
         check_context([cfg.window + len(prefix)], ["text window"], ks, limit, "text window")
     pair_df, summary, tokens, drift = (pd.DataFrame() for _ in range(4))
-    ckpt = _checkpoint(prep, pairs, text, cfg, backend=prep.backend, work=work, fresh=fresh)
+    ckpt = _checkpoint(prep, pairs, text, cfg, work=work, fresh=fresh)
     if prep.is_encoder:
         drift = encoder_drift(prep.tl_model, [p.good for p in pairs] if pairs else [text[:2000]], ks, cfg)
     else:
