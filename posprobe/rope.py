@@ -23,6 +23,8 @@ class RotarySpec:
 
     `freq_scale` multiplies each band's inverse frequency (TL's `rotary_scaling_factor` is a scalar
     case); `None` means 1. `removed` bands get no rotation (cos=1, sin=0), p-RoPE style.
+    `attention_factor` multiplies cos and sin (YaRN's and LongRoPE's attention scaling in HF): the rotated
+    dims of q and k each grow by it, so their scores by its square; unrotated dims are left alone.
     """
 
     rotary_dim: int
@@ -30,6 +32,7 @@ class RotarySpec:
     adjacent: bool = False
     freq_scale: tuple[float, ...] | None = None
     removed: frozenset[int] = frozenset()
+    attention_factor: float = 1.0
 
     @property
     def n_bands(self) -> int:
@@ -47,13 +50,13 @@ def inv_freq_table(spec: RotarySpec, dtype: torch.dtype = torch.float32) -> Floa
 
 
 def angular_frequency(spec: RotarySpec) -> list[float]:
-    """Radians per token for each band (band 0 is the fastest)."""
-    return [1.0 / float(f) for f in inv_freq_table(spec, torch.float64)]
+    """Radians per token for each band (band 0 is the fastest); 0 for a band that never turns (`removed`)."""
+    return [0.0 if b in spec.removed else 1.0 / float(f) for b, f in enumerate(inv_freq_table(spec, torch.float64))]
 
 
 def wavelength(spec: RotarySpec) -> list[float]:
-    """Wavelength in tokens for each band: 2*pi / angular frequency."""
-    return [2 * math.pi / w for w in angular_frequency(spec)]
+    """Wavelength in tokens for each band: 2*pi / angular frequency (infinite for a band that never turns)."""
+    return [2 * math.pi / w if w else math.inf for w in angular_frequency(spec)]
 
 
 def band_dims(spec: RotarySpec, band: int) -> tuple[int, int]:
@@ -99,11 +102,13 @@ def sin_cos(
     hp = torch.float64 if dtype == torch.float64 else torch.float32
     freq, gone = _device_tables(spec, dtype, positions.device)
     angles = positions.to(hp)[..., None] / freq
-    sin, cos = torch.sin(angles).to(dtype), torch.cos(angles).to(dtype)
+    sin, cos = torch.sin(angles), torch.cos(angles)
     if gone is not None:
         sin = torch.where(gone, torch.zeros_like(sin), sin)
         cos = torch.where(gone, torch.ones_like(cos), cos)
-    return sin, cos
+    if spec.attention_factor != 1.0:
+        sin, cos = sin * spec.attention_factor, cos * spec.attention_factor
+    return sin.to(dtype), cos.to(dtype)
 
 
 def rotate_half(x: Float[torch.Tensor, "... rotary_dim"], adjacent: bool) -> Float[torch.Tensor, "... rotary_dim"]:

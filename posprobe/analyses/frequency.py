@@ -19,7 +19,7 @@ import torch
 
 from posprobe.analyses.configs import FrequencyConfig
 from posprobe.analyses.frequency_ablation import band_ablation, head_ablations, p_sweep
-from posprobe.backend.facts import ModelFacts, model_facts, require_rotated_qk
+from posprobe.backend.facts import ModelFacts, at_length, model_facts, require_rotated_qk
 from posprobe.backend.hooks import score_scale, score_soft_cap
 from posprobe.backend.model import device_of
 from posprobe.core import distributed
@@ -303,6 +303,7 @@ def frequency_usage(
     if len({s.rotary_dim for s in facts.rotary if s is not None}) != 1:
         raise NotImplementedError("Layers with different rotary_dim are not supported")
     window = rows.shape[1]
+    facts = at_length(model, facts, window)  # dynamic / longrope: the frequencies a window this long turns with
     edges = rel_pos_edges(window)
     if queries is not None and queries < 1:
         raise ValueError(f"queries must be >= 1 or None, got {queries}")

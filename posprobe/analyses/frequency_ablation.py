@@ -17,7 +17,7 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from posprobe.backend.facts import ModelFacts, model_facts, require_rotated_qk
+from posprobe.backend.facts import ModelFacts, model_facts, require_fixed_table, require_rotated_qk
 from posprobe.backend.hooks import hook_name, hooked, pre_rotation, score_scale, score_soft_cap
 from posprobe.backend.model import context_length, token_losses
 from posprobe.core.capture import check_rows
@@ -58,6 +58,7 @@ def ablate_bands(model: Any, ab: BandAblation) -> Iterator[Any]:
     """Within the block, every forward of `model` runs with the ablation in force (no KV cache)."""
     facts = model_facts(model)
     require_rotated_qk(facts, "Band ablation")
+    require_fixed_table(model, facts, "Band ablation")
     _validate(facts, ab)
     layers = facts.check_rotary_layers(sorted(ab.layers) if ab.layers is not None else None, "Band ablation")
     if ab.heads is None and ab.mode == "unrotate":

@@ -72,9 +72,18 @@ def layer_type(model: Any, layer: int) -> str | None:
     return hf.layer_type(model.original_model, layer)
 
 
-def rotary_freqs(model: Any, layer: int) -> tuple[torch.Tensor, float]:
-    """(inv_freq `[band]`, cos/sin multiplier): the table HF rotates `layer` with, after any static scaling."""
-    return hf.inv_freq(model.original_model, layer)
+def rotary_freqs(model: Any, layer: int, length: int | None = None) -> tuple[torch.Tensor, float]:
+    """(inv_freq `[band]`, cos/sin multiplier): the table HF rotates `layer` with for an input of `length` tokens
+    (None: the table it was loaded with), after any scaling. Tables built for a length are cached per model and
+    layer; the loaded table is the module's buffer, which follows the model across devices."""
+    at = hf.table_length(model.original_model, layer, length)
+    if at is None:
+        return hf.inv_freq(model.original_model, layer)
+    cache = model.__dict__.setdefault("_posprobe_rope_tables", {})
+    key = (layer, at)
+    if key not in cache:
+        cache[key] = hf.rope_table(model.original_model, layer, length)
+    return cache[key]
 
 
 def rotary_adjacent(model: Any) -> bool:
@@ -85,15 +94,16 @@ def rotary_adjacent(model: Any) -> bool:
                 or hf.adjacent_pairs(model.original_model))
 
 
-def rotary_spec(model: Any, layer: int) -> RotarySpec:
+def rotary_spec(model: Any, layer: int, length: int | None = None) -> RotarySpec:
     """The rotation `layer` applies, from the HF config and HF's own frequency table (the bridge's
     `cfg.rotary_base` is not reliable: 10000 for SmolLM2, whose base is 1e5). Cached per model and layer:
     reading HF's table is a device-to-host copy, and position control asks once per rotation."""
     cache = model.__dict__.setdefault("_posprobe_rotary_specs", {})
-    if layer not in cache:
-        cache[layer] = hf.rotary_spec(model.original_model, layer, adjacent=rotary_adjacent(model),
-                                      name=str(model.cfg.model_name))
-    return cache[layer]
+    key = (layer, hf.table_length(model.original_model, layer, length))
+    if key not in cache:
+        cache[key] = hf.rotary_spec(model.original_model, layer, adjacent=rotary_adjacent(model),
+                                    name=str(model.cfg.model_name), length=length)
+    return cache[key]
 
 
 def plain_hf_model(model: Any) -> Any:

@@ -9,6 +9,7 @@ Hugging Face modules (`bridge.py`, `hf.py`).
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -165,8 +166,16 @@ def encoder_layer_hooks(model: Any) -> list[str]:
         hook_name("bridge_resid_post_normalized", l) for l in range(n_layers(model))]
 
 
-def layer_rotary_spec(model: Any, layer: int) -> RotarySpec:
-    return rotary_spec(model, layer)
+def layer_rotary_spec(model: Any, layer: int, length: int | None = None) -> RotarySpec:
+    return rotary_spec(model, layer, length)
+
+
+def table_length(model: Any, layer: int, length: int) -> int | None:
+    return hf.table_length(model.original_model, layer, length)
+
+
+def length_rule(model: Any, layer: int) -> str | None:
+    return hf.length_rule_text(model.original_model, layer)
 
 
 def _fires_rotation_hooks(attn: Any) -> bool:
@@ -216,16 +225,17 @@ def expose_points(model: Any, names: Any) -> None:
 def _plain(spec: RotarySpec) -> RotarySpec:
     # A per-band scale of exactly 1 everywhere (YaRN or NTK at scale 1) is the unscaled rotation.
     if spec.freq_scale is not None and all(f == 1.0 for f in spec.freq_scale):
-        return RotarySpec(rotary_dim=spec.rotary_dim, base=spec.base, adjacent=spec.adjacent, removed=spec.removed)
+        return replace(spec, freq_scale=None)
     return spec
 
 
-def rotate_at(model: Any, layer: int, x: torch.Tensor, positions: torch.Tensor, spec: RotarySpec) -> torch.Tensor:
+def rotate_at(model: Any, layer: int, x: torch.Tensor, positions: torch.Tensor, spec: RotarySpec,
+              length: int | None = None) -> torch.Tensor:
     # The layer's own rotation replays HF's cos/sin recipe (angle = position * inv_freq, not position / freq:
     # the one-ulp angle difference alone moved SmolLM2's logits by 4e-5); other specs use posprobe's rotation.
-    if _plain(spec) != _plain(layer_rotary_spec(model, layer)):
+    if _plain(spec) != _plain(layer_rotary_spec(model, layer, length)):
         return rotate(x, positions, spec)
-    inv_freq, scaling = rotary_freqs(model, layer)
+    inv_freq, scaling = rotary_freqs(model, layer, length)
     adjacent = rotary_adjacent(model)
     cos, sin = hf_cos_sin(positions.to(x.device), inv_freq.to(x.device), adjacent=adjacent, scaling=scaling)
     return hf_rotate(x, cos[..., None, :], sin[..., None, :], adjacent=adjacent)  # broadcast over heads
@@ -446,7 +456,15 @@ def positional_unsupported(model: Any) -> str | None:
                 "posprobe cannot read or control yet")
     if kind in ("relative_positional_bias", "relative_bias"):
         return f"{arch} uses T5-style relative position buckets, which posprobe has no adapter for yet"
+    if kind == "rotary" and getattr(cfg, "num_kv_shared_layers", 0):
+        # Measured on a tiny Gemma 4: the sharing layers have no hook_k (they read an earlier layer's cached keys).
+        return (f"{arch} reuses earlier layers' keys and values in its last {cfg.num_kv_shared_layers} layers "
+                "(num_kv_shared_layers), which posprobe's position control does not reach yet")
     if kind == "rotary":
+        try:
+            hf.rotary_spec(hf_model, 0, name=arch)  # a rope type posprobe does not reproduce (axial) is named
+        except NotImplementedError as e:
+            return str(e)
         try:
             inv, _ = hf.inv_freq(hf_model, 0)  # NoPE layers share the rotary module
         except NotImplementedError:

@@ -4,7 +4,7 @@ TL 3) for loaded TransformerLens models, the Hugging Face door (`hf.py`) for pla
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from posprobe.backend import hf
@@ -118,7 +118,8 @@ def _slopes_text(slopes: tuple[float, ...]) -> str:
 
 def describe_layers(kinds: tuple[str, ...], rotary: tuple[RotarySpec | None, ...] | None, d_head: int,
                     attn_types: tuple[str, ...], extra: str = "",
-                    alibi: tuple[tuple[float, ...], ...] | None = None) -> tuple[str, ...]:
+                    alibi: tuple[tuple[float, ...], ...] | None = None,
+                    length_rules: tuple[str | None, ...] | None = None) -> tuple[str, ...]:
     """One phrase per layer saying how positions enter it, from per-layer kinds ("rotary", "nope", ...)."""
     out = []
     for l, kind in enumerate(kinds):
@@ -126,6 +127,10 @@ def describe_layers(kinds: tuple[str, ...], rotary: tuple[RotarySpec | None, ...
             s = rotary[l]
             pct = 100 * s.rotary_dim / d_head if d_head else 100
             scaled = ", scaled frequencies" if s.freq_scale is not None else ""
+            if s.removed:  # Gemma 4's proportional RoPE: the slow bands never turn
+                scaled += f", {s.n_bands - len(s.removed)} of {s.n_bands} bands rotate"
+            if s.attention_factor != 1.0:
+                scaled += f", cos/sin x{s.attention_factor:.6g}"
             text = (f"rotary {pct:.0f}% of head dim, {'adjacent' if s.adjacent else 'half-split'} pairing, "
                     f"base {s.base:g}{scaled}")
         else:
@@ -137,6 +142,8 @@ def describe_layers(kinds: tuple[str, ...], rotary: tuple[RotarySpec | None, ...
             text = f"ALiBi ({_slopes_text(alibi[l])})"
         if l < len(attn_types) and attn_types[l] == "local":
             text += ", sliding window"
+        if length_rules and kind == "rotary" and length_rules[l]:
+            text += f" ({length_rules[l]})"
         out.append(text + extra)
     return tuple(out)
 
@@ -153,6 +160,7 @@ def model_facts(model: Any) -> ModelFacts:
     if broken is not None:
         raise NotImplementedError(broken)
     rotary, attn_types, kinds = adapter.rotary_specs(model), adapter.attn_types(model), adapter.layer_kinds(model)
+    rules = tuple(adapter.length_rule(model, l) for l in range(len(kinds))) if rotary is not None else None
     slopes = None
     if "alibi" in kinds:
         try:
@@ -176,7 +184,8 @@ def model_facts(model: Any) -> ModelFacts:
         rotary=rotary,
         attn_types=attn_types,
         normalization=str(cfg.normalization_type),
-        layer_positions=describe_layers(kinds, rotary, int(cfg.d_head), attn_types, alibi=slopes),
+        layer_positions=describe_layers(kinds, rotary, int(cfg.d_head), attn_types, alibi=slopes,
+                                        length_rules=rules),
         unsupported=adapter.positional_unsupported(model),
         attention_unsupported=adapter.attention_unsupported(model),
         alibi_slopes=slopes,
@@ -199,6 +208,7 @@ def hf_facts(hf_model: Any, name: str | None = None) -> ModelFacts:
         except NotImplementedError:
             rotary = None
     kinds = tuple("nope" if l in nope else kind for l in range(layers))
+    rules = tuple(hf.length_rule_text(hf_model, l) for l in range(layers)) if rotary is not None else None
     attn_types = tuple("local" if (hf.layer_type(hf_model, l) or "").startswith("sliding") else "global"
                        for l in range(layers))
     heads = int(getattr(cfg, "num_attention_heads", 0) or 0)
@@ -220,8 +230,27 @@ def hf_facts(hf_model: Any, name: str | None = None) -> ModelFacts:
         rotary=rotary,
         attn_types=attn_types,
         normalization=norms[0] if norms else "none",
-        layer_positions=describe_layers(kinds, rotary, hf.head_dim(hf_model) if heads else 0, attn_types),
+        layer_positions=describe_layers(kinds, rotary, hf.head_dim(hf_model) if heads else 0, attn_types,
+                                        length_rules=rules),
     )
+
+
+def at_length(model: Any, facts: ModelFacts, length: int) -> ModelFacts:
+    """`facts` with each rotary layer's spec for inputs of `length` tokens: differs from the loaded tables only on
+    dynamic / longrope layers past their threshold (the frequencies a window of that length is rotated with)."""
+    if facts.rotary is None or all(ops(model).table_length(model, l, length) is None for l in facts.rotary_layers):
+        return facts
+    at = ops(model).layer_rotary_spec
+    return replace(facts, rotary=tuple(None if s is None else at(model, l, length) for l, s in enumerate(facts.rotary)))
+
+
+def require_fixed_table(model: Any, facts: ModelFacts, what: str) -> None:
+    """NotImplementedError where a rotary layer's table changes with the input's length (dynamic, longrope) and
+    `what` builds its rotation from one table for every input."""
+    rules = {r for r in (ops(model).length_rule(model, l) for l in facts.rotary_layers) if r}
+    if rules:
+        raise NotImplementedError(f"{what} is not available for {facts.name} yet: its rotation changes with the "
+                                  f"input's length ({'; '.join(sorted(rules))})")
 
 
 def require_supported(facts: ModelFacts, what: str) -> None:

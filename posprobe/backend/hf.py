@@ -24,10 +24,14 @@ from posprobe.rope import RotarySpec, inv_freq_table
 
 log = logging.getLogger(__name__)
 
-# HF rope types whose frequencies are fixed tables (a per-band scale of the default frequencies).
-# "dynamic" rescales with the sequence length and "longrope" switches tables with it; yarn/longrope also
-# scale cos/sin (attention_scaling), which posprobe's rotation does not reproduce.
-STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# HF rope types posprobe reproduces. "dynamic" (its base grows with the input's length past max_position_embeddings)
+# and "longrope" (short / long factors, switched at original_max_position_embeddings) change their table with the
+# length of the input: `rope_table(..., length)` builds the table of a given length with HF's own function.
+# yarn / longrope also scale cos/sin (the attention factor, kept in RotarySpec.attention_factor). "proportional"
+# (Gemma 4) leaves its trailing bands unrotated (frequency 0: RotarySpec.removed).
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope", "proportional")
+#: Rope types whose table depends on the input's length.
+LENGTH_RULE_ROPE_TYPES = ("dynamic", "longrope")
 
 #: Name under which posprobe's attention function is registered in transformers' AttentionInterface.
 ATTENTION_IMPLEMENTATION = "posprobe_long"
@@ -123,6 +127,13 @@ def logits_from_hidden(hf_model: Any, hidden: torch.Tensor) -> torch.Tensor:
     return finish_logits(hf_model, hf_model.get_output_embeddings()(hidden))
 
 
+def _layer_keyed(hf_model: Any, layer: int) -> str | None:
+    # The layer type under which the config keeps this layer's rope parameters (Gemma 3's local/global), or None.
+    rp = getattr(text_config(hf_model), "rope_parameters", None)
+    lt = layer_type(hf_model, layer)
+    return lt if lt is not None and isinstance(rp, dict) and isinstance(rp.get(lt), dict) else None
+
+
 def rope_parameters(hf_model: Any, layer: int) -> dict:
     """The rope parameters of `layer` (rope_type, rope_theta, scaling keys), per layer type where the config
     has one table per type (Gemma 3's local/global)."""
@@ -131,10 +142,83 @@ def rope_parameters(hf_model: Any, layer: int) -> dict:
     if rp is None:  # older configs: rope_theta + rope_scaling
         rp = dict(getattr(cfg, "rope_scaling", None) or {})
         rp.setdefault("rope_theta", getattr(cfg, "rope_theta", 10000.0))
-    lt = layer_type(hf_model, layer)
-    if lt is not None and isinstance(rp.get(lt), dict):
-        rp = rp[lt]
-    return dict(rp)
+    lt = _layer_keyed(hf_model, layer)
+    return dict(rp[lt] if lt is not None else rp)
+
+
+def rope_type(hf_model: Any, layer: int) -> str:
+    """HF's rope type of `layer` ("default", "yarn", "dynamic", ...)."""
+    rp = rope_parameters(hf_model, layer)
+    return str(rp.get("rope_type", rp.get("type", "default")))
+
+
+def length_rule(hf_model: Any, layer: int) -> str | None:
+    """"dynamic" or "longrope" where `layer`'s rotation table depends on the input's length, else None."""
+    kind = rope_type(hf_model, layer)
+    return kind if kind in LENGTH_RULE_ROPE_TYPES else None
+
+
+def length_threshold(hf_model: Any, layer: int) -> int | None:
+    """Tokens up to which a length-rule layer keeps its first table (dynamic: max_position_embeddings; longrope:
+    original_max_position_embeddings), or None for a static table."""
+    kind = length_rule(hf_model, layer)
+    if kind == "dynamic":
+        return int(text_config(hf_model).max_position_embeddings)
+    if kind == "longrope":
+        rp = rope_parameters(hf_model, layer)
+        return int(rp.get("original_max_position_embeddings")
+                   or getattr(text_config(hf_model), "original_max_position_embeddings"))
+    return None
+
+
+def length_rule_text(hf_model: Any, layer: int) -> str | None:
+    """How `layer`'s table changes with the input's length, in words, or None for a static table."""
+    kind, limit = length_rule(hf_model, layer), length_threshold(hf_model, layer)
+    if kind == "dynamic":
+        return f"dynamic NTK: the base grows with inputs past {limit} tokens"
+    if kind == "longrope":
+        return f"LongRoPE: long factors for inputs past {limit} tokens"
+    return None
+
+
+def table_length(hf_model: Any, layer: int, length: int | None) -> int | None:
+    """The length whose table `layer` rotates an input of `length` tokens with, canonicalised so equal tables
+    share a key: None for a static table or an input within the threshold; longrope's long table for any length
+    past it; dynamic's own length."""
+    limit = length_threshold(hf_model, layer)
+    if limit is None or length is None or length <= limit:
+        return None
+    return limit + 1 if length_rule(hf_model, layer) == "longrope" else int(length)
+
+
+def _refuse_axial(hf_model: Any, layer: int, who: str) -> None:
+    rp = rope_parameters(hf_model, layer)
+    kind = rope_type(hf_model, layer)
+    if rp.get("mrope_section") or kind in ("mrope", "axial") or kind not in ROPE_TYPES:
+        what = "3-D (axial) positions split by mrope_section" if rp.get("mrope_section") or kind in ("mrope", "axial") \
+            else f"{kind!r} RoPE"
+        raise NotImplementedError(f"{who} uses {what}; posprobe's position control and rotary facts take one "
+                                  f"position per token and reproduce these rope types: {', '.join(ROPE_TYPES)}")
+
+
+def rope_table(hf_model: Any, layer: int, length: int | None = None) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies in rad/token `[band]`, cos/sin multiplier) `layer` rotates an input of `length`
+    tokens with (None: the model's first table, as loaded). Static types read the rotary module; dynamic and
+    longrope past their threshold call HF's own `ROPE_INIT_FUNCTIONS` with the length as HF's forward passes it
+    (a long tensor: the same float32 arithmetic, so the same bits)."""
+    at = table_length(hf_model, layer, length)
+    if at is None:
+        return inv_freq(hf_model, layer)
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    own, _ = inv_freq(hf_model, layer)
+    lt = _layer_keyed(hf_model, layer)
+    kwargs = {"layer_type": lt} if lt is not None else {}
+    cfg = text_config(hf_model)
+    fn = ROPE_INIT_FUNCTIONS[rope_type(hf_model, layer)]
+    seq = at if length_rule(hf_model, layer) == "longrope" else torch.tensor(at, dtype=torch.long, device=own.device)
+    inv, factor = fn(cfg, own.device, seq_len=seq, **kwargs)
+    return inv.to(own.device, torch.float32), float(factor)
 
 
 def rotary_emb(hf_model: Any) -> Any:
@@ -163,6 +247,24 @@ def _table_inv_freq(hf_model: Any) -> torch.Tensor | None:
     return inv if (table[:n].detach().float().cpu() - want).abs().max() <= 1e-6 else None
 
 
+def fresh_rope_state(hf_model: Any) -> None:
+    """Put a dynamic-RoPE module back to the table it was loaded with. HF's module keeps the largest table it has
+    built while later inputs stay past the threshold, so without this a forward's numbers would depend on the
+    inputs run before it; after it, they depend on the forward's own length only. Other modules are left alone."""
+    try:
+        emb = rotary_emb(hf_model)
+    except NotImplementedError:
+        return
+    kinds = emb.rope_type if isinstance(getattr(emb, "rope_type", None), dict) else {"": getattr(emb, "rope_type", "")}
+    for lt, kind in kinds.items():
+        prefix = f"{lt}_" if lt else ""
+        orig = getattr(emb, f"{prefix}original_inv_freq", None)
+        if "dynamic" not in str(kind) or orig is None:
+            continue
+        emb.register_buffer(f"{prefix}inv_freq", orig.clone(), persistent=False)
+        setattr(emb, f"{prefix}max_seq_len_cached", emb.original_max_seq_len)
+
+
 def inv_freq(hf_model: Any, layer: int) -> tuple[torch.Tensor, float]:
     """(inverse frequencies in rad/token `[band]`, cos/sin multiplier) HF rotates `layer` with."""
     try:
@@ -173,9 +275,13 @@ def inv_freq(hf_model: Any, layer: int) -> tuple[torch.Tensor, float]:
             raise
         return inv, 1.0
     lt = layer_type(hf_model, layer)
-    if lt is not None and hasattr(emb, f"{lt}_inv_freq"):  # Gemma 3: one table per layer type
-        return getattr(emb, f"{lt}_inv_freq"), float(getattr(emb, f"{lt}_attention_scaling", 1.0))
-    return emb.inv_freq, float(getattr(emb, "attention_scaling", 1.0))
+    prefix = f"{lt}_" if lt is not None and hasattr(emb, f"{lt}_inv_freq") else ""  # Gemma 3: a table per type
+    # Dynamic and longrope modules overwrite `inv_freq` with the table of the last input's length; the table they
+    # were built with stays in `original_inv_freq`.
+    name = f"{prefix}original_inv_freq" if length_rule(hf_model, layer) else f"{prefix}inv_freq"
+    table = getattr(emb, name, None)
+    table = table if table is not None else getattr(emb, f"{prefix}inv_freq")
+    return table, float(getattr(emb, f"{prefix}attention_scaling", 1.0))
 
 
 #: HF model types whose rotary code pairs adjacent dims (2b, 2b+1), its cos/sin interleaved (`repeat_interleave`),
@@ -189,29 +295,30 @@ def adjacent_pairs(hf_model: Any) -> bool:
     return str(getattr(text_config(hf_model), "model_type", "")) in ADJACENT_PAIR_MODEL_TYPES
 
 
-def rotary_spec(hf_model: Any, layer: int, *, adjacent: bool | None = None, name: str | None = None) -> RotarySpec:
-    """The rotation `layer` applies, as a RotarySpec: base from the config, rotated dims and any static scaling
-    (linear, llama3, yarn frequencies) from HF's own frequency table, as a per-band factor on the defaults; the
+def rotary_spec(hf_model: Any, layer: int, *, adjacent: bool | None = None, name: str | None = None,
+                length: int | None = None) -> RotarySpec:
+    """The rotation `layer` applies to an input of `length` tokens (None: its first table), as a RotarySpec: base
+    from the config; rotated dims, any scaling (linear, llama3, yarn, dynamic, longrope, proportional) as a per-band
+    factor on the defaults, unrotated bands (frequency 0) and the cos/sin multiplier from HF's own table; the
     pairing from `adjacent` (a bridge's own flag) or else the model type.
 
-    Raises NotImplementedError for rope types whose table changes with length (dynamic, longrope) and for
-    cos/sin scaling, which a RotarySpec does not express."""
+    Raises NotImplementedError, naming it, for a rope type posprobe does not reproduce (3-D axial positions)."""
     who = name or type(hf_model).__name__
+    _refuse_axial(hf_model, layer, who)
     rp = rope_parameters(hf_model, layer)
-    kind = rp.get("rope_type", rp.get("type", "default"))
-    if kind not in STATIC_ROPE_TYPES:
-        raise NotImplementedError(f"{who} uses {kind!r} RoPE scaling, which posprobe's position control does not "
-                                  "reproduce yet")
-    inv, attention_scaling = inv_freq(hf_model, layer)
-    if attention_scaling != 1.0:
-        raise NotImplementedError(f"{who} scales cos/sin by {attention_scaling} ({kind} RoPE); posprobe's rotation "
-                                  "does not")
+    inv, attention_factor = rope_table(hf_model, layer, length)
+    inv = inv.detach().double().cpu()
     base = float(rp.get("rope_theta", getattr(text_config(hf_model), "rope_theta", 10000.0)))
     adjacent = adjacent_pairs(hf_model) if adjacent is None else adjacent
-    spec = RotarySpec(rotary_dim=2 * inv.numel(), base=base, adjacent=adjacent)
-    ratio = (1.0 / inv.detach().double().cpu()) / inv_freq_table(spec, torch.float64)
+    gone = frozenset(int(b) for b in (inv == 0).nonzero()[:, 0])
+    spec = RotarySpec(rotary_dim=2 * inv.numel(), base=base, adjacent=adjacent, removed=gone,
+                      attention_factor=float(attention_factor))
+    ratio = (1.0 / inv) / inv_freq_table(spec, torch.float64)
+    ratio[list(gone)] = 1.0  # a band that never turns has no frequency to scale
     if (ratio - 1).abs().max() > 1e-5:
-        spec = RotarySpec(rotary_dim=spec.rotary_dim, base=base, adjacent=adjacent, freq_scale=tuple(ratio.tolist()))
+        from dataclasses import replace
+
+        spec = replace(spec, freq_scale=tuple(ratio.tolist()))
     return spec
 
 

@@ -39,21 +39,30 @@ def pos_embed_hook(model: Any) -> str:
     return "embed.hook_pos_embed" if "embed.hook_pos_embed" in model.hook_dict else "hook_pos_embed"
 
 
-def layer_rotary_spec(model: Any, layer: int) -> RotarySpec:
-    """The rotation layer `layer` applies: on a TransformerBridge from the wrapped HF config and rotary table,
-    on TL 3 from its config (per-layer base for local/global attention)."""
-    return ops(model).layer_rotary_spec(model, layer)
+def layer_rotary_spec(model: Any, layer: int, length: int | None = None) -> RotarySpec:
+    """The rotation layer `layer` applies to an input of `length` tokens (None: the table it was loaded with; it
+    differs only for dynamic / longrope RoPE past their threshold): on a TransformerBridge from the wrapped HF
+    config and rotary table, on TL 3 from its config (per-layer base for local/global attention)."""
+    return ops(model).layer_rotary_spec(model, layer, length)
 
 
-def rotate_at(model: Any, layer: int, x: torch.Tensor, positions: torch.Tensor, spec: RotarySpec) -> torch.Tensor:
+def table_length(model: Any, layer: int, length: int) -> int | None:
+    """The key of the table `layer` rotates an input of `length` tokens with: None where it is the table the model
+    was loaded with (every static rope type; dynamic / longrope within their threshold)."""
+    return ops(model).table_length(model, layer, length)
+
+
+def rotate_at(model: Any, layer: int, x: torch.Tensor, positions: torch.Tensor, spec: RotarySpec,
+              length: int | None = None) -> torch.Tensor:
     """Rotate `x` (`batch pos head_index d_head`) to `positions` (`[pos]` or `[batch, pos]`) with `spec`.
 
     Where `spec` is the layer's own rotation, the result is bit-equal to the model's: TL 3's tables follow
     posprobe's `posprobe.rope` convention, and on a TransformerBridge HF's cos/sin recipe is replayed
     (angle = position * inv_freq, not position / freq: the one-ulp angle difference alone moved
     SmolLM2's logits by 4e-5). Other specs (new base, scaled or removed bands) use `posprobe.rope.rotate`.
+    `length` (a `table_length` key) names the table the layer's own rotation is at.
     """
-    return ops(model).rotate_at(model, layer, x, positions, spec)
+    return ops(model).rotate_at(model, layer, x, positions, spec, length)
 
 
 def pre_rotation(model: Any, layer: int, x: torch.Tensor, which: str) -> torch.Tensor:

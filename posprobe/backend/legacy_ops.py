@@ -125,7 +125,15 @@ def encoder_layer_hooks(model: Any) -> list[str]:
     return [hook_name("embed_normalized", 0)] + [hook_name("resid_post_normalized", l) for l in range(n_layers(model))]
 
 
-def layer_rotary_spec(model: Any, layer: int) -> RotarySpec:
+def table_length(model: Any, layer: int, length: int) -> int | None:
+    return None  # TL 3's length-dependent RoPE (dynamic NTK) is refused by layer_rotary_spec
+
+
+def length_rule(model: Any, layer: int) -> str | None:
+    return None
+
+
+def layer_rotary_spec(model: Any, layer: int, length: int | None = None) -> RotarySpec:
     # TL 3's config, with its per-layer base for local/global attention.
     cfg = model.cfg
     if cfg.use_NTK_by_parts_rope or cfg.use_yarn_rope or cfg.use_dynamic_ntk_rope:
@@ -157,7 +165,8 @@ def expose_points(model: Any, names: Any) -> None:
     return None  # TL 3's HookedTransformer fires every hook point it has
 
 
-def rotate_at(model: Any, layer: int, x: torch.Tensor, positions: torch.Tensor, spec: RotarySpec) -> torch.Tensor:
+def rotate_at(model: Any, layer: int, x: torch.Tensor, positions: torch.Tensor, spec: RotarySpec,
+              length: int | None = None) -> torch.Tensor:
     # TL 3's tables follow posprobe.rope's convention: the layer's own spec reproduces the model bit for bit.
     return rotate(x, positions, spec)
 

@@ -21,7 +21,7 @@ Keys are cached unrotated (generation), so a decode step re-rotates the cached k
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
@@ -52,11 +52,7 @@ def require_supported(model: Any, what: str = "Long-context presets") -> None:
                                   f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
     nope = hf.nope_layers(model)
     for l in (l for l in range(len(hf.attention_modules(model))) if l not in nope):
-        inv, scaling = hf.inv_freq(model, l)
-        if scaling != 1.0:
-            raise NotImplementedError(f"{what}: layer {l} scales cos/sin by {scaling} (its config's RoPE scaling); "
-                                      "position ids 0 would not give unrotated q/k")
-        hf.rotary_spec(model, l)  # refuses rope types whose table changes with length (dynamic, longrope)
+        hf.rotary_spec(model, l)  # names a rope type posprobe does not reproduce (3-D axial positions)
 
 
 def rotate_hf(x: Float[torch.Tensor, "batch head pos d_head"], positions: Float[torch.Tensor, " pos"],
@@ -75,6 +71,20 @@ class _Engine:
     chunk: int
     nope: frozenset[int] = frozenset()
     adjacent: bool = False
+    model: Any = None
+    #: Layers whose own table depends on the input's length (dynamic, longrope) where the rule keeps frequencies.
+    by_length: frozenset[int] = frozenset()
+    tables: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+
+    def table(self, layer: int, n_k: int) -> torch.Tensor:
+        """The inverse frequencies `layer` rotates `n_k` tokens with: HF's table of that length for dynamic /
+        longrope layers (as HF's forward at positions 0..n_k-1 builds it), the fixed one otherwise."""
+        at = hf.table_length(self.model, layer, n_k) if layer in self.by_length else None
+        if at is None:
+            return self.inv_freq[layer]
+        if (layer, at) not in self.tables:  # one per length: a decode step asks once per layer
+            self.tables[(layer, at)] = hf.rope_table(self.model, layer, n_k)[0]
+        return self.tables[(layer, at)]
 
     def attend(self, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
                window: int | None, softcap: float | None) -> torch.Tensor:
@@ -84,7 +94,9 @@ class _Engine:
         B, H, n_q, d = query.shape
         KV, n_k = key.shape[1], key.shape[2]
         g = H // KV
-        inv = self.inv_freq[module.layer_idx]
+        # HF rotated q and k to position 0 (cos = its attention factor, sin = 0): any cos/sin multiplier (YaRN,
+        # LongRoPE) is already on them, and a rotation is linear, so turning them here keeps it.
+        inv = self.table(module.layer_idx, n_k)
         # Absolute token indices: queries are the last n_q of the n_k keys (batch of one sequence, no padding).
         i = torch.arange(n_k - n_q, n_k, dtype=torch.float64)
         j = torch.arange(n_k, dtype=torch.float64)
@@ -152,7 +164,8 @@ def long_attention(model: Any, rule: PairRule, *, chunk: int = 256) -> Iterator[
             else own.detach().float() if rule.rotary is None
             else inv_freq_of(rule.rotary(hf.rotary_spec(model, l))).to(own.device)
         )
-    engine = _Engine(rule, inv, chunk, nope, hf.adjacent_pairs(model))
+    by_length = frozenset(l for l in inv if l not in nope and rule.rotary is None and hf.length_rule(model, l))
+    engine = _Engine(rule, inv, chunk, nope, hf.adjacent_pairs(model), model, by_length)
     with hf.custom_attention(model, {l: engine.attend for l in inv}):
         yield
 
@@ -164,6 +177,8 @@ def zero_positions(n: int, device: Any = "cpu") -> Int[torch.Tensor, "batch pos"
 
 def _hidden(model: Any, ids: torch.Tensor, engine_on: bool, cache: Any = None, start: int = 0) -> Any:
     n = ids.shape[1]
+    if start == 0:
+        hf.fresh_rope_state(model)  # a new input: HF's dynamic RoPE must not keep a longer input's table
     pos = zero_positions(n, ids.device) if engine_on else torch.arange(start, start + n, device=ids.device)[None]
     return model.get_decoder()(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=cache is not None)
 

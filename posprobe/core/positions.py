@@ -23,6 +23,7 @@ from posprobe.backend.hooks import (
     pos_embed_hook,
     pre_rotation,
     rotate_at,
+    table_length,
 )
 from posprobe.backend.model import context_length, model_name, n_layers, position_table
 from posprobe.rope import RotarySpec
@@ -154,8 +155,10 @@ class _RopeControl:
         self.k_new: dict[int, torch.Tensor] = {}
         self.k_all: dict[int, torch.Tensor] = {}
         self.q_buf: dict[int, torch.Tensor] = {}
-        # NoPE layers rotate nothing: nothing to control there.
-        self.specs = {l: (plan.rotary or {}).get(l) or layer_rotary_spec(model, l) for l in rotary_layers}
+        # NoPE layers rotate nothing: nothing to control there. A layer's own rotation is looked up per forward
+        # (`_spec`): dynamic / longrope RoPE use the table of the input's length.
+        self.override = {l: s for l, s in (plan.rotary or {}).items() if l in rotary_layers}
+        self.specs = {l: self.override.get(l) or layer_rotary_spec(model, l) for l in rotary_layers}
         # The plan's tensors (CPU, float64) copied once per device and reused by every layer and batch:
         # a copy per rotation was one host->device transfer per layer on a GPU.
         self._on: dict[tuple[str, int, torch.device], torch.Tensor] = {}
@@ -206,6 +209,14 @@ class _RopeControl:
 
         return hook
 
+    def _spec(self, layer: int, total: int) -> RotarySpec:
+        # The plan's rotation for the layer, else the layer's own for an input of `total` tokens (HF's rule for a
+        # forward at positions 0..total-1; a plan that moves positions keeps that table, so it measures positions
+        # alone).
+        if layer in self.override or table_length(self.model, layer, total) is None:
+            return self.specs[layer]
+        return layer_rotary_spec(self.model, layer, total)
+
     def rot_q(self, layer: int):
         # TL rotates q before k, but q's offset is only known once k shows how long the cache is:
         # hand TL a buffer now and fill it in the rot_k hook, before the scores are computed.
@@ -229,10 +240,11 @@ class _RopeControl:
             self.k_all[layer] = k_all
             q = self.q_new.pop(layer)
             off = total - q.shape[1]
-            spec = self.specs[layer]
+            spec = self._spec(layer, total)
             dev = k_rot.device
-            self.q_buf[layer].copy_(rotate_at(self.model, layer, q, self._positions("q", off, total, dev), spec))
-            return rotate_at(self.model, layer, k_all, self._positions("k", 0, total, dev), spec)
+            self.q_buf[layer].copy_(rotate_at(self.model, layer, q, self._positions("q", off, total, dev), spec,
+                                              total))
+            return rotate_at(self.model, layer, k_all, self._positions("k", 0, total, dev), spec, total)
 
         return hook
 
@@ -260,7 +272,7 @@ class _RopeControl:
                 if idx is None and rows is None:
                     continue
                 k_pos = self._device("view", i, v.k_pos, scores.device)[..., :total]
-                k_rot = rotate_at(self.model, layer, k_all, k_pos, self.specs[layer])
+                k_rot = rotate_at(self.model, layer, k_all, k_pos, self._spec(layer, total), total)
                 if idx is not None:
                     # Only the selected query rows: one view per query stays O(n^2) per view, not O(n^3).
                     alt = attention_scores(self.model, layer, q_rot[:, idx], k_rot).to(scores.dtype)

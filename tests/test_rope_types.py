@@ -1,0 +1,289 @@
+"""Every rope type a shipped model uses (issue 24): dynamic NTK, LongRoPE, YaRN with its attention factor / mscale,
+proportional (Gemma 4's p-RoPE), and the refusal of 3-D axial positions.
+
+The independent side is written here from the papers' formulas (float64) and checked against HF's own
+`ROPE_INIT_FUNCTIONS`; the model side is HF's forward. Tolerances (CPU, float32 models): tables 1e-6 relative;
+identity plans bit-equal; scores under a plan 1e-5 (float32 rotation vs float64 complex numbers); NLL through the
+long-context engine 1e-5 nats (angle rounding)."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+import transformers as T
+from matrix_cells import hf_rope_io
+
+from posprobe.backend import hf as door
+from posprobe.backend.facts import model_facts
+from posprobe.backend.tiny import byte_tokenizer, randomize_
+from posprobe.rope import inv_freq_of
+
+_C = dict(vocab_size=259, bos_token_id=256, eos_token_id=257, pad_token_id=258, initializer_range=0.8 / 32**0.5)
+_LLAMA = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              **_C)
+_PHI3 = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+             **_C)
+THRESHOLD = 32  # max_position_embeddings (dynamic) / original_max_position_embeddings (longrope, yarn)
+
+
+def _cases() -> dict:
+    long_short = dict(short_factor=[1.0, 1.3, 1.7, 2.0], long_factor=[2.0, 3.0, 5.0, 9.0])
+    return {
+        "llama-dynamic": (T.LlamaConfig(max_position_embeddings=THRESHOLD, **_LLAMA, rope_parameters={
+            "rope_type": "dynamic", "factor": 2.0, "rope_theta": 100.0}), T.LlamaForCausalLM),
+        "stablelm-dynamic-partial": (T.StableLmConfig(max_position_embeddings=THRESHOLD, **_PHI3, rope_parameters={
+            "rope_type": "dynamic", "factor": 3.0, "rope_theta": 100.0, "partial_rotary_factor": 0.5}),
+            T.StableLmForCausalLM),
+        "llama-longrope": (T.LlamaConfig(max_position_embeddings=128, **_LLAMA, rope_parameters={
+            "rope_type": "longrope", "rope_theta": 100.0, "original_max_position_embeddings": THRESHOLD,
+            **long_short}), T.LlamaForCausalLM),
+        "phi3-longrope-partial": (T.Phi3Config(max_position_embeddings=128, original_max_position_embeddings=THRESHOLD,
+                                               **_PHI3, rope_parameters={
+            "rope_type": "longrope", "rope_theta": 100.0, "original_max_position_embeddings": THRESHOLD,
+            "partial_rotary_factor": 0.5, "short_factor": [1.0, 1.5], "long_factor": [2.0, 7.0]}), T.Phi3ForCausalLM),
+        "llama-yarn-mscale": (T.LlamaConfig(max_position_embeddings=128, **_LLAMA, rope_parameters={
+            "rope_type": "yarn", "factor": 4.0, "rope_theta": 100.0, "original_max_position_embeddings": THRESHOLD,
+            "mscale": 0.707, "mscale_all_dim": 1.0}), T.LlamaForCausalLM),
+        "stablelm-yarn-partial": (T.StableLmConfig(max_position_embeddings=128, **_PHI3, rope_parameters={
+            "rope_type": "yarn", "factor": 4.0, "rope_theta": 100.0, "original_max_position_embeddings": THRESHOLD,
+            "partial_rotary_factor": 0.5, "attention_factor": 1.3}), T.StableLmForCausalLM),
+    }
+
+
+CASES = tuple(_cases())
+
+
+def _hf(name: str):
+    cfg, cls = _cases()[name]
+    cfg.architectures = [cls.__name__]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = cls(cfg).eval()
+    randomize_(model, 0)
+    return model
+
+
+def _bridge(hf):
+    from transformer_lens.model_bridge import TransformerBridge
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        bridge = TransformerBridge.boot_transformers("posprobe-tiny-rope", hf_model=hf, tokenizer=byte_tokenizer())
+    bridge.cfg.model_name = "tiny-rope-types"
+    return bridge.eval()
+
+
+def reference_table(rp: dict, head_dim: int, max_pos: int, length: int) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [band] in rad/token, cos/sin factor) for an input of `length` tokens, float64, from the
+    papers: dynamic NTK (bloc97/emozilla), LongRoPE (Ding et al. 2024; factor = max / original when not given),
+    YaRN (Peng et al. 2023, with DeepSeek's mscale ratio), proportional (Gemma 4)."""
+    kind, base = rp.get("rope_type", "default"), float(rp["rope_theta"])
+    prf = rp.get("partial_rotary_factor", 1.0)
+    if kind == "proportional":
+        turn = int(prf * head_dim // 2)
+        inv = torch.tensor([base ** (-2 * b / head_dim) if b < turn else 0.0 for b in range(head_dim // 2)],
+                           dtype=torch.float64)
+        return inv / rp.get("factor", 1.0), 1.0
+    d = int(head_dim * prf)
+    b = torch.arange(d // 2, dtype=torch.float64)
+    if kind == "dynamic":
+        if length > max_pos:
+            base = base * (rp["factor"] * length / max_pos - (rp["factor"] - 1)) ** (d / (d - 2))
+        return base ** (-2 * b / d), 1.0
+    orig = rp["original_max_position_embeddings"]
+    if kind == "longrope":
+        f = rp.get("factor") or max_pos / orig
+        ext = torch.tensor(rp["long_factor"] if length > orig else rp["short_factor"], dtype=torch.float64)
+        af = rp.get("attention_factor") or (1.0 if f <= 1 else math.sqrt(1 + math.log(f) / math.log(orig)))
+        return 1.0 / (ext * base ** (2 * b / d)), af
+    assert kind == "yarn"
+    f = rp["factor"]
+
+    def dim_of(turns: float) -> float:  # the band index whose wavelength fits `turns` times into the trained context
+        return d * math.log(orig / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = max(math.floor(dim_of(rp.get("beta_fast") or 32)), 0), min(math.ceil(dim_of(rp.get("beta_slow") or 1)),
+                                                                          d - 1)
+    ramp = ((b - low) / max(high - low, 1e-3)).clamp(0, 1)  # 0: keep (fast bands), 1: interpolate by f
+    inv = base ** (-2 * b / d)
+    inv = inv * (1 - ramp) + inv / f * ramp
+
+    def m(s: float, k: float = 1.0) -> float:
+        return 1.0 if s <= 1 else 0.1 * k * math.log(s) + 1.0
+
+    af = rp.get("attention_factor")
+    if af is None:
+        af = m(f, rp["mscale"]) / m(f, rp["mscale_all_dim"]) if rp.get("mscale") and rp.get("mscale_all_dim") else m(f)
+    return inv, af
+
+
+def _gemma4():
+    cfg = T.Gemma4TextConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=16, global_head_dim=16, sliding_window=8,
+                             max_position_embeddings=128, layer_types=["sliding_attention", "full_attention"], **_C)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return T.Gemma4ForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("length", [20, THRESHOLD, THRESHOLD + 1, 60])
+@pytest.mark.parametrize("name", CASES + ("gemma4-proportional",))
+def test_tables_equal_the_papers_and_hfs_rope_init_functions(name, length):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf = _gemma4() if name == "gemma4-proportional" else _hf(name)
+    layer = 1 if name == "gemma4-proportional" else 0  # Gemma 4's full-attention layer is the proportional one
+    rp = door.rope_parameters(hf, layer)
+    cfg = door.text_config(hf)
+    want, want_af = reference_table(rp, door.head_dim(hf), cfg.max_position_embeddings, length)
+    spec = door.rotary_spec(hf, layer, length=length)
+    got = inv_freq_of(spec).double()
+    assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-6, atol=0), (got, want)
+    assert spec.attention_factor == pytest.approx(want_af, rel=1e-9)
+    assert spec.rotary_dim == 2 * want.numel() and spec.removed == frozenset(int(i) for i in (want == 0).nonzero())
+    # HF's own function at the same length (proportional / yarn ignore it; dynamic / longrope switch on it)
+    lt = door.layer_type(hf, layer) if isinstance(cfg.rope_parameters.get(door.layer_type(hf, layer) or ""), dict) \
+        else None
+    hf_inv, hf_af = ROPE_INIT_FUNCTIONS[rp["rope_type"]](cfg, "cpu", seq_len=length,
+                                                         **({"layer_type": lt} if lt else {}))
+    assert torch.allclose(hf_inv.double(), want, rtol=1e-6, atol=0) and hf_af == pytest.approx(want_af, rel=1e-9)
+    if name.split("-")[1] in ("dynamic", "longrope"):  # the table really switches at the threshold
+        below, _ = reference_table(rp, door.head_dim(hf), cfg.max_position_embeddings, THRESHOLD)
+        assert torch.equal(want, below) == (length <= THRESHOLD)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_identity_plan_is_hfs_own_forward_below_and_above_the_threshold(name):
+    from posprobe.core.positions import PositionPlan, rope_positions
+
+    hf = _hf(name)
+    bridge = _bridge(hf)
+    facts = model_facts(bridge)
+    assert facts.unsupported is None, facts.unsupported
+    for n in (20, 60):
+        ids = torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(n))
+        door.fresh_rope_state(hf)
+        with torch.no_grad():
+            want = hf(ids).logits
+            with rope_positions(bridge, PositionPlan.default(n)):
+                got = bridge(ids)
+        assert torch.equal(got, want), f"{name} at {n}: {(got - want).abs().max():.3g}"
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_queries_and_keys_at_other_positions_use_the_inputs_table_and_attention_factor(name):
+    # Above the threshold (60 tokens > 32): queries at p + 5, keys at p / 2. Layer 0's scores equal plain torch on
+    # HF's own q and k before rotation, turned as complex numbers by the paper's table for 60 tokens, each scaled by
+    # the attention factor (scores by its square).
+    from posprobe.backend.hooks import hooked
+    from posprobe.core.positions import PositionPlan, rope_positions
+
+    n = 60
+    hf = _hf(name)
+    bridge = _bridge(hf)
+    ids = torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(0))
+    from posprobe.backend.bridge import plain_hf_model
+
+    ins, _, proj, _ = hf_rope_io(plain_hf_model(bridge), ids, 0)  # HF's own modules (the bridge wraps them)
+    q, k = (t.transpose(1, 2).double() for t in ins)  # batch pos head d
+    hd = door.head_dim(hf)
+    if q.shape[-1] < hd:  # StableLM hands over the rotated slice only: the full heads are q_proj's
+        q, k = (proj[w].view(1, n, -1, hd).double() for w in "qk")
+    inv, af = reference_table(door.rope_parameters(hf, 0), hd, hf.config.max_position_embeddings, n)
+    p = torch.arange(n, dtype=torch.float64)
+
+    def turn(x, pos):  # half-split pairs (b, b + r/2) of the first r = 2 * bands dims, times the factor
+        h = inv.numel()
+        w = torch.polar(torch.ones((), dtype=torch.float64), pos[:, None, None] * inv)
+        z = torch.complex(x[..., :h], x[..., h:2 * h]) * w * af
+        return torch.cat([z.real, z.imag, x[..., 2 * h:]], dim=-1)
+
+    qr, kr = turn(q[0], p + 5), turn(k[0], p / 2)
+    kr = kr.repeat_interleave(qr.shape[1] // kr.shape[1], dim=1)
+    want = torch.einsum("qhd,khd->hqk", qr, kr) / hd ** 0.5
+    got = {}
+    with torch.no_grad(), rope_positions(bridge, PositionPlan(p + 5, p / 2)):
+        with hooked(bridge, [("blocks.0.attn.hook_attn_scores", lambda s, hook: got.setdefault("s", s))]):
+            bridge(ids)
+    kept = torch.ones(n, n, dtype=torch.bool).tril()
+    err = (got["s"][0].double() - want)[:, kept].abs().max()
+    assert err <= 1e-5, f"{name}: scores under the plan vs plain torch, max |diff| {err:.3g}"
+    # The short table would have been wrong past the threshold where the type switches tables.
+    short, _ = reference_table(door.rope_parameters(hf, 0), hd, hf.config.max_position_embeddings, THRESHOLD)
+    assert torch.equal(short, inv) == (name.split("-")[1] == "yarn")
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_long_context_engine_keeps_the_models_table_and_factor(name):
+    # The engine (HF's forward at position ids 0, rotation redone by posprobe) under a preset that moves nothing
+    # equals the model's own forward, below and above the threshold.
+    from posprobe.core import long_engine as LA
+    from posprobe.core.presets import preset_pairs
+
+    hf = _hf(name)
+    for n in (20, 60):
+        ids = torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n))
+        own = LA.token_nll(hf, ids, preset_pairs("none"))
+        got = LA.token_nll(hf, ids, preset_pairs("shift:k=0"))
+        assert (got - own).abs().max() <= 1e-5, f"{name} at {n}: {(got - own).abs().max():.3g}"
+        moved = LA.token_nll(hf, ids, preset_pairs("pi:scale=2"))
+        assert (moved - own).abs().max() > 1e-3  # the engine's positions reach the scores
+
+
+def test_dynamic_rope_does_not_remember_a_longer_input(monkeypatch):
+    # HF's dynamic module keeps the table of the longest input seen while later inputs stay past the threshold; the
+    # long-context harness resets it per input, so a window's NLL does not depend on the windows before it.
+    from posprobe.core import long_engine as LA
+    from posprobe.core.presets import preset_pairs
+
+    hf = _hf("llama-dynamic")
+    ids = torch.randint(0, 256, (60,), generator=torch.Generator().manual_seed(3))
+    fresh = LA.token_nll(hf, ids[:40], preset_pairs("none"))
+    LA.token_nll(hf, ids, preset_pairs("none"))
+    assert torch.equal(LA.token_nll(hf, ids[:40], preset_pairs("none")), fresh)
+    monkeypatch.setattr(door, "fresh_rope_state", lambda model: None)
+    LA.token_nll(hf, ids, preset_pairs("none"))
+    assert (LA.token_nll(hf, ids[:40], preset_pairs("none")) - fresh).abs().max() > 1e-4  # the net can fail
+
+
+def test_facts_say_how_the_table_changes():
+    facts = {n: " | ".join(model_facts(_bridge(_hf(n))).layer_positions) for n in
+             ("llama-dynamic", "phi3-longrope-partial", "llama-yarn-mscale")}
+    assert "dynamic NTK: the base grows with inputs past 32 tokens" in facts["llama-dynamic"]
+    assert "LongRoPE: long factors for inputs past 32 tokens" in facts["phi3-longrope-partial"]
+    assert "cos/sin x1.18322" in facts["phi3-longrope-partial"]  # sqrt(1 + ln 4 / ln 32)
+    assert "cos/sin x0.964327" in facts["llama-yarn-mscale"]
+    g4 = door.rotary_spec(_gemma4(), 1)
+    assert len(g4.removed) == 6 and g4.n_bands == 8  # p = 0.25 of 8 bands turn (int(0.25 * 16 // 2) = 2)
+
+
+def test_axial_positions_are_refused_with_one_message():
+    hf = _hf("llama-dynamic")
+    hf.config.rope_parameters = {"rope_type": "default", "rope_theta": 100.0, "mrope_section": [2, 1, 1]}
+    with pytest.raises(NotImplementedError, match=r"3-D \(axial\) positions split by mrope_section"):
+        door.rotary_spec(hf, 0)
+    from posprobe.core import long_engine as LA
+
+    with pytest.raises(NotImplementedError, match="axial"):
+        LA.require_supported(hf)
+
+
+def test_frequency_tables_quote_the_frequencies_of_the_windows_length_and_band_ablation_refuses():
+    from posprobe.analyses.frequency import frequency_usage
+    from posprobe.analyses.frequency_ablation import BandAblation, ablate_bands
+
+    hf = _hf("llama-longrope")  # context 128, long factors past 32 tokens
+    bridge = _bridge(hf)
+    rp = door.rope_parameters(hf, 0)
+    for n in (20, 60):
+        rows = torch.randint(0, 256, (2, n), generator=torch.Generator().manual_seed(n))
+        bands = frequency_usage(bridge, rows, batch_size=2, progress=False).tables["bands"]
+        got = bands[bands.layer == 0].drop_duplicates("band").sort_values("band")["frequency"].to_numpy()
+        want, _ = reference_table(rp, door.head_dim(hf), 128, n)
+        assert torch.allclose(torch.tensor(got), want, rtol=1e-6, atol=0), (n, got, want)
+    with pytest.raises(NotImplementedError, match="changes with the input's length"):
+        with ablate_bands(bridge, BandAblation(name="fast", bands=frozenset({0}))):
+            pass
