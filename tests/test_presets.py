@@ -26,7 +26,7 @@ def _relative_of_plan(plan, n):
 @pytest.mark.parametrize("name", sorted(P.PRESETS))
 def test_both_forms_of_every_preset_agree(tiny_rope, name):
     """Per (query, key) pair: the same relative position, the same rotation per layer, the same score scale."""
-    from posprobe.backend.hooks import layer_rotary_spec
+    from posprobe.backend.hooks import layer_rotary_spec, scaled_rotary_spec
 
     spec = P.PRESETS[name].example
     n = 37
@@ -40,6 +40,8 @@ def test_both_forms_of_every_preset_agree(tiny_rope, name):
     for layer in range(2):
         own = layer_rotary_spec(tiny_rope, layer)
         plan_spec = (plan.rotary or {}).get(layer, own)
+        if rule.hf_rope is not None:  # HF's own table for the config the preset names (tests/test_rope_types.py)
+            own = scaled_rotary_spec(tiny_rope, layer, dict(rule.hf_rope), n)
         assert (rule.rotary(own) if rule.rotary else own) == plan_spec, spec
     assert rule.label == plan.label == (spec if name != "none" else "none")
 

@@ -287,3 +287,87 @@ def test_frequency_tables_quote_the_frequencies_of_the_windows_length_and_band_a
     with pytest.raises(NotImplementedError, match="changes with the input's length"):
         with ablate_bands(bridge, BandAblation(name="fast", bands=frozenset({0}))):
             pass
+
+
+HF_SCALINGS = {
+    "hf-linear:factor=2.5": {"rope_type": "linear", "factor": 2.5},
+    "hf-dynamic:factor=2": {"rope_type": "dynamic", "factor": 2.0},
+    "hf-yarn:factor=4,original=16": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+    "hf-yarn:factor=4,original=16,mscale=0.707,mscale_all_dim=1": {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "mscale": 0.707,
+        "mscale_all_dim": 1.0},
+    "hf:yarn,factor=4,original=16,attention_factor=1.2,beta_fast=8": {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "attention_factor": 1.2,
+        "beta_fast": 8.0},
+    "hf-llama3:factor=8,original=16,high_freq_factor=2": {
+        "rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 16, "low_freq_factor": 1.0,
+        "high_freq_factor": 2.0},
+}
+
+
+def _plain_default(partial: bool):
+    # A model whose own rope is the default one, and the same weights under a config that sets `rope`.
+    if partial:
+        cfg = T.StableLmConfig(max_position_embeddings=THRESHOLD, **_PHI3, rope_parameters={
+            "rope_type": "default", "rope_theta": 100.0, "partial_rotary_factor": 0.5})
+        cls = T.StableLmForCausalLM
+    else:
+        cfg = T.LlamaConfig(max_position_embeddings=THRESHOLD, **_LLAMA, rope_parameters={
+            "rope_type": "default", "rope_theta": 100.0})
+        cls = T.LlamaForCausalLM
+    cfg.architectures = [cls.__name__]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = cls(cfg).eval()
+    randomize_(model, 0)
+
+    def configured(rope: dict):
+        import copy
+
+        c = copy.deepcopy(cfg)
+        c.rope_parameters = {**rope, "rope_theta": 100.0, **({"partial_rotary_factor": 0.5} if partial else {})}
+        other = cls(c).eval()
+        other.load_state_dict(model.state_dict())
+        return other
+
+    return model, configured
+
+
+@pytest.mark.parametrize("partial", [False, True], ids=["llama", "stablelm-partial"])
+@pytest.mark.parametrize("spec", list(HF_SCALINGS))
+def test_hf_presets_equal_hfs_config_time_scaling_on_the_same_weights(spec, partial):
+    # Two routes to the same number: posprobe's preset on the model as loaded (the long-context engine on the plain
+    # model, the hook surgery on a bridge over it), and HF's own forward of a model whose config sets the scaling.
+    from posprobe.core import long_engine as LA
+    from posprobe.core.generation import logits_under, token_logprobs
+    from posprobe.core.presets import preset_pairs, preset_plan
+
+    model, configured = _plain_default(partial)
+    want_model = configured(HF_SCALINGS[spec])
+    n = 48  # past max_position_embeddings (32): dynamic's base has grown
+    ids = torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(5))
+    want = LA.token_nll(want_model, ids, preset_pairs("none"))
+    got = LA.token_nll(model, ids, preset_pairs(spec))
+    assert (got - want).abs().max() <= 1e-6, f"engine {spec}: {(got - want).abs().max():.3g}"
+    assert (want - LA.token_nll(model, ids, preset_pairs("none"))).abs().max() > 1e-3  # the scaling mattered
+    bridge = _bridge(model)
+    hooked_nll = -token_logprobs(logits_under(bridge, ids[None], preset_plan(spec, bridge, n)), ids[None])[0]
+    err = (hooked_nll.float() - want).abs().max()
+    assert err <= 1e-5, f"hooks {spec}: {err:.3g}"
+
+
+def test_string_is_the_papers_relative_position_matrix():
+    # An et al. (ICLR 2025), their figure: P[i][j] = i - j below the offset S; from S on the diagonal restarts at the
+    # local window W (P - S + W). Both forms of posprobe's preset, against the matrix written out here.
+    from posprobe.core.presets import preset_pairs
+
+    n, S, W = 40, 12, 4
+    i = torch.arange(n, dtype=torch.float64)
+    P = i[:, None] - i[None, :]
+    want = torch.where(P >= S, P - S + W, P)
+    causal = P >= 0
+    got = preset_pairs(f"string:offset={S},window={W}").relative(i, i)
+    assert torch.equal(got[causal], want[causal])
+    assert want[S, 0] == W and want[S - 1, 0] == S - 1 and want[n - 1, 0] == n - 1 - S + W
+    with pytest.raises(ValueError, match="window <= offset"):
+        preset_pairs("string:offset=4,window=8")

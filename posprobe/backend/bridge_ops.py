@@ -178,6 +178,11 @@ def length_rule(model: Any, layer: int) -> str | None:
     return hf.length_rule_text(model.original_model, layer)
 
 
+def scaled_rotary_spec(model: Any, layer: int, params: dict, length: int | None = None) -> RotarySpec:
+    inv, factor = hf.scaled_rope_table(model.original_model, layer, params, length)
+    return hf.spec_from_table(model.original_model, layer, inv, factor, adjacent=rotary_adjacent(model))
+
+
 def _fires_rotation_hooks(attn: Any) -> bool:
     # TL's rotary attention components that call hook_rot_q/k themselves, and the joint-QKV one posprobe routes
     # through them (expose_points); GPT-J's delegated AttentionBridge and CodeGen's component rotate without them.

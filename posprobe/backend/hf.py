@@ -295,18 +295,54 @@ def adjacent_pairs(hf_model: Any) -> bool:
     return str(getattr(text_config(hf_model), "model_type", "")) in ADJACENT_PAIR_MODEL_TYPES
 
 
-def rotary_spec(hf_model: Any, layer: int, *, adjacent: bool | None = None, name: str | None = None,
-                length: int | None = None) -> RotarySpec:
-    """The rotation `layer` applies to an input of `length` tokens (None: its first table), as a RotarySpec: base
-    from the config; rotated dims, any scaling (linear, llama3, yarn, dynamic, longrope, proportional) as a per-band
-    factor on the defaults, unrotated bands (frequency 0) and the cos/sin multiplier from HF's own table; the
-    pairing from `adjacent` (a bridge's own flag) or else the model type.
+#: Rope types a preset can apply to a loaded model exactly as HF applies them from a config (their parameters are
+#: numbers; longrope's factor lists and axial sections are not).
+PRESET_ROPE_TYPES = ("linear", "dynamic", "yarn", "llama3")
 
-    Raises NotImplementedError, naming it, for a rope type posprobe does not reproduce (3-D axial positions)."""
-    who = name or type(hf_model).__name__
-    _refuse_axial(hf_model, layer, who)
+
+def scaled_rope_table(hf_model: Any, layer: int, params: Mapping[str, Any], length: int | None = None
+                      ) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies in rad/token `[band]`, cos/sin multiplier) HF would rotate `layer` with, for an input of
+    `length` tokens, had the model's config set `params` (`rope_type` and its keys, HF's names) in place of the
+    layer's own scaling: HF's own `ROPE_INIT_FUNCTIONS` on a copy of the config that keeps the layer's base and
+    partial_rotary_factor. Cached per model, layer, parameters and table."""
+    import copy
+
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    kind = str(params["rope_type"])
+    if kind not in PRESET_ROPE_TYPES:
+        raise ValueError(f"rope type {kind!r} cannot be applied as a preset; these can: {', '.join(PRESET_ROPE_TYPES)}")
+    cfg = text_config(hf_model)
+    limit = int(cfg.max_position_embeddings)
+    grow = kind == "dynamic" and length is not None and length > limit
+    key = (layer, tuple(sorted((k, str(v)) for k, v in params.items())), int(length) if grow else None)
+    cache = hf_model.__dict__.setdefault("_posprobe_scaled_tables", {})
+    if key in cache:
+        return cache[key]
+    own = rope_parameters(hf_model, layer)
+    new = {"rope_theta": own["rope_theta"], **dict(params)}
+    prf = own.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None))
+    if prf is not None:
+        new["partial_rotary_factor"] = prf
+    cfg = copy.deepcopy(cfg)
+    lt = _layer_keyed(hf_model, layer)
+    cfg.rope_parameters = {**cfg.rope_parameters, lt: new} if lt is not None else new
+    device = inv_freq(hf_model, layer)[0].device
+    # As HF's forward hands it over: a long tensor when the dynamic table grows, the config's own length otherwise.
+    seq = torch.tensor(int(length), dtype=torch.long, device=device) if grow else None
+    inv, factor = ROPE_INIT_FUNCTIONS[kind](cfg, device, seq_len=seq, **({"layer_type": lt} if lt else {}))
+    cache[key] = (inv.to(device, torch.float32), float(factor))
+    return cache[key]
+
+
+def spec_from_table(hf_model: Any, layer: int, inv: torch.Tensor, attention_factor: float, *,
+                    adjacent: bool | None = None) -> RotarySpec:
+    """A RotarySpec for the table `inv` (rad/token per band; 0 = a band that never turns) and cos/sin multiplier:
+    the layer's base, per-band factors on the default frequencies, the pairing from `adjacent` or the model type."""
+    from dataclasses import replace
+
     rp = rope_parameters(hf_model, layer)
-    inv, attention_factor = rope_table(hf_model, layer, length)
     inv = inv.detach().double().cpu()
     base = float(rp.get("rope_theta", getattr(text_config(hf_model), "rope_theta", 10000.0)))
     adjacent = adjacent_pairs(hf_model) if adjacent is None else adjacent
@@ -315,11 +351,20 @@ def rotary_spec(hf_model: Any, layer: int, *, adjacent: bool | None = None, name
                       attention_factor=float(attention_factor))
     ratio = (1.0 / inv) / inv_freq_table(spec, torch.float64)
     ratio[list(gone)] = 1.0  # a band that never turns has no frequency to scale
-    if (ratio - 1).abs().max() > 1e-5:
-        from dataclasses import replace
+    return replace(spec, freq_scale=tuple(ratio.tolist())) if (ratio - 1).abs().max() > 1e-5 else spec
 
-        spec = replace(spec, freq_scale=tuple(ratio.tolist()))
-    return spec
+
+def rotary_spec(hf_model: Any, layer: int, *, adjacent: bool | None = None, name: str | None = None,
+                length: int | None = None) -> RotarySpec:
+    """The rotation `layer` applies to an input of `length` tokens (None: its first table), as a RotarySpec: base
+    from the config; rotated dims, any scaling (linear, llama3, yarn, dynamic, longrope, proportional) as a per-band
+    factor on the defaults, unrotated bands (frequency 0) and the cos/sin multiplier from HF's own table; the
+    pairing from `adjacent` (a bridge's own flag) or else the model type.
+
+    Raises NotImplementedError, naming it, for a rope type posprobe does not reproduce (3-D axial positions)."""
+    _refuse_axial(hf_model, layer, name or type(hf_model).__name__)
+    inv, attention_factor = rope_table(hf_model, layer, length)
+    return spec_from_table(hf_model, layer, inv, attention_factor, adjacent=adjacent)
 
 
 def nope_layers(hf_model: Any) -> tuple[int, ...]:

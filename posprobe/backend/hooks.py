@@ -46,6 +46,13 @@ def layer_rotary_spec(model: Any, layer: int, length: int | None = None) -> Rota
     return ops(model).layer_rotary_spec(model, layer, length)
 
 
+def scaled_rotary_spec(model: Any, layer: int, params: dict, length: int | None = None) -> RotarySpec:
+    """The rotation `layer` would apply to an input of `length` tokens had the model's config set the HF rope
+    parameters `params` (`rope_type` and its keys) in place of its own: HF's own computation (TransformerBridge);
+    NotImplementedError on TL 3, whose models carry no HF config."""
+    return ops(model).scaled_rotary_spec(model, layer, params, length)
+
+
 def table_length(model: Any, layer: int, length: int) -> int | None:
     """The key of the table `layer` rotates an input of `length` tokens with: None where it is the table the model
     was loaded with (every static rope type; dynamic / longrope within their threshold)."""

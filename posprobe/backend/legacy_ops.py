@@ -133,6 +133,11 @@ def length_rule(model: Any, layer: int) -> str | None:
     return None
 
 
+def scaled_rotary_spec(model: Any, layer: int, params: dict, length: int | None = None) -> RotarySpec:
+    raise NotImplementedError(f"{model.cfg.model_name}: Hugging Face rope scaling presets need a TransformerBridge "
+                              "(TL 3 models carry no Hugging Face config)")
+
+
 def layer_rotary_spec(model: Any, layer: int, length: int | None = None) -> RotarySpec:
     # TL 3's config, with its per-layer base for local/global attention.
     cfg = model.cfg

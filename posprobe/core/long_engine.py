@@ -56,11 +56,11 @@ def require_supported(model: Any, what: str = "Long-context presets") -> None:
 
 
 def rotate_hf(x: Float[torch.Tensor, "batch head pos d_head"], positions: Float[torch.Tensor, " pos"],
-              inv_freq: Float[torch.Tensor, " band"], adjacent: bool = False
+              inv_freq: Float[torch.Tensor, " band"], adjacent: bool = False, scaling: float = 1.0
               ) -> Float[torch.Tensor, "batch head pos d_head"]:
     """Rotate head vectors to `positions` exactly as HF's code does (float32 angles; half-split pairs as Llama /
-    Gemma, or adjacent pairs as Cohere / GLM)."""
-    cos, sin = hf_cos_sin(positions.to(x.device), inv_freq.to(x.device), adjacent=adjacent)
+    Gemma, or adjacent pairs as Cohere / GLM), cos/sin times `scaling`."""
+    cos, sin = hf_cos_sin(positions.to(x.device), inv_freq.to(x.device), adjacent=adjacent, scaling=scaling)
     return hf_rotate(x, cos, sin, adjacent=adjacent)
 
 
@@ -76,15 +76,20 @@ class _Engine:
     by_length: frozenset[int] = frozenset()
     tables: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
 
-    def table(self, layer: int, n_k: int) -> torch.Tensor:
-        """The inverse frequencies `layer` rotates `n_k` tokens with: HF's table of that length for dynamic /
-        longrope layers (as HF's forward at positions 0..n_k-1 builds it), the fixed one otherwise."""
+    def table(self, layer: int, n_k: int) -> tuple[torch.Tensor, float]:
+        """(inverse frequencies, extra cos/sin multiplier) `layer` rotates `n_k` tokens with: under an HF rope
+        preset, HF's table for that config and length, rescaled from the model's own cos/sin factor (already on q
+        and k) to the preset's; HF's table of that length for dynamic / longrope layers (as HF's forward at
+        positions 0..n_k-1 builds it); the fixed one otherwise."""
+        if self.rule.hf_rope is not None and layer not in self.nope:
+            inv, factor = hf.scaled_rope_table(self.model, layer, dict(self.rule.hf_rope), n_k)
+            return inv, factor / hf.inv_freq(self.model, layer)[1]
         at = hf.table_length(self.model, layer, n_k) if layer in self.by_length else None
         if at is None:
-            return self.inv_freq[layer]
+            return self.inv_freq[layer], 1.0
         if (layer, at) not in self.tables:  # one per length: a decode step asks once per layer
             self.tables[(layer, at)] = hf.rope_table(self.model, layer, n_k)[0]
-        return self.tables[(layer, at)]
+        return self.tables[(layer, at)], 1.0
 
     def attend(self, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
                window: int | None, softcap: float | None) -> torch.Tensor:
@@ -96,7 +101,7 @@ class _Engine:
         g = H // KV
         # HF rotated q and k to position 0 (cos = its attention factor, sin = 0): any cos/sin multiplier (YaRN,
         # LongRoPE) is already on them, and a rotation is linear, so turning them here keeps it.
-        inv = self.table(module.layer_idx, n_k)
+        inv, r = self.table(module.layer_idx, n_k)
         # Absolute token indices: queries are the last n_q of the n_k keys (batch of one sequence, no padding).
         i = torch.arange(n_k - n_q, n_k, dtype=torch.float64)
         j = torch.arange(n_k, dtype=torch.float64)
@@ -105,11 +110,11 @@ class _Engine:
         scale = scaling * (1.0 if module.layer_idx in self.nope else self.rule.score_scale)
         views = self.rule.views
         if len(views) == 1 and self.rule.select is None and not window and not softcap and n_q in (1, n_k):
-            q_r = rotate_hf(query, views[0][0](i), inv, self.adjacent)
-            k_r = rotate_hf(key, views[0][1](j), inv, self.adjacent)
+            q_r = rotate_hf(query, views[0][0](i), inv, self.adjacent, r)
+            k_r = rotate_hf(key, views[0][1](j), inv, self.adjacent, r)
             k_r, v = k_r.repeat_interleave(g, dim=1), value.repeat_interleave(g, dim=1)
             return F.scaled_dot_product_attention(q_r, k_r, v, is_causal=n_q > 1, scale=scale)
-        k_rot = [rotate_hf(key, kf(j), inv, self.adjacent) for _, kf in views]
+        k_rot = [rotate_hf(key, kf(j), inv, self.adjacent, r) for _, kf in views]
         out = query.new_empty(B, H, n_q, d)
         for a in range(0, n_q, self.chunk):
             b = min(a + self.chunk, n_q)
@@ -130,7 +135,7 @@ class _Engine:
                     if cols.numel() == 0:
                         continue
                     c0, c1 = int(cols[0]), int(cols[-1]) + 1
-                q_r = rotate_hf(query[:, :, a:b], qf(ii), inv, self.adjacent).reshape(B, KV, g * (b - a), d)
+                q_r = rotate_hf(query[:, :, a:b], qf(ii), inv, self.adjacent, r).reshape(B, KV, g * (b - a), d)
                 s = torch.matmul(q_r, k_rot[v][:, :, lo + c0:lo + c1].transpose(-1, -2)).view(B, H, b - a, c1 - c0)
                 s = s * scale
                 scores[..., c0:c1] = s if sel is None else torch.where(sel[:, c0:c1] == v, s, scores[..., c0:c1])

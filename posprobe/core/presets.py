@@ -95,9 +95,20 @@ def help_text() -> str:
     return " | ".join(p.usage for p in PRESETS.values())
 
 
+def canonical(spec: str) -> str:
+    """`spec` with HF's spelling of a config-time scaling preset, "hf:<rope_type>,key=value,...", written as
+    "hf-<rope_type>:key=value,..."; any other spec unchanged."""
+    name, colon, rest = spec.partition(":")
+    if name.strip().lower() != "hf" or not colon:
+        return spec
+    kind, _, params = rest.partition(",")
+    return f"hf-{kind.strip().lower()}" + (f":{params}" if params.strip() else "")
+
+
 def parse(spec: str) -> tuple[Preset, dict[str, float | int]]:
     """(preset, checked parameters) of a spec "name:key=value,...": unknown names or keys, values that are
     not numbers, missing required parameters and values out of bounds raise ValueError with the grammar."""
+    spec = canonical(spec)
     name = spec.partition(":")[0].strip().lower()
     preset = PRESETS.get(name)
     if preset is None:
@@ -134,13 +145,13 @@ def preset_plan(spec: str, model: Any, n: int) -> Any:
     """The per-query `PositionPlan` of a preset spec such as "yarn:scale=4,original=64" over `n` tokens of
     `model` (presets that change frequencies read the model's rotary facts), labelled with the spec."""
     preset, params = parse(spec)
-    return replace(preset.plan(model, n, params), label=spec if preset.name != "none" else "none")
+    return replace(preset.plan(model, n, params), label=canonical(spec) if preset.name != "none" else "none")
 
 
 def preset_pairs(spec: str) -> Any:
     """The per-pair `PairRule` of a preset spec (the long-context engine's form), labelled with the spec."""
     preset, params = parse(spec)
-    return replace(preset.pairs(params), label=spec if preset.name != "none" else "none")
+    return replace(preset.pairs(params), label=canonical(spec) if preset.name != "none" else "none")
 
 
 def is_identity(spec: str) -> bool:
@@ -191,6 +202,12 @@ register(Preset("rerope", "ReRoPE (Su 2023): relative positions clipped at W",
                 plan=lambda model, n, a: _s().rerope(n, a["window"]),
                 pairs=lambda a: _s().rerope_pairs(a["window"]),
                 example="rerope:window=5"))
+register(Preset("string", "STRING (An et al. 2025): distances >= S reuse the trained ones from W on (i - j - S + W)",
+                (Param("offset", int, metavar="S", low=1.0, help="shifted offset (tokens; paper: 0.25-0.4 x context)"),
+                 Param("window", int, default=128, low=0.0, help="local window kept (tokens)")),
+                plan=lambda model, n, a: _s().string(n, a["offset"], a["window"]),
+                pairs=lambda a: _s().string_pairs(a["offset"], a["window"]),
+                example="string:offset=12,window=4"))
 register(Preset("streaming", "StreamingLLM (Xiao et al. 2023): S sink keys + the last W keys",
                 (Param("sink", int, metavar="S", low=0.0), Param("window", int, metavar="W", low=1.0)),
                 plan=lambda model, n, a: _s().streaming(n, a["sink"], a["window"]),
@@ -206,3 +223,37 @@ register(Preset("drop", "remove the `lowest` slowest and `highest` fastest bands
                 plan=lambda model, n, a: _s().drop_frequencies(model, n, lowest=a["lowest"], highest=a["highest"]),
                 pairs=lambda a: _s().drop_pairs(a["lowest"], a["highest"]),
                 example="drop:lowest=2,highest=1"))
+
+
+# HF's own config-time scaling, applied to a loaded model (the same weights, one table beside posprobe's paper-form
+# PI / NTK / YaRN). Parameter names are HF's, `original` standing for original_max_position_embeddings; an optional
+# parameter left at 0 is not set (HF's default rule applies).
+_FACTOR = Param("factor", float, metavar="F", low=0.0, low_open=True, help="HF's rope scaling factor")
+_ORIGINAL = Param("original", int, metavar="L", low=1.0, help="original_max_position_embeddings (tokens)")
+_HF_NAMES = {"original": "original_max_position_embeddings"}
+
+
+def _hf_params(kind: str, a: dict) -> dict:
+    out: dict = {"rope_type": kind}
+    for k, v in a.items():
+        if v or k in ("factor", "original"):
+            out[_HF_NAMES.get(k, k)] = float(v) if k != "original" else int(v)
+    return out
+
+
+def _hf(kind: str, summary: str, params: tuple[Param, ...], example: str) -> Preset:
+    return Preset(f"hf-{kind}", summary, params,
+                  plan=lambda model, n, a: _s().hf_scaled(model, n, _hf_params(kind, a)),
+                  pairs=lambda a: _s().hf_scaled_pairs(_hf_params(kind, a)), example=example)
+
+
+register(_hf("linear", "HF's linear scaling (PI) from the config", (_FACTOR,), "hf-linear:factor=2"))
+register(_hf("dynamic", "HF's dynamic NTK: the base grows with inputs past max_position_embeddings", (_FACTOR,),
+             "hf-dynamic:factor=2"))
+register(_hf("yarn", "HF's YaRN: ramp, attention factor (0.1 ln s + 1, or mscale ratio, or given)",
+             (_FACTOR, _ORIGINAL, Param("beta_fast", float, default=32.0), Param("beta_slow", float, default=1.0),
+              Param("attention_factor", float, default=0.0, low=0.0), Param("mscale", float, default=0.0, low=0.0),
+              Param("mscale_all_dim", float, default=0.0, low=0.0)), "hf-yarn:factor=2,original=16"))
+register(_hf("llama3", "HF's Llama 3.1 scaling: bands by wavelength between low and high frequency factors",
+             (_FACTOR, _ORIGINAL, Param("low_freq_factor", float, default=1.0, low=0.0, low_open=True),
+              Param("high_freq_factor", float, default=4.0, low=0.0, low_open=True)), "hf-llama3:factor=2,original=16"))

@@ -19,7 +19,7 @@ import torch
 from jaxtyping import Bool
 
 from posprobe.backend.facts import model_facts, require_rotary
-from posprobe.backend.hooks import hook_name, hooked, layer_rotary_spec, score_edits_apply
+from posprobe.backend.hooks import hook_name, hooked, layer_rotary_spec, scaled_rotary_spec, score_edits_apply
 from posprobe.backend.model import model_name, n_layers
 from posprobe.core.positions import KeyView, PositionError, PositionPlan, rope_positions, shifted_plan
 from posprobe.rope import RotarySpec, wavelength
@@ -215,6 +215,22 @@ def rerope(n: int, window: int) -> PositionPlan:
                           {"preset": "rerope", "window": window}, first=window + 1)
 
 
+def _check_string(offset: int, window: int) -> None:
+    if offset < 1 or window < 0 or window > offset:
+        raise ValueError(f"STRING needs offset >= 1 and 0 <= window <= offset; got offset {offset}, window {window}")
+
+
+def string(n: int, offset: int, window: int = 128) -> PositionPlan:
+    """STRING (An et al., ICLR 2025): relative positions from `offset` S on are shifted down onto the well-trained
+    ones, starting at the local window W: rel = i - j if i - j < S, else i - j - S + W (the S-th diagonal gets W, so
+    the nearest W positions stay each query's own)."""
+    _check_string(offset, window)
+    shift = float(offset - window)
+    meta = {"preset": "string", "offset": offset, "window": window}
+    return per_query_plan(n, lambda i, j: torch.where(i - j >= offset, i - j - shift, i - j),
+                          f"string:S{offset},W{window}", meta, first=offset)
+
+
 def streaming(n: int, sink: int, window: int) -> PositionPlan:
     """StreamingLLM (Xiao et al. 2023): query i keeps the `sink` first keys and the last `window` keys (itself incl.).
 
@@ -275,6 +291,17 @@ def apply_plan(model: Any, plan: PositionPlan) -> Iterator[PositionPlan]:
             yield plan
 
 
+def hf_scaled(model: Any, n: int, params: dict) -> PositionPlan:
+    """HF's own rope scaling `params` (`rope_type` and HF's keys) applied to a loaded model at inference, exactly as
+    a config carrying them would: per rotary layer HF's table for `n` tokens (dynamic grows with n) and its cos/sin
+    multiplier, positions unchanged."""
+    facts = model_facts(model)
+    require_rotary(facts, "Hugging Face rope scaling")
+    rot = {l: scaled_rotary_spec(model, l, params, n) for l in facts.rotary_layers}
+    label = "hf-" + str(params["rope_type"])
+    return replace(PositionPlan.default(n, label=label), rotary=rot, meta={"preset": label, **params})
+
+
 def identity_plan(n: int) -> PositionPlan:
     """Preset "none": every token at its own position."""
     return PositionPlan.default(n, label="none")
@@ -306,6 +333,8 @@ class PairRule:
     pair, the view whose rotated q.k is the score (-1: the key is dropped, e.g. StreamingLLM eviction);
     None means view 0 everywhere. `rotary` maps a layer's RotarySpec to the preset's (None: unchanged),
     `score_scale` multiplies the pre-softmax scores (YaRN temperature). `identity` marks preset "none".
+    `hf_rope` replaces each layer's rope parameters as an HF config would (the frequencies then depend on the model
+    and, for "dynamic", on the input's length: the engine asks HF's own functions per layer and length).
     """
 
     label: str
@@ -315,6 +344,9 @@ class PairRule:
     score_scale: float = 1.0
     identity: bool = False
     meta: dict = field(default_factory=dict)
+    #: HF rope parameters (`rope_type` and its keys) that replace each rotary layer's own, as HF's config would
+    #: set them (the `hf-*` presets); None keeps the model's.
+    hf_rope: tuple[tuple[str, Any], ...] | None = None
 
     def relative(self, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
         """`[query, key]` relative position q_pos - k_pos of the selected view (NaN where dropped)."""
@@ -350,6 +382,15 @@ def rerope_pairs(window: int) -> PairRule:
                     meta={"preset": "rerope", "window": window})
 
 
+def string_pairs(offset: int, window: int = 128) -> PairRule:
+    """STRING: pairs at distance >= S use the query moved back by S - W (rel = i - j - S + W), as in `string`."""
+    _check_string(offset, window)
+    shift = float(offset - window)
+    return PairRule(f"string:S{offset},W{window}", ((_same, _same), (lambda i: i - shift, _same)),
+                    select=lambda i, j: (i[:, None] - j[None, :] >= offset).long(),
+                    meta={"preset": "string", "offset": offset, "window": window})
+
+
 def streaming_pairs(sink: int, window: int) -> PairRule:
     """StreamingLLM: recent keys at their positions, sinks j < S (queries i >= S + W) at rel S + W - 1 - j,
     evicted keys (`evicted`) dropped, as in `streaming`."""
@@ -369,6 +410,12 @@ def p_rope_rotary(spec: RotarySpec, p: float) -> RotarySpec:
     if not 0 <= p <= 1:
         raise ValueError(f"p must be in [0, 1]; got {p}")
     return drop_rotary(spec, round((1 - p) * spec.n_bands), 0)
+
+
+def hf_scaled_pairs(params: dict) -> PairRule:
+    """`hf_scaled` per pair: positions kept, each layer's table from HF's functions for the rope `params`."""
+    label = "hf-" + str(params["rope_type"])
+    return PairRule(label, hf_rope=tuple(sorted(params.items())), meta={"preset": label, **params})
 
 
 def identity_pairs() -> PairRule:
