@@ -11,6 +11,7 @@ from typing import Literal, get_args, get_origin, get_type_hints
 
 from posprobe.core import presets
 from posprobe.core.config import option
+from posprobe.data.needles import task_names as needle_task_names
 
 #: The atlas's sections, in report order (analyses.atlas runs those that apply to a model).
 ATLAS_SECTIONS = ("facts", "heads", "sinks", "frequency", "geometry", "probes", "shift")
@@ -350,15 +351,19 @@ class LongContextConfig:
                                               flag="--passkey-length", aliases=("--passkey-lengths",))
     depths: tuple[float, ...] = option((0.0, 0.25, 0.5, 0.75, 1.0), "passkey depths: fraction of the filler "
                                        "before the needle (0 = start, 1 = end)", flag="--depth")
+    tasks: tuple[str, ...] = option(("passkey",), "needle tasks at the passkey lengths x depths (repeatable): "
+                                    "passkey, " + ", ".join(needle_task_names()), flag="--task")
     trials: int = option(1, "passkeys per length x depth x preset")
     new_tokens: int = option(8, "greedy tokens decoded for a passkey answer")
+    needle_tokens: int | None = option(None, "greedy tokens decoded for a needle-task answer (default: per task, "
+                                             "enough for its values; decoding stops once all have appeared)")
     seed: int = option(0, "seed of the passkeys")
     chunk: int = option(256, "query rows per attention chunk (memory grows with chunk x length)")
     progress: bool = option(True, "", cli=False)
 
     def __post_init__(self) -> None:
         _at_least(self, 2, "bin_size")
-        _at_least(self, 1, "max_windows", "trials", "new_tokens", "chunk", "trained_ctx", "break_span")
+        _at_least(self, 1, "max_windows", "trials", "new_tokens", "chunk", "trained_ctx", "break_span", "needle_tokens")
         _at_least(self, 0, "warmup")
         if not self.presets:
             raise ValueError("give at least one preset")
@@ -371,6 +376,10 @@ class LongContextConfig:
             raise ValueError(f"lengths must be >= 2 tokens; got {bad}")
         if any(not 0 <= d <= 1 for d in self.depths):
             raise ValueError(f"depths must be within [0, 1]; got {list(self.depths)}")
+        bad_tasks = [t for t in self.tasks if t != "passkey" and t not in needle_task_names()]
+        if bad_tasks or not self.tasks:
+            raise ValueError(f"unknown needle task {bad_tasks[0] if bad_tasks else None!r}; tasks: passkey, "
+                             + ", ".join(needle_task_names()))
         if self.passkey_lengths and not self.depths:
             raise ValueError("give at least one --depth for the passkey test")
         if self.margin < 0:

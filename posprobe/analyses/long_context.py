@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import random
 import re
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,8 @@ from posprobe.backend.model import model_name, tokenizer_of, weights_fingerprint
 from posprobe.core import long_engine as LA
 from posprobe.core.presets import preset_pairs
 from posprobe.core.surgery import PairRule
+from posprobe.data.needles import TASKS as NEEDLE_TASKS
+from posprobe.data.needles import needle_prompt, string_match_all
 from posprobe.report.checkpoint import Checkpoint, run_key
 from posprobe.report.result import Result
 from posprobe.report.schema import data_meta, make_meta, text_sha256
@@ -123,7 +125,7 @@ def _parts(model: Any, tokenizer: Any) -> tuple[Any, Any]:
     return hf, tok
 
 
-def _check(hf: Any, tok: Any, n_tokens: int, rules: dict[str, PairRule], cfg: LongContextConfig) -> int:
+def _check(hf: Any, tok: Any, n_tokens: int, rules: dict[str, PairRule], cfg: LongContextConfig, text: str) -> int:
     """Every check that can fail, before any forward; returns the trained context."""
     if any(not r.identity for r in rules.values()):
         LA.require_supported(hf)
@@ -145,7 +147,11 @@ def _check(hf: Any, tok: Any, n_tokens: int, rules: dict[str, PairRule], cfg: Lo
         for L in cfg.passkey_lengths or ():
             LA.check_memory(hf, L, rule, chunk=cfg.chunk, cache=True)
     for L in cfg.passkey_lengths or ():
-        passkey_prompt(tok, L, 0.5, "12345")  # long enough for the prompt's fixed parts
+        for task in cfg.tasks:  # long enough for each task's fixed parts
+            if task == "passkey":
+                passkey_prompt(tok, L, 0.5, "12345")
+            else:
+                needle_prompt(tok, task, L, 0.5, cfg.seed, text=text)
     return ctx
 
 
@@ -184,7 +190,7 @@ def run_long_context(model: Any, text: str, config: LongContextConfig | None = N
     hf, tok = _parts(model, tokenizer)
     rules = {spec: preset_pairs(spec) for spec in cfg.presets}
     ids = _bos(tok) + _encode(tok, text)
-    ctx = _check(hf, tok, len(ids), rules, cfg)
+    ctx = _check(hf, tok, len(ids), rules, cfg, text)
     name = name or Path(str(getattr(HF.text_config(hf), "_name_or_path", "") or "model")).name
     bos = _bos(tok)
     body = ids[len(bos):]
@@ -214,13 +220,16 @@ def run_long_context(model: Any, text: str, config: LongContextConfig | None = N
         for metric, v in stats.items():
             summary.append(dict(model=name, preset=spec, length=L, metric=metric, value=v, count=len(windows[L])))
     tables = {"long_context": pd.DataFrame(rows), "long_context_summary": pd.DataFrame(summary)}
-    if cfg.passkey_lengths:
+    if cfg.passkey_lengths and "passkey" in cfg.tasks:
         tables.update(_passkey(hf, tok, rules, cfg, name, ckpt))
+    if cfg.passkey_lengths and any(t != "passkey" for t in cfg.tasks):
+        tables.update(_needles(hf, tok, rules, cfg, name, ckpt, text))
     meta = make_meta("long-context", model=facts, data=data, config=cfg, trained_ctx=ctx,
                      plan={spec: r.label for spec, r in rules.items()},
                      plan_meta={spec: dict(r.meta) for spec, r in rules.items()},
                      passkey_format={"intro": PASSKEY_INTRO, "filler": PASSKEY_FILLER, "needle": PASSKEY_NEEDLE,
                                      "question": PASSKEY_QUESTION},
+                     needle_tasks={t: asdict(NEEDLE_TASKS[t]) for t in cfg.tasks if t != "passkey"},
                      checkpoint={"folder": str(work) if work is not None else None, "resumed_units": ckpt.resumed})
     return Result(tables, meta)
 
@@ -249,3 +258,38 @@ def _passkey(
            .agg(value=("exact_match", "mean"), count=("exact_match", "size")).reset_index())
     acc.insert(4, "metric", "accuracy")
     return {"passkey": trials, "passkey_accuracy": acc}
+
+
+def _needles(hf: Any, tok: Any, rules: dict[str, PairRule], cfg: LongContextConfig, name: str, ckpt: Checkpoint,
+             text: str) -> dict[str, pd.DataFrame]:
+    # Every needle task at every passkey length x depth x trial, the same prompt for every preset (seeded by the
+    # trial), scored with RULER's string_match_all. Greedy decoding stops once every target has appeared: the score
+    # of a longer answer would be the same.
+    eos = getattr(tok, "eos_token_id", None)
+    tasks = [t for t in cfg.tasks if t != "passkey"]
+
+    def trial(u: tuple[str, str, int, float, int]) -> dict:
+        task, spec, L, d, t = u
+        p = needle_prompt(tok, task, L, d, cfg.seed * 1000 + t, text=text)
+
+        def found_all(new: list[int]) -> bool:
+            return string_match_all(tok.decode(new, skip_special_tokens=True), p.targets) == 1.0
+
+        budget = cfg.needle_tokens or NEEDLE_TASKS[task].answer_tokens()
+        new = LA.greedy_decode(hf, torch.tensor(p.ids), rules[spec], budget, chunk=cfg.chunk, stop_token=eos,
+                               stop=found_all)
+        answer = tok.decode(new.tolist(), skip_special_tokens=True)
+        first = next(n.start for n in p.needles if n.asked)
+        return dict(model=name, task=task, preset=spec, length=L, depth=d, trial=t, targets=" | ".join(p.targets),
+                    answer=answer, score=string_match_all(answer, p.targets), needle_pos=first,
+                    needles=len(p.needles))
+
+    todo = [(task, spec, L, d, t) for task in tasks for spec in cfg.presets for L in cfg.passkey_lengths or ()
+            for d in cfg.depths for t in range(cfg.trials)]
+    rows = ckpt.map(todo, trial, name=lambda u: f"needle|{u[0]}|{u[1]}|{u[2]}|{u[3]!r}|{u[4]}", desc="needles",
+                    progress=cfg.progress)
+    trials = pd.DataFrame(rows)
+    acc = (trials.groupby(["model", "task", "preset", "length", "depth"], sort=False)
+           .agg(value=("score", "mean"), count=("score", "size")).reset_index())
+    acc.insert(5, "metric", "string_match_all")
+    return {"needles": trials, "needle_accuracy": acc}

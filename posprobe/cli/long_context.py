@@ -62,6 +62,12 @@ def run(args: argparse.Namespace) -> int:
         print("passkey accuracy (exact match), rows preset x length, columns depth:")
         grid = acc.pivot_table(index=["preset", "length"], columns="depth", values="value", sort=False, dropna=False)
         print(grid.to_string(float_format=lambda v: f"{v:.2f}"))
+    acc = result.tables.get("needle_accuracy")
+    if acc is not None:
+        print("needle accuracy (RULER string_match_all), rows task x preset x length, columns depth:")
+        grid = acc.pivot_table(index=["task", "preset", "length"], columns="depth", values="value", sort=False,
+                               dropna=False)
+        print(grid.to_string(float_format=lambda v: f"{v:.2f}"))
     if args.out:
         paths = result.save(args.out, figure_formats=args.figures, csv=args.csv)
         discard_work_folder(work)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -214,8 +214,10 @@ def token_nll(model: Any, ids: Int[torch.Tensor, " pos"], rule: PairRule, *, chu
 
 @torch.no_grad()
 def greedy_decode(model: Any, ids: Int[torch.Tensor, " pos"], rule: PairRule, max_new_tokens: int, *,
-                  chunk: int = 256, stop_token: int | None = None) -> Int[torch.Tensor, " new"]:
-    """Greedy continuation (token ids) of one prompt under `rule`, with a KV cache (keys stored unrotated)."""
+                  chunk: int = 256, stop_token: int | None = None,
+                  stop: Callable[[list[int]], bool] | None = None) -> Int[torch.Tensor, " new"]:
+    """Greedy continuation (token ids) of one prompt under `rule`, with a KV cache (keys stored unrotated). Ends
+    after `max_new_tokens`, at `stop_token`, or once `stop(tokens so far)` is true."""
     from transformers import DynamicCache
 
     dev = next(model.parameters()).device
@@ -231,7 +233,7 @@ def greedy_decode(model: Any, ids: Int[torch.Tensor, " pos"], rule: PairRule, ma
         for step in range(max_new_tokens):
             tok = int(_logits(model, h[0, -1:]).argmax(-1))
             new.append(tok)
-            if tok == stop_token or step == max_new_tokens - 1:
+            if tok == stop_token or step == max_new_tokens - 1 or (stop is not None and stop(new)):
                 break
             nxt = torch.tensor([[tok]], device=dev)
             h = _hidden(model, nxt, engine_on, cache, start=ids.shape[1] + step).last_hidden_state

@@ -1,5 +1,5 @@
 """Report page of the long-context harness (`long-context`): loss-vs-position curves per preset with the
-trained context marked, a summary table, passkey accuracy heatmaps (length x depth) per preset.
+trained context marked, a summary table, passkey and needle-task accuracy heatmaps (length x depth) per preset.
 Built from the result's tables and meta only."""
 
 from __future__ import annotations
@@ -53,6 +53,17 @@ def figures(result: Any) -> list:
             fig.update_yaxes(type="category")
             fig.update_xaxes(type="category")
             out.append(style(fig, caption=cap))
+    acc = result.tables.get("needle_accuracy")
+    if acc is not None and len(acc):
+        for (task, preset), part in acc.groupby(["task", "preset"], sort=False):
+            grid = part.pivot_table(index="length", columns="depth", values="value").sort_index(ascending=False)
+            fig = px.imshow(grid, zmin=0, zmax=1, color_continuous_scale="Blues", text_auto=".2f", aspect="auto",
+                            title=f"{task}: {preset}",
+                            labels={"x": "depth (fraction of the haystack before the needle)", "y": "length (tokens)",
+                                    "color": "string_match_all"})
+            fig.update_yaxes(type="category")
+            fig.update_xaxes(type="category")
+            out.append(style(fig, caption=cap))
     return out
 
 
@@ -75,5 +86,12 @@ def sections(result: Any) -> list[Section]:
         by.columns = [str(c) for c in by.columns]
         out.append(Section("Passkey accuracy (mean over depths)",
                            html="<p>Exact match of the first run of digits in the greedy answer.</p>" + table_html(by)))
+    acc = result.tables.get("needle_accuracy")
+    if acc is not None and len(acc):
+        by = acc.groupby(["task", "preset", "length"], sort=False).value.mean().unstack("length").reset_index()
+        by.columns = [str(c) for c in by.columns]
+        out.append(Section("Needle accuracy (mean over depths)",
+                           html="<p>RULER's string_match_all: the fraction of the expected values found in the greedy "
+                                "answer, case-insensitive, averaged over trials.</p>" + table_html(by)))
     out.append(Section("Figures", figures=figures(result)))
     return out

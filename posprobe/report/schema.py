@@ -110,18 +110,25 @@ COLUMNS: dict[str, str] = {
     "length": "sequence length of the window or prompt (tokens)",
     "bin_start": "first query_pos of a bin of query positions",
     "bin_end": "end (exclusive) of a bin of query positions",
-    "depth": "passkey depth: fraction of the filler placed before the needle (0 = start, 1 = end)",
+    "depth": "needle depth: fraction of the haystack placed before the (first asked) needle (0 = start, 1 = end; "
+             "kv_retrieval: the gold pair's index / (pairs - 1))",
     "trial": "index of a repeated random trial",
     "target": "the passkey (digits) the model should return",
     "prediction": "first run of digits in the greedy answer ('' if none)",
     "exact_match": "prediction equals target exactly",
-    "needle_pos": "token position where the passkey sentence starts",
+    "needle_pos": "token position where the (first asked) needle starts",
+    "task": "needle task: RULER's NIAH names (niah_single_1 ...), niah_single_word, kv_retrieval",
+    "targets": "the values the answer must contain, ' | '-separated",
+    "answer": "the greedy answer's text (decoding stops once every target has appeared: the score cannot change)",
+    "score": "RULER's string_match_all of one answer: fraction of the targets found in it, case-insensitive",
+    "needles": "needles placed in the prompt (asked and distractors; a needle haystack's own not counted)",
 }
 
 #: The names that appear as values of a `metric` column, one definition each (same name, same number in every
 #: command: `heads`, `freq-report`, the atlas and the notebooks read these). Shared with COLUMNS where a name is also
 #: a column (the frequency report's per-head table).
 METRICS: dict[str, str] = {
+    "string_match_all": "mean of `score` over trials: RULER's needle accuracy (fraction of expected values found)",
     "prev_mass": COLUMNS["prev_mass"],
     "self_mass": COLUMNS["self_mass"],
     "first_mass": COLUMNS["first_mass"],
