@@ -144,3 +144,13 @@ def test_an_unknown_task_is_refused_before_any_model_loads(capsys):
         LongContextConfig(tasks=("bogus",))
     code = main(["long-context", "no-such-model", "--text", "-", "--task", "bogus"])
     assert code == 2 and "unknown needle task 'bogus'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("task", ["niah_single_1", "niah_single_3", "niah_multivalue", "kv_retrieval"])
+def test_value_spans_hold_exactly_the_value(task, smollm2):
+    for label, tok, length in _tokenizers(smollm2):
+        p = needle_prompt(tok, task, length, 0.5, seed=3, text=BUILTIN_TEXT)
+        for n in p.needles:
+            assert n.start < n.value_start < n.value_end == n.end, label
+            got = tok.decode(p.ids[n.value_start:n.value_end]).strip().rstrip(".,").strip('"')
+            assert got == n.value, (label, got, n.value)

@@ -23,7 +23,8 @@ __all__ = ["NeedleTask", "NeedlePrompt", "Needle", "TASKS", "needle_prompt", "st
 # RULER's prompt format (its NIAH template), and the key-value retrieval format of Liu et al.
 _INTRO = ("Some special magic {kind} are hidden within the following text. Make sure to memorize it. "
           "I will quiz you about the {kind} afterwards.\n")
-_NEEDLE = " One of the special magic {kind} for {key} is: {value}."
+_NEEDLE = " One of the special magic {kind} for {key} is:"  # then " {value}." (its own piece: the value's tokens)
+_VALUE = " {value}."
 _QUESTION = "\nWhat are all the special magic {kind} for {query} mentioned in the provided text?"
 _ANSWER = " The special magic {kind} for {query} mentioned in the provided text are"
 _KV_INTRO = "Extract the value corresponding to the specified key in the JSON object below.\n\nJSON data:\n{"
@@ -92,13 +93,16 @@ def task_names() -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class Needle:
-    """One needle in a prompt: token span [start, end), its key and value, and whether the question asks for it."""
+    """One needle in a prompt: token span [start, end), its key and value, whether the question asks for it, and the
+    span [value_start, value_end) of the value's own tokens (what an answer copies)."""
 
     start: int
     end: int
     key: str
     value: str
     asked: bool
+    value_start: int = -1
+    value_end: int = -1
 
 
 @dataclass(frozen=True)
@@ -152,8 +156,8 @@ def _haystack(tokenizer: Any, task: NeedleTask, n: int, text: str | None, rng: r
         out, total = [], 0
         kind = _KINDS[task.value_kind]
         while total < n:
-            piece = _encode(tokenizer, _NEEDLE.format(kind=kind, key=_draw(rng, task.key_kind, taken),
-                                                      value=_draw(rng, task.value_kind, taken)))
+            key, value = _draw(rng, task.key_kind, taken), _draw(rng, task.value_kind, taken)
+            piece = sum(_needle_tokens(tokenizer, kind, key, value), [])
             out.append(piece)
             total += len(piece)
         return out
@@ -165,6 +169,11 @@ def _haystack(tokenizer: Any, task: NeedleTask, n: int, text: str | None, rng: r
         total += len(unit[i % len(unit)])
         i += 1
     return out
+
+
+def _needle_tokens(tokenizer: Any, kind: str, key: str, value: str) -> tuple[list[int], list[int]]:
+    # The needle as (text up to "is:", the value and its full stop): two pieces, so the value's tokens are known.
+    return _encode(tokenizer, _NEEDLE.format(kind=kind, key=key)), _encode(tokenizer, _VALUE.format(value=value))
 
 
 def needle_prompt(tokenizer: Any, task: str | NeedleTask, length: int, depth: float, seed: int,
@@ -190,7 +199,8 @@ def needle_prompt(tokenizer: Any, task: str | NeedleTask, length: int, depth: fl
     head = _bos(tokenizer) + _encode(tokenizer, _INTRO.format(kind=kind))
     tail = _encode(tokenizer, _QUESTION.format(kind=kind, query=query)) + _encode(
         tokenizer, _ANSWER.format(kind=kind, query=query))
-    pieces = [_encode(tokenizer, _NEEDLE.format(kind=kind, key=k, value=v)) for k, v in pairs]
+    split = [_needle_tokens(tokenizer, kind, k, v) for k, v in pairs]
+    pieces = [a + b for a, b in split]
     n_fill = length - len(head) - len(tail) - sum(map(len, pieces))
     if n_fill < 0:
         raise ValueError(f"a {t.name} prompt needs at least {length - n_fill} tokens; got length {length}")
@@ -207,7 +217,8 @@ def needle_prompt(tokenizer: Any, task: str | NeedleTask, length: int, depth: fl
         ids += flat[last:slots[i]]
         last = slots[i]
         k, v = pairs[i]
-        needles.append(Needle(len(ids), len(ids) + len(pieces[i]), k, v, k in asked))
+        at = len(ids) + len(split[i][0])
+        needles.append(Needle(len(ids), len(ids) + len(pieces[i]), k, v, k in asked, at, at + len(split[i][1])))
         ids += pieces[i]
     ids += flat[last:] + tail
     targets = tuple(v for k, v in pairs if k in asked)
@@ -222,7 +233,10 @@ def _kv_prompt(tokenizer: Any, t: NeedleTask, length: int, depth: float, rng: ra
     lines: list[tuple[str, str, list[int]]] = []
 
     def line_of(k: str, v: str, last: bool) -> list[int]:
-        return _encode(tokenizer, f"\n{json.dumps(k)}: {json.dumps(v)}" + ("" if last else ","))
+        return _encode(tokenizer, f"\n{json.dumps(k)}:") + value_of(v, last)
+
+    def value_of(v: str, last: bool) -> list[int]:
+        return _encode(tokenizer, f" {json.dumps(v)}" + ("" if last else ","))
 
     # Pairs while they fit beside the longest question a drawn key could need; the last pair has no comma.
     while True:
@@ -247,7 +261,9 @@ def _kv_prompt(tokenizer: Any, t: NeedleTask, length: int, depth: float, rng: ra
     ids = list(head) + (pad * (n_pad // len(pad) + 1))[:n_pad]
     needles = []
     for i, (k, v, line) in enumerate(lines):
-        needles.append(Needle(len(ids), len(ids) + len(line), k, v, i == gold))
+        n_value = len(value_of(v, i == len(lines) - 1))
+        needles.append(Needle(len(ids), len(ids) + len(line), k, v, i == gold, len(ids) + len(line) - n_value,
+                              len(ids) + len(line)))
         ids += line
     ids += tail
     return NeedlePrompt(t.name, ids, (value,), tuple(needles), depth)
