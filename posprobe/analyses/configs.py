@@ -384,3 +384,43 @@ class LongContextConfig:
             raise ValueError("give at least one --depth for the passkey test")
         if self.margin < 0:
             raise ValueError(f"margin must be >= 0; got {self.margin}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RetrievalConfig:
+    """Retrieval heads (`run_retrieval`, `posprobe retrieval`): Wu et al.'s retrieval score per head while the model
+    answers needle prompts, the attention mass on the needle and on the first token, under each surgery preset; and
+    the needle accuracy with the top-k retrieval heads masked against k random heads."""
+
+    lengths: tuple[int, ...] = option((1024,), "prompt lengths (tokens; repeatable)", flag="--length")
+    depths: tuple[float, ...] = option((0.1, 0.3, 0.5, 0.7, 0.9), "needle depths: fraction of the haystack before "
+                                       "the needle", flag="--depth")
+    tasks: tuple[str, ...] = option(("niah_single_2",), "needle tasks (repeatable): " + ", ".join(needle_task_names()),
+                                    flag="--task")
+    trials: int = option(1, "prompts per task x length x depth (seeded)")
+    presets: tuple[str, ...] = option(("none",), _preset_help, flag="--preset")
+    threshold: float = option(0.1, "a retrieval head's mean retrieval score exceeds this (Wu et al.: 0.1)")
+    mask_k: tuple[int, ...] = option((5, 20), "masking: numbers of heads masked (repeatable; 0: skip masking)",
+                                     flag="--mask-k")
+    random_draws: int = option(3, "masking: random head sets per k (seeded)")
+    bootstrap: int = option(1000, "bootstrap resamples of the accuracy intervals")
+    needle_tokens: int | None = option(None, "greedy tokens per answer (default: per task, enough for its values)")
+    seed: int = option(0, "seed of the needles and of the random heads")
+    chunk: int = option(256, "query rows per attention chunk (memory grows with chunk x length)")
+    progress: bool = option(True, "", cli=False)
+
+    def __post_init__(self) -> None:
+        _at_least(self, 1, "trials", "random_draws", "bootstrap", "chunk", "needle_tokens")
+        if not self.presets or not self.tasks or not self.lengths or not self.depths:
+            raise ValueError("give at least one preset, task, length and depth")
+        for spec in self.presets:
+            presets.parse(spec)
+        bad = [t for t in self.tasks if t not in needle_task_names()]
+        if bad:
+            raise ValueError(f"unknown needle task {bad[0]!r}; tasks: {', '.join(needle_task_names())}")
+        if any(not 0 <= d <= 1 for d in self.depths):
+            raise ValueError(f"depths must be within [0, 1]; got {list(self.depths)}")
+        if any(k < 0 for k in self.mask_k):
+            raise ValueError(f"mask_k must be >= 0; got {list(self.mask_k)}")
+        if not 0 <= self.threshold <= 1:
+            raise ValueError(f"threshold must be within [0, 1]; got {self.threshold}")

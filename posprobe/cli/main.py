@@ -22,6 +22,7 @@ SUBCOMMANDS = {
     "geometry": "geometry",
     "heads": "heads",
     "sinks": "sinks",
+    "retrieval": "retrieval",
     "atlas": "atlas",
 }
 

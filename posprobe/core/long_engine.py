@@ -21,7 +21,7 @@ Keys are cached unrotated (generation), so a decode step re-rotates the cached k
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator
 
 import torch
@@ -30,7 +30,7 @@ from jaxtyping import Float, Int
 
 from posprobe.backend import hf
 from posprobe.core.positions import PositionError
-from posprobe.core.surgery import PairRule
+from posprobe.core.surgery import PairRule, shift_pairs
 from posprobe.rope import hf_cos_sin, hf_rotate, inv_freq_of
 
 # HF model types whose attention rotates the head (all of it, or its first dims: partial rotary), half-split or
@@ -75,6 +75,16 @@ class _Engine:
     #: Layers whose own table depends on the input's length (dynamic, longrope) where the rule keeps frequencies.
     by_length: frozenset[int] = frozenset()
     tables: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    #: Called per layer with the last query's attention weights `[head, key_pos]` (float32) of every forward.
+    record: Callable[[int, torch.Tensor], None] | None = None
+    #: Per layer, query heads whose output is zeroed before the output projection (head masking).
+    masked: dict[int, tuple[int, ...]] = field(default_factory=dict)
+
+    def _finish(self, layer: int, out: torch.Tensor) -> torch.Tensor:
+        heads = self.masked.get(layer)
+        if heads:
+            out[:, list(heads)] = 0
+        return out
 
     def table(self, layer: int, n_k: int) -> tuple[torch.Tensor, float]:
         """(inverse frequencies, extra cos/sin multiplier) `layer` rotates `n_k` tokens with: under an HF rope
@@ -113,7 +123,11 @@ class _Engine:
             q_r = rotate_hf(query, views[0][0](i), inv, self.adjacent, r)
             k_r = rotate_hf(key, views[0][1](j), inv, self.adjacent, r)
             k_r, v = k_r.repeat_interleave(g, dim=1), value.repeat_interleave(g, dim=1)
-            return F.scaled_dot_product_attention(q_r, k_r, v, is_causal=n_q > 1, scale=scale)
+            if self.record is not None:  # the last query sees every key: its weights in full, one row per head
+                s = torch.matmul(q_r[:, :, -1:], k_r.transpose(-1, -2))[0, :, 0] * scale
+                self.record(module.layer_idx, torch.softmax(s, dim=-1, dtype=torch.float32))
+            out = F.scaled_dot_product_attention(q_r, k_r, v, is_causal=n_q > 1, scale=scale)
+            return self._finish(module.layer_idx, out)
         k_rot = [rotate_hf(key, kf(j), inv, self.adjacent, r) for _, kf in views]
         out = query.new_empty(B, H, n_q, d)
         for a in range(0, n_q, self.chunk):
@@ -146,15 +160,24 @@ class _Engine:
                 keep &= (jj[None, :] > ii[:, None] - window).to(query.device)
             if sel is not None:
                 keep &= sel >= 0
-            p = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1, dtype=torch.float32).to(value.dtype)
+            p = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1, dtype=torch.float32)
+            if self.record is not None and b == n_q:
+                row = p.new_zeros(H, n_k)
+                row[:, lo:hi] = p[0, :, -1]
+                self.record(module.layer_idx, row)
+            p = p.to(value.dtype)
             out[:, :, a:b] = torch.matmul(p.view(B, KV, g * (b - a), hi - lo), value[:, :, lo:hi]).view(B, H, b - a, d)
-        return out
+        return self._finish(module.layer_idx, out)
 
 
 @contextmanager
-def long_attention(model: Any, rule: PairRule, *, chunk: int = 256) -> Iterator[None]:
+def long_attention(model: Any, rule: PairRule, *, chunk: int = 256,
+                   record: Callable[[int, torch.Tensor], None] | None = None,
+                   masked: dict[int, tuple[int, ...]] | None = None) -> Iterator[None]:
     """Within the block, `model` (plain HF, batch 1) attends under `rule`; call it with position ids all 0
-    (`zero_positions`). Restores the model's own attention implementation on exit, even after errors."""
+    (`zero_positions`). `record(layer, weights)` receives the last query's attention weights `[head, key_pos]` of
+    every forward; `masked` zeroes the listed query heads' outputs per layer before the output projection. Restores
+    the model's own attention implementation on exit, even after errors."""
     if rule.identity:
         raise ValueError("preset 'none' runs the model's own forward; long_attention is for the other presets")
     if chunk < 1:
@@ -170,7 +193,8 @@ def long_attention(model: Any, rule: PairRule, *, chunk: int = 256) -> Iterator[
             else inv_freq_of(rule.rotary(hf.rotary_spec(model, l))).to(own.device)
         )
     by_length = frozenset(l for l in inv if l not in nope and rule.rotary is None and hf.length_rule(model, l))
-    engine = _Engine(rule, inv, chunk, nope, hf.adjacent_pairs(model), model, by_length)
+    engine = _Engine(rule, inv, chunk, nope, hf.adjacent_pairs(model), model, by_length, record=record,
+                     masked={l: tuple(h) for l, h in (masked or {}).items() if h})
     with hf.custom_attention(model, {l: engine.attend for l in inv}):
         yield
 
@@ -194,15 +218,19 @@ def _logits(model: Any, hidden: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def token_nll(model: Any, ids: Int[torch.Tensor, " pos"], rule: PairRule, *, chunk: int = 256,
-              logit_chunk: int = 1024) -> Float[torch.Tensor, " query_pos"]:
-    """NLL (nats) of token t+1 given tokens 0..t, for t = 0..T-2, under `rule` (one sequence).
+              logit_chunk: int = 1024, masked: dict[int, tuple[int, ...]] | None = None
+              ) -> Float[torch.Tensor, " query_pos"]:
+    """NLL (nats) of token t+1 given tokens 0..t, for t = 0..T-2, under `rule` (one sequence), with the `masked`
+    query heads' outputs zeroed per layer (as in `long_attention`).
 
     Logits are made `logit_chunk` rows at a time (a 16k x 49k logit matrix would be 3 GB)."""
     ids = torch.as_tensor(ids)[None].to(next(model.parameters()).device)
+    if rule.identity and masked:
+        rule = replace(shift_pairs(0.0), label=rule.label)
     if rule.identity:
         h = _hidden(model, ids, False).last_hidden_state
     else:
-        with long_attention(model, rule, chunk=chunk):
+        with long_attention(model, rule, chunk=chunk, masked=masked):
             h = _hidden(model, ids, True).last_hidden_state
     out = []
     for a in range(0, ids.shape[1] - 1, logit_chunk):
@@ -215,9 +243,15 @@ def token_nll(model: Any, ids: Int[torch.Tensor, " pos"], rule: PairRule, *, chu
 @torch.no_grad()
 def greedy_decode(model: Any, ids: Int[torch.Tensor, " pos"], rule: PairRule, max_new_tokens: int, *,
                   chunk: int = 256, stop_token: int | None = None,
-                  stop: Callable[[list[int]], bool] | None = None) -> Int[torch.Tensor, " new"]:
+                  stop: Callable[[list[int]], bool] | None = None,
+                  record: Callable[[int, torch.Tensor], None] | None = None,
+                  masked: dict[int, tuple[int, ...]] | None = None) -> Int[torch.Tensor, " new"]:
     """Greedy continuation (token ids) of one prompt under `rule`, with a KV cache (keys stored unrotated). Ends
-    after `max_new_tokens`, at `stop_token`, or once `stop(tokens so far)` is true."""
+    after `max_new_tokens`, at `stop_token`, or once `stop(tokens so far)` is true. `record` / `masked` as in
+    `long_attention` (forward s produces token s); with either, preset "none" runs through the engine with every
+    position kept (equal to the model's own forward to float rounding)."""
+    if rule.identity and (record is not None or masked):
+        rule = replace(shift_pairs(0.0), label=rule.label)
     from transformers import DynamicCache
 
     dev = next(model.parameters()).device
@@ -227,7 +261,7 @@ def greedy_decode(model: Any, ids: Int[torch.Tensor, " pos"], rule: PairRule, ma
     # engine indexes by absolute position); the engine applies the window itself.
     cache = DynamicCache()
     new: list[int] = []
-    ctx = long_attention(model, rule, chunk=chunk) if engine_on else _nothing()
+    ctx = long_attention(model, rule, chunk=chunk, record=record, masked=masked) if engine_on else _nothing()
     with ctx:
         h = _hidden(model, ids, engine_on, cache).last_hidden_state
         for step in range(max_new_tokens):

@@ -23,6 +23,7 @@ PAGES = {
     "long-context": "posprobe.report.long_context",
     "heads": "posprobe.report.heads",
     "sinks": "posprobe.report.sinks",
+    "retrieval": "posprobe.report.retrieval",
     "atlas": "posprobe.report.atlas",
 }
 

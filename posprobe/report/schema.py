@@ -122,6 +122,10 @@ COLUMNS: dict[str, str] = {
     "answer": "the greedy answer's text (decoding stops once every target has appeared: the score cannot change)",
     "score": "RULER's string_match_all of one answer: fraction of the targets found in it, case-insensitive",
     "needles": "needles placed in the prompt (asked and distractors; a needle haystack's own not counted)",
+    # retrieval heads
+    "masked": "which heads were masked: none, top (the highest retrieval scores), random (seeded draw of others)",
+    "n_masked": "number of heads masked",
+    "draw": "index of a random draw (-1: not random)",
 }
 
 #: The names that appear as values of a `metric` column, one definition each (same name, same number in every
@@ -129,6 +133,12 @@ COLUMNS: dict[str, str] = {
 #: a column (the frequency report's per-head table).
 METRICS: dict[str, str] = {
     "string_match_all": "mean of `score` over trials: RULER's needle accuracy (fraction of expected values found)",
+    "retrieval_score": "Wu et al. 2025: distinct needle-value tokens a head copied while answering (its most-attended "
+                       "key in the value and carrying the generated token) / value tokens, mean over prompts",
+    "needle_mass": "mean attention on the asked needles' value tokens over the answer steps (last query, each step)",
+    "answer_first_mass": "mean attention on the first token over the answer steps (last query, each step)",
+    "retrieval_jaccard": "mean Jaccard overlap, over prompt pairs, of the sets of heads whose retrieval score on the "
+                         "prompt exceeds the threshold",
     "prev_mass": COLUMNS["prev_mass"],
     "self_mass": COLUMNS["self_mass"],
     "first_mass": COLUMNS["first_mass"],

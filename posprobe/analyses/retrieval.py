@@ -1,0 +1,216 @@
+"""Retrieval heads (Wu et al., ICLR 2025): which heads copy the needle while the model answers, and what happens to
+the answers when they are masked — under each surgery preset, on one plain Hugging Face model run through the
+long-context engine (`posprobe.core.long_engine`: no T x T tensors; preset "none" keeps every position).
+
+Per answer step s (the forward that produces token w_s) and query head h, the engine hands over the last query's
+attention weights a_h. Head h *copies* at step s when its most-attended key j = argmax a_h lies inside an asked
+needle's value and the token at j is w_s. Retrieval score of h on a prompt = |distinct value tokens h copied| /
+|value tokens| (Wu et al.'s |g_h ∩ k| / |k|), averaged over prompts; `needle_mass` = mean over steps of a_h summed
+over the value tokens; `answer_first_mass` = mean over steps of a_h on the first token. Masking zeroes a head's
+output before the output projection; the needle accuracy (RULER's string_match_all) with the top-k heads masked is
+compared with k random other heads (seeded draws), with percentile-bootstrap intervals over prompts.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from posprobe.analyses.configs import RetrievalConfig
+from posprobe.backend import hf as HF
+from posprobe.backend.facts import hf_facts
+from posprobe.backend.kind import is_bridge
+from posprobe.backend.model import model_name, tokenizer_of
+from posprobe.core import long_engine as LA
+from posprobe.core.presets import preset_pairs
+from posprobe.core.stats import bootstrap_ci
+from posprobe.data.needles import TASKS, NeedlePrompt, needle_prompt, string_match_all
+from posprobe.report.result import Result
+from posprobe.report.schema import data_meta, make_meta, text_sha256
+
+__all__ = ["RetrievalConfig", "run_retrieval", "answer_heads", "value_tokens"]
+
+
+def value_tokens(tokenizer: Any, prompt: NeedlePrompt) -> list[int]:
+    """Positions of the asked needles' value tokens: each value span without the leading tokens that are only
+    whitespace and the trailing ones that are only punctuation (the full stop after a number, a JSON quote)."""
+    out: list[int] = []
+    for n in (n for n in prompt.needles if n.asked):
+        span = list(range(n.value_start, n.value_end))
+
+        def empty(i: int) -> bool:
+            return not tokenizer.decode([prompt.ids[i]]).strip(" \n\t.,\"'")
+
+        while span and empty(span[0]):
+            span.pop(0)
+        while span and empty(span[-1]):
+            span.pop()
+        out += span
+    return out
+
+
+def answer_heads(hf: Any, tokenizer: Any, prompt: NeedlePrompt, rule: Any, budget: int, *, chunk: int = 256,
+                 masked: dict[int, tuple[int, ...]] | None = None, heads: bool = True) -> dict[str, Any]:
+    """The greedy answer to one needle prompt under `rule` (decoding stops once every target has appeared), its
+    score, and with `heads` per layer and query head: retrieval score, needle mass and first-token mass (`[layer,
+    head]` float64 tensors), from the engine's attention weights of every answer step."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    values = value_tokens(tokenizer, prompt)
+    if heads and not values:
+        raise ValueError(f"the {prompt.task} prompt's needle value has no tokens to copy")
+    idx = torch.tensor(values, dtype=torch.long)
+    steps: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+
+    def record(layer: int, w: torch.Tensor) -> None:
+        w = w.detach().double().cpu()
+        steps.setdefault(layer, []).append((w.argmax(-1), w[:, idx].sum(-1), w[:, 0]))
+
+    def found_all(new: list[int]) -> bool:
+        return string_match_all(tokenizer.decode(new, skip_special_tokens=True), prompt.targets) == 1.0
+
+    new = LA.greedy_decode(hf, torch.tensor(prompt.ids), rule, budget, chunk=chunk, stop_token=eos, stop=found_all,
+                           record=record if heads else None, masked=masked).tolist()
+    answer = tokenizer.decode(new, skip_special_tokens=True)
+    out: dict[str, Any] = {"answer": answer, "score": string_match_all(answer, prompt.targets), "tokens": new}
+    if not heads:
+        return out
+    layers = sorted(steps)
+    if any(len(steps[l]) != len(new) for l in layers):
+        raise RuntimeError("the engine recorded a different number of forwards than tokens decoded")
+    seq = prompt.ids + new
+    where = set(values)
+    H = steps[layers[0]][0][0].numel()
+    score = torch.zeros(len(layers), H, dtype=torch.float64)
+    for li, l in enumerate(layers):
+        for h in range(H):
+            copied = {int(a[h]) for s, (a, _, _) in enumerate(steps[l])
+                      if int(a[h]) in where and seq[int(a[h])] == new[s]}
+            score[li, h] = len(copied) / len(values)
+    out["retrieval_score"] = score
+    out["needle_mass"] = torch.stack([torch.stack([m for _, m, _ in steps[l]]).mean(0) for l in layers])
+    out["answer_first_mass"] = torch.stack([torch.stack([f for _, _, f in steps[l]]).mean(0) for l in layers])
+    out["layers"] = layers
+    return out
+
+
+def _prompts(tok: Any, cfg: RetrievalConfig, text: str) -> list[tuple[tuple, NeedlePrompt]]:
+    return [((task, L, d, t), needle_prompt(tok, task, L, d, cfg.seed * 1000 + t, text=text))
+            for task in cfg.tasks for L in cfg.lengths for d in cfg.depths for t in range(cfg.trials)]
+
+
+def _answer_row(name: str, spec: str, key: tuple, p: NeedlePrompt, got: dict, masked: str, n: int, draw: int) -> dict:
+    return dict(model=name, preset=spec, task=key[0], length=key[1], depth=key[2], trial=key[3], masked=masked,
+                n_masked=n, draw=draw, targets=" | ".join(p.targets), answer=got["answer"], score=got["score"])
+
+
+def _ci(scores: list[float], cfg: RetrievalConfig) -> tuple[float, float]:
+    return bootstrap_ci(np.asarray(scores), n_boot=cfg.bootstrap, seed=cfg.seed)
+
+
+def run_retrieval(model: Any, text: str, config: RetrievalConfig | None = None, *, tokenizer: Any = None,
+                  name: str | None = None, source: str | None = None) -> Result:
+    """Retrieval heads per preset, and needle accuracy with heads masked. A Result with tables `retrieval_heads`
+    (per preset, layer, head: retrieval_score, needle_mass, answer_first_mass), `head_classes` (retrieval / other),
+    `retrieval_answers` (every prompt and masking variant) and `retrieval_masking` (accuracy with CI per preset,
+    masked set and k; the Jaccard stability of the retrieval sets across prompts).
+
+    `model`: a plain HF causal LM with its `tokenizer`, or a TransformerBridge over a RoPE decoder (its HF model
+    runs). Every check (presets, prompt lengths, memory) runs before the first forward."""
+    cfg = config or RetrievalConfig()
+    if is_bridge(model):
+        from posprobe.backend.fast_attention import hf_model_inside
+
+        with hf_model_inside(model) as hf:
+            return run_retrieval(hf, text, cfg, tokenizer=tokenizer or tokenizer_of(model),
+                                 name=name or model_name(model), source=source)
+    if tokenizer is None:
+        raise ValueError("give the tokenizer (run_retrieval(model, text, config, tokenizer=...))")
+    hf, tok = model, tokenizer
+    rules = {spec: preset_pairs(spec) for spec in cfg.presets}
+    LA.require_supported(hf, "Retrieval heads")
+    prompts = _prompts(tok, cfg, text)  # every prompt before any forward: lengths and text are checked here
+    for spec, rule in rules.items():
+        for L in cfg.lengths:
+            LA.check_memory(hf, L, rule, chunk=cfg.chunk, cache=True)
+    name = name or str(getattr(HF.text_config(hf), "_name_or_path", "") or "model")
+    facts = hf_facts(hf, name)
+    n_heads = facts.n_heads
+    budget = {t: cfg.needle_tokens or TASKS[t].answer_tokens() for t in cfg.tasks}
+    total = len(rules) * len(prompts) * (1 + sum(1 + cfg.random_draws for k in cfg.mask_k if k))
+    done = 0
+
+    def tick(what: str) -> None:
+        nonlocal done
+        done += 1
+        if cfg.progress:
+            import sys
+
+            print(f"\rretrieval: {what} {done}/{total}", end="" if done < total else "\n", file=sys.stderr)
+
+    head_rows, class_rows, answer_rows, mask_rows = [], [], [], []
+    for spec, rule in rules.items():
+        per = []
+        for key, p in prompts:
+            got = answer_heads(hf, tok, p, rule, budget[key[0]], chunk=cfg.chunk)
+            per.append(got)
+            answer_rows.append(_answer_row(name, spec, key, p, got, "none", 0, -1))
+            tick(spec)
+        layers = per[0]["layers"]
+        means = {m: torch.stack([g[m] for g in per]).mean(0) for m in
+                 ("retrieval_score", "needle_mass", "answer_first_mass")}
+        for li, l in enumerate(layers):
+            for h in range(n_heads):
+                for m, v in means.items():
+                    head_rows.append(dict(model=name, preset=spec, layer=l, head=h, metric=m, value=float(v[li, h]),
+                                          count=len(per)))
+                kind = "retrieval" if means["retrieval_score"][li, h] > cfg.threshold else "other"
+                class_rows.append(dict(model=name, preset=spec, layer=l, head=h, kind=kind))
+        # Stability: mean Jaccard overlap of the per-prompt sets of heads over the threshold, over prompt pairs.
+        sets = [{(layers[li], h) for li, h in (g["retrieval_score"] > cfg.threshold).nonzero().tolist()} for g in per]
+        pairs = [(a, b) for i, a in enumerate(sets) for b in sets[i + 1:] if a | b]
+        jac = float(np.mean([len(a & b) / len(a | b) for a, b in pairs])) if pairs else float("nan")
+        base = [g["score"] for g in per]
+        lo, hi = _ci(base, cfg)
+        mask_rows.append(dict(model=name, preset=spec, masked="none", n_masked=0, draw=-1, metric="string_match_all",
+                              value=float(np.mean(base)), ci_low=lo, ci_high=hi, count=len(base)))
+        mask_rows.append(dict(model=name, preset=spec, masked="none", n_masked=0, draw=-1, metric="retrieval_jaccard",
+                              value=jac, ci_low=float("nan"), ci_high=float("nan"), count=len(pairs)))
+        order = sorted(((float(means["retrieval_score"][li, h]), l, h) for li, l in enumerate(layers)
+                        for h in range(n_heads)), key=lambda x: (-x[0], x[1], x[2]))
+        everyone = [(l, h) for _, l, h in order]
+        rng = random.Random(f"{cfg.seed}|{spec}")
+        for k in (k for k in cfg.mask_k if k):
+            k = min(k, len(everyone))
+            top = everyone[:k]
+            others = everyone[k:]
+            variants = [("top", -1, top)] + [("random", d, rng.sample(others, min(k, len(others))))
+                                             for d in range(cfg.random_draws)]
+            for kind, draw, chosen in variants:
+                masked: dict[int, tuple[int, ...]] = {}
+                for l, h in chosen:
+                    masked[l] = masked.get(l, ()) + (h,)
+                scores = []
+                for key, p in prompts:
+                    got = answer_heads(hf, tok, p, rule, budget[key[0]], chunk=cfg.chunk, masked=masked, heads=False)
+                    scores.append(got["score"])
+                    answer_rows.append(_answer_row(name, spec, key, p, got, kind, k, draw))
+                    tick(f"{spec} mask {kind} {k}")
+                lo, hi = _ci(scores, cfg)
+                mask_rows.append(dict(model=name, preset=spec, masked=kind, n_masked=k, draw=draw,
+                                      metric="string_match_all", value=float(np.mean(scores)), ci_low=lo, ci_high=hi,
+                                      count=len(scores)))
+    tables = {"retrieval_heads": pd.DataFrame(head_rows), "head_classes": pd.DataFrame(class_rows),
+              "retrieval_answers": pd.DataFrame(answer_rows), "retrieval_masking": pd.DataFrame(mask_rows)}
+    data = data_meta(source or "text", n_items=len(prompts), unit="prompts", sha256=text_sha256(text))
+    meta = make_meta("retrieval", model=facts.summary(), data=data, config=cfg,
+                     plan={spec: r.label for spec, r in rules.items()},
+                     needle_tasks={t: asdict(TASKS[t]) for t in cfg.tasks},
+                     classes={"retrieval": f"mean retrieval score > {cfg.threshold}", "other": "the rest"},
+                     masking="a head's attention output is zeroed before the output projection; random heads are "
+                             "drawn (seeded) from the heads outside the top k")
+    return Result(tables, meta)

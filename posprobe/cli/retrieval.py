@@ -1,0 +1,53 @@
+"""`posprobe retrieval`: which heads copy the needle while the model answers (Wu et al. 2025), per preset, and what
+masking them does to the answers."""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = ("Retrieval heads: Wu et al.'s retrieval score per head while the model answers needle prompts, its attention "
+        "on the needle and the first token, under each surgery preset; needle accuracy with the top-k heads masked "
+        "vs k random heads.")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from posprobe.analyses.configs import RetrievalConfig
+    from posprobe.cli.args import add_config_arguments, add_model_arguments, add_output_arguments, add_text_argument
+
+    add_model_arguments(p)
+    add_text_argument(p, required=False)
+    add_config_arguments(p, RetrievalConfig)
+    add_output_arguments(p, required=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    import sys
+
+    from posprobe.analyses.configs import RetrievalConfig
+    from posprobe.cli import checks
+    from posprobe.cli.args import config_from_args
+
+    # Validation before torch is imported: bad input fails in about a second.
+    if args.n_ctx is not None:
+        raise ValueError("--n-ctx does not apply to retrieval (the model runs at full length)")
+    config = config_from_args(RetrievalConfig, args, progress=not args.no_progress)
+    checks.check_out(args.out)
+    checks.require_rotary(checks.peek_model(args), "retrieval")
+    text = checks.read_text_early(args.text)
+    if text is None:
+        from posprobe.data import BUILTIN_TEXT
+
+        text = BUILTIN_TEXT
+
+    from posprobe.analyses.retrieval import run_retrieval
+    from posprobe.backend.loading import load_hf_model
+    from posprobe.report.retrieval import summary_text
+
+    print(f"loading {args.model} ...", file=sys.stderr)
+    model, tokenizer = load_hf_model(args.model, dtype=args.dtype, device=args.device)
+    result = run_retrieval(model, text, config, tokenizer=tokenizer, name=str(args.model),
+                           source=args.text or "built-in text")
+    print(summary_text(result))
+    paths = result.save(args.out, figure_formats=args.figures, csv=args.csv)
+    print(f"wrote {paths['report']}")
+    return 0
