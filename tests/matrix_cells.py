@@ -325,6 +325,26 @@ def long_context(bridge: Any) -> None:
     _close(got, want, "chunked engine vs hook surgery (pi:scale=2)")
 
 
+def retrieval(bridge: Any) -> None:
+    # The retrieval analysis reads each answer step's last-query attention weights from the long-context engine:
+    # they must be HF's own (eager attention of a full forward on the same tokens), and masking must reach HF.
+    from posprobe.core import long_engine as LA
+    from posprobe.core.presets import preset_pairs
+
+    hf, ids = _plain(bridge, eager=True), IDS[0]
+    LA.require_supported(hf, "Retrieval heads (read through the long-context engine)")  # before any forward
+    seen: dict[int, list[torch.Tensor]] = {}
+    new = LA.greedy_decode(hf, ids, preset_pairs("none"), 2, record=lambda l, w: seen.setdefault(l, []).append(w))
+    seq = ids.tolist() + new.tolist()
+    with torch.no_grad():
+        for s in range(len(new)):
+            out = hf(torch.tensor([seq[:len(ids) + s]]), output_attentions=True)
+            for layer, a in enumerate(out.attentions):
+                _close(seen[layer][s], a[0, :, -1], f"layer {layer} step {s}: engine's weights vs HF eager", 1e-5)
+    masked = LA.token_nll(hf, ids, preset_pairs("none"), masked={0: (0,)})
+    assert (masked - LA.token_nll(hf, ids, preset_pairs("none"))).abs().max() > 1e-4, "masking changed nothing"
+
+
 def atlas(bridge: Any) -> None:
     from posprobe.analyses.atlas import run_atlas
 
@@ -337,7 +357,7 @@ CELLS: dict[str, Callable[[Any], None]] = {
     "facts": facts, "position control": position_control, "shift-test": shift_test, "decompose": decompose,
     "freq-report": freq_report, "heads": heads, "sinks": sinks, "probes": probes, "geometry": geometry,
     "surgery-eval": surgery_eval,
-    "long-context": long_context, "atlas": atlas,
+    "long-context": long_context, "retrieval": retrieval, "atlas": atlas,
 }
 
 
