@@ -11,7 +11,8 @@ from posprobe.analyses.atlas import run_atlas
 from posprobe.analyses.configs import AtlasConfig
 from posprobe.report.schema import validate_meta
 
-SMALL = dict(window=32, max_windows=3, max_pairs=3, probe_tokens=150, induction_len=6, progress=False)
+SMALL = dict(window=32, max_windows=3, max_pairs=3, probe_tokens=150, induction_len=6, needle_length=512,
+             progress=False)
 
 
 def _check_saved(result, out):
@@ -46,7 +47,7 @@ def test_the_atlas_page_says_what_its_windows_can_show(tiny_rope, tmp_path):
 def test_rope_model_gets_frequency_and_the_shift_test_as_invariance_control(tiny_rope, tmp_path):
     r = run_atlas(tiny_rope, None, AtlasConfig(**SMALL))
     assert r.meta["sections"] == ["facts", "heads", "sinks", "frequency", "probes", "shift"]
-    assert r.meta["skipped"] == ["geometry"]
+    assert r.meta["skipped"] == ["geometry", "retrieval"]  # retrieval: a 64-token context holds no needle prompt
     page = _check_saved(r, tmp_path / "a")
     share = r.parts["sinks"].meta["sink_share"]
     assert f"{share['random']:.0%} of (sequence, head) pairs sink" in page and "Attention sinks" in page
@@ -75,6 +76,10 @@ def test_smollm2_and_minilm_atlas_end_to_end(smollm2, minilm, tmp_path):
     r = run_atlas(smollm2, None, AtlasConfig(**SMALL))
     page = _check_saved(r, tmp_path / "smol")
     assert "RoPE control" in page and r.tables["atlas"].query("metric == 'max_prev_mass'").value.item() > 0.5
+    assert r.meta["sections"][-1] == "retrieval" and "Retrieval heads (Wu et al. 2025)" in page
+    t = r.tables["atlas"].set_index(["section", "metric"]).value
+    masking = r.parts["retrieval"].tables["retrieval_masking"]
+    assert t[("retrieval", "needle_accuracy")] == masking[masking.masked == "none"].value.iloc[0]
     e = run_atlas(minilm, None, AtlasConfig(**SMALL))
     assert e.meta["sections"] == ["facts", "heads", "sinks", "geometry", "probes", "shift"]
     page = _check_saved(e, tmp_path / "mini")

@@ -4,8 +4,10 @@ Sections: positional facts; head signatures; attention sinks (Gu et al.'s share,
 control, massive activations); per-frequency RoPE usage (RoPE models); W_pos and
 residual geometry (learned positions); a position-probe summary; the shift test, which is the
 invariance control for RoPE models (a common shift of queries and keys cannot change anything) and
-the effect itself for learned positions. Each section is a full Result of its own analysis, saved in
-a subfolder; the atlas's own table holds the headline numbers its report turns into words.
+the effect itself for learned positions; retrieval heads (Wu et al.: which heads copy a needle, and the
+answers with them masked vs random heads; RoPE decoders the long-context engine runs). Each section is a
+full Result of its own analysis, saved in a subfolder; the atlas's own table holds the headline numbers
+its report turns into words.
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ from posprobe.analyses.configs import (
     GeometryConfig,
     HeadsConfig,
     ProbeConfig,
+    RetrievalConfig,
     ShiftConfig,
     SinksConfig,
 )
+from posprobe.backend import hf as HF
 from posprobe.backend.facts import ModelFacts, model_facts
 from posprobe.backend.model import device_of, dtype_of
 from posprobe.data import BUILTIN_SOURCE, BUILTIN_TEXT, builtin_pairs
@@ -64,9 +68,14 @@ class AtlasResult(Result):
         return paths
 
 
-def applicable(facts: ModelFacts, wanted: tuple[str, ...] | None) -> list[str]:
+#: The shortest context the retrieval section runs in: a needle prompt's fixed parts and a haystack around it.
+RETRIEVAL_MIN_CTX = 512
+
+
+def applicable(facts: ModelFacts, wanted: tuple[str, ...] | None, engine_runs: bool = False) -> list[str]:
     """The sections that apply to this model (frequency: RoPE whose rotated q/k posprobe can read; geometry: learned
-    positions; shift: learned or rotary positions), restricted to `wanted` when given."""
+    positions; shift: learned or rotary positions; retrieval: a RoPE decoder the long-context engine runs
+    (`engine_runs`) with a context of at least RETRIEVAL_MIN_CTX), restricted to `wanted` when given."""
     proven = facts.unsupported is None  # position analyses: families posprobe has proven (probes: any family)
     readable_qk = not facts.is_rotary or (proven and facts.rotation_unhooked is None)
     ok = {"facts": True, "heads": facts.attention_unsupported is None,
@@ -74,6 +83,7 @@ def applicable(facts: ModelFacts, wanted: tuple[str, ...] | None) -> list[str]:
           "frequency": facts.is_rotary and proven and facts.rotation_unhooked is None,
           "geometry": facts.has_w_pos and proven, "probes": True,
           "shift": facts.positional_kind in ("learned_absolute", "rotary") and proven}
+    ok["retrieval"] = facts.is_rotary and proven and facts.n_ctx >= RETRIEVAL_MIN_CTX and engine_runs
     return [s for s in SECTIONS if ok[s] and (wanted is None or s in wanted)]
 
 
@@ -89,6 +99,7 @@ def run_atlas(model: Any, text: str | None = None, config: AtlasConfig | None = 
     from posprobe.analyses.geometry import run_geometry
     from posprobe.analyses.heads import run_heads
     from posprobe.analyses.probes import run_probes
+    from posprobe.analyses.retrieval import run_retrieval
     from posprobe.analyses.shift import hf_scorable, run_shift_test
     from posprobe.analyses.sinks import run_sinks
 
@@ -145,6 +156,15 @@ def run_atlas(model: Any, text: str | None = None, config: AtlasConfig | None = 
             ),
             source=src,
         ),
+        # Bounded: one task, three depths, the top 5 heads and one draw of 5 random heads masked (9 answers).
+        "retrieval": lambda: run_retrieval(
+            model,
+            body,
+            RetrievalConfig(lengths=(min(cfg.needle_length, facts.n_ctx),), depths=(0.25, 0.5, 0.75),
+                            tasks=("niah_single_2",), mask_k=(5,), random_draws=1, bootstrap=200, seed=cfg.seed,
+                            progress=cfg.progress),
+            source=src,
+        ),
         "shift": lambda: run_shift_test(
             model,
             builtin_pairs(max_pairs=cfg.max_pairs, seed=cfg.seed),
@@ -158,7 +178,7 @@ def run_atlas(model: Any, text: str | None = None, config: AtlasConfig | None = 
             dtype=str(dtype_of(model)).replace("torch.", ""),
         ),
     }
-    sections = applicable(facts, cfg.sections)
+    sections = applicable(facts, cfg.sections, engine_runs=_engine_runs(model))
     parts: dict[str, Result] = {}
     timings: dict[str, float] = {}
     for i, name in enumerate(s for s in sections if s != "facts"):
@@ -173,6 +193,22 @@ def run_atlas(model: Any, text: str | None = None, config: AtlasConfig | None = 
                      config=cfg, sections=sections, skipped=[s for s in SECTIONS if s not in sections],
                      shift_ks=list(ks), seconds=timings)
     return AtlasResult({"atlas": pd.DataFrame(rows, columns=["section", "metric", "value"])}, meta, parts)
+
+
+def _engine_runs(model: Any) -> bool:
+    # Whether the long-context engine can run this model: a TransformerBridge over a Hugging Face decoder of a type it
+    # supports, with separate q/k/v/o projections (the HF attention modules it plugs into).
+    from posprobe.backend.kind import is_bridge
+    from posprobe.core import long_engine as LA
+
+    if not is_bridge(model):
+        return False
+    try:
+        LA.require_supported(model.original_model)
+    except (NotImplementedError, ValueError):
+        return False
+    mods = HF.attention_modules(model.original_model)
+    return bool(mods) and all(hasattr(m, "q_proj") and hasattr(m, "o_proj") for m in mods)
 
 
 def _headlines(facts: ModelFacts, parts: dict[str, Result]) -> list[tuple[str, str, float]]:
@@ -235,4 +271,12 @@ def _headlines(facts: ModelFacts, parts: dict[str, Result]) -> list[tuple[str, s
         dev = parts["shift"].meta.get("max_abs_logp_change_vs_k0")
         if dev:
             rows.append(("shift", "max_abs_logp_change", float(max(dev.values()))))
+    if "retrieval" in parts:
+        m = parts["retrieval"].tables["retrieval_masking"]
+        acc = m[m.metric == "string_match_all"].groupby("masked").value.mean()
+        kinds = parts["retrieval"].tables["head_classes"].kind.value_counts()
+        rows += [("retrieval", "needle_accuracy", float(acc.get("none", float("nan")))),
+                 ("retrieval", "needle_accuracy_top_masked", float(acc.get("top", float("nan")))),
+                 ("retrieval", "needle_accuracy_random_masked", float(acc.get("random", float("nan")))),
+                 ("retrieval", "n_retrieval", float(kinds.get("retrieval", 0)))]
     return rows

@@ -14,7 +14,7 @@ from posprobe.core.config import option
 from posprobe.data.needles import task_names as needle_task_names
 
 #: The atlas's sections, in report order (analyses.atlas runs those that apply to a model).
-ATLAS_SECTIONS = ("facts", "heads", "sinks", "frequency", "geometry", "probes", "shift")
+ATLAS_SECTIONS = ("facts", "heads", "sinks", "frequency", "geometry", "probes", "shift", "retrieval")
 
 #: Residual-stream capture points a position probe can read.
 RESIDUAL_POINTS = ("resid_pre", "resid_mid", "resid_post")
@@ -317,7 +317,8 @@ class AtlasConfig:
     probe_tokens: int = option(600, "tokens sampled for the position probes")
     induction_len: int = option(24, "repeated random sequence length for the induction score")
     sections: tuple[str, ...] | None = option(None, "run only these sections (facts, heads, sinks, frequency, "
-                                                    "geometry, probes, shift; default: all that apply)")
+                                                    "geometry, probes, shift, retrieval; default: all that apply)")
+    needle_length: int = option(1024, "retrieval section: needle prompt length (tokens; at most the context)")
     seed: int = option(0, "seed of every sampled piece")
     progress: bool = option(True, "", cli=False)
 

@@ -10,7 +10,8 @@ from posprobe.report.html import Section
 
 _TITLES = {"facts": "Positional facts", "heads": "Head signatures", "sinks": "Attention sinks",
            "frequency": "RoPE frequency usage",
-           "geometry": "Learned-position geometry", "probes": "Position probes", "shift": "Shift test"}
+           "geometry": "Learned-position geometry", "probes": "Position probes", "shift": "Shift test",
+           "retrieval": "Retrieval heads"}
 
 
 def title(result: Any) -> str:
@@ -100,6 +101,15 @@ def paragraph(result: Any, section: str) -> str:
             text += (f" Learned absolute positions: starting the sentences at k={ks[-1]} instead of 0 changes "
                      f"accuracy by {accs[ks[-1]] - accs[0]:+.3f}.")
         return text
+    if section == "retrieval":
+        part = getattr(result, "parts", {}).get("retrieval")
+        if part is not None:
+            from posprobe.report.retrieval import summary_text
+
+            return summary_text(part)
+        return (f"Needle accuracy {n('needle_accuracy'):.2f}; {n('n_retrieval'):.0f} retrieval heads; with the top "
+                f"heads masked {n('needle_accuracy_top_masked'):.2f}, with random heads masked "
+                f"{n('needle_accuracy_random_masked'):.2f}.")
     return ""
 
 
@@ -119,6 +129,8 @@ def figures(result: Any) -> list:
         figs += parts["probes"].figures()[:1]
     if "shift" in parts:
         figs += parts["shift"].figures()[:1]
+    if "retrieval" in parts:
+        figs += parts["retrieval"].figures()[:1]
     return figs
 
 
@@ -154,7 +166,7 @@ def sections(result: Any) -> list[Section]:
              f"tokens. {('Not applicable to this model: ' + html.escape(skipped) + '.') if skipped else ''}</p>"
              f"<p>{html.escape(window_scope(m))}</p>")
     out = [Section("Contents", html=intro)]
-    keyfig = {"heads": 2, "sinks": 1, "frequency": 1, "geometry": 1, "probes": 1, "shift": 1}
+    keyfig = {"heads": 2, "sinks": 1, "frequency": 1, "geometry": 1, "probes": 1, "shift": 1, "retrieval": 1}
     for s in m["sections"]:
         body = f'<a id="atlas-{s}"></a><p>{html.escape(paragraph(result, s))}</p>'
         if s in parts:
