@@ -26,7 +26,7 @@ def title(result: Any) -> str:
 
 def figures(result: Any) -> list:
     """One loss-vs-position figure per length (presets as lines, the trained context as a dashed line), and
-    one passkey heatmap per preset."""
+    one accuracy heatmap (length x depth) per preset for the passkey and per task and preset for the needle tasks."""
     import plotly.express as px
 
     m = result.meta
@@ -44,27 +44,26 @@ def figures(result: Any) -> list:
         out.append(style(fig, caption=cap))
     acc = result.tables.get("passkey_accuracy")
     if acc is not None and len(acc):
-        for preset, part in acc.groupby("preset", sort=False):
-            grid = part.pivot_table(index="length", columns="depth", values="value").sort_index(ascending=False)
-            fig = px.imshow(grid, zmin=0, zmax=1, color_continuous_scale="Blues", text_auto=".2f", aspect="auto",
-                            title=f"Passkey accuracy: {preset}",
-                            labels={"x": "depth (fraction of filler before the needle)", "y": "length (tokens)",
-                                    "color": "exact match"})
-            fig.update_yaxes(type="category")
-            fig.update_xaxes(type="category")
-            out.append(style(fig, caption=cap))
+        out += [_accuracy_heatmap(part, f"Passkey accuracy: {preset}", "filler", "exact match", cap)
+                for preset, part in acc.groupby("preset", sort=False)]
     acc = result.tables.get("needle_accuracy")
     if acc is not None and len(acc):
-        for (task, preset), part in acc.groupby(["task", "preset"], sort=False):
-            grid = part.pivot_table(index="length", columns="depth", values="value").sort_index(ascending=False)
-            fig = px.imshow(grid, zmin=0, zmax=1, color_continuous_scale="Blues", text_auto=".2f", aspect="auto",
-                            title=f"{task}: {preset}",
-                            labels={"x": "depth (fraction of the haystack before the needle)", "y": "length (tokens)",
-                                    "color": "string_match_all"})
-            fig.update_yaxes(type="category")
-            fig.update_xaxes(type="category")
-            out.append(style(fig, caption=cap))
+        out += [_accuracy_heatmap(part, f"{task}: {preset}", "haystack", "string_match_all", cap)
+                for (task, preset), part in acc.groupby(["task", "preset"], sort=False)]
     return out
+
+
+def _accuracy_heatmap(part: Any, title: str, haystack: str, score: str, cap: str) -> Any:
+    # Length x depth grid of one preset's (and task's) accuracy, both axes categorical.
+    import plotly.express as px
+
+    grid = part.pivot_table(index="length", columns="depth", values="value").sort_index(ascending=False)
+    fig = px.imshow(grid, zmin=0, zmax=1, color_continuous_scale="Blues", text_auto=".2f", aspect="auto", title=title,
+                    labels={"x": f"depth (fraction of the {haystack} before the needle)", "y": "length (tokens)",
+                            "color": score})
+    fig.update_yaxes(type="category")
+    fig.update_xaxes(type="category")
+    return style(fig, caption=cap)
 
 
 def sections(result: Any) -> list[Section]:
