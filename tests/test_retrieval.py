@@ -1,7 +1,7 @@
 """Retrieval heads (issue 25): Wu et al.'s retrieval score, the needle and first-token mass, and head masking,
 against plain-torch recomputations from Hugging Face's own eager attention weights and an o_proj pre-hook.
-Tolerances (CPU, float32): attention masses 1e-5 (SDPA/chunked vs eager), NLL under masking 1e-5 nats; scores and
-tokens exact."""
+Tolerances (CPU, float32): attention masses 2e-6 (SDPA/chunked vs eager; measured 8.7e-7), NLL under masking 1e-5
+nats; scores and tokens exact."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def test_retrieval_score_and_masses_equal_hfs_eager_attention(smollm2):
     want = _eager_reference(hf, p, len(got["tokens"]), values)
     assert got["tokens"] == want["tokens"] and got["score"] == 1.0  # measured: SmolLM2 finds this needle
     for m in ("needle_mass", "answer_first_mass"):
-        assert (got[m] - want[m]).abs().max() <= 1e-5, m
+        assert (got[m] - want[m]).abs().max() <= 2e-6, m  # measured 8.7e-7 (SDPA vs eager kernels)
     assert torch.equal(got["retrieval_score"], want["retrieval_score"])
     assert want["retrieval_score"].max() > 0.5  # some head copies the needle: the identity is not vacuous
 

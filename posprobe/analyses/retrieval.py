@@ -174,12 +174,23 @@ def run_retrieval(model: Any, text: str, config: RetrievalConfig | None = None, 
         sets = [{(layers[li], h) for li, h in (g["retrieval_score"] > cfg.threshold).nonzero().tolist()} for g in per]
         pairs = [(a, b) for i, a in enumerate(sets) for b in sets[i + 1:] if a | b]
         jac = float(np.mean([len(a & b) / len(a | b) for a, b in pairs])) if pairs else float("nan")
+        # Across needle kinds: the heads over the threshold on average over each task's prompts, Jaccard per pair.
+        by_task = {}
+        for task in cfg.tasks:
+            mine = [g for (key, _), g in zip(prompts, per) if key[0] == task]
+            mean = torch.stack([g["retrieval_score"] for g in mine]).mean(0)
+            by_task[task] = {(layers[li], h) for li, h in (mean > cfg.threshold).nonzero().tolist()}
+        task_pairs = [(a, b) for i, a in enumerate(by_task.values()) for b in list(by_task.values())[i + 1:] if a | b]
+        jac_tasks = (float(np.mean([len(a & b) / len(a | b) for a, b in task_pairs])) if task_pairs
+                     else float("nan"))
         base = [g["score"] for g in per]
         lo, hi = _ci(base, cfg)
         mask_rows.append(dict(model=name, preset=spec, masked="none", n_masked=0, draw=-1, metric="string_match_all",
                               value=float(np.mean(base)), ci_low=lo, ci_high=hi, count=len(base)))
-        mask_rows.append(dict(model=name, preset=spec, masked="none", n_masked=0, draw=-1, metric="retrieval_jaccard",
-                              value=jac, ci_low=float("nan"), ci_high=float("nan"), count=len(pairs)))
+        for metric, value, count in (("retrieval_jaccard", jac, len(pairs)),
+                                     ("retrieval_jaccard_tasks", jac_tasks, len(task_pairs))):
+            mask_rows.append(dict(model=name, preset=spec, masked="none", n_masked=0, draw=-1, metric=metric,
+                                  value=value, ci_low=float("nan"), ci_high=float("nan"), count=count))
         order = sorted(((float(means["retrieval_score"][li, h]), l, h) for li, l in enumerate(layers)
                         for h in range(n_heads)), key=lambda x: (-x[0], x[1], x[2]))
         everyone = [(l, h) for _, l, h in order]

@@ -83,8 +83,11 @@ def summary_text(result: Any) -> str:
         m = masking[(masking.preset == preset) & (masking.metric == "string_match_all")]
         base = m[m.masked == "none"].value.iloc[0]
         jac = masking[(masking.preset == preset) & (masking.metric == "retrieval_jaccard")].value.iloc[0]
+        jt = masking[(masking.preset == preset) & (masking.metric == "retrieval_jaccard_tasks")].value
         text = (f"{preset}: needle accuracy {base:.2f}; {n} retrieval heads of {len(score)} (top: {top}); their sets "
                 f"overlap by {jac:.2f} (mean Jaccard) across prompts")
+        if len(jt) and jt.iloc[0] == jt.iloc[0]:
+            text += f" and by {jt.iloc[0]:.2f} across needle tasks"
         for k in sorted(m[m.masked == "top"].n_masked.unique()):
             t = m[(m.masked == "top") & (m.n_masked == k)].value.iloc[0]
             r = m[(m.masked == "random") & (m.n_masked == k)].value.mean()

@@ -139,6 +139,8 @@ METRICS: dict[str, str] = {
     "answer_first_mass": "mean attention on the first token over the answer steps (last query, each step)",
     "retrieval_jaccard": "mean Jaccard overlap, over prompt pairs, of the sets of heads whose retrieval score on the "
                          "prompt exceeds the threshold",
+    "retrieval_jaccard_tasks": "mean Jaccard overlap, over pairs of needle tasks, of the sets of heads whose mean "
+                               "retrieval score over the task's prompts exceeds the threshold (NaN: one task)",
     "prev_mass": COLUMNS["prev_mass"],
     "self_mass": COLUMNS["self_mass"],
     "first_mass": COLUMNS["first_mass"],
