@@ -14,6 +14,8 @@ compared with k random other heads (seeded draws), with percentile-bootstrap int
 from __future__ import annotations
 
 import random
+import sys
+import time
 from dataclasses import asdict
 from typing import Any
 
@@ -142,15 +144,15 @@ def run_retrieval(model: Any, text: str, config: RetrievalConfig | None = None, 
     n_heads = facts.n_heads
     budget = {t: cfg.needle_tokens or TASKS[t].answer_tokens() for t in cfg.tasks}
     total = len(rules) * len(prompts) * (1 + sum(1 + cfg.random_draws for k in cfg.mask_k if k))
-    done = 0
+    done, start = 0, time.perf_counter()
 
     def tick(what: str) -> None:
         nonlocal done
         done += 1
         if cfg.progress:
-            import sys
-
-            print(f"\rretrieval: {what} {done}/{total}", end="" if done < total else "\n", file=sys.stderr)
+            left = (time.perf_counter() - start) / done * (total - done)
+            print(f"\rretrieval: {what}: answer {done}/{total}, ETA {left:.0f} s   ", end="" if done < total else "\n",
+                  file=sys.stderr)
 
     head_rows, class_rows, answer_rows, mask_rows = [], [], [], []
     for spec, rule in rules.items():
