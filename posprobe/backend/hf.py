@@ -297,7 +297,7 @@ def adjacent_pairs(hf_model: Any) -> bool:
 
 #: Rope types a preset can apply to a loaded model exactly as HF applies them from a config (their parameters are
 #: numbers; longrope's factor lists and axial sections are not).
-PRESET_ROPE_TYPES = ("linear", "dynamic", "yarn", "llama3")
+PRESET_ROPE_TYPES = ("linear", "dynamic", "yarn", "llama3", "proportional")
 
 
 def scaled_rope_table(hf_model: Any, layer: int, params: Mapping[str, Any], length: int | None = None
@@ -314,6 +314,10 @@ def scaled_rope_table(hf_model: Any, layer: int, params: Mapping[str, Any], leng
     if kind not in PRESET_ROPE_TYPES:
         raise ValueError(f"rope type {kind!r} cannot be applied as a preset; these can: {', '.join(PRESET_ROPE_TYPES)}")
     cfg = text_config(hf_model)
+    if kind == "proportional" and 2 * inv_freq(hf_model, layer)[0].numel() < head_dim(hf_model):
+        raise NotImplementedError(f"{type(hf_model).__name__} rotates only part of each head (partial rotary); "
+                                  "proportional RoPE turns bands over the full head, which its attention code cannot "
+                                  "apply")
     limit = int(cfg.max_position_embeddings)
     grow = kind == "dynamic" and length is not None and length > limit
     key = (layer, tuple(sorted((k, str(v)) for k, v in params.items())), int(length) if grow else None)
@@ -323,7 +327,7 @@ def scaled_rope_table(hf_model: Any, layer: int, params: Mapping[str, Any], leng
     own = rope_parameters(hf_model, layer)
     new = {"rope_theta": own["rope_theta"], **dict(params)}
     prf = own.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None))
-    if prf is not None:
+    if prf is not None and "partial_rotary_factor" not in params:  # proportional's p is the preset's own
         new["partial_rotary_factor"] = prf
     cfg = copy.deepcopy(cfg)
     lt = _layer_keyed(hf_model, layer)

@@ -192,6 +192,9 @@ def long_attention(model: Any, rule: PairRule, *, chunk: int = 256,
             else own.detach().float() if rule.rotary is None
             else inv_freq_of(rule.rotary(hf.rotary_spec(model, l))).to(own.device)
         )
+    if rule.hf_rope is not None:  # a scaling the model cannot take is refused here, before any forward
+        for l in (l for l in inv if l not in nope):
+            hf.scaled_rope_table(model, l, dict(rule.hf_rope))
     by_length = frozenset(l for l in inv if l not in nope and rule.rotary is None and hf.length_rule(model, l))
     engine = _Engine(rule, inv, chunk, nope, hf.adjacent_pairs(model), model, by_length, record=record,
                      masked={l: tuple(h) for l, h in (masked or {}).items() if h})

@@ -230,13 +230,13 @@ register(Preset("drop", "remove the `lowest` slowest and `highest` fastest bands
 # parameter left at 0 is not set (HF's default rule applies).
 _FACTOR = Param("factor", float, metavar="F", low=0.0, low_open=True, help="HF's rope scaling factor")
 _ORIGINAL = Param("original", int, metavar="L", low=1.0, help="original_max_position_embeddings (tokens)")
-_HF_NAMES = {"original": "original_max_position_embeddings"}
+_HF_NAMES = {"original": "original_max_position_embeddings", "p": "partial_rotary_factor"}
 
 
 def _hf_params(kind: str, a: dict) -> dict:
     out: dict = {"rope_type": kind}
     for k, v in a.items():
-        if v or k in ("factor", "original"):
+        if v or k in ("factor", "original", "p"):
             out[_HF_NAMES.get(k, k)] = float(v) if k != "original" else int(v)
     return out
 
@@ -257,3 +257,6 @@ register(_hf("yarn", "HF's YaRN: ramp, attention factor (0.1 ln s + 1, or mscale
 register(_hf("llama3", "HF's Llama 3.1 scaling: bands by wavelength between low and high frequency factors",
              (_FACTOR, _ORIGINAL, Param("low_freq_factor", float, default=1.0, low=0.0, low_open=True),
               Param("high_freq_factor", float, default=4.0, low=0.0, low_open=True)), "hf-llama3:factor=2,original=16"))
+register(_hf("proportional", "HF's proportional RoPE (Gemma 4): the fraction p of bands turns, over the full head",
+             (Param("p", float, metavar="P", low=0.0, high=1.0, help="fraction of the head's bands that rotate"),
+              Param("factor", float, default=1.0, low=0.0, low_open=True)), "hf-proportional:p=0.5"))
