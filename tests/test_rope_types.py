@@ -376,3 +376,23 @@ def test_string_is_the_papers_relative_position_matrix():
     assert want[S, 0] == W and want[S - 1, 0] == S - 1 and want[n - 1, 0] == n - 1 - S + W
     with pytest.raises(ValueError, match="window <= offset"):
         preset_pairs("string:offset=4,window=8")
+
+
+def test_decomposition_uses_the_table_of_its_windows_length():
+    # A longrope model past its threshold (a sentence of > 32 tokens): the terms must be rotated with the long factors, or they
+    # would not sum to the scores (and _checked would refuse to write them). The softmax of their sum equals HF's own
+    # eager attention weights.
+    from matrix_cells import _hf_attention_weights
+
+    from posprobe.analyses.configs import DecomposeConfig
+    from posprobe.analyses.decompose import decompose_heads
+
+    bridge = _bridge(_hf("llama-longrope"))
+    text = " ".join(["the quick brown fox jumps over the lazy dog"] * 12)
+    sentence = "A sentence of more than thirty-two bytes, so tokens."
+    dec, _ = decompose_heads(bridge, DecomposeConfig(layer=1, text=text, sentence=sentence, max_windows=2,
+                                                     progress=False))
+    assert dec.tokens.shape[1] > THRESHOLD
+    att = _hf_attention_weights(bridge, dec.tokens, 1)
+    err = (torch.softmax(dec.reconstructed(), dim=-1).double() - att.double()).abs().max()
+    assert err <= 1e-5, f"softmax of the summed terms vs HF's attention weights: {err:.3g}"

@@ -46,7 +46,14 @@ from jaxtyping import Float, Int
 
 from posprobe.analyses.configs import DecomposeConfig
 from posprobe.backend.facts import WrongModelKind, model_facts, require_supported
-from posprobe.backend.hooks import attention_scores, kept_pairs, kept_scores, rotate_at, scores_hook_is_pattern
+from posprobe.backend.hooks import (
+    attention_scores,
+    kept_pairs,
+    kept_scores,
+    layer_rotary_spec,
+    rotate_at,
+    scores_hook_is_pattern,
+)
 from posprobe.backend.model import (
     NormSpec,
     device_of,
@@ -65,7 +72,6 @@ from posprobe.data import BUILTIN_TEXT, framed_windows
 from posprobe.report.decompose import summary_table
 from posprobe.report.result import Result
 from posprobe.report.schema import data_meta, make_meta, text_sha256
-from posprobe.rope import RotarySpec
 
 # Parts that are the same vector at every token (before the frozen norm's per-token scale).
 BIAS_PARTS = frozenset("tnb")
@@ -172,16 +178,21 @@ def _capture(model: Any, tokens: torch.Tensor, points: Sequence[str], layer: int
     out = {p: x.cpu() for (p, _), x in got.items()}
     if derive:
         q, k = got[("q", layer)], got[("k", layer)]
-        spec = (model_facts(model).rotary or (None,) * (layer + 1))[layer]
-        if spec is not None:
-            pos = torch.arange(q.shape[1], dtype=torch.float64)
-            q, k = rotate_at(model, layer, q, pos, spec), rotate_at(model, layer, k, pos, spec)
+        if layer in model_facts(model).rotary_layers:
+            q, k = (_own_rotation(model, layer, x) for x in (q, k))
         s = attention_scores(model, layer, q, k).cpu()
         out["scores"] = s.masked_fill(~kept_pairs(model, layer, s.shape[-2], s.shape[-1]), float("-inf"))
     elif "scores" in out:  # masked entries as -inf on every backend (a bridge fills the dtype's minimum)
         s = out["scores"]
         out["scores"] = s.masked_fill(~kept_scores(model, s), float("-inf"))
     return out
+
+
+def _own_rotation(model: Any, layer: int, x: torch.Tensor) -> torch.Tensor:
+    # Each token to its own position with the layer's rotation for an input this long (dynamic / longrope RoPE switch
+    # tables with the length), in the model's own recipe.
+    n = x.shape[1]
+    return rotate_at(model, layer, x, torch.arange(n, dtype=torch.float64), layer_rotary_spec(model, layer, n), n)
 
 
 def _f64(x: torch.Tensor) -> torch.Tensor:
@@ -208,9 +219,10 @@ def _frozen_norm(
 
 
 def _pair_scores(
-    model: Any, layer: int, parts: dict[str, torch.Tensor], rotary: RotarySpec | None,
+    model: Any, layer: int, parts: dict[str, torch.Tensor], rotated: bool,
 ) -> tuple[tuple[str, ...], torch.Tensor]:
-    """Scores of every (query part, key part) pair, with the layer's b_Q/b_K as part "b"."""
+    """Scores of every (query part, key part) pair, with the layer's b_Q/b_K as part "b"; with `rotated`, q and k
+    turned to their own positions by the layer's rotation."""
     W_Q, b_Q, W_K, b_K = (_f64(t) for t in qk_weights(model, layer))
     names = tuple(parts) + ("b",)
     x0 = next(iter(parts.values()))
@@ -219,11 +231,10 @@ def _pair_scores(
     k = {n: einops.einsum(x, W_K, "b p d, h d e -> b p h e") for n, x in parts.items()}
     q["b"] = b_Q.expand(batch, pos, *b_Q.shape)
     k["b"] = b_K.expand(batch, pos, *b_K.shape)
-    if rotary is not None:
-        positions = torch.arange(pos, dtype=torch.float64)
+    if rotated:
         # The layer's own rotation recipe (on a bridge HF's float32 cos/sin): linear, so the parts still add up.
-        q = {n: rotate_at(model, layer, v, positions, rotary) for n, v in q.items()}
-        k = {n: rotate_at(model, layer, v, positions, rotary) for n, v in k.items()}
+        q = {n: _own_rotation(model, layer, v) for n, v in q.items()}
+        k = {n: _own_rotation(model, layer, v) for n, v in k.items()}
     pairs = torch.stack([torch.stack([attention_scores(model, layer, q[x], k[y]) for y in names]) for x in names])
     return names, pairs
 
@@ -256,7 +267,7 @@ def decompose_layer0(model: Any, tokens: Int[torch.Tensor, "batch pos"]) -> Deco
         parts["t"] = _f64(got[where["token_type"]]).expand_as(word)
     for norm in norms:
         parts = _frozen_norm(norm, parts, got[norm.scale_point])
-    part_names, pairs = _pair_scores(model, 0, parts, None)
+    part_names, pairs = _pair_scores(model, 0, parts, False)
     meta = {"constant_parts": sorted(BIAS_PARTS.intersection(part_names))}
     if "t" in part_names:
         meta["token_type_term"] = "bias"
@@ -330,7 +341,7 @@ def decompose_layer(
     ctx = (h - mu[:n]).mean(1, keepdim=True)
     parts = {"m": g.expand_as(h), "p": pos.expand_as(h), "c": ctx.expand_as(h), "r": h - g - pos - ctx}
     parts = _frozen_norm(norm, parts, got[norm.scale_point] if norm else None)
-    part_names, pairs = _pair_scores(model, layer, parts, facts.rotary[layer] if facts.rotary else None)
+    part_names, pairs = _pair_scores(model, layer, parts, layer in facts.rotary_layers)
     return _checked(Decomposition(facts.name, layer, "data-driven", part_names, pairs, got["scores"],
                                   tokens.cpu(), {"corpus_positions": int(mu.shape[0])}))
 
