@@ -379,9 +379,9 @@ def test_string_is_the_papers_relative_position_matrix():
 
 
 def test_decomposition_uses_the_table_of_its_windows_length():
-    # A longrope model past its threshold (a sentence of > 32 tokens): the terms must be rotated with the long factors, or they
-    # would not sum to the scores (and _checked would refuse to write them). The softmax of their sum equals HF's own
-    # eager attention weights.
+    # A longrope model past its threshold (a sentence of > 32 tokens): the terms must be rotated with the long
+    # factors, or they would not sum to the scores (and _checked would refuse to write them; it did, 4.74 off, before
+    # the decomposition asked for the table of its length). The softmax of their sum equals HF's eager weights.
     from matrix_cells import _hf_attention_weights
 
     from posprobe.analyses.configs import DecomposeConfig
