@@ -23,6 +23,7 @@ import pandas as pd
 import torch
 
 from posprobe.analyses.configs import LongContextConfig
+from posprobe.analyses.retrieval import answer_heads
 from posprobe.backend import hf as HF
 from posprobe.backend.facts import hf_facts
 from posprobe.backend.kind import is_bridge
@@ -31,7 +32,7 @@ from posprobe.core import long_engine as LA
 from posprobe.core.presets import preset_pairs
 from posprobe.core.surgery import PairRule
 from posprobe.data.needles import TASKS as NEEDLE_TASKS
-from posprobe.data.needles import needle_prompt, string_match_all
+from posprobe.data.needles import needle_prompt
 from posprobe.report.checkpoint import Checkpoint, run_key
 from posprobe.report.result import Result
 from posprobe.report.schema import data_meta, make_meta, text_sha256
@@ -265,24 +266,16 @@ def _needles(hf: Any, tok: Any, rules: dict[str, PairRule], cfg: LongContextConf
     # Every needle task at every passkey length x depth x trial, the same prompt for every preset (seeded by the
     # trial), scored with RULER's string_match_all. Greedy decoding stops once every target has appeared: the score
     # of a longer answer would be the same.
-    eos = getattr(tok, "eos_token_id", None)
     tasks = [t for t in cfg.tasks if t != "passkey"]
 
     def trial(u: tuple[str, str, int, float, int]) -> dict:
         task, spec, L, d, t = u
         p = needle_prompt(tok, task, L, d, cfg.seed * 1000 + t, text=text)
-
-        def found_all(new: list[int]) -> bool:
-            return string_match_all(tok.decode(new, skip_special_tokens=True), p.targets) == 1.0
-
         budget = cfg.needle_tokens or NEEDLE_TASKS[task].answer_tokens()
-        new = LA.greedy_decode(hf, torch.tensor(p.ids), rules[spec], budget, chunk=cfg.chunk, stop_token=eos,
-                               stop=found_all)
-        answer = tok.decode(new.tolist(), skip_special_tokens=True)
+        got = answer_heads(hf, tok, p, rules[spec], budget, chunk=cfg.chunk, heads=False)
         first = next(n.start for n in p.needles if n.asked)
         return dict(model=name, task=task, preset=spec, length=L, depth=d, trial=t, targets=" | ".join(p.targets),
-                    answer=answer, score=string_match_all(answer, p.targets), needle_pos=first,
-                    needles=len(p.needles))
+                    answer=got["answer"], score=got["score"], needle_pos=first, needles=len(p.needles))
 
     todo = [(task, spec, L, d, t) for task in tasks for spec in cfg.presets for L in cfg.passkey_lengths or ()
             for d in cfg.depths for t in range(cfg.trials)]

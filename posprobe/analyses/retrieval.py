@@ -110,6 +110,12 @@ def _answer_row(name: str, spec: str, key: tuple, p: NeedlePrompt, got: dict, ma
                 n_masked=n, draw=draw, targets=" | ".join(p.targets), answer=got["answer"], score=got["score"])
 
 
+def _mean_jaccard(sets: list[set]) -> tuple[float, int]:
+    """(mean Jaccard overlap over the pairs of sets that are not both empty, number of such pairs); NaN without one."""
+    pairs = [(a, b) for i, a in enumerate(sets) for b in sets[i + 1:] if a | b]
+    return (float(np.mean([len(a & b) / len(a | b) for a, b in pairs])) if pairs else float("nan")), len(pairs)
+
+
 def _ci(scores: list[float], cfg: RetrievalConfig) -> tuple[float, float]:
     return bootstrap_ci(np.asarray(scores), n_boot=cfg.bootstrap, seed=cfg.seed)
 
@@ -172,25 +178,20 @@ def run_retrieval(model: Any, text: str, config: RetrievalConfig | None = None, 
                                           count=len(per)))
                 kind = "retrieval" if means["retrieval_score"][li, h] > cfg.threshold else "other"
                 class_rows.append(dict(model=name, preset=spec, layer=l, head=h, kind=kind))
-        # Stability: mean Jaccard overlap of the per-prompt sets of heads over the threshold, over prompt pairs.
-        sets = [{(layers[li], h) for li, h in (g["retrieval_score"] > cfg.threshold).nonzero().tolist()} for g in per]
-        pairs = [(a, b) for i, a in enumerate(sets) for b in sets[i + 1:] if a | b]
-        jac = float(np.mean([len(a & b) / len(a | b) for a, b in pairs])) if pairs else float("nan")
-        # Across needle kinds: the heads over the threshold on average over each task's prompts, Jaccard per pair.
-        by_task = {}
-        for task in cfg.tasks:
-            mine = [g for (key, _), g in zip(prompts, per) if key[0] == task]
-            mean = torch.stack([g["retrieval_score"] for g in mine]).mean(0)
-            by_task[task] = {(layers[li], h) for li, h in (mean > cfg.threshold).nonzero().tolist()}
-        task_pairs = [(a, b) for i, a in enumerate(by_task.values()) for b in list(by_task.values())[i + 1:] if a | b]
-        jac_tasks = (float(np.mean([len(a & b) / len(a | b) for a, b in task_pairs])) if task_pairs
-                     else float("nan"))
+        # Stability: the heads over the threshold per prompt, and on average over each needle task's prompts.
+        def over(score: torch.Tensor) -> set[tuple[int, int]]:
+            return {(layers[li], h) for li, h in (score > cfg.threshold).nonzero().tolist()}
+
+        jac, n_pairs = _mean_jaccard([over(g["retrieval_score"]) for g in per])
+        jac_tasks, n_task_pairs = _mean_jaccard([over(torch.stack([g["retrieval_score"] for (key, _), g in
+                                                                   zip(prompts, per) if key[0] == task]).mean(0))
+                                                 for task in cfg.tasks])
         base = [g["score"] for g in per]
         lo, hi = _ci(base, cfg)
         mask_rows.append(dict(model=name, preset=spec, masked="none", n_masked=0, draw=-1, metric="string_match_all",
                               value=float(np.mean(base)), ci_low=lo, ci_high=hi, count=len(base)))
-        for metric, value, count in (("retrieval_jaccard", jac, len(pairs)),
-                                     ("retrieval_jaccard_tasks", jac_tasks, len(task_pairs))):
+        for metric, value, count in (("retrieval_jaccard", jac, n_pairs),
+                                     ("retrieval_jaccard_tasks", jac_tasks, n_task_pairs)):
             mask_rows.append(dict(model=name, preset=spec, masked="none", n_masked=0, draw=-1, metric=metric,
                                   value=value, ci_low=float("nan"), ci_high=float("nan"), count=count))
         order = sorted(((float(means["retrieval_score"][li, h]), l, h) for li, l in enumerate(layers)

@@ -8,7 +8,7 @@ from typing import Any
 import pandas as pd
 
 from posprobe.report.html import Section, table_html
-from posprobe.report.style import caption, style
+from posprobe.report.style import caption, layer_head_heatmap, style
 
 #: Signatures shown as layer x head heatmaps, with what the colour means.
 HEATMAPS = {
@@ -39,13 +39,7 @@ def figure_caption(meta: dict | None, note: str | None = None) -> str:
 
 def heatmap(heads: pd.DataFrame, metric: str, label: str, meta: dict | None = None) -> Any:
     """Layer x head heatmap of one signature."""
-    import plotly.graph_objects as go
-
-    d = heads[heads.metric == metric].pivot(index="layer", columns="head", values="value")
-    fig = go.Figure(go.Heatmap(z=d.values, x=d.columns, y=d.index, colorscale="Viridis", colorbar=dict(title=metric),
-                               hovertemplate="layer %{y}, head %{x}<br>%{z:.3f}<extra></extra>"))
-    fig.update_layout(title=label, xaxis_title="head", yaxis_title="layer")
-    return style(fig, caption=figure_caption(meta), height=420)
+    return layer_head_heatmap(heads[heads.metric == metric], metric, label, figure_caption(meta))
 
 
 def offset_profiles(offsets: pd.DataFrame, picks: list[tuple[str, int, int]], meta: dict | None = None) -> Any:

@@ -9,7 +9,7 @@ from typing import Any
 import pandas as pd
 
 from posprobe.report.html import Section, table_html
-from posprobe.report.style import COLORS, caption, style
+from posprobe.report.style import COLORS, caption, layer_head_heatmap, style
 
 
 def title(result: Any) -> str:
@@ -27,14 +27,8 @@ def figure_caption(meta: dict | None, note: str | None = None) -> str:
 
 def heatmap(heads: pd.DataFrame, preset: str, metric: str, meta: dict | None = None) -> Any:
     """Layer x head heatmap of one per-head metric under one preset."""
-    import plotly.graph_objects as go
-
-    d = heads[(heads.preset == preset) & (heads.metric == metric)].pivot(index="layer", columns="head", values="value")
-    fig = go.Figure(go.Heatmap(z=d.values, x=d.columns, y=d.index, colorscale="Viridis", colorbar=dict(title=metric),
-                               hovertemplate="layer %{y}, head %{x}<br>%{z:.3f}<extra></extra>"))
-    fig.update_layout(title=f"{metric.replace('_', ' ')} per head ({preset})", xaxis_title="head",
-                      yaxis_title="layer")
-    return style(fig, caption=figure_caption(meta), height=440)
+    return layer_head_heatmap(heads[(heads.preset == preset) & (heads.metric == metric)], metric,
+                              f"{metric.replace('_', ' ')} per head ({preset})", figure_caption(meta), height=440)
 
 
 def masking_curve(masking: pd.DataFrame, meta: dict | None = None) -> Any:

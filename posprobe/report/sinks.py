@@ -8,7 +8,7 @@ from typing import Any
 import pandas as pd
 
 from posprobe.report.html import Section, table_html
-from posprobe.report.style import caption, style
+from posprobe.report.style import caption, layer_head_heatmap, style
 
 #: Per-head metrics shown as layer x head heatmaps (one per condition), with what the colour means.
 HEATMAPS = {
@@ -46,14 +46,8 @@ def share_by_layer(share: pd.DataFrame, meta: dict | None = None) -> Any:
 
 def heatmap(heads: pd.DataFrame, metric: str, condition: str, label: str, meta: dict | None = None) -> Any:
     """Layer x head heatmap of one metric under one condition."""
-    import plotly.graph_objects as go
-
-    d = heads[(heads.metric == metric) & (heads.condition == condition)].pivot(index="layer", columns="head",
-                                                                              values="value")
-    fig = go.Figure(go.Heatmap(z=d.values, x=d.columns, y=d.index, colorscale="Viridis", colorbar=dict(title=metric),
-                               hovertemplate="layer %{y}, head %{x}<br>%{z:.3f}<extra></extra>"))
-    fig.update_layout(title=f"{label} ({condition})", xaxis_title="head", yaxis_title="layer")
-    return style(fig, caption=figure_caption(meta), height=420)
+    return layer_head_heatmap(heads[(heads.metric == metric) & (heads.condition == condition)], metric,
+                              f"{label} ({condition})", figure_caption(meta))
 
 
 def figures(result: Any) -> list:

@@ -122,6 +122,17 @@ def reference_line(fig: Any, y: float, label: str, *, row: Any = None, col: Any 
     return fig
 
 
+def layer_head_heatmap(frame: Any, metric: str, title: str, caption: str | None, height: int = 420) -> Any:
+    """Layer x head heatmap of one per-head metric: `frame` has columns layer, head, value (one row per head)."""
+    import plotly.graph_objects as go
+
+    d = frame.pivot(index="layer", columns="head", values="value")
+    fig = go.Figure(go.Heatmap(z=d.values, x=d.columns, y=d.index, colorscale="Viridis", colorbar=dict(title=metric),
+                               hovertemplate="layer %{y}, head %{x}<br>%{z:.3f}<extra></extra>"))
+    fig.update_layout(title=title, xaxis_title="head", yaxis_title="layer")
+    return style(fig, caption=caption, height=height)
+
+
 def small_multiples_grid(n: int, max_cols: int = 4) -> tuple[int, int]:
     """(rows, cols) of a small-multiples grid for `n` panels."""
     cols = max(1, min(max_cols, n))
