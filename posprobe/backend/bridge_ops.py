@@ -467,7 +467,7 @@ def positional_unsupported(model: Any) -> str | None:
                 "(num_kv_shared_layers), which posprobe's position control does not reach yet")
     if kind == "rotary":
         try:
-            hf.rotary_spec(hf_model, 0, name=arch)  # a rope type posprobe does not reproduce (axial) is named
+            hf.refuse_unknown_rope(hf_model, 0, arch)
         except NotImplementedError as e:
             return str(e)
         try:

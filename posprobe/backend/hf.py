@@ -191,12 +191,14 @@ def table_length(hf_model: Any, layer: int, length: int | None) -> int | None:
     return limit + 1 if length_rule(hf_model, layer) == "longrope" else int(length)
 
 
-def _refuse_axial(hf_model: Any, layer: int, who: str) -> None:
-    rp = rope_parameters(hf_model, layer)
+def refuse_unknown_rope(hf_model: Any, layer: int, who: str | None = None) -> None:
+    """NotImplementedError, naming it, where `layer`'s rope type is one posprobe does not reproduce (3-D axial
+    positions, or a type transformers added since)."""
+    who = who or type(hf_model).__name__
     kind = rope_type(hf_model, layer)
-    if rp.get("mrope_section") or kind in ("mrope", "axial") or kind not in ROPE_TYPES:
-        what = "3-D (axial) positions split by mrope_section" if rp.get("mrope_section") or kind in ("mrope", "axial") \
-            else f"{kind!r} RoPE"
+    axial = bool(rope_parameters(hf_model, layer).get("mrope_section")) or kind in ("mrope", "axial")
+    if axial or kind not in ROPE_TYPES:
+        what = "3-D (axial) positions split by mrope_section" if axial else f"{kind!r} RoPE"
         raise NotImplementedError(f"{who} uses {what}; posprobe's position control and rotary facts take one "
                                   f"position per token and reproduce these rope types: {', '.join(ROPE_TYPES)}")
 
@@ -366,7 +368,7 @@ def rotary_spec(hf_model: Any, layer: int, *, adjacent: bool | None = None, name
     pairing from `adjacent` (a bridge's own flag) or else the model type.
 
     Raises NotImplementedError, naming it, for a rope type posprobe does not reproduce (3-D axial positions)."""
-    _refuse_axial(hf_model, layer, name or type(hf_model).__name__)
+    refuse_unknown_rope(hf_model, layer, name)
     inv, attention_factor = rope_table(hf_model, layer, length)
     return spec_from_table(hf_model, layer, inv, attention_factor, adjacent=adjacent)
 

@@ -52,7 +52,7 @@ def require_supported(model: Any, what: str = "Long-context presets") -> None:
                                   f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
     nope = hf.nope_layers(model)
     for l in (l for l in range(len(hf.attention_modules(model))) if l not in nope):
-        hf.rotary_spec(model, l)  # names a rope type posprobe does not reproduce (3-D axial positions)
+        hf.refuse_unknown_rope(model, l)
 
 
 def rotate_hf(x: Float[torch.Tensor, "batch head pos d_head"], positions: Float[torch.Tensor, " pos"],
