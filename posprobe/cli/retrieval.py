@@ -12,12 +12,19 @@ HELP = ("Retrieval heads: Wu et al.'s retrieval score per head while the model a
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from posprobe.analyses.configs import RetrievalConfig
-    from posprobe.cli.args import add_config_arguments, add_model_arguments, add_output_arguments, add_text_argument
+    from posprobe.cli.args import (
+        add_config_arguments,
+        add_model_arguments,
+        add_output_arguments,
+        add_resume_arguments,
+        add_text_argument,
+    )
 
     add_model_arguments(p)
     add_text_argument(p, required=False)
     add_config_arguments(p, RetrievalConfig)
     add_output_arguments(p, required=True)
+    add_resume_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -41,13 +48,17 @@ def run(args: argparse.Namespace) -> int:
 
     from posprobe.analyses.retrieval import run_retrieval
     from posprobe.backend.loading import load_hf_model
+    from posprobe.report.checkpoint import discard_work_folder, work_folder_for
     from posprobe.report.retrieval import summary_text
 
+    # Every finished answer is kept in <out>.work: a rerun of the same command resumes from there.
+    work = work_folder_for(args.out)
     print(f"loading {args.model} ...", file=sys.stderr)
     model, tokenizer = load_hf_model(args.model, dtype=args.dtype, device=args.device)
     result = run_retrieval(model, text, config, tokenizer=tokenizer, name=str(args.model),
-                           source=args.text or "built-in text")
+                           source=args.text or "built-in text", work=work, fresh=args.fresh)
     print(summary_text(result))
     paths = result.save(args.out, figure_formats=args.figures, csv=args.csv)
+    discard_work_folder(work)
     print(f"wrote {paths['report']}")
     return 0

@@ -15,7 +15,9 @@ Preset "none" never enters this module: `token_nll` / `greedy_decode` run the mo
 
 Positions are in tokens. Rotation uses HF's formula (float32 angles `position * inv_freq`, half-split pairs),
 so a preset that keeps positions and frequencies reproduces HF's rotation bit for bit.
-Keys are cached unrotated (generation), so a decode step re-rotates the cached keys: O(T) per step.
+Keys are cached unrotated (generation). While decoding (`keep_keys`), the engine also keeps each layer's rotated
+keys per view and rotates only the new ones when the earlier keys, their positions and the table are unchanged
+(checked per step); grouped-query attention runs without copying keys and values per query head.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ from posprobe.rope import hf_cos_sin, hf_rotate, inv_freq_of
 # HF model types whose attention rotates the head (all of it, or its first dims: partial rotary), half-split or
 # adjacent pairs (`hf.adjacent_pairs`), and passes q/k to the attention interface unchanged after rotation. Others
 # are refused rather than guessed.
+# `enable_gqa` (PyTorch >= 2.5): grouped-query attention without a copy of keys and values per query head.
+_SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo", "olmo2",
                          "granite", "smollm3", "starcoder2", "gpt_neox", "phi", "phi3", "stablelm", "cohere", "cohere2",
                          "glm")
@@ -79,6 +84,30 @@ class _Engine:
     record: Callable[[int, torch.Tensor], None] | None = None
     #: Per layer, query heads whose output is zeroed before the output projection (head masking).
     masked: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    #: Keep rotated keys between forwards of one growing sequence (generation with a KV cache).
+    keep_keys: bool = False
+    #: (layer, view) -> (key positions, inverse frequencies, multiplier, last unrotated key, rotated keys).
+    rotated: dict[tuple[int, int], tuple] = field(default_factory=dict)
+
+    def _keys(self, layer: int, view: int, key: torch.Tensor, pos: torch.Tensor, inv: torch.Tensor,
+              r: float) -> torch.Tensor:
+        """`key` rotated to `pos`. With `keep_keys`, the previous forward's rotated keys are reused when this
+        forward's keys extend them: same table and multiplier, same positions and the same last key where they
+        overlap (a decode step); only the new keys are rotated."""
+        n = key.shape[2]
+        kept = self.rotated.get((layer, view)) if self.keep_keys else None
+        if kept is not None:
+            k_pos, k_inv, k_r, k_last, k_rot = kept
+            m = k_pos.numel()
+            if (m < n and k_r == r and k_inv.shape == inv.shape and torch.equal(k_inv, inv)
+                    and torch.equal(pos[:m], k_pos) and torch.equal(key[:, :, m - 1], k_last)):
+                rot = torch.cat([k_rot, rotate_hf(key[:, :, m:], pos[m:], inv, self.adjacent, r)], dim=2)
+                self.rotated[(layer, view)] = (pos, inv, r, key[:, :, -1].clone(), rot)
+                return rot
+        rot = rotate_hf(key, pos, inv, self.adjacent, r)
+        if self.keep_keys:
+            self.rotated[(layer, view)] = (pos, inv, r, key[:, :, -1].clone(), rot)
+        return rot
 
     def _finish(self, layer: int, out: torch.Tensor) -> torch.Tensor:
         heads = self.masked.get(layer)
@@ -119,16 +148,22 @@ class _Engine:
         # temperature rides on cos/sin, keeps its own scale; masks and eviction apply to every layer.
         scale = scaling * (1.0 if module.layer_idx in self.nope else self.rule.score_scale)
         views = self.rule.views
+        layer = module.layer_idx
         if len(views) == 1 and self.rule.select is None and not window and not softcap and n_q in (1, n_k):
             q_r = rotate_hf(query, views[0][0](i), inv, self.adjacent, r)
-            k_r = rotate_hf(key, views[0][1](j), inv, self.adjacent, r)
-            k_r, v = k_r.repeat_interleave(g, dim=1), value.repeat_interleave(g, dim=1)
+            k_r = self._keys(layer, 0, key, views[0][1](j), inv, r)
             if self.record is not None:  # the last query sees every key: its weights in full, one row per head
-                s = torch.matmul(q_r[:, :, -1:], k_r.transpose(-1, -2))[0, :, 0] * scale
-                self.record(module.layer_idx, torch.softmax(s, dim=-1, dtype=torch.float32))
-            out = F.scaled_dot_product_attention(q_r, k_r, v, is_causal=n_q > 1, scale=scale)
-            return self._finish(module.layer_idx, out)
-        k_rot = [rotate_hf(key, kf(j), inv, self.adjacent, r) for _, kf in views]
+                # Query head h reads key/value head h // g (HF's repeat_interleave order).
+                s = torch.matmul(q_r[0, :, -1].reshape(KV, g, d), k_r[0].transpose(-1, -2)).reshape(H, n_k) * scale
+                self.record(layer, torch.softmax(s, dim=-1, dtype=torch.float32))
+            if _SDPA_GQA:
+                out = F.scaled_dot_product_attention(q_r, k_r, value, is_causal=n_q > 1, scale=scale,
+                                                     enable_gqa=g > 1)
+            else:
+                out = F.scaled_dot_product_attention(q_r, k_r.repeat_interleave(g, dim=1),
+                                                     value.repeat_interleave(g, dim=1), is_causal=n_q > 1, scale=scale)
+            return self._finish(layer, out)
+        k_rot = [self._keys(layer, v, key, kf(j), inv, r) for v, (_, kf) in enumerate(views)]
         out = query.new_empty(B, H, n_q, d)
         for a in range(0, n_q, self.chunk):
             b = min(a + self.chunk, n_q)
@@ -164,20 +199,21 @@ class _Engine:
             if self.record is not None and b == n_q:
                 row = p.new_zeros(H, n_k)
                 row[:, lo:hi] = p[0, :, -1]
-                self.record(module.layer_idx, row)
+                self.record(layer, row)
             p = p.to(value.dtype)
             out[:, :, a:b] = torch.matmul(p.view(B, KV, g * (b - a), hi - lo), value[:, :, lo:hi]).view(B, H, b - a, d)
-        return self._finish(module.layer_idx, out)
+        return self._finish(layer, out)
 
 
 @contextmanager
 def long_attention(model: Any, rule: PairRule, *, chunk: int = 256,
                    record: Callable[[int, torch.Tensor], None] | None = None,
-                   masked: dict[int, tuple[int, ...]] | None = None) -> Iterator[None]:
+                   masked: dict[int, tuple[int, ...]] | None = None, keep_keys: bool = False) -> Iterator[None]:
     """Within the block, `model` (plain HF, batch 1) attends under `rule`; call it with position ids all 0
     (`zero_positions`). `record(layer, weights)` receives the last query's attention weights `[head, key_pos]` of
-    every forward; `masked` zeroes the listed query heads' outputs per layer before the output projection. Restores
-    the model's own attention implementation on exit, even after errors."""
+    every forward; `masked` zeroes the listed query heads' outputs per layer before the output projection;
+    `keep_keys` keeps rotated keys between the forwards of one growing sequence (KV-cache decoding: each step
+    rotates only its new key). Restores the model's own attention implementation on exit, even after errors."""
     if rule.identity:
         raise ValueError("preset 'none' runs the model's own forward; long_attention is for the other presets")
     if chunk < 1:
@@ -197,7 +233,7 @@ def long_attention(model: Any, rule: PairRule, *, chunk: int = 256,
             hf.scaled_rope_table(model, l, dict(rule.hf_rope))
     by_length = frozenset(l for l in inv if l not in nope and rule.rotary is None and hf.length_rule(model, l))
     engine = _Engine(rule, inv, chunk, nope, hf.adjacent_pairs(model), model, by_length, record=record,
-                     masked={l: tuple(h) for l, h in (masked or {}).items() if h})
+                     masked={l: tuple(h) for l, h in (masked or {}).items() if h}, keep_keys=keep_keys)
     with hf.custom_attention(model, {l: engine.attend for l in inv}):
         yield
 
@@ -264,7 +300,8 @@ def greedy_decode(model: Any, ids: Int[torch.Tensor, " pos"], rule: PairRule, ma
     # engine indexes by absolute position); the engine applies the window itself.
     cache = DynamicCache()
     new: list[int] = []
-    ctx = long_attention(model, rule, chunk=chunk, record=record, masked=masked) if engine_on else _nothing()
+    ctx = (long_attention(model, rule, chunk=chunk, record=record, masked=masked, keep_keys=True) if engine_on
+           else _nothing())
     with ctx:
         h = _hidden(model, ids, engine_on, cache).last_hidden_state
         for step in range(max_new_tokens):
@@ -300,7 +337,7 @@ def estimate_bytes(model: Any, length: int, rule: PairRule, *, chunk: int = 256,
     chunked = len(rule.views) > 1 or rule.select is not None or bool(windowed)
     scores = min(chunk, T) * T * H * 4 * (len(rule.views) + 3) if chunked else 0
     logits = min(logit_chunk, T) * cfg.vocab_size * 4 * 3
-    kv = 2 * L * T * KV * hd * e if cache else 0
+    kv = 3 * L * T * KV * hd * e if cache else 0  # keys and values, and the engine's rotated keys
     hidden = T * D * e * 2  # the final hidden states kept for the logit chunks
     return int(weights + 1.5 * act + scores + logits + kv + hidden)
 
