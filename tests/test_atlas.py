@@ -47,6 +47,7 @@ def test_the_atlas_page_says_what_its_windows_can_show(tiny_rope, tmp_path):
 def test_rope_model_gets_frequency_and_the_shift_test_as_invariance_control(tiny_rope, tmp_path):
     r = run_atlas(tiny_rope, None, AtlasConfig(**SMALL))
     assert r.meta["sections"] == ["facts", "heads", "sinks", "frequency", "probes", "shift"]
+    assert "relative_views" not in r.tables  # a RoPE model has no learned position table to split
     assert r.meta["skipped"] == ["geometry", "retrieval"]  # retrieval: a 64-token context holds no needle prompt
     page = _check_saved(r, tmp_path / "a")
     share = r.parts["sinks"].meta["sink_share"]
@@ -58,10 +59,16 @@ def test_rope_model_gets_frequency_and_the_shift_test_as_invariance_control(tiny
 
 
 def test_learned_position_model_gets_geometry_and_the_shift_effect(tiny_ape, tmp_path):
-    r = run_atlas(tiny_ape, None, AtlasConfig(**SMALL, sections=("facts", "geometry", "shift")))
-    assert r.meta["sections"] == ["facts", "geometry", "shift"] and set(r.parts) == {"geometry", "shift"}
+    r = run_atlas(tiny_ape, None, AtlasConfig(**SMALL, sections=("facts", "heads", "geometry", "shift")))
+    assert r.meta["sections"] == ["facts", "heads", "geometry", "shift"]
+    assert set(r.parts) == {"heads", "geometry", "shift"}
     page = _check_saved(r, tmp_path / "a")
     assert "Learned absolute positions" in page and "learned position table" in page
+    # Learned positions: layer 0's two views of relative position, per head, in a table and in the heads paragraph.
+    views = r.tables["relative_views"]
+    assert set(views.term) == {"pattern", "pp", "positional"} and set(views.layer) == {0}
+    assert len(views) == 3 * tiny_ape.cfg.n_heads and (tmp_path / "a" / "relative_views.parquet").is_file()
+    assert "two views of relative position" in page
     # k is lowered to fit the 256-position context with the longest built-in sentence.
     assert max(r.meta["shift_ks"]) <= 256 - 64
 

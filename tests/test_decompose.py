@@ -347,6 +347,69 @@ def test_minilm_layer0_terms_match_hf_weights(request, bert_hf, fixture, rel_tol
         assert _max_diff(got["pp"], wrong_grouped["pp"]) > 10 * tol
 
 
+def test_relative_views_match_hf_weights_and_a_least_squares_fit(bert_hf, minilm64):
+    # The atlas's two views of relative position (analyses/relative_views.py) for MiniLM's layer 0: the pp term and
+    # the position terms rebuilt from HF's BertModel weights (as above); the offset's share of the pp term's variance
+    # as the R² of a least-squares fit on one indicator per offset i - j (numpy), the position terms' share of the
+    # row-centred score variance written out; the pattern view taken as given from a heads table.
+    import numpy as np
+    import pandas as pd
+
+    from posprobe.analyses.relative_views import relative_views
+
+    model = minilm64
+    toks = model.tokenizer(list(_SENTENCES)[:1], return_tensors="pt")["input_ids"]
+    n = toks.shape[1]
+    emb, att = bert_hf.embeddings, bert_hf.encoder.layer[0].attention.self
+    H, d_model = bert_hf.config.num_attention_heads, bert_hf.config.hidden_size
+    dh = d_model // H
+    raw = {"w": emb.word_embeddings.weight[toks], "p": emb.position_embeddings.weight[:n][None].expand(1, n, d_model),
+           "t": emb.token_type_embeddings.weight[0].expand(1, n, d_model)}
+    normed = _frozen_ln_parts(raw, emb.LayerNorm.weight, emb.LayerNorm.bias, emb.LayerNorm.eps)
+
+    def proj(w):
+        return lambda x: torch.nn.functional.linear(x, w).view(*x.shape[:2], H, dh)
+
+    _, grouped = _reference_terms(normed, proj(att.query.weight), proj(att.key.weight), att.query.bias.view(H, dh),
+                                  att.key.bias.view(H, dh), dh, constant="tn")
+    given = pd.DataFrame({"layer": 0, "head": range(H), "metric": "relative_r2", "value": np.linspace(0, 1, H)})
+    got = relative_views(model, toks, pd.concat([given, given.assign(layer=1)]))
+    w = got.pivot_table(index="head", columns=["term", "metric"], values="value")
+    assert np.allclose(w[("pattern", "relative_r2")], given.value, atol=0)
+    offsets = (np.arange(n)[:, None] - np.arange(n)[None, :]).ravel()
+    X = (offsets[:, None] == np.arange(-(n - 1), n)[None, :]).astype(float)
+    for h in range(H):
+        y = grouped["pp"][0, h].numpy().ravel()
+        fit = X @ np.linalg.lstsq(X, y, rcond=None)[0]
+        r2 = 1 - ((y - fit) ** 2).sum() / ((y - y.mean()) ** 2).sum()
+        assert abs(w[("pp", "rel_pos_fraction")][h] - r2) <= 1e-9, h
+        rc = lambda x: x - x.mean(-1, keepdim=True)  # noqa: E731  (softmax ignores a per-query constant)
+        s, pos = rc(grouped["full"][0, h]), rc(sum(grouped[t][0, h] for t in ("wp", "pw", "pp")))
+        assert abs(w[("positional", "var_share")][h] - float((pos * s).sum() / (s * s).sum())) <= 1e-9, h
+    # Not vacuous: the heads differ in both views.
+    assert w[("pp", "rel_pos_fraction")].std() > 0.1 and w[("positional", "var_share")].std() > 0.1
+
+
+def test_relative_view_classes_on_a_hand_made_table():
+    import pandas as pd
+
+    from posprobe.analyses.relative_views import disagreements
+
+    rows = []
+    for h, (pp, share, pattern) in enumerate([(0.9, 0.6, 0.95), (0.8, 0.5, 0.2), (0.8, 0.1, 0.1), (0.2, 0.9, 0.9),
+                                              (0.5, 0.3, 0.8)]):
+        rows += [(0, h, "pp", "rel_pos_fraction", pp), (0, h, "positional", "var_share", share),
+                 (0, h, "pattern", "relative_r2", pattern)]
+    t = pd.DataFrame(rows, columns=["layer", "head", "term", "metric", "value"])
+    d = disagreements(t, 0.8)
+    # Head 4 sits on both thresholds: the term's are inclusive (>=), the pattern's exclusive (>), as in `heads`.
+    assert [x[:2] for x in d["term"]] == [(0, 0), (0, 1), (0, 4)]
+    assert [x[:2] for x in d["pattern"]] == [(0, 0), (0, 3)]
+    assert [x[:2] for x in d["both"]] == [(0, 0)]
+    assert [x[:2] for x in d["term_only"]] == [(0, 1), (0, 4)] and [x[:2] for x in d["pattern_only"]] == [(0, 3)]
+    assert d["term_only"][0] == (0, 1, 0.8, 0.2)
+
+
 @pytest.mark.parametrize("fixture,rel_tol", [("tiny_ape64", 1e-10), ("tiny_ape", 2e-5)])
 def test_tiny_ape_layer0_terms_from_state_dict(request, fixture, rel_tol):
     model = request.getfixturevalue(fixture)

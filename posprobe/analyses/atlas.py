@@ -68,6 +68,9 @@ class AtlasResult(Result):
         return paths
 
 
+#: Windows of the exact layer-0 decomposition that the atlas compares with the pattern view (learned positions).
+RELATIVE_VIEW_WINDOWS = 4
+
 #: The shortest context the retrieval section runs in: a needle prompt's fixed parts and a haystack around it.
 RETRIEVAL_MIN_CTX = 512
 
@@ -188,11 +191,27 @@ def run_atlas(model: Any, text: str | None = None, config: AtlasConfig | None = 
         parts[name] = runs[name]()
         timings[name] = round(time.perf_counter() - t0, 2)
     rows = _headlines(facts, parts)
+    tables = {"atlas": pd.DataFrame(rows, columns=["section", "metric", "value"])}
+    extra = {}
+    if "heads" in parts and facts.positional_kind == "learned_absolute" and facts.unsupported is None:
+        # Learned positions: the heads section reads relative position from the pattern, the exact layer-0 score
+        # split from the position x position term; the two views side by side, per layer-0 head.
+        from posprobe.analyses.decompose import corpus_rows
+        from posprobe.analyses.relative_views import TERM_POSITIONAL, TERM_RELATIVE, disagreements, relative_views
+
+        t0 = time.perf_counter()
+        threshold = parts["heads"].meta["config"]["relative_r2"]
+        views = relative_views(model, corpus_rows(model, body, w, RELATIVE_VIEW_WINDOWS),
+                               parts["heads"].tables["heads"])
+        tables["relative_views"] = views
+        extra["relative_views"] = {"pattern_threshold": threshold, "term_relative": TERM_RELATIVE,
+                                   "term_positional": TERM_POSITIONAL, **disagreements(views, threshold)}
+        timings["relative_views"] = round(time.perf_counter() - t0, 2)
     meta = make_meta("atlas", model=facts.summary(), data=data_meta(src, n_items=nw, unit="windows",
                                                                     sha256=text_sha256(body)),
                      config=cfg, sections=sections, skipped=[s for s in SECTIONS if s not in sections],
-                     shift_ks=list(ks), seconds=timings)
-    return AtlasResult({"atlas": pd.DataFrame(rows, columns=["section", "metric", "value"])}, meta, parts)
+                     shift_ks=list(ks), seconds=timings, **extra)
+    return AtlasResult(tables, meta, parts)
 
 
 def _engine_runs(model: Any) -> bool:

@@ -25,6 +25,24 @@ def _num(result: Any, section: str, metric: str) -> float | None:
     return float(v.iloc[0]) if len(v) else None
 
 
+def relative_views_text(views: dict | None) -> str:
+    """The two views of relative position in layer 0 (learned positions) in one sentence; "" without them."""
+    if not views:
+        return ""
+
+    def names(heads: list, values: bool = False) -> str:
+        if not heads:
+            return "none"
+        return ", ".join(f"L{l}H{h}" + (f" ({t:.2f} vs {p:.2f})" if values else "") for l, h, t, p in heads)
+
+    term, pattern = views["term"], views["pattern"]
+    return (f" Layer 0, two views of relative position: the position x position score term follows the offset i - j "
+            f"(R² >= {views['term_relative']}) and carries >= {views['term_positional']:.0%} of the score variance in "
+            f"{len(term)} heads ({names(term)}); the attention pattern does (R² > {views['pattern_threshold']}) in "
+            f"{len(pattern)} ({names(pattern)}). Score term only: {names(views['term_only'], True)}; pattern only: "
+            f"{names(views['pattern_only'], True)} (term R² vs pattern R²).")
+
+
 def paragraph(result: Any, section: str) -> str:
     """The section's findings in one paragraph, from the atlas table and meta."""
     f = result.meta["model"]
@@ -47,7 +65,7 @@ def paragraph(result: Any, section: str) -> str:
 
         part = getattr(result, "parts", {}).get("heads")
         if part is not None:
-            return summary_text(part)
+            return summary_text(part) + relative_views_text(result.meta.get("relative_views"))
         return (f"Strongest previous-token attention {n('max_prev_mass'):.2f}; mean attention on the first token "
                 f"{n('mean_first_mass'):.2f}; {n('sink_fraction'):.0%} of heads are sink heads.")
     if section == "sinks":
