@@ -396,3 +396,37 @@ def test_decomposition_uses_the_table_of_its_windows_length():
     att = _hf_attention_weights(bridge, dec.tokens, 1)
     err = (torch.softmax(dec.reconstructed(), dim=-1).double() - att.double()).abs().max()
     assert err <= 1e-5, f"softmax of the summed terms vs HF's attention weights: {err:.3g}"
+
+
+@pytest.mark.parametrize("name", ["llama-dynamic", "phi3-longrope-partial"])
+def test_hf_scoring_of_a_length_rule_model_does_not_depend_on_batch_or_history(name):
+    # HF's dynamic NTK / LongRoPE pick the table from max(position_ids) + 1 of the whole batch, and dynamic NTK keeps
+    # the largest table it has built. The shift test's HF path scores such a model one row per forward from a fresh
+    # table: a sequence's log-probs are those of a forward on it alone, whatever was scored with it or before it.
+    from posprobe.core.scoring import HFScorer, Positioned
+
+    hf = _hf(name)
+
+    class Tok:
+        pad_token_id = 0
+
+    ids = tuple(int(t) for t in torch.randint(1, 50, (10,), generator=torch.Generator().manual_seed(3)))
+    long = Positioned(ids, tuple(range(24, 34)))  # past the threshold (32) ...
+    short = Positioned(ids[:6], tuple(range(24, 30)))  # ... within it; the same start: one batch
+
+    def alone(item, model=None):
+        model = model or _hf(name)  # a model that has never seen a longer input
+        with torch.no_grad():
+            logits = model(torch.tensor([item.ids]), position_ids=torch.tensor([item.positions])).logits[0].double()
+        return torch.log_softmax(logits, -1)[torch.arange(len(item.ids) - 1), torch.tensor(item.ids[1:])]
+
+    scorer = HFScorer(hf, Tok())
+    assert scorer.one_row_per_forward
+    got_long, got_short = scorer.token_logprobs([long, short], batch_size=8)
+    assert (got_long - alone(long)).abs().max() <= 1e-5 and (got_short - alone(short)).abs().max() <= 1e-5
+    # Not vacuous: in one HF forward with the long row (padded as the scorer pads), the short row gets other numbers.
+    with torch.no_grad():
+        x = torch.tensor([ids, ids[:6] + (0,) * 4])
+        batch = _hf(name)(x, position_ids=torch.arange(24, 34).repeat(2, 1)).logits[1, :5].double()
+    lp = torch.log_softmax(batch, -1)[torch.arange(5), torch.tensor(ids[1:6])]
+    assert (lp - alone(short)).abs().max() > 1e-3

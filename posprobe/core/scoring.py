@@ -115,6 +115,9 @@ class _Scorer:
     positions on the CPU)."""
 
     pad_id: int = 0
+    #: One row per forward: the model's rotation table depends on the forward's positions (HF's dynamic NTK /
+    #: LongRoPE read max(position_ids) + 1 of the whole batch), so a row's numbers must not depend on its batch.
+    one_row_per_forward: bool = False
 
     def _hidden_and_head(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None
                          ) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
@@ -174,7 +177,7 @@ class _Scorer:
         self, rows: list[_Row], n_out: int, batch_size: int, progress: bool, desc: str
     ) -> list[torch.Tensor]:
         out: list[torch.Tensor | None] = [None] * n_out
-        batches = list(_length_batches(rows, batch_size))
+        batches = list(_length_batches(rows, 1 if self.one_row_per_forward else batch_size))
         # Log-probs stay on the model's device until every batch is done, then cross to the CPU in one
         # copy: a copy per batch was a device sync per batch.
         parts: list[torch.Tensor] = []
@@ -234,6 +237,7 @@ class HFScorer(_Scorer):
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         # A custom mask replaces HF's sliding-window mask, which only equals it while rows fit the window.
         self.window = hf.sliding_window(model)
+        self.one_row_per_forward = any(hf.length_rule(model, m.layer_idx) for m in hf.attention_modules(model))
 
     def _tree_row(self, i: int, a: Positioned, j: int, b: Positioned) -> _Row | None:
         row = _tree(i, a, j, b)
@@ -246,6 +250,7 @@ class HFScorer(_Scorer):
             # An all-ones mask rather than None: HF may read a jump in position ids (prefix at 0,
             # sentence at k) as the start of a packed sequence; all-ones still takes SDPA's is_causal path.
             mask = torch.ones(ids.shape, dtype=torch.long, device=ids.device)
+        hf.fresh_rope_state(self.model)  # HF's dynamic NTK keeps the largest table it has built: not across rows
         hidden = self.model.base_model(input_ids=ids, position_ids=pos.to(ids.device), attention_mask=mask,
                                        use_cache=False).last_hidden_state
 
