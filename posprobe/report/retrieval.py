@@ -78,8 +78,15 @@ def summary_text(result: Any) -> str:
         base = m[m.masked == "none"].value.iloc[0]
         jac = masking[(masking.preset == preset) & (masking.metric == "retrieval_jaccard")].value.iloc[0]
         jt = masking[(masking.preset == preset) & (masking.metric == "retrieval_jaccard_tasks")].value
-        text = (f"{preset}: needle accuracy {base:.2f}; {n} retrieval heads of {len(score)} (top: {top}); their sets "
-                f"overlap by {jac:.2f} (mean Jaccard) across prompts")
+        if score.value.max() > 0:
+            text = f"{preset}: needle accuracy {base:.2f}; {n} retrieval heads of {len(score)} (top: {top})"
+        else:
+            text = f"{preset}: needle accuracy {base:.2f}; no head copied a needle token"
+        mass = heads[(heads.preset == preset) & (heads.metric == "needle_mass")].sort_values(
+            ["value", "layer", "head"], ascending=[False, True, True]).iloc[0]
+        text += f"; most attention on the needle: L{int(mass['layer'])}H{int(mass['head'])} {mass['value']:.2f}"
+        if jac == jac:  # NaN without two prompts that have a retrieval head between them
+            text += f"; the retrieval sets overlap by {jac:.2f} (mean Jaccard) across prompts"
         if len(jt) and jt.iloc[0] == jt.iloc[0]:
             text += f" and by {jt.iloc[0]:.2f} across needle tasks"
         for k in sorted(m[m.masked == "top"].n_masked.unique()):
