@@ -108,6 +108,31 @@ def test_run_key_drops_the_progress_switch_and_names_versions():
     assert c != a
 
 
+def test_edited_code_is_another_run(tmp_path):
+    # A checkout edited between the interrupted run and the rerun keeps its version number; the source digest in
+    # the run key tells them apart, so the rerun is refused instead of mixing the two codes' numbers.
+    import posprobe.report.checkpoint as C
+
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "a.py").write_text("x = 1\n")
+    (pkg / "sub" / "b.py").write_text("y = 2\n")
+    before = C.source_digest(pkg)
+    C._SOURCE_DIGESTS.clear()
+    (pkg / "sub" / "b.py").write_text("y = 3\n")
+    assert C.source_digest(pkg) != before
+    C._SOURCE_DIGESTS.clear()
+    (pkg / "sub" / "b.py").write_text("y = 2\n")
+    assert C.source_digest(pkg) == before
+    assert run_key("x", model={}, data={}, config={})["versions"]["posprobe_code"] == C.source_digest()
+    old = Checkpoint(tmp_path / "w", run_key("x", model={}, data={}, config={}))
+    old.put("u", 1)
+    edited = run_key("x", model={}, data={}, config={})
+    edited["versions"]["posprobe_code"] = before
+    with pytest.raises(CheckpointMismatch, match="versions.posprobe_code"):
+        Checkpoint(tmp_path / "w", edited)
+
+
 # ---- long-context through the Python API ---------------------------------------------------------------------
 
 TEXT = "The quick brown fox jumps over the lazy dog while the river runs past the mill. " * 120

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence, TypeVar
 
 __all__ = ["Checkpoint", "CheckpointMismatch", "StreamResume", "work_folder_for", "discard_work_folder", "run_key",
-           "rows_sha256", "stream_resume", "WORK_SUFFIX"]
+           "rows_sha256", "stream_resume", "source_digest", "WORK_SUFFIX"]
 
 T = TypeVar("T")
 
@@ -47,7 +47,7 @@ def discard_work_folder(folder: str | os.PathLike | None) -> None:
 
 def run_key(analysis: str, *, model: dict, data: dict, config: Any, **extra: Any) -> dict:
     """Everything a run's numbers depend on: analysis, model identity, data identity, its configuration (less
-    the progress switch) and the versions of posprobe, torch and transformers."""
+    the progress switch), the versions of posprobe, torch and transformers, and a digest of posprobe's source."""
     from dataclasses import asdict, is_dataclass
 
     import torch
@@ -63,7 +63,25 @@ def run_key(analysis: str, *, model: dict, data: dict, config: Any, **extra: Any
     except ImportError:
         tf_version = None
     return {"analysis": analysis, "model": model, "data": data, "config": cfg, **extra,
-            "versions": {"posprobe": __version__, "torch": torch.__version__, "transformers": tf_version}}
+            "versions": {"posprobe": __version__, "posprobe_code": source_digest(), "torch": torch.__version__,
+                         "transformers": tf_version}}
+
+
+_SOURCE_DIGESTS: dict[str, str] = {}
+
+
+def source_digest(root: str | os.PathLike | None = None) -> str:
+    """sha256 of every `.py` file under `root` (default: the installed posprobe package), names and contents in
+    path order: a resumed run must have been started by the same code, not only the same version number (an edited
+    checkout keeps its version). Computed once per root and process (~100 files, milliseconds)."""
+    base = Path(root) if root is not None else Path(__file__).resolve().parents[1]
+    key = str(base)
+    if key not in _SOURCE_DIGESTS:
+        h = hashlib.sha256()
+        for f in sorted(base.rglob("*.py")):
+            h.update(f.relative_to(base).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+        _SOURCE_DIGESTS[key] = h.hexdigest()
+    return _SOURCE_DIGESTS[key]
 
 
 def rows_sha256(rows: Any) -> str:
