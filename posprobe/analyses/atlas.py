@@ -31,7 +31,7 @@ from posprobe.analyses.configs import (
 from posprobe.backend import hf as HF
 from posprobe.backend.facts import ModelFacts, model_facts
 from posprobe.backend.model import device_of, dtype_of
-from posprobe.data import BUILTIN_SOURCE, BUILTIN_TEXT, builtin_pairs
+from posprobe.data import BUILTIN_CORPUS_SOURCE, BUILTIN_SOURCE, builtin_corpus, builtin_pairs
 from posprobe.report.result import Result
 from posprobe.report.schema import data_meta, make_meta, text_sha256
 
@@ -68,8 +68,13 @@ class AtlasResult(Result):
         return paths
 
 
-#: Windows of the exact layer-0 decomposition that the atlas compares with the pattern view (learned positions).
+#: Sequence length of the sinks section: Gu et al.'s protocol measures Sink_1^0.3 on 64-token sequences.
+SINK_LENGTH = 64
+
+#: Windows (and their length, tokens) of the exact layer-0 decomposition that the atlas compares with the pattern
+#: view on learned-position models: float64 pair terms grow with windows x heads x length^2.
 RELATIVE_VIEW_WINDOWS = 4
+RELATIVE_VIEW_TOKENS = 128
 
 #: The shortest context the retrieval section runs in: a needle prompt's fixed parts and a haystack around it.
 RETRIEVAL_MIN_CTX = 512
@@ -108,10 +113,10 @@ def run_atlas(model: Any, text: str | None = None, config: AtlasConfig | None = 
 
     cfg = config or AtlasConfig()
     facts = model_facts(model)
-    body = BUILTIN_TEXT if text is None else text
-    src = source or ("built-in text" if text is None else "text")
+    body = builtin_corpus() if text is None else text
+    src = source or (BUILTIN_CORPUS_SOURCE if text is None else "text")
     quiet = not cfg.progress
-    w, nw = min(cfg.window, facts.n_ctx), cfg.max_windows
+    w, nw = cfg.window_for(facts.n_ctx), cfg.max_windows
     # Built-in sentences are < 64 tokens: a k that would push them past the context is lowered to fit.
     ks = tuple(sorted({min(k, max(facts.n_ctx - 64, 0)) for k in cfg.ks}))
     runs = {
@@ -132,7 +137,7 @@ def run_atlas(model: Any, text: str | None = None, config: AtlasConfig | None = 
         "sinks": lambda: run_sinks(
             model,
             body,
-            SinksConfig(length=w, random_samples=8, max_windows=nw, dormant_heads=0, seed=cfg.seed,
+            SinksConfig(length=min(SINK_LENGTH, w), random_samples=8, max_windows=nw, dormant_heads=0, seed=cfg.seed,
                         progress=cfg.progress),
             source=src,
         ),
@@ -153,7 +158,7 @@ def run_atlas(model: Any, text: str | None = None, config: AtlasConfig | None = 
                 n_splits=3,
                 window=w,
                 max_windows=max(nw, 6),
-                max_tokens=cfg.probe_tokens,
+                max_tokens=cfg.probe_tokens_used(),
                 seed=cfg.seed,
                 progress=cfg.progress,
             ),
@@ -182,6 +187,10 @@ def run_atlas(model: Any, text: str | None = None, config: AtlasConfig | None = 
         ),
     }
     sections = applicable(facts, cfg.sections, engine_runs=_engine_runs(model))
+    skipped = [s for s in SECTIONS if s not in sections]
+    left_out = []
+    if cfg.quick and cfg.sections is None and "retrieval" in sections:  # the short tour leaves out the decoding
+        sections, left_out = [s for s in sections if s != "retrieval"], ["retrieval"]
     parts: dict[str, Result] = {}
     timings: dict[str, float] = {}
     for i, name in enumerate(s for s in sections if s != "facts"):
@@ -201,16 +210,17 @@ def run_atlas(model: Any, text: str | None = None, config: AtlasConfig | None = 
 
         t0 = time.perf_counter()
         threshold = parts["heads"].meta["config"]["relative_r2"]
-        views = relative_views(model, corpus_rows(model, body, w, RELATIVE_VIEW_WINDOWS),
-                               parts["heads"].tables["heads"])
+        rows = corpus_rows(model, body, min(w, RELATIVE_VIEW_TOKENS), RELATIVE_VIEW_WINDOWS)
+        views = relative_views(model, rows, parts["heads"].tables["heads"])
         tables["relative_views"] = views
         extra["relative_views"] = {"pattern_threshold": threshold, "term_relative": TERM_RELATIVE,
                                    "term_positional": TERM_POSITIONAL, **disagreements(views, threshold)}
         timings["relative_views"] = round(time.perf_counter() - t0, 2)
     meta = make_meta("atlas", model=facts.summary(), data=data_meta(src, n_items=nw, unit="windows",
                                                                     sha256=text_sha256(body)),
-                     config=cfg, sections=sections, skipped=[s for s in SECTIONS if s not in sections],
-                     shift_ks=list(ks), seconds=timings, **extra)
+                     config=cfg, sections=sections, skipped=skipped, left_out=left_out,
+                     shift_ks=list(ks), seconds=timings, window=w, sink_length=min(SINK_LENGTH, w),
+                     probe_tokens=cfg.probe_tokens_used(), **extra)
     return AtlasResult(tables, meta, parts)
 
 

@@ -7,7 +7,7 @@ and checks them before any weights load. Each analysis module re-exports its own
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Literal, get_args, get_origin, get_type_hints
+from typing import ClassVar, Literal, get_args, get_origin, get_type_hints
 
 from posprobe.core import presets
 from posprobe.core.config import option
@@ -308,13 +308,31 @@ class SinksConfig:
 @dataclass(frozen=True, kw_only=True)
 class AtlasConfig:
     """`posprobe atlas`: every positional analysis that applies to the model, with bounded defaults
-    (a few minutes on a 2-core CPU for a 135M model), in one report."""
+    (about 3 minutes on a 2-core CPU for a 135M model; `quick`: about 30 s), in one report."""
 
-    window: int = option(64, "tokens per text window of every section")
+    #: Defaults of the window and probe tokens: the full atlas and the short tour.
+    WINDOW: ClassVar[int] = 512
+    QUICK_WINDOW: ClassVar[int] = 64
+    PROBE_TOKENS: ClassVar[int] = 3000
+    QUICK_PROBE_TOKENS: ClassVar[int] = 600
+
+    def window_for(self, n_ctx: int) -> int:
+        """Tokens per text window on a model with `n_ctx` positions."""
+        return min(self.window or (self.QUICK_WINDOW if self.quick else self.WINDOW), n_ctx)
+
+    def probe_tokens_used(self) -> int:
+        """Tokens the probe section samples."""
+        return self.probe_tokens or (self.QUICK_PROBE_TOKENS if self.quick else self.PROBE_TOKENS)
+
+
+    window: int | None = option(None, "tokens per text window of the heads, frequency, geometry and probe sections "
+                                      "(default: 512, at most the model's context; 64 with --quick)")
     max_windows: int = option(6, "text windows per section")
     ks: tuple[int, ...] = option((0, 100, 400), "shift-test start positions", flag="--k")
     max_pairs: int = option(10, "built-in minimal pairs per paradigm for the shift test")
-    probe_tokens: int = option(600, "tokens sampled for the position probes")
+    probe_tokens: int | None = option(None, "tokens sampled for the position probes (default: 3,000; 600 with --quick)")
+    quick: bool = option(False, "the short tour (about 30 s for a 135M model on a 2-core CPU): 64-token windows, "
+                                "600 probe tokens, no retrieval section unless --sections names it")
     induction_len: int = option(24, "repeated random sequence length for the induction score")
     sections: tuple[str, ...] | None = option(None, "run only these sections (facts, heads, sinks, frequency, "
                                                     "geometry, probes, shift, retrieval; default: all that apply)")

@@ -24,8 +24,11 @@ def run(args: argparse.Namespace) -> int:
     checks.check_out(args.out)
     config = config_from_args(AtlasConfig, args, progress=not args.no_progress)
     early = checks.peek_model(args)
-    checks.check_window(early, args, config.window)
-    text = checks.read_text_early(args.text, config.window)  # None: the built-in text
+    if config.window is not None:  # the default is capped at the model's context; a given window must fit
+        checks.check_window(early, args, config.window)
+    ctx = checks.context(early, args)
+    window = config.window_for(ctx) if ctx else config.window
+    text = checks.read_text_early(args.text, window)  # None: the built-in corpus
 
     from posprobe.analyses.atlas import run_atlas
     from posprobe.backend.loading import load_model

@@ -4,7 +4,14 @@ Pure Python (torch only inside `random_token_ids`, when called): the CLI validat
 model loads.
 """
 
-from posprobe.data.builtin import BUILTIN_PAIRS_PER_PARADIGM, BUILTIN_SOURCE, BUILTIN_TEXT, builtin_pairs
+from posprobe.data.builtin import (
+    BUILTIN_CORPUS_SOURCE,
+    BUILTIN_PAIRS_PER_PARADIGM,
+    BUILTIN_SOURCE,
+    BUILTIN_TEXT,
+    builtin_corpus,
+    builtin_pairs,
+)
 from posprobe.data.pairs import DataError, MinimalPair, load_blimp, pairs_fingerprint
 from posprobe.data.text import (
     detokenize_wikitext,
@@ -16,7 +23,8 @@ from posprobe.data.text import (
 )
 
 __all__ = [
-    "BUILTIN_PAIRS_PER_PARADIGM", "BUILTIN_SOURCE", "BUILTIN_TEXT", "DataError", "MinimalPair", "builtin_pairs",
+    "BUILTIN_CORPUS_SOURCE", "BUILTIN_PAIRS_PER_PARADIGM", "BUILTIN_SOURCE", "BUILTIN_TEXT", "DataError", "MinimalPair",
+    "builtin_corpus", "builtin_pairs",
     "detokenize_wikitext", "framed_windows", "load_blimp", "looks_like_wikitext", "pairs_fingerprint",
     "random_token_ids", "read_text", "token_windows",
 ]

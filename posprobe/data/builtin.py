@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import random
 
 from posprobe.data.pairs import MinimalPair, check_max_pairs
@@ -201,3 +202,18 @@ def builtin_pairs(*, max_pairs: int | None = None, seed: int = 0) -> list[Minima
             out.append(MinimalPair(_s(before, good, after), _s(before, bad, after),
                                    name, field, phenomenon, str(i)))
     return out
+
+
+BUILTIN_CORPUS_SOURCE = "posprobe built-in corpus (CC0)"
+
+
+@functools.lru_cache(maxsize=1)
+def builtin_corpus() -> str:
+    """posprobe's built-in corpus: `BUILTIN_TEXT` followed by ~12,000 words of English prose written for posprobe (a
+    short story, encyclopedia-style science articles, an essay on everyday technology, a year of letters), dedicated
+    to the public domain (CC0 1.0; `posprobe/data/corpus/LICENSE`). Enough for windows of 512 tokens where the
+    built-in text alone gives one. Shipped as package data: never a download."""
+    from importlib.resources import files
+
+    body = files("posprobe.data").joinpath("corpus", "corpus.txt").read_text(encoding="utf-8")
+    return BUILTIN_TEXT + "\n\n" + body.strip() + "\n"

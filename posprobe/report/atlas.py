@@ -159,7 +159,7 @@ def window_scope(meta: dict) -> str:
 
     f, sections = meta["model"], meta["sections"]
     n_ctx = int(f["n_ctx"])
-    w = min(int(meta["config"]["window"]), n_ctx)
+    w = min(int(meta.get("window") or meta["config"]["window"]), n_ctx)
     text = (f"Windows of {w} tokens cover {w / n_ctx:.1%} of the {n_ctx}-position context: head signatures see "
             f"offsets 0-{w - 1} only, so behaviour at longer range cannot show")
     if "probes" in sections:
@@ -180,8 +180,13 @@ def sections(result: Any) -> list[Section]:
     parts = getattr(result, "parts", {})
     toc = "".join(f'<li><a href="#atlas-{s}">{html.escape(_TITLES[s])}</a></li>' for s in m["sections"])
     skipped = ", ".join(_TITLES[s] for s in m.get("skipped", []))
-    intro = (f"<ol>{toc}</ol><p>Data: {html.escape(str(m['data']['source']))}; windows of {m['config']['window']} "
-             f"tokens. {('Not applicable to this model: ' + html.escape(skipped) + '.') if skipped else ''}</p>"
+    left_out = ", ".join(_TITLES[s] for s in m.get("left_out", []))
+    w = m.get("window") or m["config"]["window"]
+    sink = f" (attention sinks: {m['sink_length']}, as Gu et al.)" if "sinks" in m["sections"] and m.get(
+        "sink_length") else ""
+    intro = (f"<ol>{toc}</ol><p>Data: {html.escape(str(m['data']['source']))}; windows of {w} tokens{sink}. "
+             f"{('Not applicable to this model: ' + html.escape(skipped) + '. ') if skipped else ''}"
+             f"{('Left out by --quick: ' + html.escape(left_out) + '.') if left_out else ''}</p>"
              f"<p>{html.escape(window_scope(m))}</p>")
     out = [Section("Contents", html=intro)]
     keyfig = {"heads": 2, "sinks": 1, "frequency": 1, "geometry": 1, "probes": 1, "shift": 1, "retrieval": 1}
