@@ -339,3 +339,29 @@ def style_caption(fig) -> str:
     from posprobe.report.style import get_caption
 
     return get_caption(fig) or ""
+
+
+def test_a_large_cosine_map_is_drawn_thinned_in_float32_and_the_table_keeps_every_value():
+    from posprobe.report.geometry import MAP_POSITIONS, geometry_figures
+
+    n = 512
+    rng = np.random.default_rng(0)
+    cos = rng.uniform(-1, 1, (n, n))
+    a, b = np.meshgrid(np.arange(n), np.arange(n), indexing="ij")
+    rows = [pd.DataFrame(dict(source="W_pos", layer=np.nan, metric="cosine", pos=a.ravel(), pos2=b.ravel(), k=np.nan,
+                              value=cos.ravel()))]
+    for k in range(2):
+        rows.append(pd.DataFrame(dict(source="W_pos", layer=np.nan, metric="pc_score", pos=np.arange(n), pos2=np.nan,
+                                      k=k, value=rng.normal(size=n))))
+        rows.append(pd.DataFrame(dict(source="W_pos", layer=np.nan, metric=["explained_variance", "sin_period",
+                                                                             "sin_r2"], pos=np.nan, pos2=np.nan, k=k,
+                                      value=[0.5, 10.0, 0.9])))
+    rows.append(pd.DataFrame(dict(source="W_pos", layer=np.nan, metric="norm", pos=np.arange(n), pos2=np.nan, k=np.nan,
+                                  value=1.0)))
+    df = pd.concat(rows, ignore_index=True)
+    heat = [f for f in geometry_figures(df) if isinstance(f.data[0], go.Heatmap)]
+    assert len(heat) == 1
+    z = np.asarray(heat[0].data[0].z)
+    assert z.shape == (MAP_POSITIONS, MAP_POSITIONS) and "every 2 positions" in heat[0].layout.title.text
+    assert z.dtype == np.float32 and np.array_equal(z, cos[::2, ::2].astype(np.float32))
+    assert len(df[df.metric == "cosine"]) == n * n  # the table is untouched

@@ -46,6 +46,10 @@ def sections(result: Any) -> list[Section]:
     return [Section("Summary", html=summary + table_html(table)), Section("Figures", figures=figures(result))]
 
 
+#: Positions per axis of a cosine map drawn in a report (larger maps are shown at every k-th position).
+MAP_POSITIONS = 256
+
+
 def geometry_figures(df: pd.DataFrame, meta: dict | None = None) -> list:
     """Plotly figures per (source, layer): 3-D PCA trajectory coloured by position, PCs vs position,
     cosine map, norm by position, explained variance."""
@@ -84,8 +88,14 @@ def geometry_figures(df: pd.DataFrame, meta: dict | None = None) -> list:
         )
         figs.append(fig.update_layout(title=f"Principal components vs position ({tag})", xaxis_title="position"))
         cos = g[g.metric == "cosine"].pivot(index="pos", columns="pos2", values="value")
-        figs.append(go.Figure(go.Heatmap(z=cos.values, x=cos.columns, y=cos.index, colorscale="RdBu", zmid=0))
-                    .update_layout(title=f"Cosine similarity between positions ({tag})", xaxis_title="position",
+        # The page shows at most MAP_POSITIONS positions per axis, as float32 (plotly embeds arrays as binary: a
+        # 256 x 256 float64 map was 0.9 MB of HTML, four of them half a MiniLM atlas); the table keeps every value.
+        step = -(-len(cos) // MAP_POSITIONS)
+        cos = cos.iloc[::step, ::step]
+        every = f", every {step} positions" if step > 1 else ""
+        figs.append(go.Figure(go.Heatmap(z=cos.values.astype("float32"), x=cos.columns, y=cos.index,
+                                         colorscale="RdBu", zmid=0))
+                    .update_layout(title=f"Cosine similarity between positions ({tag}{every})", xaxis_title="position",
                                    yaxis_title="position", yaxis_autorange="reversed"))
         nm = g[g.metric == "norm"]
         figs.append(go.Figure(go.Scatter(x=nm.pos, y=nm.value, mode="lines")).update_layout(
