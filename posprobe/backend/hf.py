@@ -233,12 +233,23 @@ def rotary_emb(hf_model: Any) -> Any:
     return getattr(emb, "original_component", emb)
 
 
-def _table_inv_freq(hf_model: Any) -> torch.Tensor | None:
-    # GPT-J / CodeGen keep no rotary module: each attention holds `embed_positions`, a [position, rotary_dim] table of
-    # sin | cos built from inv_freq = 1 / 10000^(2i / rotary_dim). Rebuilt with HF's own expression and checked
-    # against the table's first rows, so a model with another recipe is refused rather than guessed.
+def _sincos_table(hf_model: Any) -> Any:
+    # GPT-J / CodeGen keep `embed_positions`, a [position, rotary_dim] table of sin | cos: on each attention module
+    # (transformers <= 5.23) or on one model-level `GPTJRotaryEmbedding` (5.24), which has no inv_freq.
     mods = attention_modules(hf_model)
     table = getattr(mods[0], "embed_positions", None) if mods else None
+    if table is None:
+        try:
+            table = getattr(rotary_emb(hf_model), "embed_positions", None)
+        except NotImplementedError:
+            table = None
+    return table
+
+
+def _table_inv_freq(hf_model: Any) -> torch.Tensor | None:
+    # The sin | cos table is built from inv_freq = 1 / 10000^(2i / rotary_dim): rebuilt with HF's own expression and
+    # checked against the table's first rows, so a model with another recipe is refused rather than guessed.
+    table = _sincos_table(hf_model)
     if not isinstance(table, torch.Tensor) or table.dim() != 2:
         return None
     rd = table.shape[-1]
@@ -272,9 +283,11 @@ def inv_freq(hf_model: Any, layer: int) -> tuple[torch.Tensor, float]:
     try:
         emb = rotary_emb(hf_model)
     except NotImplementedError:
+        emb = None
+    if emb is None or not any(name.endswith("inv_freq") for name, _ in emb.named_buffers()):
         inv = _table_inv_freq(hf_model)
         if inv is None:
-            raise
+            raise NotImplementedError(f"cannot read the rotary frequencies of {type(hf_model).__name__}")
         return inv, 1.0
     lt = layer_type(hf_model, layer)
     prefix = f"{lt}_" if lt is not None and hasattr(emb, f"{lt}_inv_freq") else ""  # Gemma 3: a table per type
