@@ -210,8 +210,8 @@ def run_atlas(model: Any, text: str | None = None, config: AtlasConfig | None = 
 
         t0 = time.perf_counter()
         threshold = parts["heads"].meta["config"]["relative_r2"]
-        rows = corpus_rows(model, body, min(w, RELATIVE_VIEW_TOKENS), RELATIVE_VIEW_WINDOWS)
-        views = relative_views(model, rows, parts["heads"].tables["heads"])
+        windows = corpus_rows(model, body, min(w, RELATIVE_VIEW_TOKENS), RELATIVE_VIEW_WINDOWS)
+        views = relative_views(model, windows, parts["heads"].tables["heads"])
         tables["relative_views"] = views
         extra["relative_views"] = {"pattern_threshold": threshold, "term_relative": TERM_RELATIVE,
                                    "term_positional": TERM_POSITIONAL, **disagreements(views, threshold)}

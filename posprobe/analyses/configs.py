@@ -316,15 +316,6 @@ class AtlasConfig:
     PROBE_TOKENS: ClassVar[int] = 3000
     QUICK_PROBE_TOKENS: ClassVar[int] = 600
 
-    def window_for(self, n_ctx: int) -> int:
-        """Tokens per text window on a model with `n_ctx` positions."""
-        return min(self.window or (self.QUICK_WINDOW if self.quick else self.WINDOW), n_ctx)
-
-    def probe_tokens_used(self) -> int:
-        """Tokens the probe section samples."""
-        return self.probe_tokens or (self.QUICK_PROBE_TOKENS if self.quick else self.PROBE_TOKENS)
-
-
     window: int | None = option(None, "tokens per text window of the heads, frequency, geometry and probe sections "
                                       "(default: 512, at most the model's context; 64 with --quick)")
     max_windows: int = option(6, "text windows per section")
@@ -347,6 +338,14 @@ class AtlasConfig:
         bad = sorted(set(self.sections or ()) - set(ATLAS_SECTIONS))
         if bad:
             raise ValueError(f"unknown atlas sections {bad}; choose from {sorted(ATLAS_SECTIONS)}")
+
+    def window_for(self, n_ctx: int) -> int:
+        """Tokens per text window on a model with `n_ctx` positions."""
+        return min(self.window or (self.QUICK_WINDOW if self.quick else self.WINDOW), n_ctx)
+
+    def probe_tokens_used(self) -> int:
+        """Tokens the probe section samples."""
+        return self.probe_tokens or (self.QUICK_PROBE_TOKENS if self.quick else self.PROBE_TOKENS)
 
 
 @dataclass(frozen=True, kw_only=True)

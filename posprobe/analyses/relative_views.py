@@ -23,7 +23,7 @@ import torch
 from posprobe.analyses.decompose import decompose_layer0, head_summary
 from posprobe.backend.facts import model_facts
 
-__all__ = ["relative_views", "TERM_RELATIVE", "TERM_POSITIONAL"]
+__all__ = ["relative_views", "disagreements", "TERM_RELATIVE", "TERM_POSITIONAL"]
 
 #: A head's position x position score term counts as relative when the offset explains at least this share of it.
 TERM_RELATIVE = 0.5

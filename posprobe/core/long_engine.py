@@ -35,12 +35,12 @@ from posprobe.core.positions import PositionError
 from posprobe.core.surgery import PairRule, shift_pairs
 from posprobe.rope import hf_cos_sin, hf_rotate, inv_freq_of
 
-# HF model types whose attention rotates the head (all of it, or its first dims: partial rotary), half-split or
-# adjacent pairs (`hf.adjacent_pairs`), and passes q/k to the attention interface unchanged after rotation. Others
-# are refused rather than guessed.
 # `enable_gqa` (PyTorch >= 2.5): grouped-query attention without a copy of keys and values per query head.
 _SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
 
+# HF model types whose attention rotates the head (all of it, or its first dims: partial rotary), half-split or
+# adjacent pairs (`hf.adjacent_pairs`), and passes q/k to the attention interface unchanged after rotation. Others
+# are refused rather than guessed.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo", "olmo2",
                          "granite", "smollm3", "starcoder2", "gpt_neox", "phi", "phi3", "stablelm", "cohere", "cohere2",
                          "glm")
@@ -99,8 +99,8 @@ class _Engine:
         if kept is not None:
             k_pos, k_inv, k_r, k_last, k_rot = kept
             m = k_pos.numel()
-            if (m < n and k_r == r and k_inv.shape == inv.shape and torch.equal(k_inv, inv)
-                    and torch.equal(pos[:m], k_pos) and torch.equal(key[:, :, m - 1], k_last)):
+            if (m < n and k_r == r and torch.equal(k_inv, inv) and torch.equal(pos[:m], k_pos)
+                    and torch.equal(key[:, :, m - 1], k_last)):
                 rot = torch.cat([k_rot, rotate_hf(key[:, :, m:], pos[m:], inv, self.adjacent, r)], dim=2)
                 self.rotated[(layer, view)] = (pos, inv, r, key[:, :, -1].clone(), rot)
                 return rot

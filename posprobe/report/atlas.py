@@ -152,6 +152,11 @@ def figures(result: Any) -> list:
     return figs
 
 
+def _window(meta: dict) -> int:
+    # The window the sections ran on (meta "window"; older atlases only had the configured one).
+    return int(meta.get("window") or meta["config"]["window"])
+
+
 def window_scope(meta: dict) -> str:
     """What windows of this size can and cannot show, in words: the share of the context, the offsets and positions a
     head signature or probe sees, the probe's chance error, and (RoPE) how many bands turn once inside a window."""
@@ -159,7 +164,7 @@ def window_scope(meta: dict) -> str:
 
     f, sections = meta["model"], meta["sections"]
     n_ctx = int(f["n_ctx"])
-    w = min(int(meta.get("window") or meta["config"]["window"]), n_ctx)
+    w = min(_window(meta), n_ctx)
     text = (f"Windows of {w} tokens cover {w / n_ctx:.1%} of the {n_ctx}-position context: head signatures see "
             f"offsets 0-{w - 1} only, so behaviour at longer range cannot show")
     if "probes" in sections:
@@ -181,7 +186,7 @@ def sections(result: Any) -> list[Section]:
     toc = "".join(f'<li><a href="#atlas-{s}">{html.escape(_TITLES[s])}</a></li>' for s in m["sections"])
     skipped = ", ".join(_TITLES[s] for s in m.get("skipped", []))
     left_out = ", ".join(_TITLES[s] for s in m.get("left_out", []))
-    w = m.get("window") or m["config"]["window"]
+    w = _window(m)
     sink = f" (attention sinks: {m['sink_length']}, as Gu et al.)" if "sinks" in m["sections"] and m.get(
         "sink_length") else ""
     intro = (f"<ol>{toc}</ol><p>Data: {html.escape(str(m['data']['source']))}; windows of {w} tokens{sink}. "
