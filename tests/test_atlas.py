@@ -48,8 +48,12 @@ def test_rope_model_gets_frequency_and_the_shift_test_as_invariance_control(tiny
     r = run_atlas(tiny_rope, None, AtlasConfig(**SMALL))
     assert r.meta["sections"] == ["facts", "heads", "sinks", "frequency", "probes", "shift"]
     assert "relative_views" not in r.tables  # a RoPE model has no learned position table to split
-    assert r.meta["skipped"] == ["geometry", "retrieval"]  # retrieval: a 64-token context holds no needle prompt
+    assert r.meta["skipped"] == ["geometry", "retrieval"]  # retrieval: a 256-token context holds no needle prompt
+    assert r.meta["skipped_why"] == {
+        "geometry": "position geometry reads a learned position table; rotary models have none",
+        "retrieval": "a 256-token context is shorter than the 512 tokens a needle prompt needs"}
     page = _check_saved(r, tmp_path / "a")
+    assert "Skipped on this model: Learned-position geometry (position geometry reads a learned" in page
     share = r.parts["sinks"].meta["sink_share"]
     assert f"{share['random']:.0%} of (sequence, head) pairs sink" in page and "Attention sinks" in page
     t = r.tables["atlas"].set_index(["section", "metric"]).value

@@ -30,6 +30,7 @@ from posprobe.analyses.configs import (
 )
 from posprobe.backend import hf as HF
 from posprobe.backend.facts import ModelFacts, model_facts
+from posprobe.backend.families import not_applicable
 from posprobe.backend.model import device_of, dtype_of
 from posprobe.data import BUILTIN_CORPUS_SOURCE, BUILTIN_SOURCE, builtin_corpus, builtin_pairs
 from posprobe.report.result import Result
@@ -81,18 +82,38 @@ RETRIEVAL_MIN_CTX = 512
 
 
 def applicable(facts: ModelFacts, wanted: tuple[str, ...] | None, engine_runs: bool = False) -> list[str]:
-    """The sections that apply to this model (frequency: RoPE whose rotated q/k posprobe can read; geometry: learned
-    positions; shift: learned or rotary positions; retrieval: a RoPE decoder the long-context engine runs
-    (`engine_runs`) with a context of at least RETRIEVAL_MIN_CTX), restricted to `wanted` when given."""
-    proven = facts.unsupported is None  # position analyses: families posprobe has proven (probes: any family)
-    readable_qk = not facts.is_rotary or (proven and facts.rotation_unhooked is None)
-    ok = {"facts": True, "heads": facts.attention_unsupported is None,
-          "sinks": facts.attention_unsupported is None and readable_qk,
-          "frequency": facts.is_rotary and proven and facts.rotation_unhooked is None,
-          "geometry": facts.has_w_pos and proven, "probes": True,
-          "shift": facts.positional_kind in ("learned_absolute", "rotary") and proven}
-    ok["retrieval"] = facts.is_rotary and proven and facts.n_ctx >= RETRIEVAL_MIN_CTX and engine_runs
-    return [s for s in SECTIONS if ok[s] and (wanted is None or s in wanted)]
+    """The sections that apply to this model, restricted to `wanted` when given: see `skip_reasons`."""
+    skip = skip_reasons(facts, engine_runs)
+    return [s for s in SECTIONS if s not in skip and (wanted is None or s in wanted)]
+
+
+def skip_reasons(facts: ModelFacts, engine_runs: bool = False) -> dict[str, str]:
+    """Section -> why it does not run on this model: its positional family's own reasons (backend.families: e.g.
+    frequency needs RoPE, geometry a learned table), then what posprobe has not proven for the model (position
+    analyses: `facts.unsupported`; patterns: `facts.attention_unsupported`; rotated q/k the model rotates where no
+    hook fires), then retrieval's needs (the long-context engine runs the model, context >= RETRIEVAL_MIN_CTX)."""
+    why: dict[str, str] = {}
+    for s in SECTIONS:
+        if (reason := not_applicable(facts.positional_kind, s)) is not None:
+            why[s] = reason
+    unhooked = facts.is_rotary and facts.rotation_unhooked is not None
+    for s, blocked in (("heads", facts.attention_unsupported), ("sinks", facts.attention_unsupported),
+                       ("sinks", facts.rotation_unhooked if unhooked else None),
+                       ("frequency", facts.unsupported), ("frequency", facts.rotation_unhooked),
+                       ("geometry", facts.unsupported),
+                       ("geometry", None if facts.has_w_pos else "the model exposes no position table"),
+                       ("shift", facts.unsupported),
+                       ("retrieval", facts.unsupported)):
+        if blocked is not None:
+            why.setdefault(s, blocked)
+    if facts.is_rotary and facts.unsupported is not None:
+        why.setdefault("sinks", facts.unsupported)  # sinks read the rotated q/k of a RoPE model
+    if facts.n_ctx < RETRIEVAL_MIN_CTX:
+        why.setdefault("retrieval", f"a {facts.n_ctx}-token context is shorter than the {RETRIEVAL_MIN_CTX} "
+                                    "tokens a needle prompt needs")
+    if not engine_runs:
+        why.setdefault("retrieval", "the long-context engine does not run this model")
+    return why
 
 
 def run_atlas(model: Any, text: str | None = None, config: AtlasConfig | None = None, *,
@@ -186,7 +207,8 @@ def run_atlas(model: Any, text: str | None = None, config: AtlasConfig | None = 
             dtype=str(dtype_of(model)).replace("torch.", ""),
         ),
     }
-    sections = applicable(facts, cfg.sections, engine_runs=_engine_runs(model))
+    why_skipped = skip_reasons(facts, engine_runs=_engine_runs(model))
+    sections = [s for s in SECTIONS if s not in why_skipped and (cfg.sections is None or s in cfg.sections)]
     skipped = [s for s in SECTIONS if s not in sections]
     left_out = []
     if cfg.quick and cfg.sections is None and "retrieval" in sections:  # the short tour leaves out the decoding
@@ -218,7 +240,8 @@ def run_atlas(model: Any, text: str | None = None, config: AtlasConfig | None = 
         timings["relative_views"] = round(time.perf_counter() - t0, 2)
     meta = make_meta("atlas", model=facts.summary(), data=data_meta(src, n_items=nw, unit="windows",
                                                                     sha256=text_sha256(body)),
-                     config=cfg, sections=sections, skipped=skipped, left_out=left_out,
+                     config=cfg, sections=sections, skipped=skipped,
+                     skipped_why={s: why_skipped[s] for s in skipped if s in why_skipped}, left_out=left_out,
                      shift_ks=list(ks), seconds=timings, window=w, sink_length=min(SINK_LENGTH, w),
                      probe_tokens=cfg.probe_tokens_used(), **extra)
     return AtlasResult(tables, meta, parts)

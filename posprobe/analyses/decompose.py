@@ -46,6 +46,7 @@ from jaxtyping import Float, Int
 
 from posprobe.analyses.configs import DecomposeConfig
 from posprobe.backend.facts import WrongModelKind, model_facts, require_supported
+from posprobe.backend.families import family
 from posprobe.backend.hooks import (
     attention_scores,
     kept_pairs,
@@ -239,6 +240,14 @@ def _pair_scores(
     return names, pairs
 
 
+def _decompositions(kind: str) -> tuple[str, ...]:
+    # The decompose methods whose score terms exist for this positional family (its adapter says).
+    try:
+        return family(kind).decompositions
+    except KeyError:
+        return ()
+
+
 @torch.no_grad()
 def decompose_layer0(model: Any, tokens: Int[torch.Tensor, "batch pos"]) -> Decomposition:
     """Exact layer-0 split of the scores into word/position/bias pair terms (float64, score units).
@@ -249,7 +258,7 @@ def decompose_layer0(model: Any, tokens: Int[torch.Tensor, "batch pos"]) -> Deco
     """
     facts = model_facts(model)
     require_supported(facts, "The score decomposition")
-    if facts.positional_kind != "learned_absolute":
+    if "exact-layer0" not in _decompositions(facts.positional_kind):
         raise WrongModelKind(
             f"The exact layer-0 split needs position embeddings added to the token embeddings, but {facts.name} "
             f"uses {facts.positional_kind} positions; use the data-driven split decompose_layer(model, tokens, "
@@ -320,7 +329,7 @@ def decompose_layer(
     """
     facts = model_facts(model)
     require_supported(facts, "The score decomposition")
-    if facts.positional_kind not in ("learned_absolute", "rotary", "none"):
+    if "data-driven" not in _decompositions(facts.positional_kind):
         raise WrongModelKind(
             f"The data-driven split covers position information carried in the residual stream or by RoPE; "
             f"{facts.name} uses {facts.positional_kind} positions, which act outside it"

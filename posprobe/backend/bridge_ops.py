@@ -24,6 +24,7 @@ from posprobe.backend.bridge import (
     rotary_spec,
     unsupported_qk_path,
 )
+from posprobe.backend.families import alibi, learned, relative, rotary, sinusoidal
 from posprobe.backend.fast_attention import sdpa_attention
 from posprobe.backend.kind import hf_attention, is_encoder, n_layers
 from posprobe.backend.peek import tl_positional_kind
@@ -86,13 +87,9 @@ def forward_cached(model: Any, tokens: torch.Tensor, cache: Any) -> torch.Tensor
 
 
 def position_table(model: Any) -> torch.Tensor:
-    # Row i is position i, as the forward reads the table: OPT starts at row `offset` (2); RoBERTa numbers real tokens
-    # from padding_idx + 1 (row padding_idx is the pads' own), so its position i is row padding_idx + 1 + i.
+    # Row i is position i, as the forward reads the table (the learned family knows where position 0 sits).
     emb = model.pos_embed.original_component
-    offset = getattr(emb, "offset", None)
-    if offset is None and getattr(emb, "padding_idx", None) is not None:
-        offset = int(emb.padding_idx) + 1
-    return emb.weight[int(offset or 0):]
+    return emb.weight[learned.first_row(emb):]
 
 
 # ---- weights and norms (score decomposition)
@@ -339,9 +336,7 @@ def forward_unsupported(model: Any) -> str | None:
     # matches to 1e-6. Every hook value would be off: refused as a whole.
     cfg = hf.text_config(model.original_model)
     if not hasattr(model, "blocks"):
-        return (f"TransformerLens bridges {type(model.original_model).__name__} as an encoder-decoder (encoder_blocks, "
-                "decoder_blocks); posprobe reads one stack of blocks and does not analyse encoder-decoder models "
-                "(T5's relative position buckets) yet")
+        return relative.encoder_decoder(type(model.original_model).__name__)
     if str(getattr(cfg, "model_type", "")) == "falcon" and getattr(cfg, "alibi", False):
         return (f"TransformerLens {_tl_version()}'s bridge does not reproduce Hugging Face's forward for Falcon with "
                 "ALiBi (Falcon-RW; logits 0.1-0.9 apart on tiny random models), so no hook value can be trusted")
@@ -407,33 +402,20 @@ def alibi_slopes(model: Any) -> tuple[tuple[float, ...], ...]:
     names = [(hook_name(p, l), keep(p, l)) for l in range(L) for p in ("q", "k", "scores")]
     with torch.no_grad(), hooked(model, names):
         model(ids)
-    i, j = torch.tril_indices(n, n)
+    arch = type(model.original_model).__name__
     out = []
     for l in range(L):
         q, k, s = got[("q", l)], got[("k", l)], got[("scores", l)]
         h, kv = q.shape[2], k.shape[2]
         k = k.repeat_interleave(h // kv, dim=2) if h != kv else k
-        bias = s[0] - torch.einsum("qhd,khd->hqk", q[0], k[0]) * _scaling(model, l)  # [head, query, key]
-        b = bias[:, i, j]
-        # bias = slope * j + c_i: remove each row's mean, then slope by least squares on the centred key index
-        jj = j.double()
-        rows_mean_b = torch.stack([b[:, i == r].mean(1) for r in range(n)], 1)[:, i]
-        rows_mean_j = torch.stack([jj[i == r].mean() for r in range(n)])[i]
-        x, y = jj - rows_mean_j, b - rows_mean_b
-        slope = (y * x).sum(1) / (x * x).sum()
-        err = float((y - slope[:, None] * x).abs().max())
-        if err > 1e-4 * max(1.0, float(b.abs().max())):
-            arch = type(model.original_model).__name__
-            raise NotImplementedError(f"{arch}'s attention bias is not linear in the key position (fit error "
-                                      f"{err:.2g}): not ALiBi as posprobe controls it")
-        out.append(tuple(float(v) for v in slope))
+        out.append(alibi.fit_slopes(s[0] - torch.einsum("qhd,khd->hqk", q[0], k[0]) * _scaling(model, l), arch))
     model.__dict__["_posprobe_alibi_slopes"] = tuple(out)
     return tuple(out)
 
 
 def _sinusoidal(model: Any) -> bool:
     # XGLM (and fairseq-style models) add a fixed sinusoidal table; TL's config calls it "standard".
-    return any("Sinusoidal" in type(m).__name__ for m in model.original_model.modules())
+    return sinusoidal.detect(model.original_model)
 
 
 def layer_kinds(model: Any) -> tuple[str, ...]:
@@ -456,15 +438,14 @@ def positional_unsupported(model: Any) -> str | None:
         except NotImplementedError as e:
             return str(e)
     if kind in ("standard", "shortformer") and not hasattr(model, "pos_embed"):
-        what = "fixed sinusoidal positions" if _sinusoidal(model) else "its position embedding"
-        return (f"{arch} adds {what} inside Hugging Face's model (TL's bridge has no pos_embed component), which "
-                "posprobe cannot read or control yet")
+        if _sinusoidal(model):
+            return sinusoidal.unsupported(arch)
+        return (f"{arch} adds its position embedding inside Hugging Face's model (TL's bridge has no pos_embed "
+                "component), which posprobe cannot read or control yet")
     if kind in ("relative_positional_bias", "relative_bias"):
-        return f"{arch} uses T5-style relative position buckets, which posprobe has no adapter for yet"
+        return relative.unsupported(arch)
     if kind == "rotary" and getattr(cfg, "num_kv_shared_layers", 0):
-        # Measured on a tiny Gemma 4: the sharing layers have no hook_k (they read an earlier layer's cached keys).
-        return (f"{arch} reuses earlier layers' keys and values in its last {cfg.num_kv_shared_layers} layers "
-                "(num_kv_shared_layers), which posprobe's position control does not reach yet")
+        return rotary.kv_shared(arch, cfg.num_kv_shared_layers)
     if kind == "rotary":
         try:
             hf.refuse_unknown_rope(hf_model, 0, arch)
@@ -473,8 +454,7 @@ def positional_unsupported(model: Any) -> str | None:
         try:
             inv, _ = hf.inv_freq(hf_model, 0)  # NoPE layers share the rotary module
         except NotImplementedError:
-            return (f"{arch} rotates inside its attention without a rotary-embedding module (GPT-J style "
-                    "interleaved pairs), which posprobe does not read yet")
+            return rotary.no_rotary_module(arch)
     why = next((w for w in (unsupported_qk_path(model, l) for l in range(n_layers(model))) if w), None)
     if why is not None:
         return f"{arch}'s attention {why}, which posprobe's position control does not reproduce yet"

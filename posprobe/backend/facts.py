@@ -9,6 +9,7 @@ from typing import Any
 
 from posprobe.backend import hf
 from posprobe.backend.dispatch import ops
+from posprobe.backend.families import describe_layers
 from posprobe.backend.kind import is_encoder
 from posprobe.backend.model import has_lm_head
 from posprobe.backend.peek import (  # torch-free, so the CLI can raise WrongModelKind before loading
@@ -106,48 +107,6 @@ def _runs(items: tuple[str, ...]) -> list[str]:
     return out
 
 
-def _slopes_text(slopes: tuple[float, ...]) -> str:
-    import math
-
-    def one(s: float) -> str:
-        e = math.log2(s) if s > 0 else float("nan")
-        return f"2^{e:.0f}" if abs(e - round(e)) < 1e-4 else f"{s:.3g}"
-
-    return f"slopes {one(max(slopes))} … {one(min(slopes))}, measured" if slopes else "no heads"
-
-
-def describe_layers(kinds: tuple[str, ...], rotary: tuple[RotarySpec | None, ...] | None, d_head: int,
-                    attn_types: tuple[str, ...], extra: str = "",
-                    alibi: tuple[tuple[float, ...], ...] | None = None,
-                    length_rules: tuple[str | None, ...] | None = None) -> tuple[str, ...]:
-    """One phrase per layer saying how positions enter it, from per-layer kinds ("rotary", "nope", ...)."""
-    out = []
-    for l, kind in enumerate(kinds):
-        if kind == "rotary" and rotary is not None and rotary[l] is not None:
-            s = rotary[l]
-            pct = 100 * s.rotary_dim / d_head if d_head else 100
-            scaled = ", scaled frequencies" if s.freq_scale is not None else ""
-            if s.removed:  # Gemma 4's proportional RoPE: the slow bands never turn
-                scaled += f", {s.n_bands - len(s.removed)} of {s.n_bands} bands rotate"
-            if s.attention_factor != 1.0:
-                scaled += f", cos/sin x{s.attention_factor:.6g}"
-            text = (f"rotary {pct:.0f}% of head dim, {'adjacent' if s.adjacent else 'half-split'} pairing, "
-                    f"base {s.base:g}{scaled}")
-        else:
-            text = {"rotary": "rotary", "nope": "NoPE (no positional encoding)", "learned_absolute":
-                    "learned absolute (added to the embedding)", "alibi": "ALiBi (linear distance bias)",
-                    "relative_bias": "relative position buckets (T5)",
-                    "sinusoidal": "fixed sinusoidal (added to the embedding)"}.get(kind, kind)
-        if kind == "alibi" and alibi is not None:
-            text = f"ALiBi ({_slopes_text(alibi[l])})"
-        if l < len(attn_types) and attn_types[l] == "local":
-            text += ", sliding window"
-        if length_rules and kind == "rotary" and length_rules[l]:
-            text += f" ({length_rules[l]})"
-        out.append(text + extra)
-    return tuple(out)
-
-
 def model_facts(model: Any) -> ModelFacts:
     """Positional facts of a TransformerLens model (TransformerBridge, HookedTransformer or HookedEncoder): shapes
     from its config, rotary specs and layer types from the backend adapter (on a bridge: from the wrapped HF
@@ -184,7 +143,7 @@ def model_facts(model: Any) -> ModelFacts:
         rotary=rotary,
         attn_types=attn_types,
         normalization=str(cfg.normalization_type),
-        layer_positions=describe_layers(kinds, rotary, int(cfg.d_head), attn_types, alibi=slopes,
+        layer_positions=describe_layers(kinds, rotary, int(cfg.d_head), attn_types, alibi_slopes=slopes,
                                         length_rules=rules),
         unsupported=adapter.positional_unsupported(model),
         attention_unsupported=adapter.attention_unsupported(model),

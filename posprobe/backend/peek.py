@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from posprobe.backend.families import alibi, learned, relative, rotary
 from posprobe.backend.sources import ModelLoadError, Source, read_hf_config, resolve_local
 from posprobe.backend.tiny_specs import SPECS as TINY_SPECS
 
@@ -23,17 +24,15 @@ UNKNOWN = "unknown"
 # Names match posprobe.backend.facts (TL's "standard" is "learned_absolute").
 _TL_KINDS = {"standard": "learned_absolute", "rotary": "rotary", "shortformer": "shortformer", "alibi": "alibi",
              "relative_positional_bias": "relative_bias"}
-_HF_ROPE_KEYS = ("rope_theta", "rope_parameters", "rope_scaling", "rotary_dim", "rotary_pct", "rotary_emb_base",
-                 "rotary_emb_fraction", "partial_rotary_factor")
-# Families whose configs carry no positional key that says "learned table" outright.
-_HF_LEARNED = {"gpt2", "gpt_neo", "opt", "bert", "roberta", "xlm-roberta", "distilbert", "electra", "camembert",
-               "biogpt", "gpt_bigcode", "bart", "whisper"}
-_HF_ALIBI = {"bloom", "mpt"}
-_HF_RELATIVE = {"t5", "mt5", "umt5", "longt5"}
+# Each family's config vocabulary lives in its adapter (backend.families).
+_HF_ROPE_KEYS = rotary.HF_KEYS
+_HF_LEARNED = learned.FAMILY.hf_model_types
+_HF_ALIBI = alibi.FAMILY.hf_model_types
+_HF_RELATIVE = relative.FAMILY.hf_model_types
 _HF_ENCODERS = {"bert", "roberta", "xlm-roberta", "distilbert", "electra", "camembert", "albert", "deberta",
                 "deberta-v2", "nomic_bert", "modernbert"}
-_GGUF_LEARNED = {"gpt2", "starcoder", "bert"}
-_GGUF_ALIBI = {"bloom", "mpt", "refact", "jais", "jina-bert-v2"}
+_GGUF_LEARNED = learned.FAMILY.gguf_archs
+_GGUF_ALIBI = alibi.FAMILY.gguf_archs
 _GGUF_ENCODERS = {"bert", "nomic-bert", "jina-bert-v2", "t5encoder"}
 
 

@@ -13,6 +13,7 @@ import torch
 from jaxtyping import Int
 
 from posprobe.backend.facts import WrongModelKind, model_facts, require_learned, require_rotary, require_supported
+from posprobe.backend.families import family
 from posprobe.backend.hooks import (
     alibi_slopes,
     attention_scores,
@@ -428,14 +429,20 @@ def token_positions(model: Any, pos: torch.Tensor, label: str = "positions") -> 
     from posprobe.backend.model import device_of
 
     kind = model_facts(model).positional_kind
-    if kind == "learned_absolute":
+    try:
+        fam = family(kind)
+    except KeyError:
+        raise WrongModelKind(f"Positions can be set on learned, rotary or ALiBi models; {model_name(model)} uses "
+                             f"{kind}") from None
+    if fam.control == "position ids":
         return learned_positions(model, pos)
-    if kind == "alibi":
+    if fam.control == "score bias":
         return alibi_positions(model, PositionPlan(pos.double(), pos.double().clone(), label=label))
-    if kind == "rotary":
+    if fam.control == "q/k rotation":
         # One host->device copy for q and k (the plan keeps them on the device); mps has no float64, and float32
         # holds every integer position below 2**24 exactly.
         device = device_of(model)
         p = pos.to(device, torch.float32 if device.type == "mps" else torch.float64)
         return rope_positions(model, PositionPlan(p, p.clone(), label=label))
-    raise WrongModelKind(f"Positions can be set on learned, rotary or ALiBi models; {model_name(model)} uses {kind}")
+    raise WrongModelKind(f"Positions can be set on learned, rotary or ALiBi models; {model_name(model)} uses {kind} "
+                         f"positions ({fam.why_no_control})")

@@ -184,13 +184,14 @@ def sections(result: Any) -> list[Section]:
     m = result.meta
     parts = getattr(result, "parts", {})
     toc = "".join(f'<li><a href="#atlas-{s}">{html.escape(_TITLES[s])}</a></li>' for s in m["sections"])
-    skipped = ", ".join(_TITLES[s] for s in m.get("skipped", []))
+    why = m.get("skipped_why", {})
+    skipped = "; ".join(_TITLES[s] + (f" ({why[s]})" if s in why else "") for s in m.get("skipped", []))
     left_out = ", ".join(_TITLES[s] for s in m.get("left_out", []))
     w = _window(m)
     sink = f" (attention sinks: {m['sink_length']}, as Gu et al.)" if "sinks" in m["sections"] and m.get(
         "sink_length") else ""
     intro = (f"<ol>{toc}</ol><p>Data: {html.escape(str(m['data']['source']))}; windows of {w} tokens{sink}. "
-             f"{('Not applicable to this model: ' + html.escape(skipped) + '. ') if skipped else ''}"
+             f"{('Skipped on this model: ' + html.escape(skipped) + '. ') if skipped else ''}"
              f"{('Left out by --quick: ' + html.escape(left_out) + '.') if left_out else ''}</p>"
              f"<p>{html.escape(window_scope(m))}</p>")
     out = [Section("Contents", html=intro)]

@@ -1,0 +1,64 @@
+"""One adapter per positional mechanism: rotary, learned absolute, ALiBi, T5 relative buckets, fixed sinusoidal,
+none (NoPE). Each module holds its family's `FAMILY` (how positions enter a layer, how a plan is honoured, which
+score terms exist, which analyses apply and why not) and the family's quirks (OPT's table offset, ALiBi's measured
+slopes, the sinusoidal module, T5's refusal). Adding a family is one module here plus its tests.
+
+Torch-free at import: `peek` reads the families' config vocabularies before any model loads."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from posprobe.backend.families import alibi, learned, nope, relative, rotary, sinusoidal
+from posprobe.backend.families.base import CONTROLS, POSITION_SECTIONS, Family
+
+if TYPE_CHECKING:  # torch-free at import: peek runs before torch loads
+    from posprobe.rope import RotarySpec
+
+#: Every family by `kind`. "none" (a whole model without positions) is the NoPE family too.
+FAMILIES: dict[str, Family] = {m.FAMILY.kind: m.FAMILY for m in (rotary, learned, alibi, relative, sinusoidal, nope)}
+_ALIASES = {"none": "nope"}
+
+
+def family(kind: str) -> Family:
+    """The adapter of positional kind `kind` (a `ModelFacts.positional_kind` or per-layer kind); KeyError, naming the
+    known kinds, for one posprobe has no adapter for."""
+    try:
+        return FAMILIES[_ALIASES.get(kind, kind)]
+    except KeyError:
+        raise KeyError(f"No positional family {kind!r} (known: {', '.join(FAMILIES)})") from None
+
+
+def not_applicable(kind: str, section: str) -> str | None:
+    """Why atlas section / analysis `section` does not apply to positional kind `kind`, or None where it does. An
+    unknown kind has no adapter, so no position analysis (POSITION_SECTIONS) applies to it."""
+    try:
+        return family(kind).applies(section)
+    except KeyError:
+        return f"posprobe has no adapter for {kind} positions" if section in POSITION_SECTIONS else None
+
+
+def describe_layers(kinds: tuple[str, ...], rotary_specs: tuple[RotarySpec | None, ...] | None, d_head: int,
+                    attn_types: tuple[str, ...], extra: str = "",
+                    alibi_slopes: tuple[tuple[float, ...], ...] | None = None,
+                    length_rules: tuple[str | None, ...] | None = None) -> tuple[str, ...]:
+    """One phrase per layer saying how positions enter it, from per-layer kinds ("rotary", "nope", ...), each
+    family's own wording (rotary share / pairing / base; measured ALiBi slopes)."""
+    out = []
+    for l, kind in enumerate(kinds):
+        if kind == "rotary" and rotary_specs is not None and rotary_specs[l] is not None:
+            text = rotary.phrase(rotary_specs[l], d_head)
+        elif kind == "alibi" and alibi_slopes is not None:
+            text = alibi.phrase(alibi_slopes[l])
+        else:
+            text = FAMILIES.get(_ALIASES.get(kind, kind), Family(kind, kind, None)).phrase
+        if l < len(attn_types) and attn_types[l] == "local":
+            text += ", sliding window"
+        if length_rules and kind == "rotary" and length_rules[l]:
+            text += f" ({length_rules[l]})"
+        out.append(text + extra)
+    return tuple(out)
+
+
+__all__ = ["CONTROLS", "FAMILIES", "POSITION_SECTIONS", "Family", "alibi", "describe_layers", "family", "learned",
+           "nope", "not_applicable", "relative", "rotary", "sinusoidal"]

@@ -1,0 +1,54 @@
+"""ALiBi: no position in the residual stream; each head adds -slope * distance to its scores (BLOOM, MPT,
+Falcon-RW). Slopes are measured from the model's own computation, never taken from the formula (Falcon-RW in
+transformers 5.23 applies its bias twice). Position control moves the distances the bias sees."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from posprobe.backend.families.base import Family
+
+FAMILY = Family(
+    kind="alibi",
+    phrase="ALiBi (linear distance bias)",
+    control="score bias",
+    not_applicable={
+        "frequency": "per-frequency RoPE usage needs rotary positions; ALiBi has no bands",
+        "geometry": "position geometry reads a learned position table; ALiBi models have none",
+        "shift": "ALiBi's bias depends on distance alone, so shifting every position changes nothing by construction",
+        "retrieval": "retrieval heads are read through the long-context engine, which rotates q and k",
+    },
+    hf_model_types=frozenset({"bloom", "mpt"}),
+    gguf_archs=frozenset({"bloom", "mpt", "refact", "jais", "jina-bert-v2"}),
+)
+
+
+def phrase(slopes: tuple[float, ...]) -> str:
+    """One ALiBi layer: its steepest and shallowest measured slope, as powers of two where they are."""
+    def one(s: float) -> str:
+        e = math.log2(s) if s > 0 else float("nan")
+        return f"2^{e:.0f}" if abs(e - round(e)) < 1e-4 else f"{s:.3g}"
+
+    return f"ALiBi (slopes {one(max(slopes))} … {one(min(slopes))}, measured)" if slopes else "ALiBi (no heads)"
+
+
+def fit_slopes(bias: Any, arch: str) -> tuple[float, ...]:
+    """Each head's slope (score units per token of key position) from one layer's measured causal bias
+    `[head, query, key]` (float64; scores minus scale * q.k): bias = slope * j + c_i, fitted by least squares on
+    the key index centred per query row. NotImplementedError, naming `arch`, where the bias is not linear in j."""
+    import torch
+
+    n = bias.shape[-1]
+    i, j = torch.tril_indices(n, n)
+    b = bias[:, i, j]
+    jj = j.double()
+    row_mean_b = torch.stack([b[:, i == r].mean(1) for r in range(n)], 1)[:, i]
+    row_mean_j = torch.stack([jj[i == r].mean() for r in range(n)])[i]
+    x, y = jj - row_mean_j, b - row_mean_b
+    slope = (y * x).sum(1) / (x * x).sum()
+    err = float((y - slope[:, None] * x).abs().max())
+    if err > 1e-4 * max(1.0, float(b.abs().max())):
+        raise NotImplementedError(f"{arch}'s attention bias is not linear in the key position (fit error {err:.2g}): "
+                                  "not ALiBi as posprobe controls it")
+    return tuple(float(v) for v in slope)
