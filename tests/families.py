@@ -69,6 +69,10 @@ def _configs() -> dict:
                     T.GraniteForCausalLM),
         "olmo2": (T.Olmo2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                                 num_key_value_heads=2, max_position_embeddings=128, **c), T.Olmo2ForCausalLM),
+        # OLMo (1) clips q/k/v: the refused rotary family the gate tests use (position control does not clip yet).
+        "olmo": (T.OlmoConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                              num_key_value_heads=2, max_position_embeddings=128, clip_qkv=0.5, **c),
+                 T.OlmoForCausalLM),
         "stablelm": (T.StableLmConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                                       num_key_value_heads=4, max_position_embeddings=128, partial_rotary_factor=0.25,
                                       **c), T.StableLmForCausalLM),
@@ -102,15 +106,15 @@ def _configs() -> dict:
     }
 
 
-#: A family whose position analyses are refused as a whole (facts say why): OLMo 2 normalises q/k across heads.
-FAMILIES = ("olmo2",)
+#: A family whose position analyses are refused as a whole (facts say why): OLMo (1) clips q/k/v (clip_qkv).
+FAMILIES = ("olmo",)
 #: Partial rotary (rotary_pct / partial_rotary_factor), in both of TL's rotary attention components.
 PARTIAL = ("gpt_neox", "phi3", "phi", "stablelm")
 #: Adjacent pairs (2b, 2b+1): Cohere's interleaved cos/sin, GLM's partial rotary (GPT-J: its own test).
 ADJACENT = ("cohere", "cohere2", "glm")
 #: Every family of the support matrix, in its row order.
 ALL_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "smollm3", "gpt2", "gpt_neo", "opt",
-                "bert", "gpt_neox", "gptj", "bloom", "phi3", "phi", "gemma", "granite", "olmo2", "stablelm",
+                "bert", "gpt_neox", "gptj", "bloom", "phi3", "phi", "gemma", "granite", "olmo2", "olmo", "stablelm",
                 "starcoder2", "roberta", "mpt", "falcon", "falcon_rw", "cohere", "cohere2", "glm", "t5", "xglm")
 
 

@@ -7,6 +7,7 @@ any forward pass, and "n/a: why" when the analysis does not apply to the family'
 
 from __future__ import annotations
 
+import inspect
 import sys
 from typing import Any, Callable
 
@@ -185,8 +186,18 @@ def hf_rope_io(hf: Any, ids: torch.Tensor, layer: int) -> tuple[tuple, tuple, di
     attn = [m for m in hf.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")][layer]
     mod = sys.modules[type(attn).__module__]
     orig, seen, proj = mod.apply_rotary_pos_emb, [], {}
+    one_at_a_time = next(iter(inspect.signature(orig).parameters)) == "tensor"  # GPT-J: (tensor, sin, cos), k then q
+    half: list = []
 
     def spy(q, k, *a, **kw):
+        if one_at_a_time:
+            out = orig(q, k, *a, **kw)
+            half.append((q, out))
+            if len(half) == 2:  # GPT-J rotates [batch, pos, head, d]: stored as the others hand it, head before pos
+                (k_in, k_out), (q_in, q_out) = ((x.transpose(1, 2) for x in pair) for pair in half)
+                seen.append(((q_in, k_in), (q_out, k_out)))
+                half.clear()
+            return out
         out = orig(q, k, *a, **kw)
         seen.append(((q, k), out))
         return out

@@ -22,7 +22,7 @@ from posprobe.backend.facts import model_facts
 from posprobe.rope import RotarySpec
 
 REFUSAL = {
-    "olmo2": "normalises q/k across heads",
+    "olmo": "clips q/k/v",
 }
 LAYERS = {
     "cohere": "rotary 100% of head dim, adjacent pairing",
@@ -131,15 +131,15 @@ def test_heads_and_probes_still_run_and_the_atlas_skips_what_is_refused(family):
 
 def test_a_rotation_hook_that_never_fires_raises(monkeypatch):
     # The nets under the gate. GPT-NeoX's hook_rot_q/k never fire in TL's joint-QKV rotary attention unless posprobe
-    # routes the rotation through them (backend expose_points); with that switched off, as before it, a capture must
-    # not return nothing and position control must raise during the forward instead of returning the model's
-    # own-position logits.
+    # routes the rotation through them (bridge_ops._expose_joint_qkv); with that switched off, as before it, a
+    # capture must not return nothing and position control must raise during the forward instead of returning the
+    # model's own-position logits.
     import posprobe.backend.bridge_ops as B
     from posprobe.core.capture import capture
     from posprobe.core.positions import PositionPlan, rope_positions
 
     bridge, _ = tiny_family("gpt_neox", seed=1)  # a fresh bridge: the routing is installed once per module
-    monkeypatch.setattr(B, "expose_points", lambda model, names: None)
+    monkeypatch.setattr(B, "_expose_joint_qkv", lambda model: None)
     ids = torch.randint(0, 256, (1, 10))
     with pytest.raises(RuntimeError, match="never fired"):
         capture(bridge, ids, ["rot_q"], layers=[0])
@@ -288,17 +288,28 @@ def test_residual_to_logits_is_the_models_own_head(name):
     assert (residual_to_logits(bridge, resid) - want).abs().max() <= 1e-4
 
 
-def test_gptj_queries_and_keys_at_different_positions_inside_hfs_own_attention():
-    # GPT-J rotates inside HF's GPTJAttention (TL 4 delegates to it; no hook_rot_q/k fires): posprobe turns hook_q /
-    # hook_k ahead of that rotation. Queries at p + 5, keys at p / 2: layer 0's attention output per head equals plain
-    # torch on HF's own q/k/v projections, turned as complex numbers (adjacent pairs, first rotary_dim dims).
+@pytest.mark.parametrize("route", ["intercepted", "pre-rotation"])
+def test_gptj_queries_and_keys_at_different_positions_inside_hfs_own_attention(route, monkeypatch):
+    # GPT-J rotates inside HF's GPTJAttention (TL 4 delegates to it; TL fires no hook_rot_q/k). Two routes: where HF's
+    # module hands its rotated q/k to the attention interface (transformers >= 5.24) posprobe intercepts them there
+    # and fires hook_rot_q/k; otherwise it turns hook_q / hook_k ahead of the model's rotation (forced here by
+    # switching the interceptor off). Queries at p + 5, keys at p / 2: layer 0's attention output per head equals
+    # plain torch on HF's own q/k/v projections, turned as complex numbers (adjacent pairs, first rotary_dim dims).
+    import posprobe.backend.bridge_ops as B
+    from posprobe.backend import hf as HF
     from posprobe.backend.bridge import plain_hf_model
     from posprobe.backend.hooks import hooked
     from posprobe.core.positions import PositionPlan, rope_positions
 
     bridge, _ = tiny_family("gptj")
     hf = plain_hf_model(bridge)
-    assert model_facts(bridge).rotation_unhooked is not None
+    if route == "intercepted":
+        if not HF.uses_attention_interface(hf.transformer.h[0].attn):
+            pytest.skip("this transformers' GPT-J computes its scores itself (the interface came in 5.24)")
+        assert model_facts(bridge).rotation_unhooked is None
+    else:
+        monkeypatch.setattr(B, "_intercepts_rotation", lambda model: False)
+        assert model_facts(bridge).rotation_unhooked is not None
     attn = [m for m in hf.modules() if type(m).__name__ == "GPTJAttention"][0]
     proj = {}
     handles = [getattr(attn, f"{w}_proj").register_forward_hook(lambda m, i, o, w=w: proj.__setitem__(w, o))
@@ -380,3 +391,37 @@ def test_xglm_sinusoidal_positions_are_named_and_refused():
     with pytest.raises(NotImplementedError, match="fixed sinusoidal positions inside Hugging Face's model"):
         with learned_positions(bridge, torch.arange(8)[None]):
             pass
+
+
+def test_gptj_rotated_qk_are_hfs_own_and_the_interceptor_leaves_nothing_behind():
+    # hook_rot_q/k on GPT-J fire from posprobe's interceptor in HF's attention interface: the captured values are the
+    # q/k HF's apply_rotary_pos_emb returned (caught independently inside HF's own forward); afterwards, also after an
+    # error inside the block, the model runs its own attention implementation again and no interceptor is left.
+    from matrix_cells import _hf_rotated_qk
+
+    from posprobe.backend import hf as HF
+    from posprobe.backend.bridge import plain_hf_model
+    from posprobe.core.capture import capture
+
+    bridge, _ = tiny_family("gptj")
+    hf = plain_hf_model(bridge)
+    if not HF.uses_attention_interface(hf.transformer.h[0].attn):
+        pytest.skip("this transformers' GPT-J computes its scores itself (the interface came in 5.24)")
+    ids = torch.randint(0, 256, (1, 14), generator=torch.Generator().manual_seed(3))
+    before = bridge.original_model.config._attn_implementation
+    got = capture(bridge, ids, ["rot_q", "rot_k"], layers=[0, 1])
+    for layer in (0, 1):
+        q, k = _hf_rotated_qk(hf, ids, layer)
+        assert (got[("rot_q", layer)] - q).abs().max() <= 1e-5
+        assert (got[("rot_k", layer)] - k).abs().max() <= 1e-5
+    assert bridge.original_model.config._attn_implementation == before and not HF._INTERCEPT
+
+    def boom(x, hook):
+        raise KeyError("inside")
+
+    from posprobe.backend.hooks import hooked
+
+    with pytest.raises(KeyError, match="inside"), torch.no_grad(), hooked(bridge, [("blocks.1.attn.hook_rot_k", boom)]):
+        bridge(ids)
+    assert bridge.original_model.config._attn_implementation == before and not HF._INTERCEPT
+    assert "_posprobe_intercepting" not in bridge.__dict__

@@ -100,6 +100,7 @@ def skip_reasons(facts: ModelFacts, engine_runs: bool = False) -> dict[str, str]
     for s, blocked in (("heads", facts.attention_unsupported), ("sinks", facts.attention_unsupported),
                        ("sinks", facts.rotation_unhooked if unhooked else None),
                        ("frequency", facts.unsupported), ("frequency", facts.rotation_unhooked),
+                       ("frequency", facts.attention_unsupported),
                        ("geometry", facts.unsupported),
                        ("geometry", None if facts.has_w_pos else "the model exposes no position table"),
                        ("shift", facts.unsupported),

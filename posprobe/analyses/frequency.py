@@ -19,7 +19,13 @@ import torch
 
 from posprobe.analyses.configs import FrequencyConfig
 from posprobe.analyses.frequency_ablation import band_ablation, head_ablations, p_sweep
-from posprobe.backend.facts import ModelFacts, at_length, model_facts, require_rotated_qk
+from posprobe.backend.facts import (
+    ModelFacts,
+    at_length,
+    model_facts,
+    require_attention_supported,
+    require_rotated_qk,
+)
 from posprobe.backend.hooks import score_scale, score_soft_cap
 from posprobe.backend.model import device_of
 from posprobe.core import distributed
@@ -93,6 +99,7 @@ def run_frequency(model: Any, text: str | None = None, config: FrequencyConfig |
     cfg = config or FrequencyConfig()
     facts = model_facts(model)
     require_rotated_qk(facts, "Per-frequency RoPE usage")
+    require_attention_supported(facts, "Per-frequency RoPE usage")  # its head signatures read the pattern
     if cfg.window > facts.n_ctx:
         raise ValueError(f"window {cfg.window} exceeds the model's context n_ctx={facts.n_ctx}")
     body = BUILTIN_TEXT if text is None else text
@@ -295,6 +302,7 @@ def frequency_usage(
     """
     facts = model_facts(model)
     require_rotated_qk(facts, "Per-frequency RoPE usage")
+    require_attention_supported(facts, "Per-frequency RoPE usage")  # its head signatures read the pattern
     if device_of(model).type == "mps":  # say so before any work, not deep inside the first batch
         raise NotImplementedError("The frequency pass accumulates in float64 on the model's device, which mps "
                                   "does not support; run it with --device cpu or cuda")

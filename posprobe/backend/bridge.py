@@ -124,15 +124,13 @@ def qk_norms(model: Any, layer: int) -> tuple[Any, Any]:
 
 
 def unsupported_qk_path(model: Any, layer: int) -> str | None:
-    """Why q/k between hook_q/hook_k and rotation are not just "QK-norm per head" here, or None."""
+    """Why q/k between hook_q/hook_k and rotation are not just a QK-norm (per head, or across heads as OLMo-2), or
+    None."""
     a = hf_attention(model, layer)
-    bridge_attn = model.blocks[layer].attn
     if getattr(a, "key_multiplier", None) is not None:
         return "scales keys (key_multiplier)"
     if getattr(getattr(a, "config", None), "clip_qkv", None) is not None:
         return "clips q/k/v (clip_qkv)"
-    if getattr(bridge_attn, "_qk_norm_phase", None) == "pre_reshape":
-        return "normalises q/k across heads (OLMo-2 style QK-norm)"
     rp = getattr(getattr(a, "config", None), "rope_parameters", None)
     if isinstance(rp, dict) and rp.get("llama_4_scaling_beta") is not None:
         return "scales queries by position (llama-4 attention scaling)"

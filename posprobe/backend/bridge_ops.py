@@ -182,7 +182,7 @@ def scaled_rotary_spec(model: Any, layer: int, params: dict, length: int | None 
 
 def _fires_rotation_hooks(attn: Any) -> bool:
     # TL's rotary attention components that call hook_rot_q/k themselves, and the joint-QKV one posprobe routes
-    # through them (expose_points); GPT-J's delegated AttentionBridge and CodeGen's component rotate without them.
+    # through them (exposed); GPT-J's delegated AttentionBridge and CodeGen's component rotate without them.
     from transformer_lens.model_bridge.generalized_components.position_embeddings_attention import (
         PositionEmbeddingsAttentionBridge,
     )
@@ -190,8 +190,17 @@ def _fires_rotation_hooks(attn: Any) -> bool:
     return isinstance(attn, PositionEmbeddingsAttentionBridge) or "_apply_rotary_pos_emb" in type(attn).__dict__
 
 
-def rotation_unhooked(model: Any) -> str | None:
+def _intercepts_rotation(model: Any) -> bool:
+    # GPT-J from transformers 5.24: HF's own attention module rotates q and k and hands them to the attention
+    # interface, where TL's delegated component fires no hook_rot_q/k; posprobe's interceptor fires them there.
     if model.cfg.positional_embedding_type != "rotary" or _fires_rotation_hooks(model.blocks[0].attn):
+        return False
+    return _delegated(model) and hf.uses_attention_interface(hf_attention(model, 0))
+
+
+def rotation_unhooked(model: Any) -> str | None:
+    if (model.cfg.positional_embedding_type != "rotary" or _fires_rotation_hooks(model.blocks[0].attn)
+            or _intercepts_rotation(model)):
         return None
     arch = type(model.original_model).__name__
     attn = model.blocks[0].attn
@@ -203,13 +212,35 @@ def score_edits_apply(model: Any) -> bool:
     return not _delegated(model)
 
 
-def expose_points(model: Any, names: Any) -> None:
+@contextlib.contextmanager
+def exposed(model: Any, names: Any) -> Any:
+    # Rotation hook points TL's component never fires, made to fire for the block when a hook asks for them.
+    names = [str(n) for n in names]
+    if not any(".hook_rot_" in n for n in names):
+        yield
+        return
+    _expose_joint_qkv(model)
+    if not _intercepts_rotation(model) or model.__dict__.get("_posprobe_intercepting"):
+        yield  # nested inside another block that already fires them (once per forward: position control counts)
+        return
+
+    def wrap(attn: Any) -> Any:
+        # HF's layout [batch, head, pos, d_head]: the bridge's rotation HookPoints convert to TL's and back.
+        return lambda q, k: (attn.hook_rot_q(q), attn.hook_rot_k(k))
+
+    model.__dict__["_posprobe_intercepting"] = True
+    try:
+        with hf.intercepted_qk(model.original_model, {l: wrap(model.blocks[l].attn) for l in range(n_layers(model))}):
+            yield
+    finally:
+        model.__dict__.pop("_posprobe_intercepting", None)
+
+
+def _expose_joint_qkv(model: Any) -> None:
     # TL's joint-QKV rotary attention (GPT-NeoX / Pythia, Phi-3) rotates q and k in `_apply_rotary_pos_emb` and
     # never calls its hook_rot_q / hook_rot_k. Route that method's output through them (HF layout, as the other
     # rotary bridges fire them) so position control and capture reach the rotated q and k. Once per attention
     # module; without hooks attached a HookPoint returns its input unchanged.
-    if not any(".hook_rot_" in str(n) for n in names):
-        return
     for block in model.blocks:
         attn = block.attn
         if "_apply_rotary_pos_emb" not in type(attn).__dict__ or attn.__dict__.get("_posprobe_rot_hooks"):
@@ -247,9 +278,13 @@ def pre_rotation(model: Any, layer: int, x: torch.Tensor, which: str) -> torch.T
     why = unsupported_qk_path(model, layer)
     if why is not None:
         raise NotImplementedError(f"Position control on a TransformerBridge whose attention {why} is not supported yet")
-    # The bridge's per-head QK-norms (Gemma 3 style) act on the last dim, so TL's layout is fine.
     norm = qk_norms(model, layer)[0 if which == "q" else 1]
-    return x if norm is None else norm(x)
+    if norm is None:
+        return x
+    if getattr(model.blocks[layer].attn, "_qk_norm_phase", None) == "pre_reshape":
+        # OLMo-2 normalises the whole projection (every head at once) before splitting it into heads.
+        return norm(x.flatten(-2)).view_as(x)
+    return norm(x)  # per-head QK-norms (Gemma 3 style) act on the last dim, so TL's layout is fine
 
 
 def _scaling(model: Any, layer: int) -> float:
@@ -326,7 +361,7 @@ PROVEN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "
 
 #: HF model types whose hook_pattern the support matrix proves equal to Hugging Face's attention weights (pattern
 #: analyses: heads).
-PATTERN_PROVEN_MODEL_TYPES = PROVEN_MODEL_TYPES + ("xglm",)
+PATTERN_PROVEN_MODEL_TYPES = PROVEN_MODEL_TYPES + ("xglm", "olmo")
 
 
 def forward_unsupported(model: Any) -> str | None:

@@ -455,6 +455,87 @@ def custom_attention(hf_model: Any, attend: Mapping[int, AttendFn]) -> Iterator[
         hf_model.set_attn_implementation(before)
 
 
+#: Name under which posprobe's q/k interceptor is registered in transformers' AttentionInterface.
+INTERCEPT_IMPLEMENTATION = "posprobe_qk"
+QKWrap = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+# Per attention module (id): (the q/k wrapper in force, the attention function the model would have run).
+_INTERCEPT: dict[int, tuple[QKWrap, AttendFn]] = {}
+
+
+def uses_attention_interface(attention: Any) -> bool:
+    """True where the HF attention module hands its rotated q/k to transformers' attention interface (its
+    modeling module looks the function up in ALL_ATTENTION_FUNCTIONS): GPT-J from transformers 5.24, the Llama
+    family and most decoders; older GPT-J computes its scores itself."""
+    import sys
+
+    return "ALL_ATTENTION_FUNCTIONS" in vars(sys.modules[type(attention).__module__])
+
+
+def _interface_function(attention: Any, implementation: str | None) -> AttendFn:
+    # The function HF would run for `implementation`: "eager" is the modeling module's own eager_attention_forward.
+    import sys
+
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if implementation in (None, "eager"):
+        fn = getattr(sys.modules[type(attention).__module__], "eager_attention_forward", None)
+        if fn is None:
+            raise NotImplementedError(f"{type(attention).__name__} has no eager attention function to hand on to")
+        return fn
+    return ALL_ATTENTION_FUNCTIONS[implementation]
+
+
+def _intercept(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+               **kwargs: Any) -> Any:
+    got = _INTERCEPT.get(id(module))
+    if got is None:
+        raise RuntimeError("posprobe's q/k interceptor ran outside `intercepted_qk(...)`")
+    wrap, inner = got
+    query, key = wrap(query, key)
+    return inner(module, query, key, value, attention_mask, **kwargs)
+
+
+@contextmanager
+def intercepted_qk(hf_model: Any, wrap: Mapping[int, QKWrap]) -> Iterator[None]:
+    """Within the block, each attention layer `l` in `wrap` passes the q and k it hands to the attention interface
+    (rotated, `[batch, head, pos, d_head]`) through `wrap[l](q, k) -> (q, k)` and then runs the attention function
+    it would have run anyway, on what the wrapper returned: HF's own rotated q/k, readable and editable where the
+    model rotates inside its attention module (GPT-J). Restored on exit, also after errors; NotImplementedError
+    where a layer does not call the attention interface."""
+    from transformers import AttentionInterface
+
+    mods = [m for m in attention_modules(hf_model) if m.layer_idx in wrap]
+    if any(id(m) in _INTERCEPT for m in mods):
+        raise RuntimeError("intercepted_qk is already open on this model: nesting would pass q/k through twice")
+    old = [m for m in mods if not uses_attention_interface(m)]
+    if old:
+        raise NotImplementedError(f"{type(old[0]).__name__} computes its attention scores itself (no attention "
+                                  "interface in this transformers version), so its rotated q and k cannot be read")
+    before = hf_model.config._attn_implementation
+    inner = {id(m): _interface_function(m, getattr(m.config, "_attn_implementation", before)) for m in mods}
+    # One name per implementation handed on to: HF builds each name's masks with the mask function registered
+    # under it (a name it does not know gets SDPA's, which may drop the causal mask that eager attention needs).
+    name = f"{INTERCEPT_IMPLEMENTATION}_{before or 'eager'}"
+    AttentionInterface.register(name, _intercept)
+    try:
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[before or "eager"])
+    except ImportError:  # transformers before the mask interface built eager masks for every implementation
+        pass
+    hf_model.set_attn_implementation(name)
+    try:
+        if any(getattr(m.config, "_attn_implementation", None) != name for m in mods):
+            raise NotImplementedError(f"{type(hf_model).__name__} does not accept a custom attention implementation")
+        for m in mods:
+            _INTERCEPT[id(m)] = (wrap[m.layer_idx], inner[id(m)])
+        yield
+    finally:
+        for m in mods:
+            _INTERCEPT.pop(id(m), None)
+        hf_model.set_attn_implementation(before)
+
+
 def twin(hf_model: Any, state_dict: Mapping[str, torch.Tensor]) -> Any:
     """A plain model of `hf_model`'s class and config whose parameters *are* the tensors of `state_dict` (no
     copy, no weight initialisation): the model as `from_pretrained` would give it, sharing another object's

@@ -22,9 +22,9 @@ from posprobe.rope import RotarySpec
 def hooked(model: Any, fwd_hooks: Sequence[tuple[str, Callable]]) -> Iterator[Any]:
     """Attach `fwd_hooks` (TL-style `fn(tensor, hook=...)`) for the duration of the block, removed on exit, also on
     error; unknown names raise before anything is attached. Hook points TL's component skips for this
-    architecture (the rotated q/k of joint-QKV rotary attention) are made to fire first."""
-    ops(model).expose_points(model, [name for name, _ in fwd_hooks])
-    with attach.hooked(model, fwd_hooks):
+    architecture (the rotated q/k of joint-QKV rotary attention, or of GPT-J's own attention module) are made to
+    fire for the block."""
+    with ops(model).exposed(model, [name for name, _ in fwd_hooks]), attach.hooked(model, fwd_hooks):
         yield model
 
 

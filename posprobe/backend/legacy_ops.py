@@ -5,6 +5,7 @@ one. TransformerLens is imported only inside the functions that need it (TL 4 ha
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -166,8 +167,8 @@ def score_edits_apply(model: Any) -> bool:
     return True  # HookedTransformer computes its scores from hook_attn_scores' output
 
 
-def expose_points(model: Any, names: Any) -> None:
-    return None  # TL 3's HookedTransformer fires every hook point it has
+def exposed(model: Any, names: Any) -> Any:
+    return contextlib.nullcontext()  # TL 3's HookedTransformer fires every hook point it has
 
 
 def rotate_at(model: Any, layer: int, x: torch.Tensor, positions: torch.Tensor, spec: RotarySpec,

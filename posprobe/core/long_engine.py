@@ -43,20 +43,24 @@ _SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
 # are refused rather than guessed.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo", "olmo2",
                          "granite", "smollm3", "starcoder2", "gpt_neox", "phi", "phi3", "stablelm", "cohere", "cohere2",
-                         "glm")
+                         "glm", "gptj")
 
 
 def require_supported(model: Any, what: str = "Long-context presets") -> None:
     """Raise PositionError (learned positions) or NotImplementedError (other layouts) before any forward."""
     mt = str(getattr(hf.text_config(model), "model_type", "")).lower()
     if not hf.is_rotary(model):
-        raise PositionError(f"{what} rotate queries and keys; this {mt or type(model).__name__} model has no rotary "
-                            "positions (learned or other position embeddings)")
+        raise PositionError(f"{what} rotate queries and keys; {mt or type(model).__name__} has no rotary positions "
+                            "(learned or other position embeddings)")
+    mods = hf.attention_modules(model)
+    if mods and not hf.uses_attention_interface(mods[0]):  # Falcon; GPT-J before transformers 5.24
+        raise NotImplementedError(f"{what}: {type(mods[0]).__name__} computes its scores itself (in this "
+                                  "transformers version), not through the attention interface the engine plugs into")
     if mt not in SUPPORTED_MODEL_TYPES:
         raise NotImplementedError(f"{what}: {mt!r} models are not supported "
                                   f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
     nope = hf.nope_layers(model)
-    for l in (l for l in range(len(hf.attention_modules(model))) if l not in nope):
+    for l in (l for l in range(len(mods)) if l not in nope):
         hf.refuse_unknown_rope(model, l)
 
 
