@@ -379,18 +379,37 @@ def test_decomposition_on_attention_tl_hands_to_hf(name):
     assert (torch.softmax(dec.reconstructed(), -1).double() - att.double()).abs().max() <= 1e-5
 
 
-def test_xglm_sinusoidal_positions_are_named_and_refused():
+def test_xglm_sinusoidal_positions_are_named_and_set_as_hf_sets_them():
     # TL calls XGLM's fixed sinusoidal table "standard" (learned) and its bridge has no pos_embed: posprobe called it
-    # learned absolute and crashed reading W_pos. Now it is named, and position control refuses before any forward.
-    from posprobe.core.positions import learned_positions
+    # learned absolute and crashed reading W_pos, then named it and refused. Now position ids reach HF's own sinusoidal
+    # module: positions +5 and a batch of two different plans equal HF's forward with those position_ids; the
+    # identity plan is bit-equal; ids past the context or of the wrong length raise (the latter during the forward).
+    from posprobe.backend.bridge import plain_hf_model
+    from posprobe.core.positions import PositionError, learned_positions
 
     bridge, _ = tiny_family("xglm")
+    hf = plain_hf_model(bridge)
     f = model_facts(bridge)
-    assert f.positional_kind == "sinusoidal" and not f.has_w_pos
+    assert f.positional_kind == "sinusoidal" and not f.has_w_pos and f.unsupported is None
     assert LAYERS["xglm"] in " | ".join(f.summary()["layer_positions"])
-    with pytest.raises(NotImplementedError, match="fixed sinusoidal positions inside Hugging Face's model"):
-        with learned_positions(bridge, torch.arange(8)[None]):
+    ids = torch.randint(3, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    pos = torch.stack([torch.arange(12) + 5, torch.arange(12) * 3])
+    with torch.no_grad():
+        want = hf(ids, position_ids=pos).logits
+        own = bridge(ids)
+        with learned_positions(bridge, pos):
+            got = bridge(ids)
+        with learned_positions(bridge, torch.arange(12)):
+            same = bridge(ids)
+    assert (got - want).abs().max() <= 1e-5
+    assert (own - want).abs().max() > 1e-3  # positions mattered
+    assert torch.equal(same, own)
+    with pytest.raises(PositionError, match="past the model's context"):
+        with learned_positions(bridge, torch.arange(12) + f.n_ctx):
             pass
+    with pytest.raises(ValueError, match="5 position ids given for a sequence of 12 tokens"):
+        with torch.no_grad(), learned_positions(bridge, torch.arange(5)):
+            bridge(ids)
 
 
 def test_gptj_rotated_qk_are_hfs_own_and_the_interceptor_leaves_nothing_behind():

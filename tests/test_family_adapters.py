@@ -73,12 +73,26 @@ def test_atlas_skips_exactly_what_the_family_and_the_proofs_rule_out(name):
         assert "frequency" in why and "sinks" in why
 
 
-def test_position_control_follows_the_family_and_names_why_it_cannot():
-    bridge, _ = tiny_family("xglm")
-    from posprobe.core.positions import token_positions
+def test_position_control_follows_the_family_and_names_why_it_cannot(monkeypatch):
+    # token_positions picks the mechanism from the family's `control`: XGLM's sinusoids take position ids (equal to
+    # HF's forward with position_ids); a family without control (NoPE) is refused with its reason before any forward.
+    import posprobe.core.positions as P
+    from posprobe.backend.bridge import plain_hf_model
 
-    with pytest.raises(WrongModelKind, match="sinusoidal positions .*cannot reach it"):
-        token_positions(bridge, torch.arange(4))
+    bridge, _ = tiny_family("xglm")
+    ids = torch.randint(3, 256, (1, 10), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), P.token_positions(bridge, torch.arange(10) + 7):
+        got = bridge(ids)
+    with torch.no_grad():
+        want = plain_hf_model(bridge)(ids, position_ids=(torch.arange(10) + 7)[None]).logits
+    assert (got - want).abs().max() <= 1e-5
+    facts = model_facts(bridge)
+    from dataclasses import replace
+
+    monkeypatch.setattr(P, "model_facts", lambda model: replace(facts, positional_kind="none"))
+    with pytest.raises(WrongModelKind, match="uses none positions .*no positional encoding"):
+        P.token_positions(bridge, torch.arange(10))
+    assert F.control("relative_bias") is None and F.control("mystery") is None
 
 
 def test_layer_phrases_come_from_each_family():

@@ -16,6 +16,7 @@ import pandas as pd
 import torch
 
 from posprobe.analyses.configs import ShiftConfig, ShiftError
+from posprobe.backend.families import control as position_control
 from posprobe.backend.model import forward, n_layers, tokenizer_of
 from posprobe.core.scoring import Positioned
 from posprobe.data import BUILTIN_SOURCE, DataError, MinimalPair, pairs_fingerprint
@@ -370,14 +371,16 @@ def run_shift_test(
     if pairs is not None:
         check_pairs(pairs)
     prep = prepare(model, backend=backend, device=device, dtype=dtype)
-    if prep.positional_kind not in ("learned_absolute", "rotary", "alibi"):
-        raise ShiftError(f"The shift test needs learned, rotary or ALiBi positions; {prep.name} uses "
+    moved_by = position_control(prep.positional_kind)
+    if moved_by is None:
+        raise ShiftError(f"The shift test needs learned, sinusoidal, rotary or ALiBi positions; {prep.name} uses "
                          f"{prep.positional_kind}")
     if prep.positional_kind == "alibi" and prep.backend == "hf":
         raise ShiftError(f"{prep.name} uses ALiBi, which Hugging Face computes without position ids: use backend 'tl' "
                          "(posprobe's ALiBi position control)")
     kind, prefix = prefix_ids(prep.tokenizer, cfg.prefix) if not prep.is_encoder else ("cls-sep", [])
-    limit = prep.n_ctx if (prep.positional_kind == "learned_absolute" or not cfg.allow_beyond_context) else 10**12
+    # Absolute positions (ids into a table of n_ctx rows) stop at the context; relative ones may go past on request.
+    limit = prep.n_ctx if (moved_by == "position ids" or not cfg.allow_beyond_context) else 10**12
     if pairs is not None:
         sents = sorted({s for p in pairs for s in (p.good, p.bad)})
         extra = 2 if prep.is_encoder else len(prefix)

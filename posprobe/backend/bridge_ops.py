@@ -86,6 +86,13 @@ def forward_cached(model: Any, tokens: torch.Tensor, cache: Any) -> torch.Tensor
     return model(cache.tokens)[:, -tokens.shape[1]:]
 
 
+def embedding_positions(model: Any, position_ids: torch.Tensor) -> Any:
+    # XGLM: the bridge has no pos_embed component; HF's sinusoidal module is handed the ids instead.
+    if not _sinusoidal(model):
+        raise NotImplementedError(f"{type(model.original_model).__name__} has no position module posprobe sets ids on")
+    return sinusoidal.positions_at(model.original_model, position_ids)
+
+
 def position_table(model: Any) -> torch.Tensor:
     # Row i is position i, as the forward reads the table (the learned family knows where position 0 sits).
     emb = model.pos_embed.original_component
@@ -356,12 +363,13 @@ def score_soft_cap(model: Any) -> float | None:
 #: refused by the position analyses with the reason `positional_unsupported` gives.
 PROVEN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "gemma3", "granite",
                       "olmo2", "smollm3", "starcoder2", "gpt_neox", "phi", "phi3", "stablelm", "cohere",
-                      "cohere2", "glm", "gptj", "gpt2", "gpt_neo", "opt", "bert", "roberta", "mpt", "bloom", "falcon")
+                      "cohere2", "glm", "gptj", "gpt2", "gpt_neo", "opt", "bert", "roberta", "mpt", "bloom", "falcon",
+                      "xglm")
 
 
 #: HF model types whose hook_pattern the support matrix proves equal to Hugging Face's attention weights (pattern
 #: analyses: heads).
-PATTERN_PROVEN_MODEL_TYPES = PROVEN_MODEL_TYPES + ("xglm", "olmo")
+PATTERN_PROVEN_MODEL_TYPES = PROVEN_MODEL_TYPES + ("olmo",)
 
 
 def forward_unsupported(model: Any) -> str | None:
@@ -474,7 +482,7 @@ def positional_unsupported(model: Any) -> str | None:
             return str(e)
     if kind in ("standard", "shortformer") and not hasattr(model, "pos_embed"):
         if _sinusoidal(model):
-            return sinusoidal.unsupported(arch)
+            return None if sinusoidal.known(hf_model) else sinusoidal.unsupported(arch)
         return (f"{arch} adds its position embedding inside Hugging Face's model (TL's bridge has no pos_embed "
                 "component), which posprobe cannot read or control yet")
     if kind in ("relative_positional_bias", "relative_bias"):

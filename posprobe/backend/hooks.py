@@ -39,6 +39,12 @@ def pos_embed_hook(model: Any) -> str:
     return "embed.hook_pos_embed" if "embed.hook_pos_embed" in model.hook_dict else "hook_pos_embed"
 
 
+def embedding_positions(model: Any, position_ids: torch.Tensor) -> Any:
+    """A context in which a model whose positions are added inside Hugging Face's own module (XGLM's fixed sinusoids)
+    gives token t the position `position_ids[t]` (`[pos]` or `[batch, pos]`, long), as HF's `position_ids` would."""
+    return ops(model).embedding_positions(model, position_ids)
+
+
 def layer_rotary_spec(model: Any, layer: int, length: int | None = None) -> RotarySpec:
     """The rotation layer `layer` applies to an input of `length` tokens (None: the table it was loaded with; it
     differs only for dynamic / longrope RoPE past their threshold): on a TransformerBridge from the wrapped HF

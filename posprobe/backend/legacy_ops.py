@@ -167,6 +167,10 @@ def score_edits_apply(model: Any) -> bool:
     return True  # HookedTransformer computes its scores from hook_attn_scores' output
 
 
+def embedding_positions(model: Any, position_ids: torch.Tensor) -> Any:
+    raise NotImplementedError("TL 3 models add their positions at hook_pos_embed: use learned_positions")
+
+
 def exposed(model: Any, names: Any) -> Any:
     return contextlib.nullcontext()  # TL 3's HookedTransformer fires every hook point it has
 

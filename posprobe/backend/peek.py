@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from posprobe.backend.families import alibi, learned, relative, rotary
+from posprobe.backend.families import alibi, learned, relative, rotary, sinusoidal
 from posprobe.backend.sources import ModelLoadError, Source, read_hf_config, resolve_local
 from posprobe.backend.tiny_specs import SPECS as TINY_SPECS
 
@@ -29,6 +29,7 @@ _HF_ROPE_KEYS = rotary.HF_KEYS
 _HF_LEARNED = learned.FAMILY.hf_model_types
 _HF_ALIBI = alibi.FAMILY.hf_model_types
 _HF_RELATIVE = relative.FAMILY.hf_model_types
+_HF_SINUSOIDAL = sinusoidal.FAMILY.hf_model_types
 _HF_ENCODERS = {"bert", "roberta", "xlm-roberta", "distilbert", "electra", "camembert", "albert", "deberta",
                 "deberta-v2", "nomic_bert", "modernbert"}
 _GGUF_LEARNED = learned.FAMILY.gguf_archs
@@ -136,6 +137,8 @@ def hf_positional_kind(cfg: dict) -> str:
         return "alibi"
     if model_type in _HF_RELATIVE:
         return "relative_bias"
+    if model_type in _HF_SINUSOIDAL:
+        return "sinusoidal"
     if pet.startswith("relative"):
         return UNKNOWN  # BERT's relative_key variants: not a scheme posprobe analyses
     if pet == "absolute" or model_type in _HF_LEARNED:

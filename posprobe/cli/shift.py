@@ -57,17 +57,18 @@ def _check_model(facts: PeekedFacts | None, args: argparse.Namespace, cfg: Shift
     Only a lower bound on each item's length is known here (one token; a text window's --window), so
     the exact check (k + the longest tokenised sentence) still runs after loading.
     """
+    from posprobe.backend.families import control
     from posprobe.backend.peek import WrongModelKind
 
     if facts is None or not facts.known_kind:
         return
-    if facts.positional_kind not in ("learned_absolute", "rotary", "alibi"):
-        raise WrongModelKind(f"shift-test needs learned, rotary or ALiBi positions, but {facts.name} uses "
+    if control(facts.positional_kind) is None:
+        raise WrongModelKind(f"shift-test needs learned, sinusoidal, rotary or ALiBi positions, but {facts.name} uses "
                              f"{facts.positional_kind} positions")
     if args.backend == "hf" and facts.is_tiny:
         raise ValueError(f"{facts.name} has no Hugging Face weights on disk; use --backend tl or auto")
     ctx = facts.context_length
-    if ctx is None or (facts.is_rotary and cfg.allow_beyond_context):
+    if ctx is None or (control(facts.positional_kind) != "position ids" and cfg.allow_beyond_context):
         return
     kmax = max(cfg.ks)
     if args.text:

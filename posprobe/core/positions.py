@@ -17,6 +17,7 @@ from posprobe.backend.families import family
 from posprobe.backend.hooks import (
     alibi_slopes,
     attention_scores,
+    embedding_positions,
     hook_name,
     hooked,
     kept_scores,
@@ -26,7 +27,7 @@ from posprobe.backend.hooks import (
     rotate_at,
     table_length,
 )
-from posprobe.backend.model import context_length, model_name, n_layers, position_table
+from posprobe.backend.model import context_length, device_of, model_name, n_layers, position_table
 from posprobe.rope import RotarySpec
 
 
@@ -62,11 +63,20 @@ def check_learned_positions(model: Any, position_ids: torch.Tensor) -> None:
 def learned_positions(
     model: Any, position_ids: Int[torch.Tensor, " pos"] | Int[torch.Tensor, "batch pos"]
 ) -> Iterator[Any]:
-    """Within the block, token t of every forward gets the learned embedding W_pos[position_ids[t]].
+    """Within the block, token t of every forward gets the learned embedding W_pos[position_ids[t]] (or, on a
+    fixed-sinusoidal model such as XGLM, the sinusoid of position_ids[t], set in HF's own position module).
 
     Checked against n_ctx before any forward pass. A shift by k is `arange(L) + k`.
     """
-    require_learned(model_facts(model), "Setting learned position ids")
+    facts = model_facts(model)
+    if facts.positional_kind == "sinusoidal":
+        require_supported(facts, "Setting position ids")
+        ids = _as_tensor(position_ids, torch.long)
+        check_learned_positions(model, ids)
+        with embedding_positions(model, ids.to(device_of(model))):
+            yield model
+        return
+    require_learned(facts, "Setting learned position ids")
     ids = _as_tensor(position_ids, torch.long)
     check_learned_positions(model, ids)
     W_pos = position_table(model)
@@ -425,15 +435,14 @@ def shifted_plan(n: int, k: float, *, q_only: bool = False) -> PositionPlan:
 
 def token_positions(model: Any, pos: torch.Tensor, label: str = "positions") -> Any:
     """A context in which token t's query and key sit at `pos[..., t]` (`[pos]` or `[batch, pos]`, CPU), whatever
-    the model's positional kind: learned ids, ALiBi distances or RoPE rotations (WrongModelKind for others)."""
-    from posprobe.backend.model import device_of
-
+    the model's positional kind: learned or sinusoidal ids, ALiBi distances or RoPE rotations (WrongModelKind for
+    others)."""
     kind = model_facts(model).positional_kind
     try:
         fam = family(kind)
     except KeyError:
-        raise WrongModelKind(f"Positions can be set on learned, rotary or ALiBi models; {model_name(model)} uses "
-                             f"{kind}") from None
+        raise WrongModelKind(f"Positions can be set on learned, sinusoidal, rotary or ALiBi models; "
+                             f"{model_name(model)} uses {kind}") from None
     if fam.control == "position ids":
         return learned_positions(model, pos)
     if fam.control == "score bias":
@@ -444,5 +453,5 @@ def token_positions(model: Any, pos: torch.Tensor, label: str = "positions") -> 
         device = device_of(model)
         p = pos.to(device, torch.float32 if device.type == "mps" else torch.float64)
         return rope_positions(model, PositionPlan(p, p.clone(), label=label))
-    raise WrongModelKind(f"Positions can be set on learned, rotary or ALiBi models; {model_name(model)} uses {kind} "
-                         f"positions ({fam.why_no_control})")
+    raise WrongModelKind(f"Positions can be set on learned, sinusoidal, rotary or ALiBi models; {model_name(model)} "
+                         f"uses {kind} positions ({fam.why_no_control})")

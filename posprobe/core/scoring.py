@@ -24,6 +24,7 @@ from jaxtyping import Float
 from tqdm.auto import tqdm
 
 from posprobe.backend import hf
+from posprobe.backend.families import control as position_control
 from posprobe.backend.model import device_of, dtype_of, forward, n_layers, residual_to_logits, tokenizer_of
 
 
@@ -272,9 +273,9 @@ class TLScorer(_Scorer):
         self.facts = model_facts(model)
         tok = tokenizer_of(model)
         self.pad_id = (tok.pad_token_id if tok is not None and tok.pad_token_id is not None else 0)
-        if self.facts.positional_kind not in ("learned_absolute", "rotary", "alibi"):
+        if position_control(self.facts.positional_kind) is None:
             raise NotImplementedError(
-                "Scoring at chosen positions needs learned, rotary or ALiBi positions, not "
+                "Scoring at chosen positions needs learned, sinusoidal, rotary or ALiBi positions, not "
                 f"{self.facts.positional_kind}"
             )
         require_supported(self.facts, "Scoring at chosen positions")

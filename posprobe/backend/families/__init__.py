@@ -29,6 +29,15 @@ def family(kind: str) -> Family:
         raise KeyError(f"No positional family {kind!r} (known: {', '.join(FAMILIES)})") from None
 
 
+def control(kind: str) -> str | None:
+    """How a position plan reaches a model of positional kind `kind` (one of CONTROLS), None where posprobe cannot
+    move its positions (no positions, T5 buckets, an unknown kind)."""
+    try:
+        return family(kind).control
+    except KeyError:
+        return None
+
+
 def not_applicable(kind: str, section: str) -> str | None:
     """Why atlas section / analysis `section` does not apply to positional kind `kind`, or None where it does. An
     unknown kind has no adapter, so no position analysis (POSITION_SECTIONS) applies to it."""
@@ -60,5 +69,6 @@ def describe_layers(kinds: tuple[str, ...], rotary_specs: tuple[RotarySpec | Non
     return tuple(out)
 
 
-__all__ = ["CONTROLS", "FAMILIES", "POSITION_SECTIONS", "Family", "alibi", "describe_layers", "family", "learned",
+__all__ = ["CONTROLS", "FAMILIES", "POSITION_SECTIONS", "Family", "alibi", "control", "describe_layers", "family",
+           "learned",
            "nope", "not_applicable", "relative", "rotary", "sinusoidal"]
