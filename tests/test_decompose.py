@@ -450,3 +450,42 @@ def test_tiny_ape_layer0_terms_from_state_dict(request, fixture, rel_tol):
     _, wrong_grouped = _reference_terms(wrong, proj(W_Q), proj(W_K), w["b_Q"], w["b_K"],
                                         dh, constant="n")
     assert _max_diff(got["pp"][ok], wrong_grouped["pp"][ok]) > 10 * tol
+
+
+@pytest.mark.parametrize("name", ["bloom", "mpt"])
+def test_alibi_models_split_into_content_terms_and_hfs_distance_bias(name, monkeypatch):
+    # ALiBi adds -slope * distance to the scores; the data-driven split carries it as the term "alibi". Independent
+    # references: HF's own bias tensor (BLOOM's build_alibi_tensor: slope * j; MPT's build_mpt_alibi_tensor), which the
+    # term must equal up to one constant per query row, and HF's eager attention weights, which the softmax of the
+    # summed terms must equal. With the slopes read wrong (doubled) the run-time identity check refuses the result.
+    from families import tiny_family
+
+    import posprobe.analyses.decompose as D
+
+    bridge, hf = tiny_family(name)
+    ids = torch.randint(3, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    mean = positional_mean(bridge, ids, [1], progress=False)[1]
+    dec = decompose_layer(bridge, ids, 1, mean)
+    assert "alibi" in dec.term_names() and dec.max_error() <= 1e-5
+    term = dec.terms()["alibi"][0]  # head query key, float64
+    n_heads = term.shape[0]
+    base = hf.base_model
+    if hasattr(base, "build_mpt_alibi_tensor"):
+        want = base.build_mpt_alibi_tensor(n_heads, 12)[:, 0].double()  # [head, 1, key] -> [head, key]
+    else:
+        import transformers.models.bloom.modeling_bloom as B
+
+        want = B.build_alibi_tensor(torch.ones(1, 12, dtype=torch.long), n_heads, torch.float64).view(n_heads, 12)
+    gap = term - want[:, None, :]  # [head, query, key]
+    rows = [gap[:, i, : i + 1] for i in range(12)]
+    assert max(float((r - r[:, :1]).abs().max()) for r in rows) <= 1e-5  # a constant per query row
+    with torch.no_grad():
+        att = hf(ids, output_attentions=True).attentions[1].double()
+    assert (torch.softmax(dec.reconstructed(), -1) - att).abs().max() <= 1e-5
+    summary = head_summary(dec)
+    share = summary[(summary.metric == "var_share") & (summary.term != "positional")].groupby("head").value.sum()
+    assert (share - 1).abs().max() <= 1e-9
+    doubled = [tuple(2 * s for s in layer) for layer in D.alibi_slopes(bridge)]
+    monkeypatch.setattr(D, "alibi_slopes", lambda model: doubled)
+    with pytest.raises(RuntimeError, match="terms differ from the model's layer-1 scores"):
+        decompose_layer(bridge, ids, 1, mean)

@@ -29,6 +29,11 @@ the corpus mean mu[t] of resid_pre at each position (Song & Zhong 2023):
 Grouped terms: "ww", "wp", "pw", "pp" (layer 0) or the nine pairs of {p, c, r} (data-driven),
 "mean" = pairs with the global mean m and no bias part (data-driven only), and "bias" = every pair
 that involves a constant part: t, n or b. `terms(detail=True)` keeps every pair apart ("tw", "nb").
+ALiBi models (data-driven): q.k of the parts plus "alibi", the model's distance bias: -slope * (i - j) with each
+head's slope measured from the model (backend.families.alibi), plus the per-query-row constant the model adds with
+it (softmax ignores it; measured as the row mean of what q.k and the penalty leave). Stored as the pair of a
+pseudo-part "a" with itself, so the terms still sum to the scores; the check then proves the penalty explains every
+within-row difference.
 
 Model internals (weights, norms, hook points) are read only through `posprobe.backend`.
 """
@@ -46,8 +51,9 @@ from jaxtyping import Float, Int
 
 from posprobe.analyses.configs import DecomposeConfig
 from posprobe.backend.facts import WrongModelKind, model_facts, require_supported
-from posprobe.backend.families import family
+from posprobe.backend.families import alibi, family
 from posprobe.backend.hooks import (
+    alibi_slopes,
     attention_scores,
     kept_pairs,
     kept_scores,
@@ -78,6 +84,8 @@ from posprobe.report.schema import data_meta, make_meta, text_sha256
 BIAS_PARTS = frozenset("tnb")
 EXACT_TERMS = ("ww", "wp", "pw", "pp", "bias")
 DATA_TERMS = ("pp", "pc", "pr", "cp", "cc", "cr", "rp", "rc", "rr", "mean", "bias")
+#: ALiBi models: the distance bias (with the model's per-row constant), a term with a position part.
+ALIBI_TERM = "alibi"
 # The four TUPE-style maps; in the data-driven split the remainder r plays the word's role.
 HEATMAP_TERMS = {"exact-layer0": ("ww", "wp", "pw", "pp"), "data-driven": ("rr", "rp", "pr", "pp")}
 
@@ -109,14 +117,17 @@ class Decomposition:
     def term_names(self, detail: bool = False) -> tuple[str, ...]:
         """Grouped term names in display order, or every pair name (`detail=True`)."""
         if detail:
-            return tuple(a + b for a in self.parts for b in self.parts)
-        return EXACT_TERMS if self.method == "exact-layer0" else DATA_TERMS
+            return tuple(a + b for a in self.parts for b in self.parts if "a" not in a + b or a + b == "aa")
+        names = EXACT_TERMS if self.method == "exact-layer0" else DATA_TERMS
+        return names + (ALIBI_TERM,) if "a" in self.parts else names
 
     def terms(self, detail: bool = False) -> dict[str, Float[torch.Tensor, "batch head_index query_pos key_pos"]]:
         """{term: float64 score contribution}; grouped (see module docstring) or per pair ("wp", "mb", ...)."""
         out = {t: torch.zeros_like(self.pairs[0, 0]) for t in self.term_names(detail)}
         for i, a in enumerate(self.parts):
             for j, b in enumerate(self.parts):
+                if ("a" in a + b) and a + b != "aa":
+                    continue  # the ALiBi pseudo-part pairs with nothing but itself
                 out[_group(a + b, detail)] += self.pairs[i, j]
         return out
 
@@ -148,6 +159,8 @@ class Decomposition:
 def _group(pair: str, detail: bool) -> str:
     if detail:
         return pair
+    if pair == "aa":
+        return ALIBI_TERM
     return "bias" if BIAS_PARTS.intersection(pair) else "mean" if "m" in pair else pair
 
 
@@ -351,8 +364,27 @@ def decompose_layer(
     parts = {"m": g.expand_as(h), "p": pos.expand_as(h), "c": ctx.expand_as(h), "r": h - g - pos - ctx}
     parts = _frozen_norm(norm, parts, got[norm.scale_point] if norm else None)
     part_names, pairs = _pair_scores(model, layer, parts, layer in facts.rotary_layers)
+    if facts.positional_kind == "alibi":
+        part_names, pairs = _with_alibi(model, layer, part_names, pairs, got["scores"])
     return _checked(Decomposition(facts.name, layer, "data-driven", part_names, pairs, got["scores"],
                                   tokens.cpu(), {"corpus_positions": int(mu.shape[0])}))
+
+
+def _with_alibi(model: Any, layer: int, names: tuple[str, ...], pairs: torch.Tensor, scores: torch.Tensor,
+                ) -> tuple[tuple[str, ...], torch.Tensor]:
+    # The ALiBi term as pseudo-part "a" paired with itself: the distance penalty from the measured slopes, plus the
+    # per-query-row constant the model adds (the row mean, over kept keys, of what q.k and the penalty leave). Only
+    # a constant per row is taken from the scores; `_checked` then fails unless the penalty explains the rest.
+    n_q, n_k = scores.shape[-2:]
+    bias = alibi.distance_bias(alibi_slopes(model)[layer], n_q, n_k).expand_as(pairs[0, 0])
+    ok = torch.isfinite(scores)
+    rest = torch.where(ok, scores.to(torch.float64) - pairs.sum((0, 1)) - bias, 0.0)
+    row = rest.sum(-1, keepdim=True) / ok.sum(-1, keepdim=True).clamp_min(1)
+    p = len(names)
+    out = pairs.new_zeros((p + 1, p + 1, *pairs.shape[2:]))
+    out[:p, :p] = pairs
+    out[p, p] = bias + row
+    return (*names, "a"), out
 
 
 def _row_centre(x: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
@@ -400,7 +432,7 @@ def head_summary(dec: Decomposition, *, row_centred: bool = True) -> pd.DataFram
         for name, t in terms.items():
             tc = centre(t[:, h])
             share = float((tc * s).sum()) / ss if ss > 0 else float("nan")
-            if "p" in name:
+            if "p" in name or name == ALIBI_TERM:
                 positional += share
             rows += [(h, name, "var_share", share),
                      (h, name, "var_ratio", float((tc**2).sum()) / ss if ss > 0 else float("nan")),
@@ -504,7 +536,8 @@ def run_decompose(model: Any, config: DecomposeConfig | None = None, *, source: 
         n_tokens=len(words),
         max_abs_error=dec.max_error(),
         parts=list(dec.parts),
-        heatmap_terms=list(HEATMAP_TERMS[dec.method]),
+        heatmap_terms=list(HEATMAP_TERMS[dec.method] if ALIBI_TERM not in dec.term_names()
+                           else ("rr", "rp", "pp", ALIBI_TERM)),
         **dec.meta,
     )
     return Result({"decompose": df}, meta)

@@ -151,8 +151,7 @@ def kept_pairs(model: Any, layer: int, n_q: int, n_k: int) -> torch.Tensor:
 
 
 def scores_not_bilinear(model: Any) -> str | None:
-    if model.cfg.positional_embedding_type == "alibi":
-        return "adds ALiBi distance biases to its scores"
+    # ALiBi's distance bias is not q.k, but the decomposition carries it as a term of its own (families.alibi).
     for layer in range(n_layers(model)):
         if any(n is not None for n in qk_norms(model, layer)):
             return "normalises q/k (QK-norm)"

@@ -30,7 +30,8 @@ _WHAT = {
                      "across tokens (LN bias, b_Q/b_K, and the token-type embedding where the model has one)"),
     "data-driven": ("data-driven split of resid_pre: p = corpus positional mean minus global mean, c = the sentence's "
                     "mean offset (context), r = remainder; mean = terms with the global mean; bias = LN bias and "
-                    "b_Q/b_K terms"),
+                    "b_Q/b_K terms; alibi (ALiBi models) = the distance bias -slope·(i-j), slopes measured from the "
+                    "model, with the model's constant per query row"),
 }
 
 

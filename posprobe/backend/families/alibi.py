@@ -13,6 +13,7 @@ FAMILY = Family(
     kind="alibi",
     phrase="ALiBi (linear distance bias)",
     control="score bias",
+    decompositions=("data-driven",),  # with the bias as its own term ("alibi")
     not_applicable={
         "frequency": "per-frequency RoPE usage needs rotary positions; ALiBi has no bands",
         "geometry": "position geometry reads a learned position table; ALiBi models have none",
@@ -52,3 +53,14 @@ def fit_slopes(bias: Any, arch: str) -> tuple[float, ...]:
         raise NotImplementedError(f"{arch}'s attention bias is not linear in the key position (fit error {err:.2g}): "
                                   "not ALiBi as posprobe controls it")
     return tuple(float(v) for v in slope)
+
+
+def distance_bias(slopes: tuple[float, ...], n_q: int, n_k: int) -> Any:
+    """ALiBi's distance penalty, float64 `[head, query_pos, key_pos]` in score units: -slope * (i - j) for query i
+    (the last n_q of n_k positions) and key j. Models add it with their own per-query-row constant (BLOOM adds
+    slope * j), which softmax ignores."""
+    import torch
+
+    i = torch.arange(n_k - n_q, n_k, dtype=torch.float64)[:, None]
+    j = torch.arange(n_k, dtype=torch.float64)[None, :]
+    return -torch.tensor(slopes, dtype=torch.float64)[:, None, None] * (i - j)
