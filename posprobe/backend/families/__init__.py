@@ -70,5 +70,4 @@ def describe_layers(kinds: tuple[str, ...], rotary_specs: tuple[RotarySpec | Non
 
 
 __all__ = ["CONTROLS", "FAMILIES", "POSITION_SECTIONS", "Family", "alibi", "control", "describe_layers", "family",
-           "learned",
-           "nope", "not_applicable", "relative", "rotary", "sinusoidal"]
+           "learned", "nope", "not_applicable", "relative", "rotary", "sinusoidal"]
