@@ -96,9 +96,10 @@ def skip_reasons(facts: ModelFacts, engine_runs: bool = False) -> dict[str, str]
     for s in SECTIONS:
         if (reason := not_applicable(facts.positional_kind, s)) is not None:
             why[s] = reason
-    unhooked = facts.is_rotary and facts.rotation_unhooked is not None
+    # Sinks read a RoPE model's rotated q/k: proven rotation, read where a hook fires.
+    rotary_unsupported = facts.unsupported if facts.is_rotary else None
     for s, blocked in (("heads", facts.attention_unsupported), ("sinks", facts.attention_unsupported),
-                       ("sinks", facts.rotation_unhooked if unhooked else None),
+                       ("sinks", facts.rotation_unhooked), ("sinks", rotary_unsupported),
                        ("frequency", facts.unsupported), ("frequency", facts.rotation_unhooked),
                        ("frequency", facts.attention_unsupported),
                        ("geometry", facts.unsupported),
@@ -107,8 +108,6 @@ def skip_reasons(facts: ModelFacts, engine_runs: bool = False) -> dict[str, str]
                        ("retrieval", facts.unsupported)):
         if blocked is not None:
             why.setdefault(s, blocked)
-    if facts.is_rotary and facts.unsupported is not None:
-        why.setdefault("sinks", facts.unsupported)  # sinks read the rotated q/k of a RoPE model
     if facts.n_ctx < RETRIEVAL_MIN_CTX:
         why.setdefault("retrieval", f"a {facts.n_ctx}-token context is shorter than the {RETRIEVAL_MIN_CTX} "
                                     "tokens a needle prompt needs")

@@ -51,7 +51,7 @@ from jaxtyping import Float, Int
 
 from posprobe.analyses.configs import DecomposeConfig
 from posprobe.backend.facts import WrongModelKind, model_facts, require_supported
-from posprobe.backend.families import alibi, family
+from posprobe.backend.families import alibi, find
 from posprobe.backend.hooks import (
     alibi_slopes,
     attention_scores,
@@ -164,6 +164,12 @@ def _group(pair: str, detail: bool) -> str:
     return "bias" if BIAS_PARTS.intersection(pair) else "mean" if "m" in pair else pair
 
 
+def _decompositions(facts: Any) -> tuple[str, ...]:
+    # The decompose methods whose score terms exist for this positional family (its adapter says; none unknown).
+    fam = find(facts.positional_kind)
+    return () if fam is None else fam.decompositions
+
+
 def _check_linear(model: Any, layer: int) -> None:
     # Everything after the frozen norm must be linear in the input for the split to be exact.
     reason = scores_not_bilinear(model)
@@ -253,14 +259,6 @@ def _pair_scores(
     return names, pairs
 
 
-def _decompositions(kind: str) -> tuple[str, ...]:
-    # The decompose methods whose score terms exist for this positional family (its adapter says).
-    try:
-        return family(kind).decompositions
-    except KeyError:
-        return ()
-
-
 @torch.no_grad()
 def decompose_layer0(model: Any, tokens: Int[torch.Tensor, "batch pos"]) -> Decomposition:
     """Exact layer-0 split of the scores into word/position/bias pair terms (float64, score units).
@@ -271,7 +269,7 @@ def decompose_layer0(model: Any, tokens: Int[torch.Tensor, "batch pos"]) -> Deco
     """
     facts = model_facts(model)
     require_supported(facts, "The score decomposition")
-    if "exact-layer0" not in _decompositions(facts.positional_kind):
+    if "exact-layer0" not in _decompositions(facts):
         raise WrongModelKind(
             f"The exact layer-0 split needs position embeddings added to the token embeddings, but {facts.name} "
             f"uses {facts.positional_kind} positions; use the data-driven split decompose_layer(model, tokens, "
@@ -342,7 +340,7 @@ def decompose_layer(
     """
     facts = model_facts(model)
     require_supported(facts, "The score decomposition")
-    if "data-driven" not in _decompositions(facts.positional_kind):
+    if "data-driven" not in _decompositions(facts):
         raise WrongModelKind(
             f"The data-driven split covers position information carried in the residual stream or by RoPE; "
             f"{facts.name} uses {facts.positional_kind} positions, which act outside it"

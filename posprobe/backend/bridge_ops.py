@@ -480,10 +480,11 @@ def positional_unsupported(model: Any) -> str | None:
         except NotImplementedError as e:
             return str(e)
     if kind in ("standard", "shortformer") and not hasattr(model, "pos_embed"):
-        if _sinusoidal(model):
-            return None if sinusoidal.known(hf_model) else sinusoidal.unsupported(arch)
-        return (f"{arch} adds its position embedding inside Hugging Face's model (TL's bridge has no pos_embed "
-                "component), which posprobe cannot read or control yet")
+        if not _sinusoidal(model):
+            return (f"{arch} adds its position embedding inside Hugging Face's model (TL's bridge has no pos_embed "
+                    "component), which posprobe cannot read or control yet")
+        if not sinusoidal.known(hf_model):
+            return sinusoidal.unsupported(arch)  # a known module still needs a proven model type (below)
     if kind in ("relative_positional_bias", "relative_bias"):
         return relative.unsupported(arch)
     if kind == "rotary" and getattr(cfg, "num_kv_shared_layers", 0):

@@ -20,31 +20,34 @@ FAMILIES: dict[str, Family] = {m.FAMILY.kind: m.FAMILY for m in (rotary, learned
 _ALIASES = {"none": "nope"}
 
 
+def find(kind: str) -> Family | None:
+    """The adapter of positional kind `kind` (a `ModelFacts.positional_kind` or per-layer kind), or None for a kind
+    posprobe has no adapter for."""
+    return FAMILIES.get(_ALIASES.get(kind, kind))
+
+
 def family(kind: str) -> Family:
-    """The adapter of positional kind `kind` (a `ModelFacts.positional_kind` or per-layer kind); KeyError, naming the
-    known kinds, for one posprobe has no adapter for."""
-    try:
-        return FAMILIES[_ALIASES.get(kind, kind)]
-    except KeyError:
-        raise KeyError(f"No positional family {kind!r} (known: {', '.join(FAMILIES)})") from None
+    """`find(kind)`, or KeyError naming the known kinds."""
+    fam = find(kind)
+    if fam is None:
+        raise KeyError(f"No positional family {kind!r} (known: {', '.join(FAMILIES)})")
+    return fam
 
 
 def control(kind: str) -> str | None:
     """How a position plan reaches a model of positional kind `kind` (one of CONTROLS), None where posprobe cannot
     move its positions (no positions, T5 buckets, an unknown kind)."""
-    try:
-        return family(kind).control
-    except KeyError:
-        return None
+    fam = find(kind)
+    return None if fam is None else fam.control
 
 
 def not_applicable(kind: str, section: str) -> str | None:
     """Why atlas section / analysis `section` does not apply to positional kind `kind`, or None where it does. An
     unknown kind has no adapter, so no position analysis (POSITION_SECTIONS) applies to it."""
-    try:
-        return family(kind).applies(section)
-    except KeyError:
+    fam = find(kind)
+    if fam is None:
         return f"posprobe has no adapter for {kind} positions" if section in POSITION_SECTIONS else None
+    return fam.applies(section)
 
 
 def describe_layers(kinds: tuple[str, ...], rotary_specs: tuple[RotarySpec | None, ...] | None, d_head: int,
@@ -60,7 +63,8 @@ def describe_layers(kinds: tuple[str, ...], rotary_specs: tuple[RotarySpec | Non
         elif kind == "alibi" and alibi_slopes is not None:
             text = alibi.phrase(alibi_slopes[l])
         else:
-            text = FAMILIES.get(_ALIASES.get(kind, kind), Family(kind, kind, None)).phrase
+            fam = find(kind)
+            text = kind if fam is None else fam.phrase
         if l < len(attn_types) and attn_types[l] == "local":
             text += ", sliding window"
         if length_rules and kind == "rotary" and length_rules[l]:
@@ -70,4 +74,4 @@ def describe_layers(kinds: tuple[str, ...], rotary_specs: tuple[RotarySpec | Non
 
 
 __all__ = ["CONTROLS", "FAMILIES", "POSITION_SECTIONS", "Family", "alibi", "control", "describe_layers", "family",
-           "learned", "nope", "not_applicable", "relative", "rotary", "sinusoidal"]
+           "find", "learned", "nope", "not_applicable", "relative", "rotary", "sinusoidal"]
