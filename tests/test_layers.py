@@ -6,6 +6,7 @@ Layers, low to high. A module may import its own package or any lower layer:
   2  core, data           position control, capture, scoring, the long-context engine; data sets
   3  report               Result, schema, pages, figures (from tables and meta only)
   4  analyses             Config -> run(model, data, config) -> Result
+  4.5 zoo                 training matched models per positional family, and running analyses across them
   5  cli                  flags and commands over the analyses
 posprobe/__init__.py and __main__.py are the public face (lazy re-exports) and sit outside the order.
 Imports inside functions count the same as top-level ones: a lazy import up the layers is still one.
@@ -17,7 +18,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "posprobe"
-LAYERS = {"backend": 1, "core": 2, "data": 2, "report": 3, "analyses": 4, "cli": 5}
+LAYERS = {"backend": 1, "core": 2, "data": 2, "report": 3, "analyses": 4, "zoo": 4.5, "cli": 5}
 FACE = {"posprobe", "posprobe.__main__"}
 
 
@@ -34,7 +35,7 @@ def _modules() -> dict[str, Path]:
 MODULES = _modules()
 
 
-def layer_of(module: str) -> int | None:
+def layer_of(module: str) -> float | None:
     parts = module.split(".")
     if module in FACE:
         return None

@@ -442,3 +442,37 @@ class RetrievalConfig:
             raise ValueError(f"mask_k must be >= 0; got {list(self.mask_k)}")
         if not 0 <= self.threshold <= 1:
             raise ValueError(f"threshold must be within [0, 1]; got {self.threshold}")
+
+
+#: Protocols of the length-extrapolation evaluation (Press et al. 2022): non-overlapping chunks, or the same
+#: targets scored with growing context.
+PROTOCOLS = ("chunks", "sliding")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExtrapolationConfig:
+    """Options of the length-extrapolation evaluation (`run_extrapolation`, `posprobe zoo eval`)."""
+
+    train_length: int | None = option(None, "training length L in tokens (default: a zoo member's own L, else the "
+                                            "model's context)")
+    factors: tuple[float, ...] = option((1, 2, 4, 8), "evaluation lengths as multiples of L (repeatable)",
+                                        flag="--factor")
+    protocols: tuple[str, ...] = option(PROTOCOLS, "chunks (non-overlapping sequences) and/or sliding (the same "
+                                                   "targets with growing context) (repeatable)", flag="--protocol")
+    max_tokens: int = option(16384, "evaluation tokens: the text prefix cut into chunks, and the sliding "
+                                    "protocol's target tokens")
+    stride: int | None = option(None, "sliding protocol: targets scored per window, the window's last tokens "
+                                      "(default: L / 2)")
+    batch_size: int = option(8, "sequences per forward pass")
+    progress: bool = option(True, "", cli=False)
+
+    def __post_init__(self) -> None:
+        bad = [p for p in self.protocols if p not in PROTOCOLS]
+        if bad or not self.protocols:
+            raise ValueError(f"protocols must be among {PROTOCOLS}; got {self.protocols}")
+        if not self.factors or any(f <= 0 for f in self.factors):
+            raise ValueError(f"factors must be > 0; got {self.factors}")
+        for name in ("max_tokens", "batch_size", "train_length", "stride"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ValueError(f"{name} must be >= 1, got {v}")

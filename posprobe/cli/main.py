@@ -24,6 +24,7 @@ SUBCOMMANDS = {
     "sinks": "sinks",
     "retrieval": "retrieval",
     "atlas": "atlas",
+    "zoo": "zoo",
 }
 
 

@@ -25,6 +25,9 @@ PAGES = {
     "sinks": "posprobe.report.sinks",
     "retrieval": "posprobe.report.retrieval",
     "atlas": "posprobe.report.atlas",
+    "extrapolation": "posprobe.report.extrapolation",
+    "zoo-eval": "posprobe.report.extrapolation",
+    "zoo-train": "posprobe.report.zoo_training",
 }
 
 

@@ -31,6 +31,9 @@ class Family:
     #: Atlas sections (and the analyses behind them) that do not apply to the family, each with the reason; a
     #: section not named here applies once the model's family is proven (`ModelFacts.unsupported` is None).
     not_applicable: Mapping[str, str] = field(default_factory=dict)
+    #: Whether positions past the model's table cannot be computed at all (a learned table has a last row), so an
+    #: evaluation longer than the context is reported as "cannot run" rather than measured or raised.
+    bounded_by_table: bool = False
     #: Hugging Face model types of this family whose configs carry no positional key that names it outright.
     hf_model_types: frozenset[str] = frozenset()
     #: GGUF `general.architecture` values of this family (rotary is read from `<arch>.rope.*` keys instead).

@@ -12,6 +12,7 @@ FAMILY = Family(
     kind="learned_absolute",
     phrase="learned absolute (added to the embedding)",
     control="position ids",
+    bounded_by_table=True,
     decompositions=("exact-layer0", "data-driven"),
     not_applicable={
         "frequency": "per-frequency RoPE usage needs rotary positions; learned positions have no bands",

@@ -1,0 +1,127 @@
+"""`posprobe zoo`: train matched small causal LMs that differ only in their positions (`zoo train`), compare how
+they extrapolate past the training length (`zoo eval`), list the members (`zoo list`)."""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = ("The positional zoo: small causal LMs that differ only in positions (learned, sinusoidal, ALiBi, rotary, "
+        "partial rotary, p-RoPE, NoPE, RoPE/NoPE hybrid), trained here and compared side by side.")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from dataclasses import fields
+
+    from posprobe.analyses.configs import ExtrapolationConfig
+    from posprobe.cli.args import add_config_arguments, add_output_arguments, add_resume_arguments
+    from posprobe.zoo.config import ZooConfig
+
+    sub = p.add_subparsers(dest="zoo_command", metavar="ZOO_COMMAND")
+    t = sub.add_parser("train", help="train the zoo's members (each an ordinary Hugging Face folder)",
+                       description="Train every member x seed on one byte-level BPE and one token order; a killed run "
+                                   "resumes when the same command is repeated.")
+    t.add_argument("--text", metavar="PATH", default=None,
+                   help="training text (UTF-8; WikiText is detokenised); default: posprobe's built-in corpus, enough "
+                        "for a smoke run only")
+    t.add_argument("--eval-text", metavar="PATH", default=None,
+                   help="held-out evaluation text (default: the last --eval-fraction of --text)")
+    t.add_argument("--config", metavar="FILE", default=None,
+                   help="JSON file of ZooConfig fields; flags given on the command line override it")
+    t.add_argument("--device", default=None, help="cpu, cuda, cuda:N, mps or auto (default: the tier's)")
+    add_config_arguments(t, ZooConfig)
+    # Unset flags stay None, so a --config file's values are not overwritten by the fields' defaults.
+    t.set_defaults(**{f.name: None for f in fields(ZooConfig)})
+    t.add_argument("--out", metavar="DIR", required=True, help="new folder for the zoo (its parent must exist)")
+    t.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    add_resume_arguments(t)
+    e = sub.add_parser("eval", help="perplexity past the training length for every member (Press et al. 2022)",
+                       description="Perplexity vs evaluation length (L to 8L) under both of Press et al.'s protocols "
+                                   "for every member of the zoo folders and any other models named.")
+    e.add_argument("models", nargs="+", metavar="MODEL", help="zoo folders, member folders or other model specs")
+    e.add_argument("--text", metavar="PATH", default=None,
+                   help="evaluation text (default: the zoo's held-out eval.txt)")
+    e.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps or auto (default: cpu)")
+    add_config_arguments(e, ExtrapolationConfig)
+    add_output_arguments(e)
+    sub.add_parser("list", help="the members, their families and blocks", description="The zoo's members.")
+
+
+def run(args: argparse.Namespace) -> int:
+    command = getattr(args, "zoo_command", None)
+    if command == "list":
+        return _list()
+    if command == "train":
+        return _train(args)
+    if command == "eval":
+        return _eval(args)
+    raise ValueError("choose a zoo command: train, eval or list (posprobe zoo --help)")
+
+
+def _list() -> int:
+    from posprobe.zoo.members import MEMBERS
+
+    for m in MEMBERS.values():
+        print(f"{m.name:11s} {m.family:17s} block {m.block:6s} {m.model_type:9s} {m.positions}")
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    import sys
+    from dataclasses import fields
+    from pathlib import Path
+
+    from posprobe.cli import checks
+    from posprobe.zoo.config import ZooConfig, load_config_file
+
+    checks.check_out(args.out)
+    flags = {f.name: getattr(args, f.name) for f in fields(ZooConfig) if getattr(args, f.name, None) is not None}
+    flags = {k: tuple(v) if isinstance(v, list) else v for k, v in flags.items()}
+    flags.update(device=args.device, progress=not args.no_progress)
+    flags = {k: v for k, v in flags.items() if v is not None}
+    cfg = load_config_file(args.config, **flags) if args.config else ZooConfig(**flags)
+    text = checks.read_text_early(args.text)
+    eval_text = checks.read_text_early(args.eval_text)
+    out = Path(args.out)
+    if out.is_dir() and any(out.iterdir()):
+        raise ValueError(f"--out {out} exists and is not empty; a zoo is written into a new folder")
+
+    from posprobe.data import builtin_corpus
+    from posprobe.zoo.run import check_device, train_zoo
+
+    check_device(cfg)
+    if text is None:
+        print("zoo: training on posprobe's built-in corpus (~13,600 words): a smoke run; pass --text for a real "
+              "corpus", file=sys.stderr)
+    result = train_zoo(cfg, text if text is not None else builtin_corpus(), out, eval_text=eval_text,
+                       source=args.text or "built-in corpus", fresh=args.fresh)
+    print(summary_text(result))
+    print(f"wrote {out} ({len(result.tables['members'])} members) and {out / 'training' / 'report.html'}")
+    return 0
+
+
+def summary_text(result) -> str:
+    """One line per trained member: family, block, parameters, final loss, tokens/s."""
+    lines = []
+    for r in result.tables["members"].itertuples():
+        lines.append(f"[zoo] {r.model}: {r.family} ({r.block} block), {r.params / 1e6:.2f}M parameters, final "
+                     f"training loss {r.loss:.3f} nats/token, {r.tokens_per_s / 1000:.1f}k tokens/s")
+    return "\n".join(lines)
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from posprobe.analyses.configs import ExtrapolationConfig
+    from posprobe.cli import checks
+    from posprobe.cli.args import config_from_args
+
+    checks.check_out(args.out)
+    config = config_from_args(ExtrapolationConfig, args, progress=not args.no_progress)
+    text = checks.read_text_early(args.text)
+
+    from posprobe.report.extrapolation import ratio_table
+    from posprobe.zoo.evaluate import evaluate_zoo
+
+    result = evaluate_zoo(args.models, config, text=text, source=args.text, device=args.device)
+    print(ratio_table(result).to_string(index=False))
+    paths = result.save(args.out, figure_formats=args.figures, csv=args.csv)
+    print(f"wrote {paths['report']}")
+    return 0

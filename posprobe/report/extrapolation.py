@@ -1,0 +1,96 @@
+"""Report page of length extrapolation (`extrapolation` for one model, `zoo-eval` across a zoo): perplexity vs
+evaluation length in the format of Press et al.'s Figure 1 (one line per model, L marked; a learned-position model
+stops at its table), the ratio ppl(xL) / ppl(L) and every row that could not run, with why. Tables and meta only."""
+
+from __future__ import annotations
+
+import html
+from typing import Any
+
+import pandas as pd
+
+from posprobe.report.html import Section, table_html
+from posprobe.report.style import COLORS, caption, reference_line, style
+
+
+def title(result: Any) -> str:
+    """Report title."""
+    if result.analysis == "zoo-eval":
+        return "Zoo: perplexity past the training length"
+    return f"Perplexity past the training length: {result.meta['model']['name']}"
+
+
+def _curves(df: pd.DataFrame) -> pd.DataFrame:
+    # One line per member (its seeds averaged; min/max as the error band) and protocol.
+    ok = df[df["status"] == "ok"]
+    if ok.empty:
+        return ok
+    g = ok.groupby(["member", "protocol", "length"], sort=False)
+    return g.agg(ppl=("ppl", "mean"), low=("ppl", "min"), high=("ppl", "max"), factor=("factor", "first"),
+                 seeds=("model", "nunique")).reset_index()
+
+
+def figures(result: Any) -> list:
+    """Per protocol: perplexity vs evaluation length (log axes), one line per member, the training length dashed."""
+    import plotly.graph_objects as go
+
+    df = result.tables["perplexity"]
+    curves = _curves(df)
+    cap = caption(result.meta, {"protocols": (result.meta.get("config") or {}).get("protocols")},
+                  note="Lines: mean over seeds; bars: lowest and highest seed. A learned-position model stops at its "
+                       "table's last row.")
+    out = []
+    for protocol, part in curves.groupby("protocol", sort=False):
+        fig = go.Figure()
+        for i, (name, line) in enumerate(part.groupby("member", sort=False)):
+            line = line.sort_values("length")
+            fig.add_trace(go.Scatter(
+                x=line["length"], y=line["ppl"], name=str(name), mode="lines+markers",
+                line=dict(color=COLORS[i % len(COLORS)], dash="solid" if i < len(COLORS) else "dot"),
+                error_y=dict(type="data", symmetric=False, array=line["high"] - line["ppl"],
+                             arrayminus=line["ppl"] - line["low"], visible=bool((line["seeds"] > 1).any()))))
+        what = ("non-overlapping sequences" if protocol == "chunks"
+                else "the same targets with growing context")
+        fig.update_layout(title=f"Perplexity vs evaluation length ({protocol}: {what})",
+                          xaxis_title="evaluation length (tokens)", yaxis_title="perplexity")
+        fig.update_xaxes(type="log")
+        fig.update_yaxes(type="log")
+        train = df.loc[(df["status"] == "ok") & (df["factor"] == 1), "length"]
+        if len(train) and train.nunique() == 1:
+            reference_line(fig, float(train.iloc[0]), f"L = {int(train.iloc[0])}", axis="x")
+        out.append(style(fig, caption=cap))
+    return out
+
+
+def ratio_table(result: Any) -> pd.DataFrame:
+    """Wide ratio table: member x (protocol, factor) of ppl(xL) / ppl(L), "cannot run" where it cannot."""
+    r = result.tables.get("ratios")
+    if r is None:
+        df = result.tables["perplexity"]
+        r = df.assign(member=df["model"])
+    r = r.copy()
+    r["cell"] = [("cannot run" if s == "cannot run" else f"{v:.2f}") for s, v in zip(r["status"], r["ppl_ratio"])]
+    wide = r.pivot_table(index="member", columns=["protocol", "factor"], values="cell", aggfunc="first", sort=False)
+    wide.columns = [f"{p} {f:g}L" for p, f in wide.columns]
+    return wide.reset_index()
+
+
+def sections(result: Any) -> list[Section]:
+    """Ratios, figures, and the rows that could not run or were refused."""
+    m = result.meta
+    cfg = m.get("config") or {}
+    intro = (f"<p>Text: {html.escape(str(m['data']['source']))}. Perplexity = exp(mean next-token loss), at evaluation "
+             f"lengths {', '.join(f'{f:g}' for f in cfg.get('factors', ()))} x the training length L, up to "
+             f"{cfg.get('max_tokens')} scored tokens per length. <b>chunks</b>: the text cut into non-overlapping "
+             "sequences of each length, every token but each sequence's first scored (Press et al.'s tables); "
+             "<b>sliding</b>: the same target tokens at every length, each block of targets at the end of a window "
+             "of that length (their appendix B). Ratio = ppl(xL) / ppl(L); a ratio near 1 means the model "
+             "extrapolates.</p>")
+    out = [Section("Ratio ppl(xL) / ppl(L)", html=intro + table_html(ratio_table(result))),
+           Section("Figures", figures=figures(result))]
+    df = result.tables["perplexity"]
+    bad = df[df["status"] != "ok"]
+    if len(bad):
+        out.append(Section("Not measured", html="<p>Rows that could not run, with why.</p>",
+                           table=bad[["model", "protocol", "length", "status", "why"]].fillna("")))
+    return out

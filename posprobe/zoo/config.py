@@ -1,0 +1,119 @@
+"""The zoo's options: one frozen `ZooConfig` (what to train, how big, how long), the size tiers and JSON config
+files. Torch-free: the CLI builds its flags from these fields and checks them before anything is trained."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Literal
+
+from posprobe.core.config import option
+from posprobe.zoo.members import Widths, member, member_names
+
+__all__ = ["TIERS", "ZooConfig", "load_config_file"]
+
+#: Sizes and schedules per tier. cpu: every member in about a minute on 2 cores (~25k tokens/s each);
+#: gpu: minutes per member on one GPU (same code path, wider and longer).
+TIERS: dict[str, dict[str, Any]] = {
+    "cpu": dict(d_model=128, n_layers=4, n_heads=4, length=128, vocab_size=512, batch_size=16, steps=800,
+                lr=2e-3, device="cpu"),
+    "gpu": dict(d_model=512, n_layers=8, n_heads=8, length=512, vocab_size=8192, batch_size=32, steps=4000,
+                lr=1e-3, device="cuda"),
+}
+_TIERED = ("d_model", "n_layers", "n_heads", "length", "vocab_size", "batch_size", "steps", "lr", "device")
+#: Default warmup: this share of the steps.
+WARMUP_SHARE = 0.05
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZooConfig:
+    """What `train_zoo` trains: members x seeds, all with the same block widths, tokenizer, data order, steps,
+    optimiser (AdamW, cosine schedule with warmup) and seed. Fields left None take the tier's value."""
+
+    members: tuple[str, ...] = option(member_names(), "zoo members to train (repeatable; default: all)",
+                                      flag="--member")
+    seeds: tuple[int, ...] = option((0,), "training seeds (repeatable): each member is trained once per seed",
+                                    flag="--seed")
+    tier: Literal["cpu", "gpu"] = option("cpu", "size tier: cpu (every member in about a minute on 2 cores) or "
+                                                "gpu (minutes per member on one GPU)")
+    d_model: int | None = option(None, "residual width (default: the tier's)")
+    n_layers: int | None = option(None, "blocks (default: the tier's)")
+    n_heads: int | None = option(None, "attention heads per block (default: the tier's)")
+    length: int | None = option(None, "training length L in tokens (default: the tier's)")
+    vocab_size: int | None = option(None, "byte-level BPE vocabulary size (default: the tier's)")
+    batch_size: int | None = option(None, "sequences of L tokens per step (default: the tier's)")
+    steps: int | None = option(None, "optimiser steps per member (default: the tier's)")
+    lr: float | None = option(None, "peak learning rate of AdamW (default: the tier's)")
+    warmup: int | None = option(None, "linear warmup steps before the cosine decay (default: 5% of the steps)")
+    weight_decay: float = option(0.1, "AdamW weight decay on matrices (not on norms, biases)")
+    grad_clip: float = option(1.0, "gradient norm clip")
+    checkpoint_every: int = option(100, "steps between checkpoints (a killed run resumes from the last)")
+    eval_fraction: float = option(0.1, "share of --text held out for evaluation when --eval-text is not given")
+    device: str | None = option(None, "", cli=False)
+    progress: bool = option(True, "", cli=False)
+
+    def __post_init__(self) -> None:
+        if self.tier not in TIERS:
+            raise ValueError(f"unknown tier {self.tier!r}; choose one of {', '.join(TIERS)}")
+        object.__setattr__(self, "members", tuple(dict.fromkeys(self.members)))
+        object.__setattr__(self, "seeds", tuple(dict.fromkeys(int(s) for s in self.seeds)))
+        if not self.members:
+            raise ValueError("no zoo members to train")
+        if not self.seeds or any(s < 0 for s in self.seeds):
+            raise ValueError(f"seeds must be >= 0 and at least one; got {self.seeds}")
+        for name in self.members:
+            member(name)  # unknown names fail here, before any work
+        for name in _TIERED:
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, TIERS[self.tier][name])
+        if self.warmup is None:
+            object.__setattr__(self, "warmup", int(round(WARMUP_SHARE * self.steps)))
+        for name in ("d_model", "n_layers", "n_heads", "length", "batch_size", "steps", "checkpoint_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.length < 2:
+            raise ValueError(f"length must be >= 2 tokens, got {self.length}")
+        if self.d_model % self.n_heads or (self.d_model // self.n_heads) % 8:
+            raise ValueError(f"d_model {self.d_model} must split into {self.n_heads} heads of a multiple of 8 dims "
+                             "(partial rotary and p-RoPE rotate a quarter of each head in pairs)")
+        if not 0 <= self.warmup < self.steps:
+            raise ValueError(f"warmup must be in [0, steps); got {self.warmup} with {self.steps} steps")
+        if self.lr <= 0 or self.weight_decay < 0 or self.grad_clip <= 0:
+            raise ValueError("lr and grad_clip must be > 0 and weight_decay >= 0")
+        if not 0 < self.eval_fraction < 1:
+            raise ValueError(f"eval_fraction must be in (0, 1), got {self.eval_fraction}")
+        if self.vocab_size < 258:
+            raise ValueError(f"vocab_size must be >= 258 (256 bytes and two special tokens), got {self.vocab_size}")
+
+    @property
+    def widths(self) -> Widths:
+        """The block shape every member shares."""
+        return Widths(d_model=self.d_model, n_layers=self.n_layers, n_heads=self.n_heads, length=self.length,
+                      vocab_size=self.vocab_size)
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Training tokens per optimiser step (batch x L)."""
+        return self.batch_size * self.length
+
+
+def load_config_file(path: str | Path, **overrides: Any) -> ZooConfig:
+    """A ZooConfig from a JSON file of its fields (lists for tuples), with `overrides` (not None) on top; unknown
+    keys are refused with the known ones named."""
+    p = Path(path)
+    try:
+        raw = json.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(f"--config {path}: no such file") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--config {path}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"--config {path}: expected a JSON object of ZooConfig fields")
+    known = {f.name for f in fields(ZooConfig)} - {"progress"}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ValueError(f"--config {path}: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    raw = {k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()}
+    raw.update({k: v for k, v in overrides.items() if v is not None})
+    return ZooConfig(**raw)

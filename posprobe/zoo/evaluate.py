@@ -1,0 +1,102 @@
+"""Running an analysis across a zoo: the length-extrapolation comparison (Press et al. 2022) over every member of
+one or more zoo folders, or over any models a user passes. A model the analysis refuses is a row with its reason,
+never dropped silently."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pandas as pd
+
+from posprobe.analyses.extrapolation import ExtrapolationConfig, run_extrapolation
+from posprobe.report.result import Result
+from posprobe.report.schema import data_meta, make_meta, text_sha256
+from posprobe.zoo.run import EVAL_FILE
+from posprobe.zoo.train import ZOO_FILE
+
+__all__ = ["evaluate_zoo", "zoo_models"]
+
+_MEMBER_COLUMNS = ("member", "family", "block", "seed")
+
+
+def zoo_models(paths: list[str]) -> list[tuple[str, dict | None]]:
+    """(model spec, zoo record or None) for every model named: a zoo folder stands for its members (sorted), a
+    member folder or any other model spec for itself."""
+    out: list[tuple[str, dict | None]] = []
+    for spec in paths:
+        p = Path(spec)
+        if (p / ZOO_FILE).is_file():
+            out.append((str(p), json.loads((p / ZOO_FILE).read_text(encoding="utf-8"))))
+        elif p.is_dir() and any((c / ZOO_FILE).is_file() for c in p.iterdir() if c.is_dir()):
+            out += [(str(c), json.loads((c / ZOO_FILE).read_text(encoding="utf-8")))
+                    for c in sorted(p.iterdir()) if (c / ZOO_FILE).is_file()]
+        else:
+            out.append((spec, None))
+    if not out:
+        raise ValueError("no models to evaluate")
+    return out
+
+
+def default_text(paths: list[str]) -> tuple[str, str] | None:
+    """(text, source) of the first zoo folder's held-out evaluation text, or None."""
+    for spec in paths:
+        for folder in (Path(spec), Path(spec).parent):
+            if (folder / EVAL_FILE).is_file() and (folder / EVAL_FILE).stat().st_size:
+                return (folder / EVAL_FILE).read_text(encoding="utf-8"), str(folder / EVAL_FILE)
+    return None
+
+
+def evaluate_zoo(paths: list[str], config: ExtrapolationConfig | None = None, *, text: str | None = None,
+                 source: str | None = None, device: str = "cpu") -> Result:
+    """Perplexity vs evaluation length for every model in `paths` (zoo folders, member folders, other model
+    specs) on `text` (default: the zoo's held-out eval.txt). Each zoo member is evaluated at its own training
+    length L. Returns a Result with tables `perplexity` (every model x protocol x length, with the member's family,
+    block and seed) and `ratios` (ppl(xL) / ppl(L) per member, protocol and factor: mean, min and max over seeds)."""
+    from posprobe.backend.loading import load_model
+    from posprobe.backend.sources import ModelLoadError
+
+    config = config or ExtrapolationConfig()
+    models = zoo_models(paths)
+    if text is None:
+        found = default_text(paths)
+        if found is None:
+            raise ValueError("no evaluation text: pass --text (only a zoo folder carries its own eval.txt)")
+        text, source = found
+    if not text.strip():
+        raise ValueError("the evaluation text is empty")
+    frames = []
+    for spec, rec in models:
+        label = Path(spec).name if rec is not None else spec
+        cfg = config
+        if rec is not None and config.train_length is None:
+            cfg = replace(config, train_length=int(rec["widths"]["length"]))
+        info = {k: (rec or {}).get(k) for k in _MEMBER_COLUMNS}
+        try:
+            model = load_model(spec, device=device)
+            df = run_extrapolation(model, text, cfg, source=source, label=label).tables["perplexity"]
+        except (ValueError, NotImplementedError, ModelLoadError) as e:
+            df = pd.DataFrame([{"model": label, "status": "refused", "why": str(e)}])
+        if info["member"] is None:
+            info["member"] = label
+        frames.append(df.assign(**info))
+    table = pd.concat(frames, ignore_index=True)
+    meta = make_meta("zoo-eval", model={"name": "zoo", "positional_kind": "several", "models": [s for s, _ in models]},
+                     data=data_meta(source, n_items=len(text), unit="characters", sha256=text_sha256(text)),
+                     config=config)
+    return Result({"perplexity": table, "ratios": ratio_summary(table)}, meta)
+
+
+def ratio_summary(table: pd.DataFrame) -> pd.DataFrame:
+    """ppl(xL) / ppl(L) per member, protocol and factor: mean over seeds, min and max, seeds counted; rows that
+    cannot run keep their status."""
+    if "ppl_ratio" not in table:
+        return pd.DataFrame(columns=["member", "family", "block", "protocol", "factor", "ppl_ratio", "ratio_low",
+                                     "ratio_high", "n_seeds", "status"])
+    ok = table[table["status"].isin(["ok", "cannot run"])]
+    keys = ["member", "family", "block", "protocol", "factor"]
+    g = ok.groupby(keys, sort=False, dropna=False)
+    out = g.agg(ppl_ratio=("ppl_ratio", "mean"), ratio_low=("ppl_ratio", "min"), ratio_high=("ppl_ratio", "max"),
+                n_seeds=("model", "nunique"), status=("status", "first")).reset_index()
+    return out

@@ -1,0 +1,178 @@
+"""Training the zoo: every member on the same tokens in the same order, with transformers' model classes, torch's
+AdamW and transformers' cosine schedule — a plain loop rather than `Trainer`, so that a killed run resumes to the
+same weights bit for bit (the batch of step s is a function of seed and s alone; model, optimiser and schedule are
+restored exactly) and the loop costs nothing beyond the forward and backward passes (`benchmarks/bench_zoo.py`).
+
+Deterministic on CPU for a seed and thread count: no dropout, posprobe's own initialisation from a seeded
+generator, batches drawn from a seeded generator per step."""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from posprobe.zoo.config import ZooConfig
+from posprobe.zoo.members import Member, member
+
+__all__ = ["batch_ids", "build_model", "init_weights", "train_member", "ZOO_FILE"]
+
+#: The file in every member folder that says what it is (family, block, seed, widths, training).
+ZOO_FILE = "zoo.json"
+_INIT_STD = 0.02
+
+
+def build_model(m: Member, cfg: ZooConfig, tokenizer: Any, seed: int) -> Any:
+    """A freshly initialised Hugging Face causal LM for member `m` (float32, eager attention, training mode)."""
+    from transformers import AutoModelForCausalLM
+
+    hf_cfg = m.hf_config(cfg.widths, pad_id=tokenizer.pad_token_id, bos_id=tokenizer.bos_token_id)
+    model = AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="eager", dtype=torch.float32)
+    init_weights(model, seed)
+    return model
+
+
+def init_weights(model: Any, seed: int) -> None:
+    """The same initialisation for every class (each HF class has its own; GPT-2 shrinks its residual projections):
+    matrices and embeddings N(0, 0.02) from a generator seeded with `seed`, biases 0, norm scales 1. Buffers (rotary
+    and sinusoid tables, ALiBi) are left as built."""
+    g = torch.Generator().manual_seed(int(seed))
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # tied weights appear once
+            if p.ndim >= 2:
+                p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * _INIT_STD)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.fill_(1.0)
+
+
+def batch_ids(ids: torch.Tensor, step: int, cfg: ZooConfig, seed: int) -> torch.Tensor:
+    """The `[batch_size, length]` token windows of optimiser step `step`: random starts drawn from a generator
+    seeded by (seed, step) alone, so every member sees the same tokens in the same order and a resumed run
+    continues the sequence exactly."""
+    g = torch.Generator().manual_seed(int(seed) * 1_000_003 + int(step))
+    starts = torch.randint(0, len(ids) - cfg.length + 1, (cfg.batch_size,), generator=g)
+    return torch.stack([ids[s:s + cfg.length] for s in starts.tolist()])
+
+
+def _optimizer(model: Any, cfg: ZooConfig) -> tuple[torch.optim.Optimizer, Any]:
+    from transformers import get_cosine_schedule_with_warmup
+
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    other = [p for p in model.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": other, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+    return opt, get_cosine_schedule_with_warmup(opt, cfg.warmup, cfg.steps)
+
+
+class _Progress:
+    """One stderr line per member: step, loss, tokens/s, ETA of the member and of the whole zoo."""
+
+    def __init__(self, label: str, total: int, start: int, tokens_per_step: int, later_steps: int,
+                 enabled: bool) -> None:
+        self.label, self.total, self.start, self.tps, self.later = label, total, start, tokens_per_step, later_steps
+        self.enabled, self.t0, self.last = enabled, time.perf_counter(), 0.0
+
+    def update(self, step: int, loss: float | None, force: bool = False) -> None:
+        now = time.perf_counter()
+        if not self.enabled or (not force and now - self.last < 1.0):
+            return
+        self.last = now
+        done = step - self.start
+        rate = done / max(now - self.t0, 1e-9)
+        left = (self.total - step) / rate if rate > 0 else math.inf
+        zoo_left = left + self.later / rate if rate > 0 else math.inf
+        loss_txt = "" if loss is None else f", loss {loss:.3f}"
+        resumed = f" (resumed at {self.start})" if self.start else ""
+        print(f"\rzoo: {self.label}{resumed}: step {step}/{self.total}{loss_txt}, {rate * self.tps / 1000:.1f}k "
+              f"tokens/s, ETA {_fmt(left)} (zoo {_fmt(zoo_left)})   ", end="", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.enabled:
+            print(file=sys.stderr, flush=True)
+
+
+def _fmt(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} min"
+
+
+def train_member(name: str, seed: int, cfg: ZooConfig, ids: torch.Tensor, tokenizer: Any, folder: Path,
+                 state_io: tuple[Callable[[], dict | None], Callable[[dict], None]], *,
+                 later_steps: int = 0, log_every: int = 10) -> dict:
+    """Train member `name` with `seed` on token ids `ids` and save it as a Hugging Face folder at `folder`
+    (written beside it and renamed into place). `state_io` = (load, save) of the training state: a saved state is
+    resumed from, and one is saved every `cfg.checkpoint_every` steps. Returns the member's training record:
+    losses every `log_every` steps (nats/token), wall seconds of this call, tokens/s."""
+    m = member(name)
+    device = torch.device(cfg.device)
+    model = build_model(m, cfg, tokenizer, seed).to(device)
+    opt, sched = _optimizer(model, cfg)
+    load_state, save_state = state_io
+    state = load_state()
+    start, log = 0, []
+    if state is not None:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        start, log = int(state["step"]), list(state["log"])
+    model.train()
+    progress = _Progress(f"{name} seed {seed}", cfg.steps, start, cfg.tokens_per_step, later_steps, cfg.progress)
+    t0 = time.perf_counter()
+    running = torch.zeros((), device=device)
+    # Grad on explicitly: loading a model for analysis elsewhere in the process may have turned it off globally.
+    with torch.enable_grad():
+        for step in range(start, cfg.steps):
+            x = batch_ids(ids, step, cfg, seed).to(device)
+            loss = model(input_ids=x, labels=x).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            running += loss.detach()
+            if (step + 1) % log_every == 0 or step + 1 == cfg.steps:
+                n = (step % log_every) + 1
+                mean = float(running) / n  # one host sync per logged interval, not per step
+                running.zero_()
+                log.append((step + 1, mean, float(sched.get_last_lr()[0])))
+                progress.update(step + 1, mean)
+            if (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
+                save_state({"step": step + 1, "log": log, "model": model.state_dict(), "optimizer": opt.state_dict(),
+                            "scheduler": sched.state_dict()})
+    seconds = time.perf_counter() - t0
+    progress.update(cfg.steps, log[-1][1] if log else None, force=True)
+    progress.close()
+    if not math.isfinite(log[-1][1]):
+        raise RuntimeError(f"zoo member {name} (seed {seed}) diverged: loss {log[-1][1]}; lower --lr")
+    _save_folder(model.to("cpu").eval(), tokenizer, folder, m, seed, cfg, log)
+    steps_run = cfg.steps - start
+    return {"member": name, "seed": seed, "log": log, "seconds": seconds, "steps_run": steps_run,
+            "tokens_per_s": steps_run * cfg.tokens_per_step / seconds if seconds > 0 else float("nan"),
+            "params": sum(p.numel() for p in model.parameters())}
+
+
+def _save_folder(model: Any, tokenizer: Any, folder: Path, m: Member, seed: int, cfg: ZooConfig, log: list) -> None:
+    import json
+    from dataclasses import asdict
+
+    tmp = folder.with_name(f".{folder.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    record = {"member": m.name, "family": m.family, "block": m.block, "model_type": m.model_type,
+              "positions": m.positions, "differences": m.differences, "seed": seed, "widths": asdict(cfg.widths),
+              "steps": cfg.steps, "batch_size": cfg.batch_size, "lr": cfg.lr, "warmup": cfg.warmup,
+              "final_loss": log[-1][1] if log else None}
+    (tmp / ZOO_FILE).write_text(json.dumps(record, indent=1), encoding="utf-8")
+    if folder.exists():
+        shutil.rmtree(folder)
+    os.replace(tmp, folder)
