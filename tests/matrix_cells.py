@@ -56,7 +56,11 @@ def facts(bridge: Any) -> None:
         if spec is not None:  # posprobe's frequencies (angle = p / freq) against HF's inv_freq table
             from posprobe.rope import inv_freq_table
 
-            _close(1.0 / inv_freq_table(spec, torch.float64), HF.inv_freq(hf, layer)[0], "inverse frequencies", 1e-6)
+            ours, theirs = 1.0 / inv_freq_table(spec, torch.float64), HF.inv_freq(hf, layer)[0]
+            kept = [i for i in range(len(ours)) if i not in spec.removed]
+            _close(ours[kept], theirs[kept], "inverse frequencies", 1e-6)
+            # p-RoPE / proportional: the bands posprobe calls removed are exactly those HF never rotates
+            assert all(float(theirs[i]) == 0.0 for i in spec.removed), "removed bands rotate in HF"
 
 
 def _hf_position_ids(hf: Any, n: int, k: int = 0) -> torch.Tensor:

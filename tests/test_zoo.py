@@ -20,8 +20,11 @@ import torch
 from posprobe.zoo.config import ZooConfig, load_config_file
 from posprobe.zoo.members import MEMBERS
 
-TINY = dict(d_model=32, n_layers=4, n_heads=2, length=16, vocab_size=300, batch_size=4, steps=6, warmup=1,
-            checkpoint_every=3, progress=False)
+# 64 tokens: the support matrix's identity cells need 54-token sentences; 100 steps: enough for
+# positions to move the logits (the cells check that their comparison is not vacuous).
+TINY = dict(d_model=32, n_layers=4, n_heads=2, length=64, vocab_size=300, batch_size=4, steps=100, warmup=5,
+            checkpoint_every=10, progress=False)
+L = TINY["length"]
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -282,26 +285,26 @@ def test_extrapolation_equals_hugging_face(tiny_zoo, name):
     out, _ = tiny_zoo
     folder = out / f"{name}-s0"
     text = (out / "eval.txt").read_text()
-    cfg = ExtrapolationConfig(train_length=16, factors=(1, 2, 4), max_tokens=256, stride=8, batch_size=3,
+    cfg = ExtrapolationConfig(train_length=L, factors=(1, 2, 4), max_tokens=8 * L, stride=8, batch_size=3,
                               progress=False)
     df = run_extrapolation(load_model(str(folder)), text, cfg).tables["perplexity"].set_index(["protocol", "length"])
     hf = _plain_hf(folder)
     from transformers import AutoTokenizer
 
     ids = torch.tensor(AutoTokenizer.from_pretrained(folder)(text, add_special_tokens=False)["input_ids"])
-    for n in (16, 32, 64):
-        chunks = ids[:256 // n * n].view(-1, n)
+    for n in (L, 2 * L, 4 * L):
+        chunks = ids[:8 * L // n * n].view(-1, n)
         want = float(_hf_losses(hf, chunks).mean())
         got = df.loc[("chunks", n)]
         assert got["status"] == "ok" and got["count"] == chunks.shape[0] * (n - 1)
         assert abs(got["nll"] - want) < 1e-5, (name, n, got["nll"], want)
-        ends = [64 + 8 * j for j in range(32)]
+        ends = [4 * L + 8 * j for j in range(L)]
         windows = torch.stack([ids[e - n:e] for e in ends])
         want = float(_hf_losses(hf, windows)[:, -8:].mean())
         assert abs(df.loc[("sliding", n), "nll"] - want) < 1e-5, (name, n)
     for protocol in ("chunks", "sliding"):
-        base = df.loc[(protocol, 16), "nll"]
-        for n in (16, 32, 64):
+        base = df.loc[(protocol, L), "nll"]
+        for n in (L, 2 * L, 4 * L):
             assert math.isclose(df.loc[(protocol, n), "ppl_ratio"], math.exp(df.loc[(protocol, n), "nll"] - base))
 
 
@@ -311,14 +314,14 @@ def test_learned_member_past_its_table_cannot_run(tiny_zoo):
 
     out, _ = tiny_zoo
     text = (out / "eval.txt").read_text()
-    cfg = ExtrapolationConfig(train_length=16, factors=(1, 2), max_tokens=128, stride=8, progress=False)
+    cfg = ExtrapolationConfig(train_length=L, factors=(1, 2), max_tokens=4 * L, stride=8, progress=False)
     df = run_extrapolation(load_model(str(out / "learned-s0")), text, cfg).tables["perplexity"]
-    past = df[df["length"] == 32]
+    past = df[df["length"] == 2 * L]
     assert list(past["status"]) == ["cannot run"] * 2 and past["ppl"].isna().all()
-    assert "16 rows" in past["why"].iloc[0]
-    assert (df[df["length"] == 16]["status"] == "ok").all()
+    assert f"{L} rows" in past["why"].iloc[0]
+    assert (df[df["length"] == L]["status"] == "ok").all()
     with pytest.raises(ValueError, match="no evaluation length fits"):
-        run_extrapolation(load_model(str(out / "learned-s0")), text, replace(cfg, factors=(2, 4), train_length=32))
+        run_extrapolation(load_model(str(out / "learned-s0")), text, replace(cfg, factors=(2, 4), train_length=2 * L))
 
 
 def test_zoo_eval_over_members_and_other_models(tiny_zoo, tmp_path):
@@ -328,13 +331,13 @@ def test_zoo_eval_over_members_and_other_models(tiny_zoo, tmp_path):
     from posprobe.zoo.evaluate import evaluate_zoo
 
     out, _ = tiny_zoo
-    cfg = ExtrapolationConfig(factors=(1, 2), max_tokens=128, stride=8, progress=False)
+    cfg = ExtrapolationConfig(factors=(1, 2), max_tokens=4 * L, stride=8, progress=False)
     result = evaluate_zoo([str(out), "tiny-rope", "minilm"], cfg)
     df = result.tables["perplexity"]
     assert set(df["member"]) == set(MEMBERS) | {"tiny-rope", "minilm"}
     refused = df[df["model"] == "minilm"]
     assert list(refused["status"]) == ["refused"] and "LM head" in refused["why"].iloc[0]
-    assert (df[df["member"] == "learned"].set_index(["protocol", "length"]).loc[("chunks", 32), "status"]
+    assert (df[df["member"] == "learned"].set_index(["protocol", "length"]).loc[("chunks", 2 * L), "status"]
             == "cannot run")
     ratios = result.tables["ratios"]
     assert set(ratios["factor"]) == {1.0, 2.0}
@@ -360,3 +363,22 @@ def test_cli_train_then_eval(tmp_path):
     assert p.returncode == 0, err
     assert "cannot run" in out and "chunks 2L" in out
     assert (tmp_path / "ev" / "ratios.parquet").is_file()
+
+
+@pytest.mark.parametrize("name", list(MEMBERS))
+def test_trained_members_pass_their_familys_identities(tiny_zoo, name):
+    # The support matrix's identity cells (facts, position control, shift test, decomposition: each against a
+    # genuine Hugging Face computation) on the trained folder, not only on random weights.
+    from matrix_cells import run_cell
+
+    from posprobe.backend.loading import load_model
+
+    out, _ = tiny_zoo
+    bridge = load_model(str(out / f"{name}-s0"))
+    got = {cell: run_cell(bridge, cell) for cell in ("facts", "position control", "shift-test", "decompose")}
+    expected_na = {"position control", "shift-test"} if name == "nope" else set()
+    for cell, status in got.items():
+        if cell in expected_na:
+            assert status.startswith("n/a"), (name, cell, status)
+        else:
+            assert status == "ok", (name, cell, status)

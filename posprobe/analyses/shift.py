@@ -17,6 +17,7 @@ import torch
 
 from posprobe.analyses.configs import ShiftConfig, ShiftError
 from posprobe.backend.families import control as position_control
+from posprobe.backend.families import find as find_family
 from posprobe.backend.model import forward, n_layers, tokenizer_of
 from posprobe.core.scoring import Positioned
 from posprobe.data import BUILTIN_SOURCE, DataError, MinimalPair, pairs_fingerprint
@@ -259,7 +260,7 @@ def prepare(model: Any, *, backend: str = "auto", device: str = "cpu", dtype: st
             n_ctx: int | None = None) -> Prepared:
     """Pick the scoring backend: HF with native position_ids when weights are on disk, else TL hooks."""
     from posprobe.backend import hf as HF
-    from posprobe.backend.facts import hf_facts, model_facts
+    from posprobe.backend.facts import WrongModelKind, hf_facts, model_facts
     from posprobe.backend.sources import resolve
     from posprobe.core.scoring import HFScorer, TLScorer
 
@@ -287,6 +288,9 @@ def prepare(model: Any, *, backend: str = "auto", device: str = "cpu", dtype: st
 
     tl = load_model(model, device=device, dtype=dtype, n_ctx=n_ctx)
     f = model_facts(tl)
+    fam = find_family(f.positional_kind)
+    if fam is not None and fam.control is None:  # e.g. a model without positions: nothing to shift
+        raise WrongModelKind(f"The shift test does not apply to {f.name}: {fam.why_no_control}")
     scorer = None if (f.is_encoder or not f.has_lm_head) else TLScorer(tl)
     return Prepared(f.name, scorer, tokenizer_of(tl), f.positional_kind, f.n_ctx, f.is_encoder, "tl", tl, f)
 

@@ -107,6 +107,12 @@ def _runs(items: tuple[str, ...]) -> list[str]:
     return out
 
 
+def _whole_model_kind(kinds: tuple[str, ...], kind: str) -> str:
+    """The model's positional kind: "nope" where every layer is NoPE (a rotary architecture with rotary switched off
+    everywhere, as SmolLM3's `no_rope_layers` all 0), else `kind`. Position plans cannot move such a model."""
+    return "nope" if kinds and all(k == "nope" for k in kinds) else kind
+
+
 def model_facts(model: Any) -> ModelFacts:
     """Positional facts of a TransformerLens model (TransformerBridge, HookedTransformer or HookedEncoder): shapes
     from its config, rotary specs and layer types from the backend adapter (on a bridge: from the wrapped HF
@@ -130,7 +136,7 @@ def model_facts(model: Any) -> ModelFacts:
         name=str(cfg.model_name),
         source=str(getattr(model, "posprobe_source", "object")),
         # TL calls a fixed sinusoidal table "standard" too (XGLM): the adapter's per-layer kinds tell them apart.
-        positional_kind="sinusoidal" if "sinusoidal" in kinds else tl_positional_kind(pet),
+        positional_kind=_whole_model_kind(kinds, "sinusoidal" if "sinusoidal" in kinds else tl_positional_kind(pet)),
         is_encoder=is_encoder(model),
         n_ctx=int(cfg.n_ctx),
         n_layers=int(cfg.n_layers),
@@ -167,6 +173,7 @@ def hf_facts(hf_model: Any, name: str | None = None) -> ModelFacts:
         except NotImplementedError:
             rotary = None
     kinds = tuple("nope" if l in nope else kind for l in range(layers))
+    kind = _whole_model_kind(kinds, kind)
     rules = tuple(hf.length_rule_text(hf_model, l) for l in range(layers)) if rotary is not None else None
     attn_types = tuple("local" if (hf.layer_type(hf_model, l) or "").startswith("sliding") else "global"
                        for l in range(layers))

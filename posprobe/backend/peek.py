@@ -132,6 +132,10 @@ def hf_positional_kind(cfg: dict) -> str:
     model_type = str(cfg.get("model_type", "")).lower()
     pet = str(cfg.get("position_embedding_type") or "").lower()
     if pet in ("rotary", "rope") or any(cfg.get(k) is not None for k in _HF_ROPE_KEYS):
+        # SmolLM3 / Llama 4 mark rotary layers 1 and NoPE layers 0: all 0 is a model without positions.
+        no_rope = cfg.get("no_rope_layers")
+        if isinstance(no_rope, list) and no_rope and not any(no_rope):
+            return "nope"
         return "rotary"
     if model_type in _HF_ALIBI or cfg.get("alibi"):
         return "alibi"
