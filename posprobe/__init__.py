@@ -62,6 +62,12 @@ _EXPORTS = {
     "run_surgery_eval": "posprobe.analyses.squish",
     "LongContextConfig": "posprobe.analyses.configs",
     "run_long_context": "posprobe.analyses.long_context",
+    "ExtrapolationConfig": "posprobe.analyses.configs",
+    "run_extrapolation": "posprobe.analyses.extrapolation",
+    # the positional zoo: matched models per positional family
+    "ZooConfig": "posprobe.zoo.config",
+    "train_zoo": "posprobe.zoo.run",
+    "evaluate_zoo": "posprobe.zoo.evaluate",
     # analysis building blocks
     "frequency_usage": "posprobe.analyses.frequency",
     "FrequencyUsage": "posprobe.analyses.frequency",

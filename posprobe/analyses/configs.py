@@ -459,7 +459,7 @@ class ExtrapolationConfig:
                                         flag="--factor")
     protocols: tuple[str, ...] = option(PROTOCOLS, "chunks (non-overlapping sequences) and/or sliding (the same "
                                                    "targets with growing context) (repeatable)", flag="--protocol")
-    max_tokens: int = option(16384, "evaluation tokens: the text prefix cut into chunks, and the sliding "
+    max_tokens: int = option(8192, "evaluation tokens: the text prefix cut into chunks, and the sliding "
                                     "protocol's target tokens")
     stride: int | None = option(None, "sliding protocol: targets scored per window, the window's last tokens "
                                       "(default: L / 2)")

@@ -24,6 +24,7 @@ def run(args: argparse.Namespace) -> int:
 
     model = load_model(args.model, device=args.device, dtype=args.dtype, n_ctx=args.n_ctx)
     facts = model_facts(model).summary()
+    facts.update(_zoo_record(args.model))
     if args.json:
         print(json.dumps(facts, indent=2, default=str))
     else:
@@ -35,3 +36,18 @@ def run(args: argparse.Namespace) -> int:
             for i, line in enumerate(lines):
                 print(f"{k if i == 0 else '':<{width}}  {line}")
     return 0
+
+
+def _zoo_record(spec: str) -> dict:
+    """A posprobe zoo member's own record (member, block, seed, what differs beyond positions), or nothing."""
+    from pathlib import Path
+
+    from posprobe.zoo.train import ZOO_FILE
+
+    path = Path(spec) / ZOO_FILE
+    if not path.is_file():
+        return {}
+    rec = json.loads(path.read_text(encoding="utf-8"))
+    return {"zoo_member": f"{rec.get('member')} (seed {rec.get('seed')}, block {rec.get('block')}: "
+                          f"{rec.get('positions')})",
+            "zoo_differences": rec.get("differences") or "none beyond positions within its block"}
