@@ -344,6 +344,12 @@ def test_zoo_eval_over_members_and_other_models(tiny_zoo, tmp_path):
     assert (ratios[ratios["factor"] == 1.0]["ppl_ratio"].dropna() == 1.0).all()
     paths = result.save(tmp_path / "ev")
     assert paths["report"].is_file() and "cannot run" in paths["report"].read_text()
+    # Press et al.'s Figure 1 layout: log axes, L marked where L is (a label at the raw length stretched the log
+    # axis to 10^L: plotly reads annotations there in log10 units, shapes in data units).
+    fig = result.figures()[0]
+    assert fig.layout.xaxis.type == "log" and sorted(s.x0 for s in fig.layout.shapes) == [L, 256]  # tiny-rope: 256
+    assert sorted(a.x for a in fig.layout.annotations if a.text.startswith("L = ")) == [math.log10(L), math.log10(256)]
+    assert {t.name for t in fig.data} == set(MEMBERS) | {"tiny-rope"}
 
 
 def test_cli_train_then_eval(tmp_path):
@@ -401,3 +407,16 @@ def test_info_names_the_members_family_and_zoo_record(tiny_zoo, capsys):
     assert main(["info", str(out / "nope-s0"), "--json"]) == 0
     facts = json.loads(capsys.readouterr().out)
     assert facts["positional_kind"] == "nope" and facts["zoo_member"].startswith("nope")
+
+
+def test_gpu_tier_runs_its_code_path_on_cpu_when_asked(tmp_path):
+    # The GPU tier is the CPU tier's code with other sizes: on a machine without CUDA it runs where --device says,
+    # here with its widths shrunk so that the test takes seconds.
+    from posprobe.zoo.run import train_zoo
+
+    cfg = ZooConfig(tier="gpu", device="cpu", members=("rope",), d_model=32, n_layers=2, n_heads=2, length=32,
+                    vocab_size=300, batch_size=2, steps=3, progress=False)
+    assert (cfg.lr, cfg.warmup) == (1e-3, 0)  # the tier's optimiser settings stay
+    result = train_zoo(cfg, _text(), tmp_path / "z")
+    record = json.loads((tmp_path / "z" / "rope-s0" / "zoo.json").read_text())
+    assert record["widths"]["d_model"] == 32 and result.meta["config"]["tier"] == "gpu"

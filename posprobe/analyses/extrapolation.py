@@ -83,7 +83,7 @@ def run_extrapolation(model: Any, text: str, config: ExtrapolationConfig | None 
             if config.progress:
                 print(f"\rextrapolation: {name}: {protocol} at {n} tokens   ", end="", file=sys.stderr, flush=True)
             if protocol == "chunks":
-                total = min(len(ids), config.max_tokens) // n * n
+                total = max(n, min(len(ids), config.max_tokens) // n * n)  # one sequence at least (text checked)
                 loss = _losses(model, ids[:total].view(-1, n), config.batch_size, None)
             else:
                 n_blocks = max(1, min(config.max_tokens // stride, (len(ids) - longest) // stride + 1))

@@ -5,12 +5,13 @@ stops at its table), the ratio ppl(xL) / ppl(L) and every row that could not run
 from __future__ import annotations
 
 import html
+import math
 from typing import Any
 
 import pandas as pd
 
 from posprobe.report.html import Section, table_html
-from posprobe.report.style import COLORS, caption, reference_line, style
+from posprobe.report.style import COLORS, REFERENCE_COLOR, caption, style
 
 
 def title(result: Any) -> str:
@@ -53,11 +54,16 @@ def figures(result: Any) -> list:
                 else "the same targets with growing context")
         fig.update_layout(title=f"Perplexity vs evaluation length ({protocol}: {what})",
                           xaxis_title="evaluation length (tokens)", yaxis_title="perplexity")
-        fig.update_xaxes(type="log")
+        ticks = sorted(part["length"].unique())
+        fig.update_xaxes(type="log", tickvals=ticks, ticktext=[f"{int(t):,}" for t in ticks])
         fig.update_yaxes(type="log")
-        train = df.loc[(df["status"] == "ok") & (df["factor"] == 1), "length"]
-        if len(train) and train.nunique() == 1:
-            reference_line(fig, float(train.iloc[0]), f"L = {int(train.iloc[0])}", axis="x")
+        # Each training length L once (a zoo has one; other models passed beside it may have their own). On a log
+        # axis a shape takes the length itself but an annotation its log10 (plotly): drawn apart, or the label
+        # stretches the axis to 10^L.
+        for L in sorted(df.loc[(df["status"] == "ok") & (df["factor"] == 1), "length"].unique()):
+            fig.add_vline(x=float(L), line=dict(color=REFERENCE_COLOR, dash="dash", width=1.5))
+            fig.add_annotation(x=math.log10(float(L)), y=1, yref="paper", text=f"L = {int(L)}", showarrow=False,
+                               xanchor="left", font=dict(size=12, color=REFERENCE_COLOR))
         out.append(style(fig, caption=cap))
     return out
 
