@@ -80,7 +80,9 @@ def member_names() -> tuple[str, ...]:
 def member(name: str) -> Member:
     """The member called `name`; ValueError naming the known members otherwise."""
     if name not in MEMBERS:
-        raise ValueError(f"unknown zoo member {name!r}; known: {', '.join(MEMBERS)}")
+        later = (" (a T5-bias member is not in the zoo yet: Hugging Face's decoder-only T5-bias class has no "
+                 "TransformerLens adapter)") if name.lower().startswith("t5") else ""
+        raise ValueError(f"unknown zoo member {name!r}{later}; known: {', '.join(MEMBERS)}")
     return MEMBERS[name]
 
 

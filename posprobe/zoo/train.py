@@ -164,9 +164,17 @@ def _save_folder(model: Any, tokenizer: Any, folder: Path, m: Member, seed: int,
     import json
     from dataclasses import asdict
 
+    from transformers.utils import logging as hf_logging
+
     tmp = folder.with_name(f".{folder.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # its "Writing model shards" bar would break the zoo's progress line
+    try:
+        model.save_pretrained(tmp)
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
     tokenizer.save_pretrained(tmp)
     record = {"member": m.name, "family": m.family, "block": m.block, "model_type": m.model_type,
               "positions": m.positions, "differences": m.differences, "seed": seed, "widths": asdict(cfg.widths),
