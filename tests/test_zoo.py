@@ -324,6 +324,25 @@ def test_learned_member_past_its_table_cannot_run(tiny_zoo):
         run_extrapolation(load_model(str(out / "learned-s0")), text, replace(cfg, factors=(2, 4), train_length=2 * L))
 
 
+def test_extrapolation_refuses_a_rope_table_that_changes_with_length(tiny_zoo, tmp_path):
+    # Dynamic NTK rebuilds its table from the input's length and HF keeps the largest one built: each length's
+    # perplexity would depend on what was scored before it. Refused with the reason, before any forward.
+    import shutil
+
+    from posprobe.analyses.extrapolation import ExtrapolationConfig, run_extrapolation
+    from posprobe.backend.loading import load_model
+
+    out, _ = tiny_zoo
+    folder = tmp_path / "dynamic"
+    shutil.copytree(out / "p-rope-s0", folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(NotImplementedError, match="changes with the input's length"):
+        run_extrapolation(load_model(str(folder)), (out / "eval.txt").read_text(),
+                          ExtrapolationConfig(train_length=L, factors=(1, 2), progress=False))
+
+
 def test_zoo_eval_over_members_and_other_models(tiny_zoo, tmp_path):
     # A zoo folder stands for its members; a model outside the zoo is evaluated too; one the analysis refuses is
     # a row with the reason, not dropped.

@@ -20,7 +20,7 @@ import pandas as pd
 import torch
 
 from posprobe.analyses.configs import PROTOCOLS, ExtrapolationConfig
-from posprobe.backend.facts import model_facts
+from posprobe.backend.facts import model_facts, require_fixed_table
 from posprobe.backend.families import find as find_family
 from posprobe.backend.model import context_length, device_of, encode_text, has_lm_head, model_name, token_losses
 from posprobe.report.result import Result
@@ -53,6 +53,9 @@ def run_extrapolation(model: Any, text: str, config: ExtrapolationConfig | None 
     facts = model_facts(model)
     if not has_lm_head(model) or facts.is_encoder:
         raise ValueError(f"{facts.name} has no LM head (an encoder): perplexity needs a causal language model")
+    # A dynamic / longrope table depends on the input's length and HF keeps the largest one it has built, so each
+    # length's number would depend on the lengths scored before it.
+    require_fixed_table(model, facts, "Perplexity past the training length")
     context = context_length(model)
     L = config.train_length or context
     lengths = eval_lengths(L, config.factors)

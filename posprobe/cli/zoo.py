@@ -82,8 +82,6 @@ def _train(args: argparse.Namespace) -> int:
     text = checks.read_text_early(args.text)
     eval_text = checks.read_text_early(args.eval_text)
     out = Path(args.out)
-    if out.is_dir() and any(out.iterdir()):
-        raise ValueError(f"--out {out} exists and is not empty; a zoo is written into a new folder")
 
     from posprobe.data import builtin_corpus
     from posprobe.zoo.run import check_device, train_zoo
