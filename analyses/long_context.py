@@ -54,7 +54,7 @@ config = LongContextConfig(
     depths=(0.0, 1.0),
     trials=1,
 )
-result = run_long_context(model, text, config, tokenizer=tokenizer, name="smollm2", source=source)
+result = run_long_context(model, text, config, tokenizer=tokenizer, source=source)
 summary = result.tables["long_context_summary"]
 print(
     summary.pivot_table(index="preset", columns="metric", values="value", sort=False, dropna=False).round(4).to_string()

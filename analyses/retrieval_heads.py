@@ -46,7 +46,7 @@ print(source)
 
 # %%
 config = RetrievalConfig(lengths=(1024,), depths=(0.3, 0.7), tasks=("niah_single_2",), mask_k=(5,), random_draws=2)
-result = run_retrieval(model, text, config, tokenizer=tokenizer, name="smollm2", source=source)
+result = run_retrieval(model, text, config, tokenizer=tokenizer, source=source)
 print(summary_text(result))
 
 # %% [markdown]

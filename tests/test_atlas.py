@@ -153,3 +153,115 @@ def test_builtin_corpus_fills_the_default_windows_of_smollm2_and_minilm(smollm2,
     for model in (smollm2, minilm):
         n = len(tokenizer_of(model)(builtin_corpus())["input_ids"])
         assert n >= 12 * 512, n  # 6 windows of 512 tokens per section, twice over
+
+
+def test_atlas_help_lists_every_section_the_atlas_can_run():
+    # Derived from the one list of sections: every one named in the command's description and in --sections.
+    from posprobe.analyses.configs import ATLAS_SECTIONS
+    from posprobe.cli.main import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if getattr(a, "choices", None) and "atlas" in a.choices).choices["atlas"]
+    text = " ".join(sub.format_help().split())
+    described = " ".join(sub.description.split())
+    for s in ATLAS_SECTIONS:
+        assert f"{s}: " in described, s
+    sections_help = " ".join(next(a for a in sub._actions if a.dest == "sections").help.split())
+    assert sections_help.startswith(f"run only these sections ({', '.join(ATLAS_SECTIONS)};")
+    assert "retrieval" in text and "sinks" in text
+
+
+def test_a_hybrid_nope_model_names_its_nope_layers_and_why_frequency_counts_fewer_heads():
+    # SmolLM3 marks NoPE layers in its config (no_rope_layers, 0 = no rotary): the facts line names them, and the
+    # frequency section says its head counts cover the rotary layers only.
+    from families import tiny_family
+
+    from posprobe.report.atlas import paragraph
+
+    bridge, hf = tiny_family("smollm3")
+    flags = hf.config.no_rope_layers
+    nope = [l for l, f in enumerate(flags) if not f]
+    assert 0 < len(nope) < len(flags)
+    r = run_atlas(bridge, None, AtlasConfig(window=32, max_windows=2, sections=("facts", "frequency"),
+                                            progress=False))
+    assert r.meta["nope_layers"] == nope
+    facts = paragraph(r, "facts")
+    assert f"on {len(flags) - len(nope)} of {len(flags)} layers; no rotary (NoPE) on layer {nope[0]}" in facts
+    heads = hf.config.num_attention_heads
+    counted = len(r.parts["frequency"].tables["heads"])
+    assert counted == (len(flags) - len(nope)) * heads
+    freq = paragraph(r, "frequency")
+    assert (f"({counted} of {len(flags) * heads} query heads: those of the {len(flags) - len(nope)} rotary layers; "
+            f"layer {nope[0]} has no rotary bands to measure (NoPE))") in freq
+
+
+def test_the_cli_atlas_says_which_sections_it_did_not_run_and_why(tmp_path, capsys):
+    # BLOOM (ALiBi): frequency, geometry, shift and retrieval do not apply; stdout says so with the family's reasons,
+    # and names the sections left out by --sections.
+    from families import _configs
+
+    from posprobe.backend.families import alibi
+    from posprobe.backend.tiny import byte_tokenizer
+    from posprobe.cli.main import main
+
+    cfg, cls = _configs()["bloom"]
+    cfg.architectures = [cls.__name__]
+    folder = tmp_path / "bloom"
+    cls(cfg).save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
+    capsys.readouterr()
+    assert main(["atlas", str(folder), "--sections", "facts", "heads", "--max-windows", "2", "--no-progress",
+                 "--out", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    for s, why in alibi.FAMILY.not_applicable.items():
+        assert f"[{s}] not run: {why}" in out
+    for s in ("sinks", "probes"):
+        assert f"[{s}] not run: not among the sections asked for" in out
+    assert "[heads] Of " in out and "[facts] " in out
+
+
+def test_low_effect_heads_that_are_retrieval_heads_are_flagged(tiny_rope, monkeypatch):
+    # The atlas wiring with stand-in sinks and retrieval results (a real retrieval run needs a long context): the
+    # sinks section zeroes heads only when retrieval runs too, and a head labelled low-effect that is also a
+    # retrieval head is flagged — not one whose zeroing moved the loss, not a low-effect head that retrieves nothing.
+    import pandas as pd
+
+    from posprobe.analyses import atlas as A
+    from posprobe.analyses import retrieval as R
+    from posprobe.analyses import sinks as S
+    from posprobe.analyses.dormant import ablation_labels
+    from posprobe.report.atlas import cross_check_text
+    from posprobe.report.result import Result
+
+    seen = []
+
+    def fake_sinks(model, body, config, source=None):
+        seen.append(config.ablate_heads)
+        ablation = pd.DataFrame({"layer": [0, 0, 1, 1], "head": [0, 1, 2, 3], "value": [0.9] * 4,
+                                 "base_loss": [5.0] * 4, "delta_loss": [0.001, 0.2, -0.002, 0.0],
+                                 "kind": ["low-effect", "loss-rises", "low-effect", "low-effect"]})
+        return Result({"head_ablation": ablation}, {"analysis": "sinks", "sink_share": {"text": 0.5},
+                                                    "ablation": {"labels": ablation_labels(0.005, 64)}})
+
+    def fake_retrieval(model, body, config, source=None):
+        heads = [(l, h) for l in range(2) for h in range(4)]
+        retrieving = {(0, 0), (0, 1), (1, 2)}
+        cls = pd.DataFrame([dict(preset="none", layer=l, head=h, kind="retrieval" if (l, h) in retrieving else "other")
+                            for l, h in heads])
+        score = pd.DataFrame([dict(preset="none", layer=l, head=h, metric="retrieval_score",
+                                   value=0.5 if (l, h) in retrieving else 0.0) for l, h in heads])
+        masking = pd.DataFrame([dict(masked="none", metric="string_match_all", value=1.0)])
+        return Result({"head_classes": cls, "retrieval_heads": score, "retrieval_masking": masking},
+                      {"analysis": "retrieval", "classes": {"retrieval": "mean retrieval score > 0.1"}})
+
+    monkeypatch.setattr(S, "run_sinks", fake_sinks)
+    monkeypatch.setattr(R, "run_retrieval", fake_retrieval)
+    monkeypatch.setattr(A, "skip_reasons", lambda facts, engine_runs=False: {})
+    r = run_atlas(tiny_rope, None, AtlasConfig(**SMALL, sections=("sinks", "retrieval")))
+    only = run_atlas(tiny_rope, None, AtlasConfig(**SMALL, sections=("sinks",)))
+    assert seen == [AtlasConfig().ablate_heads, 0] and "ablation_retrieval" not in only.tables
+    assert r.meta["ablation_retrieval"]["flagged"] == [[0, 0], [1, 2]]
+    table = r.tables["ablation_retrieval"].set_index(["layer", "head"])
+    assert table.loc[(0, 1), "classes"] == "loss-rises,retrieval" and table.loc[(1, 3), "classes"] == "low-effect,other"
+    text = cross_check_text(r.meta)
+    assert "L0H0, L1H2 are labelled low-effect" in text and "L0H1" not in text and "L1H3" not in text

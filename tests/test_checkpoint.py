@@ -300,6 +300,8 @@ def test_sigint_exits_130_and_leaves_no_partial_out_then_resumes(cli_case):
     proc.send_signal(signal.SIGINT)
     err = proc.communicate(timeout=120)[1].decode()
     assert proc.returncode == 130 and "interrupted" in err, err
+    # On a line of its own (not glued to a progress line), naming the folder a rerun resumes from.
+    assert "\nposprobe long-context: interrupted; " in err and str(work) in err and "rerun the same command" in err, err
     assert not out.exists() and _units(work) >= 3
     again = subprocess.run(_argv(base, out), env=_env(), capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and "resuming long-context loss" in again.stderr, again.stderr
@@ -467,3 +469,13 @@ def test_interrupted_probes_resume_to_the_uninterrupted_table(tmp_path, monkeypa
     n_keys = len(cfg.points) * 2  # tiny-rope: 2 layers
     assert calls["n"] == n_keys + 1  # the two finished probes were read back
     _assert_same_tables(clean, resumed)
+
+
+def test_the_interrupt_line_says_how_to_resume_only_where_a_rerun_resumes(tmp_path):
+    from posprobe.cli.main import build_parser, interrupt_message
+
+    resumable = build_parser().parse_args(["retrieval", "tiny-rope", "--out", str(tmp_path / "r")])
+    line = interrupt_message(resumable)
+    assert line.startswith("\nposprobe retrieval: interrupted; ") and str(work_folder_for(tmp_path / "r")) in line
+    plain = interrupt_message(build_parser().parse_args(["info", "tiny-rope"]))
+    assert plain.startswith("\nposprobe info: interrupted; ") and ".work" not in plain and "resume" not in plain

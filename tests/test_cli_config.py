@@ -20,7 +20,7 @@ COMMANDS = {
     "geometry": (C.GeometryConfig, ["tiny-ape", "--out", "x"]),
     "squish": (C.SquishConfig, ["tiny-rope", "--instruction", "i", "--prompt", "p"]),
     "surgery-eval": (C.SurgeryEvalConfig, ["tiny-rope", "--text", "t.txt"]),
-    "long-context": (C.LongContextConfig, ["tiny-rope", "--text", "t.txt"]),
+    "long-context": (C.LongContextConfig, ["tiny-rope", "--text", "t.txt", "--out", "x"]),
 }
 
 

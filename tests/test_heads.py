@@ -39,7 +39,7 @@ def _reference(patterns: list[torch.Tensor], first_k: int) -> dict[str, np.ndarr
         prev = p[:, :, i[1:], i[1:] - 1].mean((0, 2))
         # Queries 1..n-1 for self/first masses: a decoder's query 0 sees only itself (forced 1).
         self_ = p[:, :, i[1:], i[1:]].mean((0, 2))
-        # Gu et al. 2024: alpha_k = 1 / (T - k + 1) * sum_{i >= k} A[i, k], k = the first token (all T queries see it).
+        # Gu et al. 2025: alpha_k = 1 / (T - k + 1) * sum_{i >= k} A[i, k], k = the first token (all T queries see it).
         sink = p[:, :, :, 0].sum(2).mean(0) / n
         ent = -(torch.special.xlogy(p, p)).sum(-1)  # [B, H, n]
         rel_ent = (ent[:, :, 1:] / torch.log(torch.arange(2, n + 1, dtype=torch.float64))).mean((0, 2))

@@ -279,6 +279,20 @@ def test_greedy_decode_with_cache_equals_recomputation(llama, ids):
     assert torch.equal(got, seq[len(ids):])
 
 
+def test_decoding_hands_the_cache_by_the_name_this_transformers_knows(llama, ids):
+    """transformers 5.24 renamed `past_key_values` to `cache` and warns on every call with the old name (one warning
+    per decoded token in every retrieval and needle run); earlier versions know only the old name."""
+    import inspect
+    import warnings
+
+    forward = inspect.signature(llama.get_decoder().forward).parameters
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        new = LA.greedy_decode(llama, ids, preset_pairs("none"), 3, chunk=7)
+    assert new.numel() == 3
+    assert "cache" in forward or "past_key_values" in forward
+
+
 def _recomputed_weights(model, ids, new, rule, chunk=64):
     # Teacher-forced reference without a cache: one forward over prompt + the first s answer tokens per step.
     out = []
@@ -352,6 +366,32 @@ def test_learned_position_model_and_memory_are_refused_before_any_forward():
         LA.check_memory(m, 16384, preset_pairs("pi:scale=2"), available=10**6)
 
 
+def test_memory_refusal_advises_only_what_lowers_the_estimate():
+    import re
+
+    m, T = _llama(), 16384
+    plain, chunked = preset_pairs("pi:scale=2"), preset_pairs("rerope:window=8")
+    # Unchunked scores (SDPA): chunk leaves the estimate unchanged, so only a shorter length is advised.
+    assert LA.estimate_bytes(m, T, plain, chunk=1) == LA.estimate_bytes(m, T, plain, chunk=256)
+    with pytest.raises(ValueError) as e:
+        LA.check_memory(m, T, plain, chunk=256, available=10**6)
+    assert "use --chunk" not in str(e.value) and "shorter length" in str(e.value)
+    assert LA.estimate_bytes(m, T // 2, plain) < LA.estimate_bytes(m, T, plain)
+    # Chunked scores: the advised chunk is the largest that fits (it fits, one more does not).
+    lo, hi = LA.estimate_bytes(m, T, chunked, chunk=1), LA.estimate_bytes(m, T, chunked, chunk=256)
+    have = int((lo + (hi - lo) / 4) / 0.9)
+    with pytest.raises(ValueError) as e:
+        LA.check_memory(m, T, chunked, chunk=256, available=have)
+    c = int(re.search(r"use --chunk (\d+) or smaller", str(e.value)).group(1))
+    assert 1 <= c < 256 and LA.estimate_bytes(m, T, chunked, chunk=c) <= 0.9 * have
+    assert LA.estimate_bytes(m, T, chunked, chunk=c + 1) > 0.9 * have
+    assert LA.check_memory(m, T, chunked, chunk=c, available=have) <= 0.9 * have  # the advice, taken, passes
+    # Not even --chunk 1 fits: the estimate there is given and no chunk is advised.
+    with pytest.raises(ValueError, match=r"even --chunk 1 needs about .* GiB: use a shorter length") as e:
+        LA.check_memory(m, T, chunked, chunk=256, available=int(lo / 0.9) - 1)
+    assert "use --chunk" not in str(e.value)
+
+
 # ---- the analysis: Result, passkey prompts, errors before any forward, report, CLI ----------------------------
 
 TEXT = ("The quick brown fox jumps over the lazy dog while the river runs past the mill. " * 40)
@@ -403,6 +443,7 @@ def test_run_long_context_tables_summary_and_report(byte_llama, tmp_path):
     res = run_long_context(model, TEXT, cfg, tokenizer=tok, name="tiny-llama")
     validate_meta(res.meta)
     assert res.analysis == "long-context" and res.meta["trained_ctx"] == 64
+    assert res.meta["beyond_context"] == {"context": 64, "lengths": [96, 128, 260]}  # loss and passkey lengths
     for name, df in res.tables.items():
         assert len(df) and unknown_columns(df) == [], name
     lc = res.tables["long_context"]
@@ -423,7 +464,8 @@ def test_run_long_context_tables_summary_and_report(byte_llama, tmp_path):
     assert res.tables["passkey_accuracy"].value.between(0, 1).all()
     again = run_long_context(model, TEXT, cfg, tokenizer=tok, name="tiny-llama")
     assert again.tables["passkey"].target.tolist() == pk.target.tolist()  # seeded
-    res.save(tmp_path / "lc")
+    paths = res.save(tmp_path / "lc")
+    assert "lengths 96, 128, 260 are past the model" in paths["report"].read_text()
     back = Result.load(tmp_path / "lc")
     assert len(res.figures()) == 2 + 3
     assert back.to_html().count("Plotly.newPlot") >= 5
@@ -474,10 +516,17 @@ def test_bad_input_fails_before_any_forward(byte_llama, monkeypatch):
                          tokenizer=tok)
     with pytest.raises(ValueError, match="depths"):
         LongContextConfig(depths=(1.5,))
+    with pytest.raises(ValueError, match="give a text"):
+        run_long_context(model, None, LongContextConfig(lengths=(32,), progress=False), tokenizer=tok)
+    # Needle tasks run at the passkey lengths only: without one they would silently not run.
+    with pytest.raises(ValueError, match="needle task niah_single_2 runs at the passkey lengths: add --passkey-length"):
+        LongContextConfig(tasks=("niah_single_2",))
     assert calls == []
 
 
 def test_cli_long_context_on_a_folder(tmp_path, capsys):
+    import pandas as pd
+
     from posprobe.cli.main import main
 
     model, tok = _byte_llama()
@@ -492,10 +541,19 @@ def test_cli_long_context_on_a_folder(tmp_path, capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "in_context_nll" in out and "passkey accuracy" in out and (tmp_path / "out" / "report.html").is_file()
-    assert main(["long-context", str(folder), "--text", str(text), "--preset", "pi"]) == 2
+    assert "note: length(s) 80, 96, 260 past the model's context of 64 positions" in out
+    # One `model` value per model: the name load_model gives the folder (what sinks and the atlas write).
+    assert set(pd.read_parquet(tmp_path / "out" / "long_context_summary.parquet").model) == {"tiny-llama"}
+    out_flag = ["--out", str(tmp_path / "o2")]
+    assert main(["long-context", str(folder), "--text", str(text), "--preset", "pi", *out_flag]) == 2
     assert "needs argument 'scale'" in capsys.readouterr().err
-    assert main(["long-context", str(folder), "--text", str(text), "--length", "100000", "--no-progress"]) == 2
+    assert main(["long-context", str(folder), "--text", str(text), "--length", "100000", "--no-progress",
+                 *out_flag]) == 2
     assert "shorter than the longest length" in capsys.readouterr().err
+    # Without --out nothing would be written or kept: argparse refuses before anything runs.
+    with pytest.raises(SystemExit) as e:
+        main(["long-context", str(folder), "--text", str(text)])
+    assert e.value.code == 2 and "the following arguments are required: --out" in capsys.readouterr().err
 
 
 def test_notebook_executes(tmp_path):

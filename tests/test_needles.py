@@ -71,7 +71,8 @@ def test_string_match_all_is_rulers_fraction_of_expected_values_found():
     (dict(task="bogus"), "unknown needle task 'bogus'"),
     (dict(depth=1.5), r"depth must be within \[0, 1\]"),
     (dict(length=50), "needs at least"),
-    (dict(text=""), "needs a text"),
+    (dict(text=""), r"needs a text \(--text\); got an empty one"),
+    (dict(text=None), r"needs a text \(--text\); got none"),
 ])
 def test_bad_needle_input_raises_one_clear_error(bad, message):
     args = dict(task="niah_single_2", length=2000, depth=0.5, seed=0, text=BUILTIN_TEXT) | bad
@@ -136,13 +137,13 @@ def test_smollm2_finds_a_single_needle_and_the_score_is_rulers(smollm2):
     assert mv.score == sum(t in mv.answer for t in mv.targets.split(" | ")) / 4
 
 
-def test_an_unknown_task_is_refused_before_any_model_loads(capsys):
+def test_an_unknown_task_is_refused_before_any_model_loads(capsys, tmp_path):
     from posprobe.analyses.configs import LongContextConfig
     from posprobe.cli.main import main
 
     with pytest.raises(ValueError, match="unknown needle task 'bogus'"):
         LongContextConfig(tasks=("bogus",))
-    code = main(["long-context", "no-such-model", "--text", "-", "--task", "bogus"])
+    code = main(["long-context", "no-such-model", "--text", "-", "--task", "bogus", "--out", str(tmp_path / "o")])
     assert code == 2 and "unknown needle task 'bogus'" in capsys.readouterr().err
 
 

@@ -150,3 +150,27 @@ def test_readme_command_runs_to_completion_in_a_clean_folder(cmd, tmp_path):
         out = tmp_path / argv[argv.index("--out") + 1]
         assert (out / "report.html").is_file() and (out / "meta.json").is_file()
         assert not list(tmp_path.glob("*.work"))  # the work folder is gone once --out is written
+
+
+def command_table_synopses() -> list[str]:
+    """The `posprobe ...` synopses of the README's command table (first column), one per command."""
+    rows = [l for l in README.read_text(encoding="utf-8").splitlines() if l.startswith("| `posprobe ")]
+    return [s for row in rows for s in re.findall(r"`(posprobe [^`]*)`", row.split("|")[1])]
+
+
+@pytest.mark.parametrize("synopsis", command_table_synopses())
+def test_command_table_synopses_have_every_required_option(synopsis, tmp_path):
+    """A synopsis copied from the command table, placeholders filled, parses: it shows every required option
+    (`sinks` once lacked its required --out). Optional [parts] are dropped, as a reader who skips them would."""
+    from posprobe.cli.main import build_parser
+
+    text = tmp_path / "t.txt"
+    text.write_text("x")
+    fill = {"MODEL": "tiny-rope", "PATH": str(text), "DIR": str(tmp_path / "out"), "L": "0"}
+    words = re.sub(r"\[[^\]]*\]", " ", synopsis).split()[1:]
+    argv = [fill.get(w, w) for w in words]
+    argv = [("none" if argv[i - 1] == "--preset" else "x") if w == "..." else w for i, w in enumerate(argv)]
+    try:
+        build_parser().parse_args(argv)
+    except SystemExit as e:
+        pytest.fail(f"the README's command table shows {synopsis!r}, which does not parse (exit {e.code})")

@@ -365,3 +365,48 @@ def test_a_large_cosine_map_is_drawn_thinned_in_float32_and_the_table_keeps_ever
     assert z.shape == (MAP_POSITIONS, MAP_POSITIONS) and "every 2 positions" in heat[0].layout.title.text
     assert z.dtype == np.float32 and np.array_equal(z, cos[::2, ::2].astype(np.float32))
     assert len(df[df.metric == "cosine"]) == n * n  # the table is untouched
+
+
+@pytest.mark.parametrize("points", [("resid_post",), ("resid_pre", "resid_post"), ("resid_pre", "resid_mid",
+                                                                                    "resid_post")])
+def test_the_probe_axis_names_the_points_plotted_at_the_offsets_they_are_plotted(points):
+    # The atlas probes resid_post alone: the axis must not promise three points; each point named sits where its
+    # trace is drawn.
+    from fractions import Fraction
+
+    from posprobe.report.probes import probe_figures
+
+    rows = [dict(model="m", point=p, layer=l, condition=c, metric=m, value=0.5 + l, fold=f)
+            for p in points for l in range(3) for c in ("probe", "control", "chance") for m in ("mae", "accuracy")
+            for f in range(2)]
+    for fig in probe_figures(pd.DataFrame(rows)):
+        title = fig.layout.xaxis.title.text
+        named = re.findall(r"(resid_\w+)(?: at L(?:\+(\d+/\d+))?)?", title)
+        assert [p for p, _ in named] == list(points), title
+        for point, offset in named:
+            trace = next(t for t in fig.data if t.name == f"probe ({point})")
+            want = [l + float(Fraction(offset or 0)) for l in range(3)]
+            assert np.allclose(list(trace.x), want, rtol=0, atol=1e-12), (title, point)
+
+
+def test_the_heads_summary_says_when_no_layer_has_sink_heads(tiny_rope):
+    from posprobe.analyses.configs import HeadsConfig
+    from posprobe.analyses.heads import run_heads
+    from posprobe.report.heads import summary_text
+
+    cfg = dict(window=16, max_windows=2, induction_len=0, progress=False)
+    none = summary_text(run_heads(tiny_rope, None, HeadsConfig(sink_threshold=1.0, **cfg)))
+    assert "no layer has a sink head" in none and "in no layer" not in none
+    some = summary_text(run_heads(tiny_rope, None, HeadsConfig(sink_threshold=0.0, **cfg)))
+    assert "most sink heads in layer" in some and "no layer has a sink head" not in some
+
+
+def test_gu_et_al_is_cited_with_one_year_across_posprobe():
+    # "When Attention Sink Emerges in Language Models: An Empirical View" (ICLR 2025; arXiv 2024): one paper, one
+    # citation everywhere it is named with a year.
+    import posprobe
+
+    root = Path(posprobe.__file__).parent
+    years = [m.group(1) for f in root.rglob("*.py")
+             for m in re.finditer(r"Gu\s+et\s+al\.?,?\s+\(?(\d{4})", f.read_text(encoding="utf-8"))]
+    assert len(years) >= 5 and set(years) == {"2025"}, sorted(set(years))

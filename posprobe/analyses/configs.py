@@ -11,6 +11,7 @@ from typing import ClassVar, Literal, get_args, get_origin, get_type_hints
 
 from posprobe.core import presets
 from posprobe.core.config import option
+from posprobe.data.needles import TASKS as NEEDLE_TASKS
 from posprobe.data.needles import task_names as needle_task_names
 
 #: The atlas's sections, in report order (analyses.atlas runs those that apply to a model).
@@ -243,7 +244,7 @@ class HeadsConfig:
     induction_len: int = option(24, "length of the random sequence repeated for the induction score (0: skip)")
     induction_batch: int = option(8, "repeated random sequences for the induction score")
     seed: int = option(0, "seed of the random induction sequences")
-    sink_threshold: float = option(0.3, "sink head: attention sink score (Gu et al. 2024) above this")
+    sink_threshold: float = option(0.3, "sink head: attention sink score (Gu et al. 2025) above this")
     prev_threshold: float = option(0.4, "previous-token head: mean attention to i-1 above this")
     self_threshold: float = option(0.4, "current-token head: mean attention to i above this")
     offset_threshold: float = option(0.4, "fixed-offset head: mean attention at one offset >= 2 above this")
@@ -276,12 +277,13 @@ class SinksConfig:
                  "one), random = a random token like the rest")
     control: bool = option(True, "position-vs-token control on the text windows: the first token moved to position "
                                  "length // 2, or replaced by 'the' / a newline")
-    dormant_heads: int = option(12, "heads with the most attention on the first token zeroed one at a time to find "
-                                    "dormant ones (0: skip)")
-    dormant_attention: float = option(0.8, "a dormant-head candidate puts at least this share of its attention on the "
-                                           "first token")
-    dormant_delta: float = option(0.005, "a candidate is dormant when zeroing it changes the text loss by less than "
-                                         "this (nats/token)")
+    ablate_heads: int = option(12, "heads with the most attention on the first token, zeroed one at a time and "
+                                   "labelled by what that does to the text loss: low-effect / loss-rises / "
+                                   "loss-falls (0: skip)")
+    ablate_attention: float = option(0.8, "a head is zeroed when it puts at least this share of its attention on the "
+                                          "first token")
+    ablate_delta: float = option(0.005, "a zeroed head is low-effect when the text loss changes by less than this "
+                                        "(nats/token), else loss-rises / loss-falls")
     massive_top: int = option(3, "largest |residual activations| kept per layer (Sun et al. 2024; 0: skip)")
     massive_ratio: float = option(100.0, "an activation is massive above this multiple of its sequence's median "
                                          "|activation|; the first layer with one is where they are zeroed / averaged")
@@ -291,9 +293,9 @@ class SinksConfig:
 
     def __post_init__(self) -> None:
         _check_choices(self)
-        _at_least(self, 0, "massive_top", "dormant_heads")
-        if not 0 <= self.dormant_attention <= 1 or self.dormant_delta < 0:
-            raise ValueError("dormant_attention must be within [0, 1] and dormant_delta >= 0")
+        _at_least(self, 0, "massive_top", "ablate_heads")
+        if not 0 <= self.ablate_attention <= 1 or self.ablate_delta < 0:
+            raise ValueError("ablate_attention must be within [0, 1] and ablate_delta >= 0")
         if self.massive_ratio <= 1:
             raise ValueError(f"massive_ratio must be > 1, got {self.massive_ratio}")
         _at_least(self, 2, "length")
@@ -325,16 +327,19 @@ class AtlasConfig:
     quick: bool = option(False, "the short tour (about 30 s for a 135M model on a 2-core CPU): 64-token windows, "
                                 "600 probe tokens, no retrieval section unless --sections names it")
     induction_len: int = option(24, "repeated random sequence length for the induction score")
-    sections: tuple[str, ...] | None = option(None, "run only these sections (facts, heads, sinks, frequency, "
-                                                    "geometry, probes, shift, retrieval; default: all that apply)")
+    sections: tuple[str, ...] | None = option(None, f"run only these sections ({', '.join(ATLAS_SECTIONS)}; default: "
+                                                    "all that apply)")
     needle_length: int = option(1024, "retrieval section: needle prompt length (tokens; at most the context)")
+    ablate_heads: int = option(12, "when the sinks and retrieval sections both run: the sink heads zeroed one at a "
+                                   "time (text loss), so that a head with a low effect on that loss but a retrieval "
+                                   "head is flagged (0: skip)")
     seed: int = option(0, "seed of every sampled piece")
     progress: bool = option(True, "", cli=False)
 
     def __post_init__(self) -> None:
         _at_least(self, 2, "window")
         _at_least(self, 1, "max_windows", "max_pairs", "probe_tokens")
-        _at_least(self, 0, "induction_len")
+        _at_least(self, 0, "induction_len", "ablate_heads")
         bad = sorted(set(self.sections or ()) - set(ATLAS_SECTIONS))
         if bad:
             raise ValueError(f"unknown atlas sections {bad}; choose from {sorted(ATLAS_SECTIONS)}")
@@ -400,6 +405,11 @@ class LongContextConfig:
                              + ", ".join(needle_task_names()))
         if self.passkey_lengths and not self.depths:
             raise ValueError("give at least one --depth for the passkey test")
+        needles = [t for t in self.tasks if t != "passkey"]
+        if needles and not self.passkey_lengths:
+            # Needle tasks run only at the passkey lengths: without one they would silently not run.
+            raise ValueError(f"the needle task {needles[0]} runs at the passkey lengths: add --passkey-length N "
+                             "(passkey_lengths)")
         if self.margin < 0:
             raise ValueError(f"margin must be >= 0; got {self.margin}")
 
@@ -421,7 +431,8 @@ class RetrievalConfig:
     mask_k: tuple[int, ...] = option((5, 20), "masking: numbers of heads masked (repeatable; 0: skip masking)",
                                      flag="--mask-k")
     random_draws: int = option(3, "masking: random head sets per k (seeded)")
-    bootstrap: int = option(1000, "bootstrap resamples of the accuracy intervals")
+    bootstrap: int = option(1000, "bootstrap resamples of the accuracy intervals where scores are fractional "
+                                  "(multi-value tasks; scores of 0 or 1 get Wilson intervals)")
     needle_tokens: int | None = option(None, "greedy tokens per answer (default: per task, enough for its values)")
     seed: int = option(0, "seed of the needles and of the random heads")
     chunk: int = option(256, "query rows per attention chunk (memory grows with chunk x length)")
@@ -442,6 +453,20 @@ class RetrievalConfig:
             raise ValueError(f"mask_k must be >= 0; got {list(self.mask_k)}")
         if not 0 <= self.threshold <= 1:
             raise ValueError(f"threshold must be within [0, 1]; got {self.threshold}")
+
+    def check_heads(self, n_layers: int, n_heads: int) -> None:
+        """Refuse a mask_k the model cannot serve: the random control draws k heads from those outside the top k,
+        so 2k must not exceed the n_layers x n_heads heads."""
+        total = n_layers * n_heads
+        bad = [k for k in self.mask_k if 2 * k > total]
+        if bad:
+            raise ValueError(f"--mask-k {max(bad)} is too large for {total} heads ({n_layers} layers x {n_heads}): "
+                             f"the random control needs k heads outside the top k, so k is at most {total // 2}")
+
+    @property
+    def binary_scores(self) -> bool:
+        """True where every task asks for one value, so every answer scores exactly 0 or 1."""
+        return all(NEEDLE_TASKS[t].answers == 1 for t in self.tasks)
 
 
 #: Protocols of the length-extrapolation evaluation (Press et al. 2022): non-overlapping chunks, or the same

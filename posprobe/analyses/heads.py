@@ -5,7 +5,7 @@ grow with the corpus): attention to itself (`self_mass`), to i-1 (`prev_mass`), 
 (`first_mass`) and the first few (`first_k_mass`), the mean attention at each offset d = i - j (the
 offset profile) and the strongest offset >= 2, the mean attention distance, the attention entropy
 (nats) and the entropy relative to uniform over the keys a query sees, the attention-sink score of
-Gu et al. 2024 (the attention the first token receives, normalised by the number of queries that can
+Gu et al. 2025 (the attention the first token receives, normalised by the number of queries that can
 see it), and the R^2 of the pattern explained by offset alone (a Toeplitz fit: each entry predicted by
 the mean of its diagonal over the corpus). A second pass on repeated random token sequences gives the
 induction and duplicate-token scores with TransformerLens's `head_detector` definitions ("mul":
@@ -45,7 +45,7 @@ def class_rules(cfg: HeadsConfig) -> dict[str, str]:
     """Each class's rule in words, with the thresholds of `cfg` (written into meta and the report)."""
     return {
         "sink": f"sink_score > {cfg.sink_threshold} "
-        "(Gu et al. 2024: attention on the first token per query that sees it)",
+        "(Gu et al. 2025: attention on the first token per query that sees it)",
         "previous-token": f"prev_mass > {cfg.prev_threshold} (mean attention from i to i-1)",
         "current-token": f"self_mass > {cfg.self_threshold} (mean attention from i to itself)",
         "induction": f"induction_score > {cfg.induction_threshold} (repeated random tokens, TL head_detector 'mul')",
@@ -120,7 +120,7 @@ def signature_frames(state: dict, n: int, encoder: bool, cfg: HeadsConfig) -> tu
             "prev_mass": mean_at[:, zero + 1] if n > 1 else torch.full_like(total, float("nan")),
             "first_mass": (col[:, 0] - forced) / choosing,
             "first_k_mass": (col[:, : cfg.first_k].sum(1) - forced) / choosing,
-            # Gu et al. 2024: alpha_k = sum_i A[i, k] / (number of queries that can see key k); k = first token.
+            # Gu et al. 2025: alpha_k = sum_i A[i, k] / (number of queries that can see key k); k = first token.
             "sink_score": col[:, 0] / queries,
             "fixed_offset": (best + 2).double() if far.shape[1] else torch.full_like(total, float("nan")),
             "fixed_offset_mass": far.gather(1, best[:, None])[:, 0] if far.shape[1] else torch.zeros_like(total),

@@ -27,7 +27,7 @@ from posprobe.analyses.retrieval import answer_heads
 from posprobe.backend import hf as HF
 from posprobe.backend.facts import hf_facts
 from posprobe.backend.kind import is_bridge
-from posprobe.backend.model import model_name, tokenizer_of, weights_fingerprint
+from posprobe.backend.model import hf_model_name, model_name, tokenizer_of, weights_fingerprint
 from posprobe.core import long_engine as LA
 from posprobe.core.presets import preset_pairs
 from posprobe.core.surgery import PairRule
@@ -163,7 +163,7 @@ def _keys(cfg: LongContextConfig) -> dict[tuple[int, float, int], str]:
             for t in range(cfg.trials)}
 
 
-def run_long_context(model: Any, text: str, config: LongContextConfig | None = None, *, tokenizer: Any = None,
+def run_long_context(model: Any, text: str | None, config: LongContextConfig | None = None, *, tokenizer: Any = None,
                      name: str | None = None, source: str | None = None, work: str | Path | None = None,
                      fresh: bool = False) -> Result:
     """Loss by position and passkey retrieval per preset and length; a Result with tables `long_context`,
@@ -172,7 +172,10 @@ def run_long_context(model: Any, text: str, config: LongContextConfig | None = N
     `model`: a plain Hugging Face causal LM and its `tokenizer` (`load_hf_model`), or a TransformerBridge over a
     RoPE decoder (`load_model`; its wrapped HF model runs, with the same numbers; the tokenizer defaults to the
     bridge's, which, as TL does, puts BOS first). Batch of one sequence;
-    every check (presets, learned positions, text length, memory) runs before the first forward pass.
+    every check (presets, learned positions, text length, memory) runs before the first forward pass. `text` is
+    required (the CLI's --text): the loss is measured on its windows, which posprobe's short built-in text cannot
+    fill at these lengths. meta["beyond_context"] lists the lengths (loss and passkey) past the model's context
+    (max_position_embeddings), which `trained_ctx` may set apart from.
 
     `work`: a folder where each window's losses and each passkey trial are kept as they complete
     (`posprobe.report.checkpoint`); calling again with the same folder resumes, and the tables equal an
@@ -180,6 +183,8 @@ def run_long_context(model: Any, text: str, config: LongContextConfig | None = N
     The folder is left in place (delete it with `discard_work_folder` once the result is saved).
     """
     cfg = config or LongContextConfig()
+    if text is None:
+        raise ValueError("give a text (the CLI's --text): the loss by position is measured on its windows")
     if is_bridge(model):
         # A bridge re-implements attention, which a registered attention function would never reach: run the HF
         # model it wraps with HF's own attention modules (the bridge's other components stay in place).
@@ -192,7 +197,7 @@ def run_long_context(model: Any, text: str, config: LongContextConfig | None = N
     rules = {spec: preset_pairs(spec) for spec in cfg.presets}
     ids = _bos(tok) + _encode(tok, text)
     ctx = _check(hf, tok, len(ids), rules, cfg, text)
-    name = name or Path(str(getattr(HF.text_config(hf), "_name_or_path", "") or "model")).name
+    name = name or hf_model_name(hf)
     bos = _bos(tok)
     body = ids[len(bos):]
     rows, summary = [], []
@@ -200,14 +205,19 @@ def run_long_context(model: Any, text: str, config: LongContextConfig | None = N
     for L in cfg.lengths:
         n = max(1, min(cfg.max_windows, len(body) // (L - len(bos))))
         windows[L] = [bos + body[s:s + L - len(bos)] for s in range(0, n * (L - len(bos)), L - len(bos))]
-    facts = hf_facts(hf, name).summary()
+    model_facts = hf_facts(hf, name)
+    facts = model_facts.summary()
+    table = model_facts.n_ctx  # max_position_embeddings, as the atlas and retrieval read it
+    longest = sorted({*cfg.lengths, *(cfg.passkey_lengths or ())})
+    beyond = {"context": table or None, "lengths": [L for L in longest if table and L > table]}
     data = data_meta(source or "text", n_items=sum(len(w) for w in windows.values()), unit="windows",
                      sha256=text_sha256(text))
     ckpt = Checkpoint(work, run_key("long-context", model={"facts": facts, "weights": weights_fingerprint(hf)},
                                     data=data, config=cfg), fresh=fresh)
     units = [(L, spec, w) for L in cfg.lengths for spec in cfg.presets for w in range(len(windows[L]))]
     nlls = ckpt.map(units, lambda u: LA.token_nll(hf, torch.tensor(windows[u[0]][u[2]]), rules[u[1]], chunk=cfg.chunk),
-                    name=lambda u: f"loss|{u[1]}|{u[0]}|{u[2]}", desc="long-context loss", progress=cfg.progress)
+                    name=lambda u: f"loss|{u[1]}|{u[0]}|{u[2]}", desc="long-context loss", progress=cfg.progress,
+                    noun="windows")
     by_run: dict[tuple[int, str], list[torch.Tensor]] = {}
     for (L, spec, _), v in zip(units, nlls):
         by_run.setdefault((L, spec), []).append(v)
@@ -231,6 +241,7 @@ def run_long_context(model: Any, text: str, config: LongContextConfig | None = N
                      passkey_format={"intro": PASSKEY_INTRO, "filler": PASSKEY_FILLER, "needle": PASSKEY_NEEDLE,
                                      "question": PASSKEY_QUESTION},
                      needle_tasks={t: asdict(NEEDLE_TASKS[t]) for t in cfg.tasks if t != "passkey"},
+                     beyond_context=beyond,
                      checkpoint={"folder": str(work) if work is not None else None, "resumed_units": ckpt.resumed})
     return Result(tables, meta)
 
@@ -253,7 +264,7 @@ def _passkey(
 
     todo = [(spec, L, d, t) for spec in cfg.presets for (L, d, t) in keys]
     rows = ckpt.map(todo, trial, name=lambda u: f"passkey|{u[0]}|{u[1]}|{u[2]!r}|{u[3]}", desc="passkey",
-                    progress=cfg.progress)
+                    progress=cfg.progress, noun="answers")
     trials = pd.DataFrame(rows)
     acc = (trials.groupby(["model", "preset", "length", "depth"], sort=False)
            .agg(value=("exact_match", "mean"), count=("exact_match", "size")).reset_index())
@@ -280,7 +291,7 @@ def _needles(hf: Any, tok: Any, rules: dict[str, PairRule], cfg: LongContextConf
     todo = [(task, spec, L, d, t) for task in tasks for spec in cfg.presets for L in cfg.passkey_lengths or ()
             for d in cfg.depths for t in range(cfg.trials)]
     rows = ckpt.map(todo, trial, name=lambda u: f"needle|{u[0]}|{u[1]}|{u[2]}|{u[3]!r}|{u[4]}", desc="needles",
-                    progress=cfg.progress)
+                    progress=cfg.progress, noun="answers")
     trials = pd.DataFrame(rows)
     acc = (trials.groupby(["model", "task", "preset", "length", "depth"], sort=False)
            .agg(value=("score", "mean"), count=("score", "size")).reset_index())

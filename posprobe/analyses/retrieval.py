@@ -8,7 +8,8 @@ needle's value and the token at j is w_s. Retrieval score of h on a prompt = |di
 |value tokens| (Wu et al.'s |g_h ∩ k| / |k|), averaged over prompts; `needle_mass` = mean over steps of a_h summed
 over the value tokens; `answer_first_mass` = mean over steps of a_h on the first token. Masking zeroes a head's
 output before the output projection; the needle accuracy (RULER's string_match_all) with the top-k heads masked is
-compared with k random other heads (seeded draws), with percentile-bootstrap intervals over prompts.
+compared with k random other heads (seeded draws), with 95% intervals over prompts: Wilson score intervals where every
+task scores 0 or 1 (one asked value), else percentile-bootstrap intervals of the mean.
 """
 
 from __future__ import annotations
@@ -25,13 +26,13 @@ import pandas as pd
 import torch
 
 from posprobe.analyses.configs import RetrievalConfig
-from posprobe.backend import hf as HF
 from posprobe.backend.facts import hf_facts
 from posprobe.backend.kind import is_bridge
-from posprobe.backend.model import model_name, tokenizer_of, weights_fingerprint
+from posprobe.backend.model import hf_model_name, model_name, tokenizer_of, weights_fingerprint
 from posprobe.core import long_engine as LA
 from posprobe.core.presets import preset_pairs
-from posprobe.core.stats import bootstrap_ci
+from posprobe.core.stats import bootstrap_ci, wilson_ci
+from posprobe.data import BUILTIN_TEXT
 from posprobe.data.needles import TASKS, NeedlePrompt, needle_prompt, string_match_all
 from posprobe.report.checkpoint import Checkpoint, run_key
 from posprobe.report.result import Result
@@ -123,10 +124,25 @@ def _mean_jaccard(sets: list[set]) -> tuple[float, int]:
 
 
 def _ci(scores: list[float], cfg: RetrievalConfig) -> tuple[float, float]:
+    # A percentile bootstrap of all-equal 0/1 scores collapses to a point ([1, 1] for 3 of 3): 0/1 scores are a
+    # proportion, and get its Wilson interval; fractional scores (multi-value tasks) keep the bootstrap of the mean.
+    if cfg.binary_scores:
+        if any(s not in (0.0, 1.0) for s in scores):
+            raise RuntimeError(f"a single-value task scored other than 0 or 1: {sorted(set(scores))}")
+        return wilson_ci(int(sum(scores)), len(scores))
     return bootstrap_ci(np.asarray(scores), n_boot=cfg.bootstrap, seed=cfg.seed)
 
 
-def run_retrieval(model: Any, text: str, config: RetrievalConfig | None = None, *, tokenizer: Any = None,
+def _interval_meta(cfg: RetrievalConfig) -> dict[str, Any]:
+    if cfg.binary_scores:
+        return {"method": "wilson", "level": 0.95, "over": "prompts",
+                "why": "every task asks for one value, so each answer scores 0 or 1: Wilson score interval of the "
+                       "proportion"}
+    return {"method": "percentile-bootstrap", "level": 0.95, "over": "prompts", "resamples": cfg.bootstrap,
+            "why": "a multi-value task scores fractions: percentile bootstrap of the mean score"}
+
+
+def run_retrieval(model: Any, text: str | None = None, config: RetrievalConfig | None = None, *, tokenizer: Any = None,
                   name: str | None = None, source: str | None = None, work: str | Path | None = None,
                   fresh: bool = False) -> Result:
     """Retrieval heads per preset, and needle accuracy with heads masked. A Result with tables `retrieval_heads`
@@ -135,12 +151,16 @@ def run_retrieval(model: Any, text: str, config: RetrievalConfig | None = None, 
     masked set and k; the Jaccard stability of the retrieval sets across prompts).
 
     `model`: a plain HF causal LM with its `tokenizer`, or a TransformerBridge over a RoPE decoder (its HF model
-    runs). Every check (presets, prompt lengths, memory) runs before the first forward.
+    runs). `text`: the haystack of text-haystack tasks; None: posprobe's built-in text (as the CLI). Every check
+    (presets, mask_k against the model's heads, prompt lengths, memory) runs before the first forward. Lengths past
+    the model's context (max_position_embeddings) run, and are listed in meta["beyond_context"] and the summary.
 
     `work`: a folder where every answer (with its per-head statistics) is kept as it completes
     (`posprobe.report.checkpoint`); calling again with the same folder resumes, and the tables equal an
     uninterrupted run's exactly. Another model, text or config there is refused; `fresh=True` discards it first."""
     cfg = config or RetrievalConfig()
+    if text is None:
+        text, source = BUILTIN_TEXT, source or "built-in text"
     if is_bridge(model):
         from posprobe.backend.fast_attention import hf_model_inside
 
@@ -152,38 +172,48 @@ def run_retrieval(model: Any, text: str, config: RetrievalConfig | None = None, 
     hf, tok = model, tokenizer
     rules = {spec: preset_pairs(spec) for spec in cfg.presets}
     LA.require_supported(hf, "Retrieval heads")
+    name = name or hf_model_name(hf)
+    facts = hf_facts(hf, name)
+    n_heads = facts.n_heads
+    cfg.check_heads(facts.n_layers, n_heads)
     prompts = _prompts(tok, cfg, text)  # every prompt before any forward: lengths and text are checked here
     for spec, rule in rules.items():
         for L in cfg.lengths:
             LA.check_memory(hf, L, rule, chunk=cfg.chunk, cache=True)
-    name = name or str(getattr(HF.text_config(hf), "_name_or_path", "") or "model")
-    facts = hf_facts(hf, name)
-    n_heads = facts.n_heads
+    # The context the atlas holds retrieval to (facts.n_ctx: max_position_embeddings); lengths past it still run.
+    beyond = {"context": facts.n_ctx or None, "lengths": [L for L in cfg.lengths if facts.n_ctx and L > facts.n_ctx]}
     data = data_meta(source or "text", n_items=len(prompts), unit="prompts", sha256=text_sha256(text))
     ckpt = Checkpoint(work, run_key("retrieval", model={"facts": facts.summary(), "weights": weights_fingerprint(hf)},
                                     data=data, config=cfg), fresh=fresh)
-    ckpt.announce([_unit(spec, key, "none", 0, -1) for spec in rules for key, _ in prompts], "retrieval")
     budget = {t: cfg.needle_tokens or TASKS[t].answer_tokens() for t in cfg.tasks}
-    total = len(rules) * len(prompts) * (1 + sum(1 + cfg.random_draws for k in cfg.mask_k if k))
-    done, start = 0, time.perf_counter()
+    masking = [(kind, k, draw) for k in cfg.mask_k if k
+               for kind, draw in [("top", -1)] + [("random", d) for d in range(cfg.random_draws)]]
+    units = [_unit(spec, key, kind, k, draw) for spec in rules for kind, k, draw in [("none", 0, -1)] + masking
+             for key, _ in prompts]
+    # Counted in answers, as the progress line counts them; the ETA is taken over the answers computed now.
+    done = ckpt.announce(units, "retrieval", "answers")
+    total, computed, start = len(units), 0, time.perf_counter()
 
-    def tick(what: str) -> None:
-        nonlocal done
-        done += 1
+    def tick(what: str, unit: str) -> None:
+        nonlocal done, computed
+        if unit in resumed:  # already in `done`
+            return
+        done, computed = done + 1, computed + 1
         if cfg.progress:
-            left = (time.perf_counter() - start) / done * (total - done)
+            left = (time.perf_counter() - start) / computed * (total - done)
             print(f"\rretrieval: {what}: answer {done}/{total}, ETA {left:.0f} s   ", end="" if done < total else "\n",
                   file=sys.stderr)
 
+    resumed = {u for u in units if ckpt.has(u)}
     head_rows, class_rows, answer_rows, mask_rows = [], [], [], []
     for spec, rule in rules.items():
         per = []
         for key, p in prompts:
-            got = ckpt.compute(_unit(spec, key, "none", 0, -1),
-                               lambda: answer_heads(hf, tok, p, rule, budget[key[0]], chunk=cfg.chunk))
+            unit = _unit(spec, key, "none", 0, -1)
+            got = ckpt.compute(unit, lambda: answer_heads(hf, tok, p, rule, budget[key[0]], chunk=cfg.chunk))
             per.append(got)
             answer_rows.append(_answer_row(name, spec, key, p, got, "none", 0, -1))
-            tick(spec)
+            tick(spec, unit)
         layers = per[0]["layers"]
         means = {m: torch.stack([g[m] for g in per]).mean(0) for m in
                  ("retrieval_score", "needle_mass", "answer_first_mass")}
@@ -215,22 +245,21 @@ def run_retrieval(model: Any, text: str, config: RetrievalConfig | None = None, 
         everyone = [(l, h) for _, l, h in order]
         rng = random.Random(f"{cfg.seed}|{spec}")
         for k in (k for k in cfg.mask_k if k):
-            k = min(k, len(everyone))
             top = everyone[:k]
-            others = everyone[k:]
-            variants = [("top", -1, top)] + [("random", d, rng.sample(others, min(k, len(others))))
-                                             for d in range(cfg.random_draws)]
+            others = everyone[k:]  # check_heads: at least k of them, so every random set has exactly k heads
+            variants = [("top", -1, top)] + [("random", d, rng.sample(others, k)) for d in range(cfg.random_draws)]
             for kind, draw, chosen in variants:
                 masked: dict[int, tuple[int, ...]] = {}
                 for l, h in chosen:
                     masked[l] = masked.get(l, ()) + (h,)
                 scores = []
                 for key, p in prompts:
-                    got = ckpt.compute(_unit(spec, key, kind, k, draw), lambda: answer_heads(
+                    unit = _unit(spec, key, kind, k, draw)
+                    got = ckpt.compute(unit, lambda: answer_heads(
                         hf, tok, p, rule, budget[key[0]], chunk=cfg.chunk, masked=masked, heads=False))
                     scores.append(got["score"])
                     answer_rows.append(_answer_row(name, spec, key, p, got, kind, k, draw))
-                    tick(f"{spec} mask {kind} {k}")
+                    tick(f"{spec} mask {kind} {k}", unit)
                 lo, hi = _ci(scores, cfg)
                 mask_rows.append(dict(model=name, preset=spec, masked=kind, n_masked=k, draw=draw,
                                       metric="string_match_all", value=float(np.mean(scores)), ci_low=lo, ci_high=hi,
@@ -243,5 +272,6 @@ def run_retrieval(model: Any, text: str, config: RetrievalConfig | None = None, 
                      classes={"retrieval": f"mean retrieval score > {cfg.threshold}", "other": "the rest"},
                      masking="a head's attention output is zeroed before the output projection; random heads are "
                              "drawn (seeded) from the heads outside the top k",
+                     intervals=_interval_meta(cfg), beyond_context=beyond,
                      checkpoint={"folder": str(work) if work is not None else None, "resumed_units": ckpt.resumed})
     return Result(tables, meta)

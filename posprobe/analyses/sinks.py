@@ -1,13 +1,14 @@
 """Attention sinks: how many heads dump their attention on the first token, and what sets that token apart.
 
-The protocol of Gu et al. 2025 ("When attention sink emerges in language models", ICLR 2025): on sequences of
-T tokens, a head's alpha_1 is the attention on the first token averaged over all T queries (query 0 included,
-as in their formula); the head sinks on that sequence when alpha_1 > epsilon (0.3); Sink_1^epsilon is the share
-of (sequence, head) pairs that sink, per layer and over all layers (per-sample thresholding, then the average).
+The protocol of Gu et al. 2025 ("When Attention Sink Emerges in Language Models: An Empirical View", ICLR 2025;
+arXiv 2024): on sequences of T tokens, a head's alpha_1 is the attention on the first token averaged over all T
+queries (query 0 included, as in their formula); the head sinks on that sequence when alpha_1 > epsilon (0.3);
+Sink_1^epsilon is the share of (sequence, head) pairs that sink, per layer and over all layers (per-sample
+thresholding, then the average).
 Two conditions: random-token sequences (seeded, no special tokens; the first token as the model expects or
 random, `SinksConfig.first`) and windows of a text.
 
-Why the first token, per head (the questions of Gu et al. and Sun et al. 2024): the norm of its key against the
+Why the first token, per head (the questions of Gu et al. 2025 and Sun et al. 2024): the norm of its key against the
 other keys (as the scores see them: rotated, after any QK-norm), the cosine of queries with its key against their
 cosine with the other keys they see, and the norm of its value against the others (sinks often carry small
 values, so attending to them changes little). Everything is streamed with fixed-size float64 sums per layer.
@@ -27,6 +28,7 @@ from posprobe.core.capture import Reducer, check_rows, float64_device, stream, t
 from posprobe.data import BUILTIN_TEXT, framed_windows, random_token_ids
 from posprobe.report.result import Result
 from posprobe.report.schema import data_meta, make_meta, text_sha256
+from posprobe.report.sinks import control_meaning
 
 __all__ = ["SinksConfig", "run_sinks", "sink_statistics", "HEAD_METRICS"]
 
@@ -172,7 +174,9 @@ def control_variants(model: Any, rows: torch.Tensor) -> dict[str, tuple[torch.Te
     position 0 or the token?): {variant: (token rows, positions or None = 0..n-1)} — as they are; the first token
     at position n // 2 (the others unchanged, so it is still seen first); the second token at position 0 and the
     first at 1 (another token holds position 0); the first token replaced by "the"; by a newline. Positions are set
-    where posprobe controls them (learned, rotary, ALiBi; proven families)."""
+    where posprobe controls them (learned, rotary, ALiBi; proven families). What the position variants can show
+    depends on the family (`posprobe.report.sinks.control_meaning`): under ALiBi the distance bias alone gives the
+    moved token, now nearer to every later query, more attention, sink or no sink."""
     n = rows.shape[1]
     tok = tokenizer_of(model)
     out: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {"as is": (rows, None)}
@@ -228,9 +232,10 @@ def run_sinks(model: Any, text: str | None = None, config: SinksConfig | None = 
     one above `massive_ratio` x median, `massive_intervention` (loss and first-token attention with them zeroed
     or set to their mean; meta["massive"] says where and which dims). With `control`, `sink_control`: the share and
     the first token's attention on the text windows as they are, with the first token moved to position n // 2,
-    and with it replaced by "the" or a newline (`control_variants`). With `dormant_heads`, `dormant_heads`: the
-    heads with the most attention on the first token, each zeroed alone, dormant or active by the loss change
-    (`posprobe.analyses.dormant`)."""
+    and with it replaced by "the" or a newline (`control_variants`); meta["control"] says what the model's positional
+    mechanism alone predicts for the position variants. With `ablate_heads`, `head_ablation`: the heads with the most
+    attention on the first token, each zeroed alone and labelled by the change of the text loss (low-effect,
+    loss-rises, loss-falls: `posprobe.analyses.dormant`; meta["ablation"] holds the definitions)."""
     cfg = config or SinksConfig()
     facts = model_facts(model)
     require_attention_supported(facts, "Attention sinks")
@@ -255,18 +260,20 @@ def run_sinks(model: Any, text: str | None = None, config: SinksConfig | None = 
         shares.append(s)
     heads_df, share_df = pd.concat(heads, ignore_index=True), pd.concat(shares, ignore_index=True)
     tables = {"sink_heads": heads_df, "sink_share": share_df}
+    control_meta: dict = {"skipped": "control is off or there are no text windows"}
     if cfg.control and "text" in conditions:
         tables["sink_control"] = _control(model, conditions["text"], cfg)
-    dormant_meta: dict = {"skipped": "dormant_heads is 0, no text windows or no language-model head"}
-    if cfg.dormant_heads and "text" in conditions and has_lm_head(model):
-        from posprobe.analyses.dormant import dormant_heads
+        control_meta = control_meaning(facts.positional_kind, conditions["text"].shape[1] // 2)
+    ablation_meta: dict = {"skipped": "ablate_heads is 0, no text windows or no language-model head"}
+    if cfg.ablate_heads and "text" in conditions and has_lm_head(model):
+        from posprobe.analyses.dormant import head_ablation
 
         text_heads = heads_df[(heads_df.condition == "text") & (heads_df.metric == "first_attention")]
-        found, dormant_meta = dormant_heads(model, conditions["text"], text_heads, min_attention=cfg.dormant_attention,
-                                            max_delta=cfg.dormant_delta, max_heads=cfg.dormant_heads,
-                                            batch_size=cfg.batch_size)
+        found, ablation_meta = head_ablation(model, conditions["text"], text_heads, min_attention=cfg.ablate_attention,
+                                             max_delta=cfg.ablate_delta, max_heads=cfg.ablate_heads,
+                                             batch_size=cfg.batch_size)
         if len(found):
-            tables["dormant_heads"] = found
+            tables["head_ablation"] = found
     massive_meta: dict = {"skipped": "massive_top is 0"}
     if cfg.massive_top:
         from posprobe.analyses.massive import intervene, massive_table
@@ -288,7 +295,7 @@ def run_sinks(model: Any, text: str | None = None, config: SinksConfig | None = 
     data = data_meta(source or ("built-in text" if text is None else "text"), n_items=n_items, unit="sequences",
                      sha256=text_sha256(body) if cfg.max_windows else None)
     meta = make_meta("sinks", model=facts.summary(), data=data, config=cfg, sink_share=overall, massive=massive_meta,
-                     dormant=dormant_meta,
+                     ablation=ablation_meta, control=control_meta,
                      qk_points={f"{qp}/{kp}": layers for (qp, kp), layers in _qk_points(facts).items()},
                      sequences={c: int(len(r)) for c, r in conditions.items()},
                      delimiter_sequences={c: int(((d >= 1) & (d < r.shape[1] - 1)).sum())

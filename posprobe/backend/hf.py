@@ -386,6 +386,15 @@ def rotary_spec(hf_model: Any, layer: int, *, adjacent: bool | None = None, name
     return spec_from_table(hf_model, layer, inv, attention_factor, adjacent=adjacent)
 
 
+def cache_kwargs(module: Any, cache: Any) -> dict[str, Any]:
+    """The keyword arguments that hand `cache` to `module.forward` and turn caching on: transformers 5.24 renamed
+    `past_key_values` to `cache` (the old name warns on every call), earlier versions know only the old name."""
+    import inspect
+
+    params = inspect.signature(module.forward).parameters
+    return {"cache" if "cache" in params else "past_key_values": cache, "use_cache": cache is not None}
+
+
 def nope_layers(hf_model: Any) -> tuple[int, ...]:
     """Layers that apply no positional encoding although the model is rotary elsewhere: SmolLM3 / Llama 4 mark
     them in `no_rope_layers` (1 = rotary, 0 = NoPE); Cohere 2's full-attention layers carry no rotation."""

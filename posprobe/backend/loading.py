@@ -133,5 +133,6 @@ def load_hf_model(
         raise ModelLoadError(f"{spec} has no Hugging Face weights on disk")
     folder = hf_folder(source)
     model = auto_model(folder, as_dtype(dtype)).to(device).eval()
+    model.posprobe_name = source.name  # a GGUF's converted folder has a cache name: keep the model's own
     return model, AutoTokenizer.from_pretrained(folder)
 

@@ -8,6 +8,7 @@ returns (`bridge_ops` / `legacy_ops`); what they share is written here once.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,6 +36,17 @@ def dtype_of(model: Any) -> torch.dtype:
 def model_name(model: Any) -> str:
     """The model's display name (what `load_model` was given, or its own name)."""
     return str(model.cfg.model_name)
+
+
+def hf_model_name(hf_model: Any) -> str:
+    """A plain HF model's display name: the name `load_hf_model` recorded (the same `load_model` gives:
+    smollm2 -> SmolLM2-135M-Instruct, a folder -> its name), else the last part of its `_name_or_path`."""
+    recorded = getattr(hf_model, "posprobe_name", None)
+    if recorded:
+        return str(recorded)
+    cfg = getattr(hf_model, "config", None)
+    cfg = getattr(cfg, "text_config", None) or cfg
+    return Path(str(getattr(cfg, "_name_or_path", "") or "model")).name
 
 
 def tokenizer_of(model: Any) -> Any:

@@ -4,8 +4,22 @@ from __future__ import annotations
 
 import argparse
 
-HELP = ("One report on a model's positional machinery: facts, head signatures (sinks, previous-token, "
-        "induction...), RoPE frequency usage or learned-position geometry, position probes, and the shift test.")
+from posprobe.analyses.configs import ATLAS_SECTIONS
+
+#: What each atlas section measures, for --help; a section missing here fails at import, so the help cannot drift.
+SECTION_HELP = {
+    "facts": "positional facts",
+    "heads": "head signatures (sink, previous-token, induction...)",
+    "sinks": "attention sinks (share, position-vs-token control, massive activations)",
+    "frequency": "RoPE frequency usage",
+    "geometry": "learned-position geometry",
+    "probes": "position probes",
+    "shift": "the shift test",
+    "retrieval": "retrieval heads (needle answers with them masked)",
+}
+
+HELP = ("One report on a model's positional machinery, every section that applies to the model: "
+        + "; ".join(f"{s}: {SECTION_HELP[s]}" for s in ATLAS_SECTIONS) + ".")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -35,10 +49,12 @@ def run(args: argparse.Namespace) -> int:
 
     model = load_model(args.model, device=args.device, dtype=args.dtype, n_ctx=args.n_ctx)
     result = run_atlas(model, text, config, source=args.text)
-    from posprobe.report.atlas import paragraph
+    from posprobe.report.atlas import paragraph, skipped_sections
 
     for s in result.meta["sections"]:
         print(f"[{s}] {paragraph(result, s)}")
+    for s, why in skipped_sections(result.meta):
+        print(f"[{s}] not run: {why}")
     paths = result.save(args.out, figure_formats=args.figures, csv=args.csv)
     print(f"wrote {paths['report']} (and one folder per section)")
     return 0

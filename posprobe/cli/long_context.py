@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 HELP = ("Loss by position past the trained context and passkey retrieval (length x depth) under each "
         "surgery preset, on the plain Hugging Face model with chunked attention (memory linear in length).")
@@ -21,7 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     add_text_argument(p, required=True)
     add_config_arguments(p, LongContextConfig)
-    add_output_arguments(p, required=False)
+    add_output_arguments(p, required=True)
     add_resume_arguments(p)
 
 
@@ -38,6 +39,7 @@ def run(args: argparse.Namespace) -> int:
                          "use --trained-ctx to set the trained context")
     config = config_from_args(LongContextConfig, args, progress=not args.no_progress)
     checks.check_out(args.out)
+    _refuse_unused(args, config)
     early = checks.peek_model(args)
     if any(p.strip().lower() != "none" for p in config.presets):
         checks.require_rotary(early, "long-context presets")
@@ -47,15 +49,19 @@ def run(args: argparse.Namespace) -> int:
     from posprobe.backend.loading import load_hf_model
     from posprobe.report.checkpoint import discard_work_folder, work_folder_for
 
-    # With --out, every finished window and passkey trial is kept in <out>.work: a rerun resumes from there.
-    work = work_folder_for(args.out) if args.out else None
+    # Every finished window and passkey trial is kept in <out>.work: a rerun resumes from there.
+    work = work_folder_for(args.out)
     print(f"loading {args.model} ...", file=sys.stderr)
     model, tokenizer = load_hf_model(args.model, dtype=args.dtype, device=args.device)
-    result = run_long_context(model, text, config, tokenizer=tokenizer, name=str(args.model), source=args.text,
-                              work=work, fresh=args.fresh)
+    result = run_long_context(model, text, config, tokenizer=tokenizer, name=checks.display_name(args.model),
+                              source=args.text, work=work, fresh=args.fresh)
     s = result.tables["long_context_summary"]
     table = s.pivot_table(index=["length", "preset"], columns="metric", values="value", sort=False, dropna=False)
     print(f"trained context {result.meta['trained_ctx']} tokens; NLL in nats/token; break_pos -1 = never")
+    beyond = result.meta["beyond_context"]
+    if beyond["lengths"]:
+        print(f"note: length(s) {', '.join(map(str, beyond['lengths']))} past the model's context of "
+              f"{beyond['context']} positions (max_position_embeddings)")
     print(table.to_string(float_format=lambda v: f"{v:.4f}"))
     acc = result.tables.get("passkey_accuracy")
     if acc is not None:
@@ -68,8 +74,29 @@ def run(args: argparse.Namespace) -> int:
         grid = acc.pivot_table(index=["task", "preset", "length"], columns="depth", values="value", sort=False,
                                dropna=False)
         print(grid.to_string(float_format=lambda v: f"{v:.2f}"))
-    if args.out:
-        paths = result.save(args.out, figure_formats=args.figures, csv=args.csv)
-        discard_work_folder(work)
-        print(f"wrote {paths['report']}")
+    paths = result.save(args.out, figure_formats=args.figures, csv=args.csv)
+    discard_work_folder(work)
+    print(f"wrote {paths['report']}")
     return 0
+
+
+def _refuse_unused(args: argparse.Namespace, config: Any) -> None:
+    # An option that cannot change the result is refused rather than silently ignored. (Needle tasks without a
+    # passkey length are refused by the config itself, for the API too.)
+    from posprobe.analyses.configs import LongContextConfig
+    from posprobe.cli.checks import given_flags
+
+    def refuse(flags: list[str], why: str) -> None:
+        if flags:
+            raise ValueError(f"{', '.join(flags)} {'applies' if len(flags) == 1 else 'apply'} only {why}")
+
+    if not config.passkey_lengths:
+        refuse(given_flags(args, LongContextConfig, "depths", "tasks", "trials", "new_tokens", "needle_tokens", "seed"),
+               "to the passkey / needle test: add --passkey-length N")
+        return
+    if "passkey" not in config.tasks:
+        refuse(given_flags(args, LongContextConfig, "new_tokens"),
+               "to the passkey task (needle tasks decode --needle-tokens)")
+    if all(t == "passkey" for t in config.tasks):
+        refuse(given_flags(args, LongContextConfig, "needle_tokens"),
+               "to needle tasks (the passkey decodes --new-tokens)")

@@ -71,13 +71,27 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.figures = parse_formats(args.figures)
         return int(args._run(args) or 0)
     except KeyboardInterrupt:
-        print("posprobe: interrupted", file=sys.stderr)
+        print(interrupt_message(args), file=sys.stderr)
         return 130
     except (ValueError, RuntimeError, NotImplementedError, OSError) as e:
         if args.debug or os.environ.get("POSPROBE_DEBUG"):
             raise
         print(f"posprobe {args.command}: error: {e}", file=sys.stderr)
         return 2
+
+
+def interrupt_message(args: argparse.Namespace) -> str:
+    """The line printed on Ctrl-C: on a line of its own (a progress bar may hold the cursor mid-line), saying
+    whether and how a rerun resumes."""
+    out = getattr(args, "out", None)
+    if hasattr(args, "fresh") and out:
+        from posprobe.report.checkpoint import work_folder_for
+
+        how = (f"the work done so far is kept in {work_folder_for(out)}: rerun the same command to resume "
+               "(--fresh starts over)")
+    else:
+        how = "nothing was written; rerun the command to start again"
+    return f"\nposprobe {args.command}: interrupted; {how}"
 
 
 if __name__ == "__main__":

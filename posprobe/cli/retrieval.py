@@ -4,6 +4,7 @@ masking them does to the answers."""
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 HELP = ("Retrieval heads: Wu et al.'s retrieval score per head while the model answers needle prompts, its attention "
         "on the needle and the first token, under each surgery preset; needle accuracy with the top-k heads masked "
@@ -39,7 +40,11 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--n-ctx does not apply to retrieval (the model runs at full length)")
     config = config_from_args(RetrievalConfig, args, progress=not args.no_progress)
     checks.check_out(args.out)
-    checks.require_rotary(checks.peek_model(args), "retrieval")
+    early = checks.peek_model(args)
+    checks.require_rotary(early, "retrieval")
+    if early is not None and early.n_layers and early.n_heads:
+        config.check_heads(early.n_layers, early.n_heads)
+    _refuse_unused(args, config)
     text = checks.read_text_early(args.text)
     if text is None:
         from posprobe.data import BUILTIN_TEXT
@@ -55,10 +60,27 @@ def run(args: argparse.Namespace) -> int:
     work = work_folder_for(args.out)
     print(f"loading {args.model} ...", file=sys.stderr)
     model, tokenizer = load_hf_model(args.model, dtype=args.dtype, device=args.device)
-    result = run_retrieval(model, text, config, tokenizer=tokenizer, name=str(args.model),
+    result = run_retrieval(model, text, config, tokenizer=tokenizer, name=checks.display_name(args.model),
                            source=args.text or "built-in text", work=work, fresh=args.fresh)
     print(summary_text(result))
     paths = result.save(args.out, figure_formats=args.figures, csv=args.csv)
     discard_work_folder(work)
     print(f"wrote {paths['report']}")
     return 0
+
+
+def _refuse_unused(args: argparse.Namespace, config: Any) -> None:
+    # An option that cannot change the result is refused rather than silently ignored.
+    from posprobe.analyses.configs import RetrievalConfig
+    from posprobe.cli.checks import given_flags
+    from posprobe.data.needles import TASKS
+
+    if not any(config.mask_k) and given_flags(args, RetrievalConfig, "random_draws"):
+        raise ValueError("--random-draws applies only to masking: give --mask-k K > 0 or drop it")
+    if config.binary_scores and given_flags(args, RetrievalConfig, "bootstrap"):
+        raise ValueError(f"--bootstrap applies only to fractional scores (multi-value tasks); "
+                         f"{', '.join(config.tasks)} score 0 or 1 and get Wilson intervals")
+    if args.text and not any(TASKS[t].haystack == "text" for t in config.tasks):
+        users = [t for t, task in TASKS.items() if task.haystack == "text"]
+        raise ValueError(f"--text is read only by text-haystack tasks ({', '.join(users)}); "
+                         f"{', '.join(config.tasks)} build their own haystacks")

@@ -252,7 +252,8 @@ def _hidden(model: Any, ids: torch.Tensor, engine_on: bool, cache: Any = None, s
     if start == 0:
         hf.fresh_rope_state(model)  # a new input: HF's dynamic RoPE must not keep a longer input's table
     pos = zero_positions(n, ids.device) if engine_on else torch.arange(start, start + n, device=ids.device)[None]
-    return model.get_decoder()(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=cache is not None)
+    decoder = model.get_decoder()
+    return decoder(input_ids=ids, position_ids=pos, **hf.cache_kwargs(decoder, cache))
 
 
 def _logits(model: Any, hidden: torch.Tensor) -> torch.Tensor:
@@ -329,6 +330,13 @@ def estimate_bytes(model: Any, length: int, rule: PairRule, *, chunk: int = 256,
     activations + the chunked score blocks + a logit block (+ the KV cache when generating).
 
     Deliberately generous (x1.5 on activations): it only has to refuse lengths that cannot fit."""
+    return int(sum(_memory_terms(model, length, rule, chunk=chunk, logit_chunk=logit_chunk, cache=cache).values()))
+
+
+def _memory_terms(model: Any, length: int, rule: PairRule, *, chunk: int, logit_chunk: int = 1024,
+                  cache: bool = False) -> dict[str, float]:
+    # `estimate_bytes` by term: check_memory reads which term `chunk` scales (only "scores", and only where the
+    # engine chunks the scores) to advise only what lowers the estimate.
     cfg = hf.text_config(model)
     e = next(model.parameters()).element_size()
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -343,7 +351,8 @@ def estimate_bytes(model: Any, length: int, rule: PairRule, *, chunk: int = 256,
     logits = min(logit_chunk, T) * cfg.vocab_size * 4 * 3
     kv = 3 * L * T * KV * hd * e if cache else 0  # keys and values, and the engine's rotated keys
     hidden = T * D * e * 2  # the final hidden states kept for the logit chunks
-    return int(weights + 1.5 * act + scores + logits + kv + hidden)
+    return {"weights": weights, "activations": 1.5 * act, "scores": scores, "logits": logits, "kv": kv,
+            "hidden": hidden}
 
 
 def available_bytes() -> int:
@@ -355,14 +364,34 @@ def available_bytes() -> int:
 
 def check_memory(model: Any, length: int, rule: PairRule, *, chunk: int = 256, cache: bool = False,
                  available: int | None = None) -> int:
-    """Raise MemoryError-style ValueError when `estimate_bytes` exceeds 90% of available memory; return the estimate."""
+    """Raise MemoryError-style ValueError when `estimate_bytes` exceeds 90% of available memory; return the estimate.
+
+    The advice names only what lowers the estimate: a shorter length always; a smaller --chunk only where the
+    engine chunks this rule's scores (the one term chunk scales, linearly in min(chunk, length)), and then the
+    largest chunk that fits, or the estimate at --chunk 1 where none does."""
     need = estimate_bytes(model, length, rule, chunk=chunk, cache=cache)
     have = available_bytes() if available is None else available
-    if need > 0.9 * have:
-        raise ValueError(f"length {length} under {rule.label!r} needs about {need / 2**30:.1f} GiB "
-                         f"(estimate) but only {have / 2**30:.1f} GiB is available; use a shorter length "
-                         "or a smaller --chunk")
-    return need
+    limit = 0.9 * have
+    if need <= limit:
+        return need
+    head = (f"length {length} under {rule.label!r} needs about {need / 2**30:.1f} GiB (estimate) but only "
+            f"{have / 2**30:.1f} GiB is available")
+    rows = min(chunk, length)
+    per_row = _memory_terms(model, length, rule, chunk=chunk, cache=cache)["scores"] / rows
+    if not per_row:
+        raise ValueError(f"{head}; use a shorter length (--chunk does not change this estimate)")
+    if rows <= 1:
+        raise ValueError(f"{head}; use a shorter length")
+    floor = estimate_bytes(model, length, rule, chunk=1, cache=cache)
+    if floor > limit:
+        raise ValueError(f"{head}; even --chunk 1 needs about {floor / 2**30:.1f} GiB: use a shorter length")
+    # Largest chunk c with floor + (c - 1) * per_row within the limit (the scores term is linear in c).
+    fits = 1 + int((limit - floor) // per_row)
+    while fits > 1 and estimate_bytes(model, length, rule, chunk=fits, cache=cache) > limit:
+        fits -= 1  # float rounding at the boundary
+    raise ValueError(f"{head}; use --chunk {fits} or smaller (about "
+                     f"{estimate_bytes(model, length, rule, chunk=fits, cache=cache) / 2**30:.1f} GiB), "
+                     "or a shorter length")
 
 
 __all__ = ["long_attention", "token_nll", "greedy_decode", "rotate_hf", "require_supported", "estimate_bytes",

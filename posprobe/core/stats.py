@@ -1,4 +1,4 @@
-"""Small statistics used across analyses: bootstrap intervals and the exact McNemar test."""
+"""Small statistics used across analyses: bootstrap and Wilson intervals and the exact McNemar test."""
 
 from __future__ import annotations
 
@@ -21,6 +21,28 @@ def bootstrap_ci(values: np.ndarray, *, n_boot: int = 1000, seed: int = 0, level
     alpha = (1 - level) / 2
     lo, hi = np.quantile(means, [alpha, 1 - alpha])
     return float(lo), float(hi)
+
+
+def wilson_ci(successes: int, n: int, *, level: float = 0.95) -> tuple[float, float]:
+    """Wilson score interval of a proportion: `successes` out of `n` trials.
+
+    With p = successes / n and z the standard normal quantile at 1 - (1 - level) / 2, the interval is
+    centre +- half, where centre = (p + z^2 / (2n)) / (1 + z^2 / n) and
+    half = z / (1 + z^2 / n) * sqrt(p (1 - p) / n + z^2 / (4 n^2)). Unlike a percentile bootstrap it does not
+    collapse to a point at p = 0 or 1 (3 of 3 gives [0.438, 1] at 95%). (NaN, NaN) for n = 0."""
+    from statistics import NormalDist
+
+    if not 0 <= successes <= n:
+        raise ValueError(f"successes must be within [0, n]; got {successes} of {n}")
+    if n == 0:
+        return float("nan"), float("nan")
+    z = NormalDist().inv_cdf(1 - (1 - level) / 2)
+    p = successes / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z / denom * float(np.sqrt(p * (1 - p) / n + z * z / (4 * n * n)))
+    # Rounding can push an end a hair past [0, 1] at p = 0 or 1.
+    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def mcnemar_exact(b: int, c: int) -> float:

@@ -140,7 +140,7 @@ def _draw(rng: random.Random, kind: str, taken: set[str]) -> str:
 
 def _sentences(tokenizer: Any, text: str | None) -> list[list[int]]:
     if not text or not text.strip():
-        raise ValueError("a text haystack needs a text (the long-context --text)")
+        raise ValueError(f"a text haystack needs a text (--text); got {'none' if text is None else 'an empty one'}")
     parts = [s for s in re.split(r"(?<=[.!?])\s+", " ".join(text.split())) if s]
     return [_encode(tokenizer, " " + s) for s in parts]
 

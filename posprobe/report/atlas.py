@@ -55,6 +55,10 @@ def paragraph(result: Any, section: str) -> str:
             rot = (f", rotary dim {f['rotary_dim']} ({f.get('rotary_pairing')} pairing), base "
                    f"{base if not isinstance(base, list) else 'per layer ' + ', '.join(map(str, sorted(set(base))))}")
         enc = "encoder" if f.get("is_encoder") else "decoder"
+        nope = result.meta.get("nope_layers") or []
+        if nope:  # a hybrid (SmolLM3's no_rope_layers): which layers rotate is part of the fact
+            rot += (f", on {f['n_layers'] - len(nope)} of {f['n_layers']} layers; no rotary (NoPE) on "
+                    f"layer{'s' if len(nope) > 1 else ''} {_layer_list(nope)}")
         text = (f"{f['name']} is a {f['n_layers']}-layer {enc} with {kind} positions{rot}; {f['n_heads']} query heads "
                 f"and {f.get('n_kv_heads', f['n_heads'])} key/value heads per layer; context {f['n_ctx']} positions.")
         if f.get("unsupported"):
@@ -70,16 +74,15 @@ def paragraph(result: Any, section: str) -> str:
                 f"{n('mean_first_mass'):.2f}; {n('sink_fraction'):.0%} of heads are sink heads.")
     if section == "sinks":
         rnd, txt, the = n("sink_share_random"), n("sink_share_text"), n("sink_share_the_first")
-        text = (f"Gu et al.'s Sink_1^0.3: {rnd:.0%} of (sequence, head) pairs sink on the first token on random "
+        text = (f"Gu et al. 2025 Sink_1^0.3: {rnd:.0%} of (sequence, head) pairs sink on the first token on random "
                 f"tokens, {txt:.0%} on text" if rnd is not None and txt is not None else "Attention sinks")
         if the is not None:
             text += f"; {the:.0%} with the text's first token replaced by 'the' (does the sink follow the token?)"
         part = getattr(result, "parts", {}).get("sinks")
         if part is not None:
-            from posprobe.report.sinks import massive_text
+            from posprobe.report.sinks import ablation_text, control_reading, massive_text
 
-            text += "." + massive_text(part)
-            return text
+            return text + "." + control_reading(part) + massive_text(part) + ablation_text(part)
         return text + "."
     if section == "frequency":
         fast, slow = n("abs_share_fastest_quarter"), n("abs_share_slowest_quarter")
@@ -87,7 +90,8 @@ def paragraph(result: Any, section: str) -> str:
                  if r.section == "frequency" and r.metric.startswith("n_")}
         return (f"On average a head draws {fast:.0%} of its score magnitude from the fastest quarter of rotary "
                 f"bands and {slow:.0%} from the slowest quarter. By how much of the score's variance relative "
-                f"distance explains: {', '.join(f'{v} {k}' for k, v in kinds.items())} heads.")
+                f"distance explains: {', '.join(f'{v} {k}' for k, v in kinds.items())} heads"
+                f"{_frequency_scope(result.meta, sum(kinds.values()))}.")
     if section == "geometry":
         pc1 = n("wpos_pc1_explained")
         return (f"The first principal component of the learned position table explains {pc1:.0%} of its variance; "
@@ -124,11 +128,57 @@ def paragraph(result: Any, section: str) -> str:
         if part is not None:
             from posprobe.report.retrieval import summary_text
 
-            return summary_text(part)
+            return summary_text(part) + cross_check_text(result.meta)
         return (f"Needle accuracy {n('needle_accuracy'):.2f}; {n('n_retrieval'):.0f} retrieval heads; with the top "
                 f"heads masked {n('needle_accuracy_top_masked'):.2f}, with random heads masked "
-                f"{n('needle_accuracy_random_masked'):.2f}.")
+                f"{n('needle_accuracy_random_masked'):.2f}." + cross_check_text(result.meta))
     return ""
+
+
+def _layer_list(layers: list[int]) -> str:
+    return ", ".join(map(str, layers))
+
+
+def _frequency_scope(meta: dict, counted: int) -> str:
+    # Why the counts cover fewer heads than the model has: the section measures rotary layers only.
+    f = meta["model"]
+    total = int(f["n_layers"]) * int(f["n_heads"])
+    if counted >= total:
+        return f" (all {total} query heads)"
+    measured = meta.get("frequency_layers")
+    if measured is None:
+        return f" ({counted} of {total} query heads: the rotary layers' only)"
+    missing = [l for l in range(int(f["n_layers"])) if l not in measured]
+    if not missing:
+        return f" ({counted} of {total} query heads)"
+    why = "no rotary bands to measure (NoPE)" if set(missing) <= set(meta.get("nope_layers") or []) else "not measured"
+    return (f" ({counted} of {total} query heads: those of the {len(measured)} rotary layers; layer"
+            f"{'s' if len(missing) > 1 else ''} {_layer_list(missing)} {'have' if len(missing) > 1 else 'has'} {why})")
+
+
+def cross_check_text(meta: dict) -> str:
+    """The heads that zeroing barely moves on the text loss although they are retrieval heads, in one sentence ("" where
+    the atlas did not run both)."""
+    cc = meta.get("ablation_retrieval")
+    if not cc:
+        return ""
+    flagged = cc["flagged"]
+    if not flagged:
+        return " Cross-check: no head labelled low-effect by zeroing it (sinks section, text loss) is a retrieval head."
+    names = ", ".join(f"L{l}H{h}" for l, h in flagged)
+    many = len(flagged) > 1
+    return (f" Cross-check: {names} {'are' if many else 'is'} labelled low-effect by zeroing (sinks section: the text "
+            f"loss barely moves) yet {'are retrieval heads' if many else 'is a retrieval head'} here: a low effect on "
+            "that loss does not mean a head does nothing.")
+
+
+def skipped_sections(meta: dict) -> list[tuple[str, str]]:
+    """(section, why) for each section the atlas did not run: not applicable to the model (the reason from
+    `skip_reasons`), not among the sections asked for, or left out by --quick."""
+    why = meta.get("skipped_why", {})
+    # skipped_why holds the model's reasons only; a skipped section without one was not asked for.
+    out = [(s, why.get(s, "not among the sections asked for")) for s in meta.get("skipped", [])]
+    return out + [(s, "left out by --quick (the short tour)") for s in meta.get("left_out", [])]
 
 
 def figures(result: Any) -> list:
@@ -185,13 +235,15 @@ def sections(result: Any) -> list[Section]:
     parts = getattr(result, "parts", {})
     toc = "".join(f'<li><a href="#atlas-{s}">{html.escape(_TITLES[s])}</a></li>' for s in m["sections"])
     why = m.get("skipped_why", {})
-    skipped = "; ".join(_TITLES[s] + (f" ({why[s]})" if s in why else "") for s in m.get("skipped", []))
+    skipped = "; ".join(f"{_TITLES[s]} ({why[s]})" for s in m.get("skipped", []) if s in why)
+    not_asked = ", ".join(_TITLES[s] for s in m.get("skipped", []) if s not in why)
     left_out = ", ".join(_TITLES[s] for s in m.get("left_out", []))
     w = _window(m)
-    sink = f" (attention sinks: {m['sink_length']}, as Gu et al.)" if "sinks" in m["sections"] and m.get(
+    sink = f" (attention sinks: {m['sink_length']}, as Gu et al. 2025)" if "sinks" in m["sections"] and m.get(
         "sink_length") else ""
     intro = (f"<ol>{toc}</ol><p>Data: {html.escape(str(m['data']['source']))}; windows of {w} tokens{sink}. "
              f"{('Skipped on this model: ' + html.escape(skipped) + '. ') if skipped else ''}"
+             f"{('Not asked for (sections): ' + html.escape(not_asked) + '. ') if not_asked else ''}"
              f"{('Left out by --quick: ' + html.escape(left_out) + '.') if left_out else ''}</p>"
              f"<p>{html.escape(window_scope(m))}</p>")
     out = [Section("Contents", html=intro)]
@@ -203,5 +255,13 @@ def sections(result: Any) -> list[Section]:
             body += (f'<p><a href="{s}/report.html">Full {html.escape(_TITLES[s].lower())} report</a> '
                      f"(tables in <code>{s}/</code>{f', {secs:.0f} s' if secs is not None else ''}).</p>")
         figs = parts[s].figures()[: keyfig.get(s, 0)] if s in parts else []
-        out.append(Section(_TITLES[s], html=body, figures=figs))
+        table = None
+        cross = result.tables.get("ablation_retrieval")
+        if s == "retrieval" and cross is not None and len(cross):
+            flagged = {tuple(x) for x in m["ablation_retrieval"]["flagged"]}
+            table = cross.drop(columns=["model"], errors="ignore").round(4).assign(
+                flag=["low-effect on the text loss, yet a retrieval head" if (r.layer, r.head) in flagged else ""
+                      for r in cross.itertuples()])
+            body += f"<p>Cross-check rule: {html.escape(m['ablation_retrieval']['rule'])}.</p>"
+        out.append(Section(_TITLES[s], html=body, figures=figs, table=table))
     return out

@@ -200,26 +200,28 @@ class Checkpoint:
             return self.get(unit)
         return self.put(unit, fn())
 
-    def announce(self, units: Iterable[str], what: str) -> int:
-        """Print (stderr) how many of `units` a rerun finds done; returns that count."""
+    def announce(self, units: Iterable[str], what: str, noun: str = "units") -> int:
+        """Print (stderr) how many of `units` a rerun finds done, counted as `noun` (what the user sees being
+        computed: "answers", "windows"); returns that count. `units` must be every unit the run will compute,
+        so the two numbers are the ones its progress bar shows."""
         units = list(units)
         n = self.count(units) if self.enabled else 0
         if self.enabled and n:
-            print(f"resuming {what}: {n} of {len(units)} units done in {self.folder}", file=sys.stderr)
+            print(f"resuming {what}: {n} of {len(units)} {noun} already done in {self.folder}", file=sys.stderr)
         return n
 
     def map(self, items: Sequence[T], fn: Callable[[T], Any], *, name: Callable[[T], str], desc: str,
-            progress: bool = True) -> list[Any]:
+            progress: bool = True, noun: str = "units") -> list[Any]:
         """`fn(item)` for every item, in order, each one a unit named `name(item)`: done units are read back,
         the others computed and stored. The progress bar starts at the resumed count, so its rate and ETA are
         those of the units computed now."""
         from tqdm.auto import tqdm
 
         ids = [name(it) for it in items]
-        done = self.announce(ids, desc)
+        done = self.announce(ids, desc, noun)
         out = []
-        with tqdm(total=len(ids), initial=done, desc=desc + (f" (resumed {done})" if done else ""),
-                  disable=not progress) as bar:
+        with tqdm(total=len(ids), initial=done, desc=desc + (f" (resumed {done})" if done else ""), unit=noun[:-1]
+                  if noun.endswith("s") else noun, disable=not progress) as bar:
             for it, uid in zip(items, ids):
                 if self.has(uid):
                     self.resumed += 1

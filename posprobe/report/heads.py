@@ -13,7 +13,7 @@ from posprobe.report.style import caption, layer_head_heatmap, style
 #: Signatures shown as layer x head heatmaps, with what the colour means.
 HEATMAPS = {
     "prev_mass": "mean attention to the previous token",
-    "sink_score": "attention sink score (first token, Gu et al. 2024)",
+    "sink_score": "attention sink score (first token, Gu et al. 2025)",
     "self_mass": "mean attention to the current token",
     "induction_score": "induction score (repeated random tokens)",
     "relative_r2": "R² of the pattern explained by offset alone",
@@ -93,14 +93,14 @@ def summary_text(result: Any) -> str:
         most = int(sink_layers.max())
         tied = sorted(int(l) for l, c in sink_layers.items() if c == most)
         per_layer = int(wide.groupby("layer").size().iloc[0])
-        sinks = (f"layer{'s' if len(tied) > 1 else ''} {', '.join(map(str, tied))} ({most} of {per_layer} heads"
-                 f"{' each' if len(tied) > 1 else ''})")
+        sinks = (f"most sink heads in layer{'s' if len(tied) > 1 else ''} {', '.join(map(str, tied))} ({most} of "
+                 f"{per_layer} heads{' each' if len(tied) > 1 else ''})")
     else:
-        sinks = "no layer"
+        sinks = "no layer has a sink head"
     return (
         f"Of {n} heads: {', '.join(parts) if parts else 'none in any class'} (a head can be in several). "
         f"{m['sink_fraction']:.0%} of heads are sink heads (threshold {m['config']['sink_threshold']}); "
-        f"mean attention on the first token over all heads {wide.first_mass.mean():.2f}; most sink heads in {sinks}. "
+        f"mean attention on the first token over all heads {wide.first_mass.mean():.2f}; {sinks}. "
         f"Strongest previous-token heads: {prev}."
     )
 

@@ -78,6 +78,12 @@ def sections(result: Any) -> list[Section]:
              f"Break position: first bin from position {cfg.get('warmup')} on from which the mean over "
              f"{cfg.get('break_span')} positions exceeds the mean over [{cfg.get('warmup')}, trained context) by "
              f"{cfg.get('margin')} nats (-1: never).</p>")
+    beyond = m.get("beyond_context") or {}
+    if beyond.get("lengths"):
+        lengths = ", ".join(f"{L:,}" for L in beyond["lengths"])
+        which = f"length {lengths} is" if len(beyond["lengths"]) == 1 else f"lengths {lengths} are"
+        intro += (f"<p>Note: {which} past the model's context of {beyond['context']:,} positions "
+                  "(max_position_embeddings).</p>")
     out = [Section("Summary", html=intro + table_html(table))]
     acc = result.tables.get("passkey_accuracy")
     if acc is not None and len(acc):

@@ -53,6 +53,17 @@ def sections(result: Any) -> list[Section]:
     return [Section("Summary", html=summary + table_html(table)), Section("Figures", figures=figures(result))]
 
 
+def layer_axis_title(points: list[str]) -> str:
+    """The x-axis title of a probe figure that plots `points` (in this order) at layer L + i / len(points): only the
+    points it plots, each at its own offset."""
+    from fractions import Fraction
+
+    if len(points) == 1:
+        return f"layer ({points[0]})"
+    at = [p + (" at L" if i == 0 else f" at L+{Fraction(i, len(points))}") for i, p in enumerate(points)]
+    return f"layer ({', '.join(at)})"
+
+
 def probe_figures(df: pd.DataFrame, meta: dict | None = None) -> list:
     """Plotly figures from a probe df: MAE and accuracy by layer (probe, control, chance; bars = fold std)."""
     import plotly.graph_objects as go
@@ -61,6 +72,7 @@ def probe_figures(df: pd.DataFrame, meta: dict | None = None) -> list:
     points = list(dict.fromkeys(s.point))  # in the order the probes ran them (resid_pre, resid_mid, resid_post)
     order = {p: i for i, p in enumerate(points)}
     s = s.assign(x=s.layer + s.point.map(order).fillna(0) / len(points)).sort_values("x")
+    xaxis = layer_axis_title(points)
     figs = []
     for metric, title in (("mae", "Held-out MAE (positions)"), ("accuracy", "Held-out bucket accuracy")):
         fig = go.Figure()
@@ -82,7 +94,7 @@ def probe_figures(df: pd.DataFrame, meta: dict | None = None) -> list:
             )
         fig.update_layout(
             title=f"{title} by layer",
-            xaxis_title="layer (resid_pre at L, resid_mid at L+⅓, resid_post at L+⅔)",
+            xaxis_title=xaxis,
             yaxis_title="mean absolute error (positions)" if metric == "mae" else "bucket accuracy",
         )
         if metric == "accuracy":

@@ -75,8 +75,9 @@ COLUMNS: dict[str, str] = {
     "group": "the group at that level",
     "n_pairs": "pairs in the group",
     "accuracy": "fraction of pairs with margin > 0",
-    "ci_low": "lower end of the 95% percentile-bootstrap interval",
-    "ci_high": "upper end of the 95% percentile-bootstrap interval",
+    "ci_low": "lower end of the 95% interval (percentile bootstrap, or Wilson score where every score is 0 or 1: "
+              "meta['intervals'] names the method where both occur)",
+    "ci_high": "upper end of the 95% interval (as ci_low)",
     "mean_margin": "mean margin (nats)",
     "delta_accuracy": "accuracy minus accuracy at k = 0",
     "flips": "pairs whose judgement changed vs k = 0",
@@ -145,7 +146,7 @@ METRICS: dict[str, str] = {
     "self_mass": COLUMNS["self_mass"],
     "first_mass": COLUMNS["first_mass"],
     "first_k_mass": "mean attention on the first k tokens (HeadsConfig.first_k; decoders: queries 1..n-1)",
-    "sink_score": "Gu et al. 2024 sink score: attention on the first token summed over every query that sees it "
+    "sink_score": "Gu et al. 2025 sink score: attention on the first token summed over every query that sees it "
                   "(query 0 included), divided by their number",
     "fixed_offset": "offset d >= 2 with the largest mean attention",
     "fixed_offset_mass": "mean attention at fixed_offset",

@@ -38,7 +38,7 @@ def share_by_layer(share: pd.DataFrame, meta: dict | None = None) -> Any:
     fig = go.Figure()
     for cond, d in share.groupby("condition", sort=False):
         fig.add_trace(go.Scatter(x=d.layer, y=d.value, mode="lines+markers", name=str(cond)))
-    fig.update_layout(title="Share of heads that sink on the first token, per layer (Gu et al. Sink_1^epsilon)",
+    fig.update_layout(title="Share of heads that sink on the first token, per layer (Gu et al. 2025 Sink_1^epsilon)",
                       xaxis_title="layer", yaxis_title="share of (sequence, head) pairs", yaxis_range=[0, 1.02])
     return style(fig, caption=figure_caption(meta, "A head sinks on a sequence when its attention on the first "
                                                    "token, averaged over all queries, exceeds epsilon."), height=400)
@@ -84,28 +84,91 @@ def summary_text(result: Any) -> str:
                      f"cosine with the first key {means['first_key_cos']:.2f} vs {means['other_key_cos']:.2f} "
                      f"with the others{why}{delim}")
     return (f"Sink_1^{eps} on {T}-token sequences (Gu et al. 2025): " + "; ".join(parts) + "." + control_text(result)
-            + massive_text(result) + dormant_text(result))
+            + massive_text(result) + ablation_text(result))
+
+
+#: What moving the first token from position 0 to position p predicts by the positional mechanism alone, before any
+#: sink, keyed by how the family's positions are set (`Family.control`); "{p}" is the position it moves to.
+CONTROL_READINGS = {
+    "score bias": ("each head's score bias falls linearly with query-key distance, so it favours near keys. The first "
+                   "token at position {p} is {p} positions nearer to every later query (and ahead of the queries "
+                   "before {p}), so the bias alone predicts more attention on it, sink or no sink; the second token at "
+                   "position 0 brings it one position nearer. A change in the position variants is what the bias "
+                   "predicts, not evidence that the sink follows position 0."),
+    "q/k rotation": ("scores see only query-key offsets; the first token at position {p} is {p} positions nearer to "
+                     "every later query. A sink that needs the token at the start of the sequence would fade; one "
+                     "carried by the token itself would stay."),
+    "position ids": ("the first token gets position {p}'s embedding instead of position 0's. A sink carried by the "
+                     "position-0 embedding would fade; one carried by the token itself would stay."),
+}
+
+
+def control_meaning(positional_kind: str, moved_to: int) -> dict:
+    """What the position variants of the sink control can show on a model of `positional_kind`, the first token moved
+    to `moved_to`: {"moved_to", "mechanism" (the family's phrase), "reading" (None where posprobe cannot move the
+    family's positions), "predicts_more_attention" (True where the mechanism alone predicts more attention on the
+    moved token, None where it predicts no direction)}."""
+    from posprobe.backend.families import find
+
+    fam = find(positional_kind)
+    reading = None if fam is None or fam.control is None else CONTROL_READINGS.get(fam.control)
+    return {"moved_to": int(moved_to), "mechanism": fam.phrase if fam is not None else positional_kind,
+            "reading": reading.format(p=moved_to) if reading else None,
+            # Only a distance bias fixes the direction in advance: nearer keys get a larger score.
+            "predicts_more_attention": True if fam is not None and fam.control == "score bias" else None}
+
+
+def control_reading(result: Any) -> str:
+    """What the model's positional mechanism alone predicts for the control's position variants, and (where it
+    predicts a direction) whether the measured first-token attention went that way ("" where there is nothing to
+    read: no control, no position variants, a family posprobe cannot move)."""
+    ctl = result.tables.get("sink_control")
+    if ctl is None or not len(ctl):
+        return ""
+    m = result.meta
+    meaning = m.get("control") or {}
+    if "reading" not in meaning:  # a result saved before meta["control"]: rebuilt from the facts and the config
+        meaning = control_meaning(m["model"]["positional_kind"], m["config"]["length"] // 2)
+    first = ctl[ctl.metric == "first_attention"].set_index("variant").value
+    moved = f"first token at position {meaning['moved_to']}"
+    if meaning.get("reading") is None or moved not in first.index:
+        return ""
+    out = f" With {meaning['mechanism']} positions, {meaning['reading']}"
+    if meaning.get("predicts_more_attention") is not None:
+        agree = (first[moved] > first["as is"]) == meaning["predicts_more_attention"]
+        how = "the direction the mechanism predicts" if agree else "against what the mechanism alone predicts"
+        out += (f" Measured: mean first-token attention {first['as is']:.3f} as is, {first[moved]:.3f} moved "
+                f"({how}).")
+    return out
 
 
 def control_text(result: Any) -> str:
-    """A sentence on the position-vs-token control ("" without it)."""
+    """The position-vs-token control in words, with what the model's positional mechanism alone predicts for the
+    position variants ("" without the control)."""
     ctl = result.tables.get("sink_control")
     if ctl is None or not len(ctl):
         return ""
     share = ctl[ctl.metric == "sink_share"].set_index("variant").value
     parts = [f"{v} {share[v]:.1%}" for v in share.index if v != "as is"]
-    return f" Position vs token (text windows, sink share as is {share['as is']:.1%}): " + ", ".join(parts) + "."
+    return (f" Position vs token (text windows, sink share as is {share['as is']:.1%}): " + ", ".join(parts) + "."
+            + control_reading(result))
 
 
-def dormant_text(result: Any) -> str:
-    """A sentence on the dormant heads ("" without the table)."""
-    d, m = result.tables.get("dormant_heads"), result.meta.get("dormant", {})
+def ablation_text(result: Any) -> str:
+    """The zeroed sink heads in words, each label with its measured definition ("" without the table)."""
+    d, m = result.tables.get("head_ablation"), result.meta.get("ablation", {})
     if d is None or not len(d):
-        return f" Dormant heads: no candidate ({m['rule']})." if m.get("candidates") == 0 else ""
-    dormant = d[d.kind == "dormant"]
-    names = ", ".join(f"L{int(r.layer)}H{int(r.head)}" for r in dormant.itertuples()) or "none"
-    return (f" Dormant heads: {len(dormant)} of {len(d)} candidates ({names}); zeroing a candidate changes the loss "
-            f"by {d.delta_loss.abs().median():.4f} nats/token (median |delta|).")
+        return f" Zeroing sink heads: no candidate ({m['rule']})." if m.get("candidates") == 0 else ""
+    counts = []
+    for label in m.get("labels", {}):
+        heads = d[d.kind == label]
+        if len(heads):
+            names = ", ".join(f"L{int(r.layer)}H{int(r.head)}" for r in heads.itertuples())
+            counts.append(f"{len(heads)} {label} ({names})")
+    return (f" Zeroing each of the {len(d)} heads with the most first-token attention, one at a time: "
+            f"{'; '.join(counts)}, by the mean next-token loss on the {m['tokens']}-token text windows (low-effect: "
+            f"|delta| < {m['max_delta']} nats/token on this loss only; the head may matter elsewhere, e.g. for "
+            f"long-context retrieval; median |delta| {d.delta_loss.abs().median():.4f} nats/token).")
 
 
 def massive_text(result: Any) -> str:
@@ -149,13 +212,17 @@ def sections(result: Any) -> list[Section]:
     ctl = result.tables.get("sink_control")
     if ctl is not None and len(ctl):
         out.append(Section("Position or token?", html="<p>Text windows as they are, with the first token moved to "
-                           "position length // 2 (still seen first), and with it replaced by 'the' or a newline.</p>",
+                           "position length // 2 (still seen first), and with it replaced by 'the' or a newline."
+                           f"{html.escape(control_reading(result))}</p>",
                            table=ctl.pivot_table(index="variant", columns="metric", values="value", sort=False)
                            .round(3).reset_index()))
-    dormant = result.tables.get("dormant_heads")
-    if dormant is not None and len(dormant):
-        out.append(Section("Dormant heads", html=f"<p>{html.escape(m['dormant']['rule'])}.</p>",
-                           table=dormant.drop(columns="model").round(4)))
+    ablation = result.tables.get("head_ablation")
+    if ablation is not None and len(ablation):
+        labels = "".join(f"<li><b>{html.escape(k)}</b>: {html.escape(v)}</li>"
+                         for k, v in m["ablation"]["labels"].items())
+        out.append(Section("Zeroing sink heads: effect on the text loss",
+                           html=f"<p>{html.escape(m['ablation']['rule'])}.</p><ul>{labels}</ul>",
+                           table=ablation.drop(columns="model").round(4)))
     acts = result.tables.get("massive_activations")
     if acts is not None and len(acts):
         cfg = m["config"]
