@@ -125,7 +125,7 @@ def test_run_retrieval_tables_report_and_cli(tmp_path, capsys):
     assert (tmp_path / "cli" / "report.html").is_file()
 
 
-def test_an_interrupted_retrieval_run_resumes_to_the_uninterrupted_tables(tmp_path, monkeypatch):
+def test_an_interrupted_retrieval_run_resumes_to_the_uninterrupted_tables(tmp_path, monkeypatch, capsys):
     import pandas as pd
     from test_long_context import TEXT, _byte_llama
 
@@ -149,7 +149,10 @@ def test_an_interrupted_retrieval_run_resumes_to_the_uninterrupted_tables(tmp_pa
     for _ in range(2):
         with pytest.raises(KeyboardInterrupt):
             R.run_retrieval(model, TEXT, cfg, tokenizer=tok, name="m", work=work)
+    capsys.readouterr()
     resumed = R.run_retrieval(model, TEXT, cfg, tokenizer=tok, name="m", work=work)
+    # The rerun counts what the progress line counts: answers over the whole run, masked ones included.
+    assert f"resuming retrieval: 10 of 16 answers already done in {work}" in capsys.readouterr().err
     # 16 answers in all (2 presets x 2 prompts x (unmasked, top, 2 random)); each computed once, the two that
     # were interrupted twice.
     assert calls["n"] == 16 + 2
