@@ -119,7 +119,11 @@ ALL_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "smoll
 
 
 def tiny_family(name: str, seed: int = 0) -> tuple[object, object]:
-    """(bridge, the plain HF model it wraps) for family `name`, every weight random and seeded."""
+    """(bridge, reference) for family `name`, every weight random and seeded. The reference is a plain HF model
+    rebuilt from the same config and a clone of the same weights before TransformerLens boots
+    (hf_util.independent_hf): HF's own forward, sharing no module or storage with the bridge. Never the model the
+    bridge wraps, which TL rewires in place (calling that one runs the bridge: bit-equal, a check that cannot fail)."""
+    from hf_util import independent_hf
     from transformer_lens.model_bridge import TransformerBridge
 
     cfg, cls = _configs()[name]
@@ -128,6 +132,7 @@ def tiny_family(name: str, seed: int = 0) -> tuple[object, object]:
         torch.manual_seed(seed)
         hf = cls(cfg).eval()
     randomize_(hf, seed)
+    reference = independent_hf(hf)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # TL warns about name aliases; the weights are the in-memory model
         try:
@@ -146,4 +151,4 @@ def tiny_family(name: str, seed: int = 0) -> tuple[object, object]:
         bridge.tokenizer.cls_token, bridge.tokenizer.sep_token = "<bos>", "<eos>"
         bridge.has_lm_head = False  # BertForMaskedLM's head here is random, as a bare encoder's would be
     bridge.eval()
-    return bridge, hf
+    return bridge, reference

@@ -80,3 +80,28 @@ def complex_rotate(x: torch.Tensor, positions: torch.Tensor, spec) -> torch.Tens
     z = torch.complex(re, im) * torch.polar(torch.ones_like(theta), theta)
     turned = torch.stack([z.real, z.imag], -1).flatten(-2) if spec.adjacent else torch.cat([z.real, z.imag], -1)
     return torch.cat([turned, x[..., spec.rotary_dim:].double()], -1).to(x.dtype)
+
+
+def independent_hf(hf_model):
+    """A plain Hugging Face model rebuilt from `hf_model`'s class, a deep copy of its config and a clone of its state
+    dict: no module, parameter, buffer or storage in common with `hf_model`, so nothing TransformerLens later does to
+    `hf_model` (it rewires the modules of the model it boots in place) reaches it. Call it *before* booting a bridge
+    on `hf_model`: the reference is then HF's own forward on the same weights, never the bridge's. Plain
+    transformers/torch only (no posprobe.backend.hf.twin, which shares the weight tensors by design)."""
+    import copy
+
+    cfg = copy.deepcopy(hf_model.config)
+    with torch.random.fork_rng(devices=[]):  # its throwaway init must not move the caller's random stream
+        ref = type(hf_model)(cfg)
+    sd = {k.replace("._original_component", ""): v.detach().clone() for k, v in hf_model.state_dict().items()}
+    missing, unexpected = ref.load_state_dict(sd, strict=False)
+    assert not missing and not unexpected, (missing[:3], unexpected[:3])
+    return ref.eval()
+
+
+def shares_storage(a, b) -> bool:
+    """Whether two modules hold any tensor (parameter or buffer) on the same storage, or any submodule in common."""
+    def ptrs(m):
+        return {t.untyped_storage().data_ptr() for t in (*m.parameters(), *m.buffers()) if t.numel()}
+
+    return bool(ptrs(a) & ptrs(b)) or bool({id(x) for x in a.modules()} & {id(x) for x in b.modules()})

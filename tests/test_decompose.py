@@ -479,9 +479,13 @@ def test_alibi_models_split_into_content_terms_and_hfs_distance_bias(name, monke
     gap = term - want[:, None, :]  # [head, query, key]
     rows = [gap[:, i, : i + 1] for i in range(12)]
     assert max(float((r - r[:, :1]).abs().max()) for r in rows) <= 1e-5  # a constant per query row
+    # HF's eager weights from an independent copy of the weights (tiny_family's reference: never the model the bridge
+    # wraps, whose forward is the bridge's). float32 on CPU: measured max |diff| BLOOM 1.9e-7, MPT 1.8e-7; tol 1e-6.
+    assert hf is not bridge.original_model and hf.config._attn_implementation == "eager"
     with torch.no_grad():
         att = hf(ids, output_attentions=True).attentions[1].double()
-    assert (torch.softmax(dec.reconstructed(), -1) - att).abs().max() <= 1e-5
+    err = (torch.softmax(dec.reconstructed(), -1) - att).abs().max()
+    assert err <= 1e-6, f"softmax of the summed terms vs HF's eager weights: max |diff| {err:.3g}"
     summary = head_summary(dec)
     share = summary[(summary.metric == "var_share") & (summary.term != "positional")].groupby("head").value.sum()
     assert (share - 1).abs().max() <= 1e-9

@@ -45,7 +45,10 @@ def family(request):
 
 
 def test_smollm3_nope_layers_are_facts_and_stay_unrotated():
-    # Were reported as rotary. Position control moves the rotary layers only; HF's position_ids agree.
+    # Were reported as rotary. Position control moves the rotary layers only; HF's position_ids agree, on HF's own
+    # forward of an independent copy (tiny_family's reference). Positions 5, 7, 9, ...: spaced, not just shifted (a
+    # shift turns q and k alike: at positions 5..16 a plan that did nothing matched HF to 2e-6, so did not show).
+    # float32 on CPU: measured max |diff| 3.7e-6; tolerance 1e-5.
     from posprobe.core.positions import PositionPlan, rope_positions
 
     bridge, hf = tiny_family("smollm3")
@@ -53,12 +56,16 @@ def test_smollm3_nope_layers_are_facts_and_stay_unrotated():
     assert f.unsupported is None and f.rotary_layers == (0, 1, 2) and f.rotary[3] is None
     assert "layer 3: NoPE" in " | ".join(f.summary()["layer_positions"])
     ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
-    p = torch.arange(12, dtype=torch.float64) + 5
+    pos = torch.arange(12) * 2 + 5
+    p = pos.double()
     with torch.no_grad(), rope_positions(bridge, PositionPlan(p, p.clone())):
         got = bridge(ids)
     with torch.no_grad():
-        want = hf(ids, position_ids=(torch.arange(12) + 5)[None]).logits
-    assert (got - want).abs().max() <= 1e-4
+        want = hf(ids, position_ids=pos[None]).logits
+        own = bridge(ids)
+    err = (got - want).abs().max()
+    assert err <= 1e-5, f"plan vs HF position_ids: max |diff| {err:.3g}"
+    assert (own - want).abs().max() > 1e-3  # the positions mattered
     with pytest.raises(ValueError, match="layer 3 of smollm3 apply no positional encoding"):
         from posprobe.analyses.frequency import frequency_usage
 
@@ -81,10 +88,44 @@ def test_offset_tables_identity_plan_is_the_models_own_forward(name):
 
 @pytest.mark.parametrize("name", [f for f in ALL_FAMILIES if f not in ("falcon_rw", "t5")])
 def test_the_bridge_is_the_hf_model(name):
+    # Against HF's own forward on an independent copy of the weights (tiny_family's reference; the model the bridge
+    # wraps would be the bridge itself: diff 0.0, a check that cannot fail). float32 on CPU: measured max |diff|
+    # 0 (Gemma 2, XGLM: TL hands the whole layer to HF) to 4.7e-6 (Gemma 3), ~1e-6 typical; tolerance 1e-5.
     bridge, hf = tiny_family(name)
     ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        assert (bridge(ids) - hf(ids).logits).abs().max() <= 1e-5
+        err = (bridge(ids) - hf(ids).logits).abs().max()
+    assert err <= 1e-5, f"{name}: bridge vs HF max |diff| {err:.3g}"
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "bloom"])
+def test_the_hf_reference_is_independent_of_the_bridge(name):
+    # The net under the identities above: the reference shares no module or storage with the bridge, and a bridge
+    # whose weights move by 1e-3 (or whose residual stream is nudged by a hook) no longer matches it while the
+    # reference's logits stay bit-equal. Fails if tiny_family ever hands back the wrapped (rewired) model again.
+    from hf_util import shares_storage
+
+    from posprobe.backend.hooks import hooked
+
+    bridge, hf = tiny_family(name)
+    assert hf is not bridge.original_model and not shares_storage(hf, bridge)
+    assert not shares_storage(hf, bridge.original_model)
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = hf(ids).logits
+        assert (bridge(ids) - want).abs().max() <= 1e-5
+        nudge = 1e-3 * torch.randn(32, generator=torch.Generator().manual_seed(2))  # LayerNorm removes a constant
+        with hooked(bridge, [("blocks.0.hook_resid_post", lambda x, hook: x + nudge)]):
+            assert (bridge(ids) - want).abs().max() > 1e-5
+        assert torch.equal(hf(ids).logits, want)
+        w = bridge.original_model.get_input_embeddings().weight  # random: a constant shift is what LayerNorm removes
+        kept = w.clone()
+        w.add_(1e-3 * torch.randn(w.shape, generator=torch.Generator().manual_seed(1)))
+        try:
+            assert (bridge(ids) - want).abs().max() > 1e-5
+            assert torch.equal(hf(ids).logits, want)
+        finally:
+            w.copy_(kept)
 
 
 def test_facts_name_the_family_per_layer_and_why_it_is_refused(family):

@@ -5,6 +5,8 @@ nats; scores and tokens exact."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -317,3 +319,63 @@ def test_masking_curve_joins_points_only_across_three_or_more_k():
     assert [t.mode for t in masking_curve(rows([5, 20]), meta).data] == ["lines+markers"] * 2
     assert "95% Wilson score interval" in get_caption(two)
     assert "percentile-bootstrap" in get_caption(masking_curve(rows([5]), {}))  # results saved before the record
+
+
+# ---- issue 36: the head classes and the Jaccard stability against hand-computed answers ----------------------------
+
+def test_mean_jaccard_equals_hand_computed_overlaps():
+    from posprobe.analyses.retrieval import _mean_jaccard
+
+    # Jaccard(A, B) = |A & B| / |A | B|, averaged over the pairs where A | B is not empty (two empty sets agree
+    # vacuously and are left out, not counted as 1 or 0); NaN and 0 pairs where no such pair exists.
+    for sets in ([], [set()], [set(), set()], [set(), set(), set()]):
+        value, pairs = _mean_jaccard(sets)
+        assert math.isnan(value) and pairs == 0, sets
+    assert _mean_jaccard([{1}, {1}]) == (1.0, 1)
+    assert _mean_jaccard([{1, 2}, {3}]) == (0.0, 1)
+    assert _mean_jaccard([{1, 2}, {2, 3}]) == (pytest.approx(1 / 3), 1)
+    # {1} vs {} -> 0, {1} vs {1} -> 1, {} vs {1} -> 0: 1/3 over 3 pairs; the empty set still disagrees with {1}.
+    assert _mean_jaccard([{1}, set(), {1}]) == (pytest.approx(1 / 3), 3)
+    # Four sets, two of them empty: the one empty-empty pair drops, 5 pairs remain: (2/4 + 0 + 0 + 0 + 0) / 5.
+    assert _mean_jaccard([{(0, 1), (1, 2)}, set(), {(0, 1), (1, 3), (1, 2), (0, 0)}, set()]) == (
+        pytest.approx(0.5 / 5), 5)
+
+
+def test_head_classes_and_stability_follow_planted_retrieval_scores(monkeypatch):
+    # answer_heads replaced by planted per-prompt retrieval scores (2 layers x 4 heads, 3 prompts), so the classes
+    # (retrieval: mean score over prompts > threshold, strictly) and the Jaccard of the per-prompt sets over the
+    # threshold are known by hand.
+    from test_long_context import TEXT, _byte_llama
+
+    import posprobe.analyses.retrieval as R
+
+    model, tok = _byte_llama()
+    planted = [torch.zeros(2, 4, dtype=torch.float64) for _ in range(3)]
+    for i, s in enumerate(planted):
+        s[0, 0] = 0.25  # mean 0.25 = the threshold: not above it -> other (never over it on any prompt)
+        s[0, 1] = (0.5, 0.0, 0.5)[i]  # mean 1/3 -> retrieval
+        s[1, 2] = (0.0, 0.0, 0.5)[i]  # mean 1/6 -> other, though over the threshold on prompt 3
+        s[1, 3] = (1.0, 1.0, 0.0)[i]  # mean 2/3 -> retrieval
+    calls = []
+
+    def fake(hf, tokenizer, prompt, rule, budget, **kw):
+        i = len(calls)
+        calls.append(i)
+        z = torch.zeros(2, 4, dtype=torch.float64)
+        return {"answer": "", "score": 0.0, "tokens": [], "retrieval_score": planted[i], "needle_mass": z,
+                "answer_first_mass": z, "layers": [0, 1]}
+
+    monkeypatch.setattr(R, "answer_heads", fake)
+    cfg = _tiny_cfg(depths=(0.2, 0.5, 0.8), threshold=0.25, bootstrap=10)
+    r = R.run_retrieval(model, TEXT, cfg, tokenizer=tok, name="m")
+    assert len(calls) == 3
+    kinds = r.tables["head_classes"].set_index(["layer", "head"]).kind
+    assert sorted(kinds[kinds == "retrieval"].index) == [(0, 1), (1, 3)]
+    assert len(kinds) == 8 and set(kinds) == {"retrieval", "other"}
+    means = r.tables["retrieval_heads"].query("metric == 'retrieval_score'").set_index(["layer", "head"]).value
+    assert means[0, 0] == 0.25 and means[0, 1] == pytest.approx(1 / 3) and means[1, 2] == pytest.approx(1 / 6)
+    # Per-prompt sets over 0.25: {(0,1), (1,3)}, {(1,3)}, {(0,1), (1,2)}: Jaccards 1/2, 1/3, 0 -> mean 5/18.
+    m = r.tables["retrieval_masking"].set_index("metric")
+    assert m.loc["retrieval_jaccard", "value"] == pytest.approx(5 / 18) and m.loc["retrieval_jaccard", "count"] == 3
+    assert math.isnan(m.loc["retrieval_jaccard_tasks", "value"]) and m.loc["retrieval_jaccard_tasks", "count"] == 0
+    assert r.meta["classes"]["retrieval"] == "mean retrieval score > 0.25"

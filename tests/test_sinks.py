@@ -343,3 +343,122 @@ def test_the_position_control_is_read_by_what_the_family_predicts(name):
         assert f"{still:.3f} as is, {moved:.3f} moved (the direction the mechanism predicts)" in text
     else:
         assert "scores see only query-key offsets" in text and "bias" not in text
+
+
+def _resid_post(hf, ids: torch.Tensor) -> list:
+    # The residual stream after every decoder block, read by forward hooks on HF's own layers (HF's last
+    # hidden_states entry is after the final norm, so output_hidden_states is not used), as float64 numpy.
+    import numpy as np
+
+    seen = []
+    hooks = [blk.register_forward_hook(lambda m, i, o: seen.append((o[0] if isinstance(o, tuple) else o).detach()))
+             for blk in hf.model.layers]
+    try:
+        with torch.no_grad():
+            hf(ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    return [np.abs(x.double().numpy()) for x in seen]
+
+
+def test_massive_activations_equal_a_numpy_recomputation_and_find_the_planted_dimension():
+    # Sun et al. 2024: an activation is massive when its |value| is orders of magnitude above the median
+    # |activation| (posprobe: above `massive_ratio` x the median, default 100; the layer median is the mean over
+    # sequences of each sequence's median |activation| over positions x dims). A planted massive dimension: layer
+    # 1's MLP writes dim 7 scaled by 3000 (|value| in the thousands, so Sun et al.'s |a| > 100 also holds). The
+    # reference is numpy on HF's residual stream; the median is the lower middle value of the even count (as
+    # torch.median), within 1% of numpy's midpoint median here. The mean in place of the median gives ratios ~100x
+    # smaller on layer 1, so a mean-for-median slip fails both the ratio and the layer/dims checks.
+    import numpy as np
+
+    from posprobe.analyses.configs import SinksConfig as Cfg
+    from posprobe.analyses.massive import intervene, massive_table
+
+    bridge, _ = tiny_family("llama")
+    hf = _plain(bridge)  # the HF model the bridge runs (tiny_family's second item is not it)
+    DIM, TOP = 7, 3
+    with torch.no_grad():
+        hf.model.layers[1].mlp.down_proj.weight[DIM] *= 3000.0
+    ids = torch.randint(3, 250, (4, 20), generator=torch.Generator().manual_seed(2))
+    table = massive_table(bridge, ids, top=TOP, batch_size=3, progress=False, condition="c")
+    ratio = Cfg().massive_ratio
+    assert ratio == 100.0
+    first_massive = None
+    for layer, a in enumerate(_resid_post(hf, ids)):  # a: [batch, pos, d] |activations|
+        flat = np.sort(a.reshape(a.shape[0], -1), axis=1)
+        med_seq = flat[:, (flat.shape[1] - 1) // 2]  # lower median per sequence
+        assert np.allclose(med_seq, np.median(a.reshape(a.shape[0], -1), axis=1), rtol=1e-2)
+        median_abs = med_seq.mean()
+        best = a.max(0)  # [pos, d]: each (position, dimension)'s largest instance over the sequences
+        order = np.argsort(-best, axis=None, kind="stable")[:TOP]
+        want = [(float(best.flat[i]), int(i // a.shape[2]), int(i % a.shape[2])) for i in order]
+        got = table[table.layer == layer].sort_values("rank")
+        assert list(got["rank"]) == list(range(1, TOP + 1))
+        assert [(int(r.pos), int(r.dim)) for r in got.itertuples()] == [(p, d) for _, p, d in want], layer
+        assert np.allclose(got.value, [v for v, _, _ in want], rtol=1e-5), layer
+        assert np.allclose(got.median_abs, median_abs, rtol=1e-5), (layer, float(got.median_abs.iloc[0]), median_abs)
+        assert np.allclose(got.ratio, [v / median_abs for v, _, _ in want], rtol=1e-5), layer
+        if first_massive is None and want[0][0] > ratio * median_abs:
+            first_massive = layer
+            hits = int(sum(((a[s, :, DIM] > ratio * med_seq[s]).sum()) for s in range(a.shape[0])))
+            others = [d for d in range(a.shape[2]) if d != DIM]
+            assert not (a[..., others] > ratio * med_seq[:, None, None]).any()  # only the planted dim is massive
+    assert first_massive == 1  # layer 0 is untouched: its top ratio is single-digit
+    assert table[table.layer == 1].ratio.min() > 10 * ratio and table[table.layer == 0].ratio.max() < ratio / 10
+    assert set(table[table.layer == 1].dim) == {DIM}
+    _, meta = intervene(bridge, ids, table, ratio=ratio, batch_size=3)
+    assert meta["layer"] == first_massive and meta["dims"] == [DIM] and meta["massive_entries"] == hits
+    res = run_sinks(bridge, None, SinksConfig(length=20, random_samples=0, max_windows=3, control=False,
+                                              ablate_heads=0, progress=False))
+    assert res.meta["massive"]["layer"] == 1 and res.meta["massive"]["dims"] == [DIM]  # through the analysis too
+
+
+def test_head_ablation_labels_a_silent_head_low_effect_and_a_loud_head_by_the_hf_measured_sign():
+    # Planted: L0H1's columns of o_proj are zero, so its output never reaches the residual stream and zeroing it
+    # cannot move the loss (delta exactly 0: low-effect). L1H2's columns are scaled by 40, so zeroing it moves the
+    # loss by far more than the bar; its sign is measured here on HF with that head's o_proj input slice zeroed by a
+    # forward pre-hook, and the label must follow it (loss-rises when the loss goes up, loss-falls when down).
+    import pandas as pd
+
+    from posprobe.analyses.dormant import LOSS_FALLS, LOSS_RISES, LOW_EFFECT, head_ablation
+
+    bridge, _ = tiny_family("llama")
+    hf = _plain(bridge)  # the HF model the bridge runs (tiny_family's second item is not it)
+    d = model_facts(bridge).d_head
+    silent, loud = (0, 1), (1, 2)
+    with torch.no_grad():
+        hf.model.layers[silent[0]].self_attn.o_proj.weight[:, silent[1] * d:(silent[1] + 1) * d] = 0.0
+        hf.model.layers[loud[0]].self_attn.o_proj.weight[:, loud[1] * d:(loud[1] + 1) * d] *= 40.0
+    ids = torch.randint(3, 250, (3, 16), generator=torch.Generator().manual_seed(4))
+
+    def nll(layer=None, head=None):
+        h = None
+        if layer is not None:
+            def zero(m, args):
+                x = args[0].clone()
+                x[..., head * d:(head + 1) * d] = 0
+                return (x, *args[1:])
+            h = hf.model.layers[layer].self_attn.o_proj.register_forward_pre_hook(zero)
+        try:
+            with torch.no_grad():
+                logits = hf(ids).logits
+        finally:
+            if h is not None:
+                h.remove()
+        return float(-logits[:, :-1].double().log_softmax(-1).gather(-1, ids[:, 1:, None]).mean())
+
+    bar = 0.01
+    base = nll()
+    loud_delta = nll(*loud) - base
+    assert abs(loud_delta) > 10 * bar and nll(*silent) == base  # the plants did what they should, on HF
+    picks = pd.DataFrame({"layer": [silent[0], loud[0]], "head": [silent[1], loud[1]], "value": [0.9, 0.8]})
+    found, meta = head_ablation(bridge, ids, picks, min_attention=0.5, max_delta=bar, max_heads=2, batch_size=2)
+    rows = found.set_index(["layer", "head"])
+    assert abs(rows.loc[silent, "delta_loss"]) <= 1e-6 and rows.loc[silent, "kind"] == LOW_EFFECT
+    assert rows.loc[loud, "delta_loss"] == pytest.approx(loud_delta, abs=1e-5)
+    assert rows.loc[loud, "kind"] == (LOSS_RISES if loud_delta > 0 else LOSS_FALLS), (loud_delta, rows.loc[loud])
+    # A candidate needs alpha_1 >= min_attention: a head at 0.4 is never zeroed.
+    few, _ = head_ablation(bridge, ids, picks.assign(value=[0.9, 0.4]), min_attention=0.5, max_delta=bar,
+                           max_heads=2, batch_size=2)
+    assert list(zip(few["layer"], few["head"])) == [silent]

@@ -41,8 +41,11 @@ def wilson_ci(successes: int, n: int, *, level: float = 0.95) -> tuple[float, fl
     denom = 1 + z * z / n
     centre = (p + z * z / (2 * n)) / denom
     half = z / denom * float(np.sqrt(p * (1 - p) / n + z * z / (4 * n * n)))
-    # Rounding can push an end a hair past [0, 1] at p = 0 or 1.
-    return max(0.0, centre - half), min(1.0, centre + half)
+    # At p = 0 (p = 1) the lower (upper) end is exactly 0 (1); rounding can leave centre - half a hair on either
+    # side of it, which would exclude the observed proportion, so the closed form is returned there.
+    lo = 0.0 if successes == 0 else max(0.0, centre - half)
+    hi = 1.0 if successes == n else min(1.0, centre + half)
+    return lo, hi
 
 
 def mcnemar_exact(b: int, c: int) -> float:
