@@ -14,7 +14,9 @@ import pytest
 import torch
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
-IN_CI = os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+#: .ci/run exports POSPROBE_CI=1 (read at call time by posprobe_ci(), so tests can monkeypatch it); CI services set CI.
+IN_CI = (os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+         or os.environ.get("POSPROBE_CI", "").strip() == "1")
 
 # Property tests (tests/test_properties.py): a bounded example budget, no per-example deadline (tiny-model forwards
 # vary with load); derandomised in CI, so a CI failure replays exactly.
@@ -33,12 +35,30 @@ def need_package(module: str, install: str) -> None:
         pytest.skip(msg)
 
 
+def posprobe_ci() -> bool:
+    """True under this project's CI (.ci/run exports POSPROBE_CI=1), where every skip whose condition is a setup
+    fault (../shared beside the clone, the pinned TransformerLens and transformers) must fail instead."""
+    return os.environ.get("POSPROBE_CI", "").strip() == "1"
+
+
+def skip_or_fail_in_ci(msg: str) -> None:
+    """Skip with `msg`, or fail with it under POSPROBE_CI=1, where the condition can only be a setup fault."""
+    if posprobe_ci():
+        pytest.fail(f"POSPROBE_CI=1 but {msg}", pytrace=False)
+    pytest.skip(msg)
+
+
+def require_shared(path: Path, why: str) -> Path:
+    """`path` (under ../shared, beside the clone) or a skip naming `why` where it is absent: a user's clone has no
+    ../shared. CI always has it, so under POSPROBE_CI=1 an absent path fails."""
+    if not path.exists():
+        skip_or_fail_in_ci(f"{path} not present ({why}; only CI and developer machines have ../shared)")
+    return path
+
+
 def shared_data(*parts: str) -> Path:
-    """A path under ../shared/data, skipping with a reason where that folder is absent."""
-    p = SHARED_DATA.joinpath(*parts)
-    if not p.exists():
-        pytest.skip(f"{p} not present (only CI and developer machines have ../shared/data)")
-    return p
+    """A path under ../shared/data (require_shared: skipped where absent, a failure under POSPROBE_CI=1)."""
+    return require_shared(SHARED_DATA.joinpath(*parts), "../shared/data")
 
 
 _SLOW_MARKERS = ("real", "browser", "slow")

@@ -161,9 +161,9 @@ def test_load_blimp_bad_max_pairs(blimp_dir: Path) -> None:
 
 
 def test_load_real_blimp() -> None:
-    if not REAL_BLIMP.is_dir():
-        pytest.skip("../shared/data/blimp not present (only CI and developer machines have it)")
-    pairs = load_blimp(REAL_BLIMP)
+    from conftest import require_shared
+
+    pairs = load_blimp(require_shared(REAL_BLIMP, "the real BLiMP in ../shared/data/blimp"))
     counts = Counter(p.paradigm for p in pairs)
     assert len(counts) == 67
     assert set(counts.values()) == {1000}
@@ -314,7 +314,7 @@ def test_token_windows_basic() -> None:
 
 
 def test_token_windows_returns_plain_ints() -> None:
-    np = pytest.importorskip("numpy")
+    import numpy as np  # a hard dependency of posprobe: never a skip
     out = token_windows(np.arange(6, dtype=np.int64), 3)
     assert out == [[0, 1, 2], [3, 4, 5]]
     assert all(type(t) is int for w in out for t in w)

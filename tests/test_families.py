@@ -14,12 +14,18 @@ from importlib.metadata import version
 
 import pytest
 import torch
+from conftest import skip_or_fail_in_ci
 from families import ADJACENT, ALL_FAMILIES, FAMILIES, PARTIAL, tiny_family
 from hf_util import complex_rotate
 
 from posprobe.analyses.configs import DecomposeConfig, FrequencyConfig
 from posprobe.backend.facts import model_facts
 from posprobe.rope import RotarySpec
+
+#: A user's older transformers may lack GPT-J's attention interface; CI's .ci/setup resolves transformers 5.24.0 in
+#: both environments (TL 4.3.0 and TL 3.9.0 require only >= 5.9.0), so there the skip fails.
+GPTJ_OLD_TRANSFORMERS = (f"transformers {version('transformers')}'s GPT-J computes its scores itself (the attention "
+                         "interface came in 5.24)")
 
 REFUSAL = {
     "olmo": "clips q/k/v",
@@ -346,7 +352,7 @@ def test_gptj_queries_and_keys_at_different_positions_inside_hfs_own_attention(r
     hf = plain_hf_model(bridge)
     if route == "intercepted":
         if not HF.uses_attention_interface(hf.transformer.h[0].attn):
-            pytest.skip("this transformers' GPT-J computes its scores itself (the interface came in 5.24)")
+            skip_or_fail_in_ci(GPTJ_OLD_TRANSFORMERS)
         assert model_facts(bridge).rotation_unhooked is None
     else:
         monkeypatch.setattr(B, "_intercepts_rotation", lambda model: False)
@@ -466,7 +472,7 @@ def test_gptj_rotated_qk_are_hfs_own_and_the_interceptor_leaves_nothing_behind()
     bridge, _ = tiny_family("gptj")
     hf = plain_hf_model(bridge)
     if not HF.uses_attention_interface(hf.transformer.h[0].attn):
-        pytest.skip("this transformers' GPT-J computes its scores itself (the interface came in 5.24)")
+        skip_or_fail_in_ci(GPTJ_OLD_TRANSFORMERS)
     ids = torch.randint(0, 256, (1, 14), generator=torch.Generator().manual_seed(3))
     before = bridge.original_model.config._attn_implementation
     got = capture(bridge, ids, ["rot_q", "rot_k"], layers=[0, 1])

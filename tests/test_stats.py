@@ -8,10 +8,9 @@ import math
 
 import numpy as np
 import pytest
+import scipy.stats as scipy_stats  # a hard dependency of posprobe: never a skip
 
 from posprobe.core.stats import bootstrap_ci, wilson_ci
-
-scipy_stats = pytest.importorskip("scipy.stats")
 
 
 @pytest.mark.parametrize("n, n_boot", [(7, 999), (50, 2000), (5000, 1000)])  # 5000: posprobe resamples in chunks
