@@ -1,9 +1,9 @@
 """One cell of the support matrix: run an analysis on a tiny family bridge and check it against Hugging Face.
 
-A cell is "ok" when the analysis runs and its identity check against an independent Hugging Face computation
-holds (assertion errors fail the test), "refused: why" when posprobe refuses the family with one message before
-any forward pass, and "n/a: why" when the analysis does not apply to the family's positional kind.
-"""
+A cell is "ok" when the analysis runs and its check against an independent Hugging Face computation holds
+(assertion errors fail the test; CHECKS says, per analysis, exactly what is checked), "refused: why" when posprobe
+refuses the family with one message before any forward pass, and "n/a: why" when the analysis does not apply to
+the family's positional kind."""
 
 from __future__ import annotations
 
@@ -237,29 +237,116 @@ def _hf_rotated_qk(hf: Any, ids: torch.Tensor, layer: int) -> tuple[torch.Tensor
     return out[0], out[1]
 
 
-def freq_report(bridge: Any) -> None:
-    from posprobe.analyses.frequency import run_frequency
-    from posprobe.core.capture import capture
+def _hf_band_shares(bridge: Any, rows: torch.Tensor, layer: int, queries: int) -> torch.Tensor:
+    """Per head, each rotary band's share of the summed |partial score| over causal entries of the last `queries`
+    queries (then the unrotated remainder's, partial rotary), from HF's own rotated q / k. Bands as HF rotates
+    them: rd = 2 x HF's inv_freq length, band 0 = HF's first inv_freq entry (the fastest), and the pairing, split
+    halves (b, b + rd/2) or interleaved (2b, 2b+1; GPT-J, Cohere, GLM), is the one whose pair norms HF's own
+    rotation (its apply_rotary_pos_emb's input vs output) preserves."""
+    from posprobe.backend import hf as HF
 
-    res = run_frequency(bridge, TEXT, FrequencyConfig(window=16, max_windows=2, ablate=False, progress=False))
+    hf = _plain(bridge)
+    q, k = _hf_rotated_qk(hf, rows, layer)  # batch pos head d
+    k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
+    nb = HF.inv_freq(hf, layer)[0].shape[0]
+    rd = 2 * nb
+    b = torch.arange(nb)
+    (q_in, _), (q_out, _), _, _ = hf_rope_io(hf, rows, layer)
+
+    def moved(d1: torch.Tensor, d2: torch.Tensor) -> float:  # how far HF's rotation moves these pairs' norms
+        norm = lambda x: x[..., d1].double() ** 2 + x[..., d2].double() ** 2  # noqa: E731
+        return float((norm(q_out) - norm(q_in)).abs().max())
+
+    pairings = [(b, b + nb), (2 * b, 2 * b + 1)]
+    d1, d2 = min(pairings, key=lambda p: moved(*p))
+    assert moved(d1, d2) <= 1e-4, "HF's rotation preserves neither pairing's norms"
+    assert nb == 1 or max(moved(*p) for p in pairings) > 1e-4, "HF's band pairing not identified"
+    n = rows.shape[1]
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    causal[: n - min(n, queries)] = False
+    q, k = q.double(), k.double()
+    band = torch.einsum("bqhd,bkhd->bhdqk", q[..., d1], k[..., d1]) + torch.einsum("bqhd,bkhd->bhdqk", q[..., d2],
+                                                                                      k[..., d2])
+    parts = [band]
+    if q.shape[-1] > rd:
+        parts.append(torch.einsum("bqhd,bkhd->bhqk", q[..., rd:], k[..., rd:])[:, :, None])
+    c = torch.cat(parts, 2).abs()[..., causal].sum((0, -1))  # head band(+rest), |.| per window
+    return c / c.sum(-1, keepdim=True)
+
+
+def freq_report(bridge: Any) -> None:
+    # The bands table's abs_share per layer, head and band equals the same share computed from HF's own rotated q
+    # and k (_hf_band_shares), and the heads table's self / prev / first masses equal HF's attention weights'
+    # (queries 1..), over the same windows (BOS + text). float32; measured max |diff| 7.5e-8.
+    from posprobe.analyses.frequency import run_frequency
+    from posprobe.backend.model import encode_text, tokenizer_of
+    from posprobe.data import framed_windows
+
     f = model_facts(bridge)
+    cfg = FrequencyConfig(window=16, max_windows=2, queries=12, ablate=False, progress=False)
+    res = run_frequency(bridge, TEXT, cfg)
     assert len(set(zip(res.tables["heads"]["layer"], res.tables["heads"]["head"]))) == len(f.rotary_layers) * f.n_heads
-    got = capture(bridge, IDS, ["rot_q", "rot_k"], layers=[1])
-    q, k = _hf_rotated_qk(_plain(bridge), IDS, 1)
-    _close(got[("rot_q", 1)], q, "rotated q vs HF's")
-    _close(got[("rot_k", 1)], k, "rotated k vs HF's")
+    bos = tokenizer_of(bridge).bos_token_id
+    rows = torch.tensor(framed_windows(encode_text(bridge, TEXT), cfg.window, pre=[bos] if bos is not None else [],
+                                       max_windows=cfg.max_windows))
+    bands, heads_t = res.tables["bands"], res.tables["heads"]
+    for layer in f.rotary_layers:
+        want = _hf_band_shares(bridge, rows, layer, cfg.queries)
+        t = bands[(bands.layer == layer) & (bands.metric == "abs_share")]
+        got = torch.zeros_like(want)
+        for h, band, v in zip(t["head"], t["band"], t["value"]):
+            got[h, band] = v  # band -1 (unrotated remainder) lands in the last column
+        assert len(t) == want.numel()
+        _close(got, want, f"layer {layer} band abs_share vs HF's rotated q/k")
+        masses = _hf_head_masses(_hf_attention_weights(bridge, rows, layer), encoder=False)
+        h = heads_t[heads_t.layer == layer].sort_values("head")
+        for metric in ("self_mass", "prev_mass", "first_mass"):
+            _close(torch.tensor(h[metric].to_numpy()), masses[metric], f"layer {layer} {metric} vs HF's attention")
+
+
+def _analysis_rows(bridge: Any, window: int, max_windows: int) -> torch.Tensor:
+    # The windows run_heads cuts: the model's framing (BOS, or CLS ... SEP) around consecutive text slices.
+    from posprobe.backend.model import encode_text, first_token, special_tokens
+    from posprobe.data import framed_windows
+
+    pre, post = special_tokens(bridge)
+    if not pre:
+        first = first_token(bridge)
+        pre = [first] if first is not None else []
+    return torch.tensor(framed_windows(encode_text(bridge, TEXT), window, pre=pre, post=post,
+                                       max_windows=max_windows))
+
+
+def _hf_head_masses(att: torch.Tensor, encoder: bool) -> dict[str, torch.Tensor]:
+    """Per head, from HF attention weights `[batch, head, query, key]` (plain torch): prev_mass = mean over
+    windows and queries i >= 1 of A[i, i-1]; self_mass / first_mass = mean of A[i, i] / A[i, 0] over the queries
+    that choose (i >= 1 in a decoder, every i in an encoder); sink_score = mean of A[i, 0] over every query."""
+    a = att.double()
+    lo = 0 if encoder else 1
+    i = torch.arange(a.shape[-1])
+    return {"prev_mass": a[:, :, i[1:], i[:-1]].mean((0, 2)),
+            "self_mass": a[:, :, i[lo:], i[lo:]].mean((0, 2)),
+            "first_mass": a[:, :, lo:, 0].mean((0, 2)),
+            "sink_score": a[:, :, :, 0].mean((0, 2))}
 
 
 def heads(bridge: Any) -> None:
+    # The heads table's prev-token, self, first-token and sink masses per layer and head equal the same statistics
+    # of HF's eager attention weights over the same windows (float32; measured max |diff| 7.5e-8).
     from posprobe.analyses.heads import run_heads
-    from posprobe.core.capture import capture
 
     f = model_facts(bridge)
-    res = run_heads(bridge, TEXT, HeadsConfig(window=16, max_windows=2, induction_len=4, progress=False))
-    assert len(set(zip(res.tables["heads"]["layer"], res.tables["heads"]["head"]))) == f.n_layers * f.n_heads
-    got = capture(bridge, IDS, ["pattern"], layers=[0])[("pattern", 0)]
-    att = _hf_attention_weights(bridge, IDS, 0)
-    _close(got, att, "hook_pattern vs HF's attention weights")
+    cfg = HeadsConfig(window=16, max_windows=2, induction_len=4, progress=False)
+    res = run_heads(bridge, TEXT, cfg)
+    t = res.tables["heads"]
+    assert len(set(zip(t["layer"], t["head"]))) == f.n_layers * f.n_heads
+    rows = _analysis_rows(bridge, cfg.window, cfg.max_windows)
+    assert rows.shape == (res.meta["n_windows"], cfg.window)
+    for layer in range(f.n_layers):
+        want = _hf_head_masses(_hf_attention_weights(bridge, rows, layer), f.is_encoder)
+        for metric, v in want.items():
+            got = t[(t.layer == layer) & (t.metric == metric)].sort_values("head").value.to_numpy()
+            _close(torch.tensor(got), v, f"layer {layer} {metric} vs HF's attention weights")
 
 
 def sinks(bridge: Any) -> None:
@@ -280,11 +367,43 @@ def sinks(bridge: Any) -> None:
 
 
 def probes(bridge: Any) -> None:
-    from posprobe.analyses.probes import run_probes
+    # What the probe fits: every sampled vector X[i] is HF's own hidden state after block 0 (hidden_states[1]; an
+    # encoder's is post-LayerNorm, as the bridge's hook_resid_post there) at window row groups[i], position y[i], of
+    # the windows the analysis cut, so the probe's target is that token's true position; and each fold's chance MAE
+    # is mean |y_test - mean(y_train)| recomputed from those labels (the table stores float32). float32; measured
+    # max |diff| 7e-7 (inputs), 9e-8 (chance).
+    import numpy as np
 
-    run_probes(bridge, TEXT, ProbeConfig(points=("resid_post",), n_splits=2, window=16, max_windows=4, max_tokens=40,
-                                         progress=False))
-    probes_capture(bridge)
+    import posprobe.analyses.probes as P
+
+    cfg = ProbeConfig(points=("resid_post",), layers=(0,), n_splits=2, window=16, max_windows=4, max_tokens=40,
+                      progress=False)
+    seen: list = []
+    fit = P.probe_scores
+
+    def spy(X, positions, groups, n_pos, c):
+        seen.append((X.copy(), np.asarray(positions).copy(), np.asarray(groups).copy()))
+        return fit(X, positions, groups, n_pos, c)
+
+    P.probe_scores = spy
+    try:
+        res = P.run_probes(bridge, TEXT, cfg)
+    finally:
+        P.probe_scores = fit
+    (X, y, g), = seen
+    rows = torch.tensor(P.text_rows(bridge, TEXT, cfg.window, cfg.max_windows))
+    hf = _plain(bridge)
+    with torch.no_grad():
+        want = hf(rows, output_hidden_states=True).hidden_states[1]
+    assert len(y) == min(cfg.max_tokens, rows.numel()) and y.max() < cfg.window
+    at = want[torch.tensor(g), torch.tensor(y) + cfg.skip_first]
+    _close(torch.tensor(X), at, "probe inputs vs HF's residual at (row, position)")
+    t = res.tables["probes"]
+    chance = t[(t.condition == "chance") & (t.metric == "mae")].sort_values("fold").value.to_numpy()
+    from sklearn.model_selection import GroupKFold
+
+    ref = [float(np.abs(y[te] - y[tr].mean()).mean()) for tr, te in GroupKFold(cfg.n_splits).split(X, y, g)]
+    _close(torch.tensor(chance), torch.tensor(ref), "chance MAE vs |y - mean(y_train)|", 1e-6)
 
 
 def probes_capture(bridge: Any) -> None:
@@ -316,28 +435,104 @@ def geometry(bridge: Any) -> None:
     _close(W_pos, emb.weight.detach()[rows], "W_pos vs HF's position table", 0.0)
 
 
-def surgery_eval(bridge: Any) -> None:
-    from posprobe.analyses.squish import run_surgery_eval
+def _nll(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """-log p(token t+1 | <= t) in nats from `[batch, pos, vocab]` logits (plain torch)."""
+    lp = torch.log_softmax(logits[:, :-1].double(), dim=-1)
+    return -lp.gather(-1, ids[:, 1:, None])[..., 0]
 
-    res = run_surgery_eval(bridge, TEXT, SurgeryEvalConfig(presets=("none", "shift:k=3"), window=16, max_windows=1))
+
+def _hf_linear_twin(hf: Any, factor: float) -> Any | None:
+    """HF's own model with the same weights and its config's rope scaling set to `linear` (Position Interpolation,
+    inv_freq / factor) in every rope parameter set (Gemma 3: one per layer type); None where HF's architecture
+    reads no rope parameters (GPT-J builds its sin/cos table from rotary_dim alone)."""
+    import copy
+
+    cfg = copy.deepcopy(hf.config)
+    rp = getattr(cfg, "rope_parameters", None)
+    if not isinstance(rp, dict):
+        return None
+    for sub in (rp.values() if all(isinstance(v, dict) for v in rp.values()) else (rp,)):
+        sub.update(rope_type="linear", factor=float(factor))
+    out = type(hf)(cfg).eval()
+    out.load_state_dict(hf.state_dict())  # inv_freq is a non-persistent buffer: the twin keeps its scaled one
+    return out
+
+
+def _hf_preset_nll(bridge: Any, ids: torch.Tensor) -> dict[str, torch.Tensor | None]:
+    """Per preset, HF's own NLL `[batch, pos - 1]` of `ids` computed independently of posprobe's surgery:
+    none = the plain forward; shift:k=3 = position_ids + 3; pi:scale=0.5 = position_ids 2p (integers: exact in
+    every rotary family, GPT-J included); pi:scale=2 = the same weights with HF's `linear` rope scaling, factor 2
+    (None for GPT-J, which HF cannot scale)."""
+    hf = _plain(bridge)
+    p = torch.arange(ids.shape[1])[None].expand(ids.shape[0], -1)
+    twin = _hf_linear_twin(hf, 2.0)
+    with torch.no_grad():
+        return {"none": _nll(hf(ids).logits, ids),
+                "shift:k=3": _nll(hf(ids, position_ids=p + 3).logits, ids),
+                "pi:scale=0.5": _nll(hf(ids, position_ids=2 * p).logits, ids),
+                "pi:scale=2": None if twin is None else _nll(twin(ids).logits, ids)}
+
+
+SURGERY_PRESETS = ("none", "shift:k=3", "pi:scale=0.5", "pi:scale=2")
+
+
+def surgery_eval(bridge: Any) -> None:
+    # The table's NLL by query position under each preset equals HF's own NLL of the same window with HF's own
+    # position handling (see _hf_preset_nll); a preset that did nothing would fail the PI rows (measured >= 0.086
+    # nats from `none` on every family; float32, measured max |diff| vs HF 5.6e-6).
+    from posprobe.analyses.squish import run_surgery_eval
+    from posprobe.backend.model import encode_text
+    from posprobe.data import token_windows
+
+    res = run_surgery_eval(bridge, TEXT, SurgeryEvalConfig(presets=SURGERY_PRESETS, window=16, max_windows=2))
     t = res.tables["surgery_eval"]
-    none, shifted = (t[t.preset == p].value.to_numpy() for p in ("none", "shift:k=3"))
-    _close(torch.tensor(none), torch.tensor(shifted), "a common shift on a RoPE model (invariance)")
+    ids = torch.tensor(token_windows(encode_text(bridge, TEXT), 16, max_windows=2))
+    want = _hf_preset_nll(bridge, ids)
+    got = {}
+    for spec in SURGERY_PRESETS:
+        rows = t[t.preset == spec].sort_values(["window", "query_pos"])
+        got[spec] = torch.tensor(rows.value.to_numpy()).view(ids.shape[0], -1)
+        if want[spec] is not None:
+            _close(got[spec], want[spec], f"surgery-eval NLL under {spec} vs HF's")
+    for spec in ("pi:scale=0.5", "pi:scale=2"):
+        assert (got[spec] - got["none"]).abs().max() > 1e-2, f"{spec} left the loss unchanged"
 
 
 def long_context(bridge: Any) -> None:
+    # The long_context table's binned NLL (mean over windows and query positions of each bin) equals the same bins
+    # of HF's own NLL on the same windows (BOS + consecutive text slices), per preset as in surgery_eval (float32;
+    # measured max |diff| 2.6e-6).
+    from posprobe.analyses.long_context import LongContextConfig, run_long_context
+    from posprobe.backend.model import tokenizer_of
     from posprobe.core import long_engine as LA
-    from posprobe.core.generation import logits_under, token_logprobs
-    from posprobe.core.presets import preset_pairs, preset_plan
 
     f = model_facts(bridge)
     if not f.is_rotary:
         raise WrongModelKind(f"long-context presets rotate q and k; {f.name} uses {f.positional_kind} positions")
-    hf, ids = _plain(bridge), IDS[0]
-    LA.require_supported(hf)
-    got = LA.token_nll(hf, ids, preset_pairs("pi:scale=2"), chunk=7)
-    want = -token_logprobs(logits_under(bridge, ids[None], preset_plan("pi:scale=2", bridge, len(ids))), ids[None])[0]
-    _close(got, want, "chunked engine vs hook surgery (pi:scale=2)")
+    hf, tok = _plain(bridge), tokenizer_of(bridge)
+    LA.require_supported(hf)  # a refusal comes here, before any forward
+    L, bins, nw = 20, 6, 2
+    # The harness runs a plain HF model (given a bridge, it refuses one whose attention cannot run as HF's own
+    # modules: Gemma 2, GPT-NeoX, GPT-J, Phi, Phi-3 here): the model the bridge wraps, with the bridge's tokenizer.
+    res = run_long_context(hf, TEXT, LongContextConfig(lengths=(L,), presets=SURGERY_PRESETS, max_windows=nw,
+                                                       bin_size=bins, chunk=7, progress=False), tokenizer=tok)
+    t = res.tables["long_context"]
+    bos = list(tok("", add_special_tokens=True)["input_ids"])
+    body = list(tok(TEXT, add_special_tokens=False)["input_ids"])
+    step = L - len(bos)
+    ids = torch.tensor([bos + body[s:s + step] for s in range(0, nw * step, step)])
+    want = _hf_preset_nll(bridge, ids)
+    for spec in SURGERY_PRESETS:
+        rows = t[t.preset == spec].sort_values("bin_start")
+        got = torch.tensor(rows.value.to_numpy())
+        assert list(rows.bin_start) == list(range(0, L - 1, bins))
+        if want[spec] is not None:
+            ref = torch.stack([want[spec][:, a:a + bins].mean() for a in range(0, L - 1, bins)])
+            _close(got, ref, f"long-context binned NLL under {spec} vs HF's")
+        if spec.startswith("pi"):
+            base = torch.tensor(t[t.preset == "none"].sort_values("bin_start").value.to_numpy())
+            # bins average the effect down: measured >= 7e-3 nats (Cohere 2's pi:scale=0.5), vs HF gaps <= 3e-6
+            assert (got - base).abs().max() > 1e-3, f"{spec} left the loss unchanged"
 
 
 def retrieval(bridge: Any) -> None:
@@ -360,13 +555,75 @@ def retrieval(bridge: Any) -> None:
     assert (masked - LA.token_nll(hf, ids, preset_pairs("none"))).abs().max() > 1e-4, "masking changed nothing"
 
 
+def _same_tables(got: Any, want: Any, what: str) -> None:
+    import pandas as pd
+
+    assert set(got.tables) == set(want.tables), f"{what}: tables {sorted(got.tables)} vs {sorted(want.tables)}"
+    for name in want.tables:
+        try:
+            pd.testing.assert_frame_equal(got.tables[name].reset_index(drop=True),
+                                          want.tables[name].reset_index(drop=True), check_exact=True)
+        except AssertionError as e:
+            raise AssertionError(f"{what}: table {name} differs: {e}") from None
+
+
 def atlas(bridge: Any) -> None:
-    from posprobe.analyses.atlas import run_atlas
+    # The atlas's heads and sinks sections equal the standalone analyses run with the configs the atlas documents
+    # (bit-equal: same code, same seed, CPU), and those analyses are the ones the heads / sinks cells prove against
+    # HF; a section that ran with another window, seed or text would differ.
+    from posprobe.analyses.atlas import SINK_LENGTH, run_atlas
+    from posprobe.analyses.heads import run_heads
+    from posprobe.analyses.sinks import run_sinks
 
-    res = run_atlas(bridge, TEXT, AtlasConfig(window=16, max_windows=2, max_pairs=2, probe_tokens=40, induction_len=4,
-                                              ks=(0, 9), progress=False))
-    assert "facts" in res.meta["sections"]
+    f = model_facts(bridge)
+    cfg = AtlasConfig(window=16, max_windows=2, max_pairs=2, probe_tokens=40, induction_len=4, ks=(0, 9),
+                      progress=False)
+    res = run_atlas(bridge, TEXT, cfg)
+    sections = res.meta["sections"]
+    assert "facts" in sections
+    w = cfg.window_for(f.n_ctx)
+    if "heads" in sections:
+        want = run_heads(bridge, TEXT, HeadsConfig(window=w, max_windows=cfg.max_windows, seed=cfg.seed,
+                                                   induction_len=min(cfg.induction_len, (f.n_ctx - 1) // 2),
+                                                   progress=False))
+        _same_tables(res.parts["heads"], want, "atlas heads vs run_heads")
+    if "sinks" in sections:
+        want = run_sinks(bridge, TEXT, SinksConfig(length=min(SINK_LENGTH, w), random_samples=8,
+                                                   max_windows=cfg.max_windows, seed=cfg.seed, progress=False,
+                                                   ablate_heads=cfg.ablate_heads if "retrieval" in sections else 0))
+        _same_tables(res.parts["sinks"], want, "atlas sinks vs run_sinks")
 
+
+#: What a ✓ proves, per column (docs/support-matrix.md's header is generated from it).
+CHECKS: dict[str, str] = {
+    "facts": "layer and head counts equal HF's config; every rotary layer's frequencies equal HF's inv_freq "
+             "(removed bands unrotated in HF).",
+    "position control": "logits with every position moved by 7 equal HF's forward with position_ids + 7 (ALiBi: "
+                        "every distance doubled equals HF with its slopes doubled); moving queries alone changes them.",
+    "shift-test": "the analysis's log p(good) at each start k equals HF's own forward with position_ids (ALiBi: "
+                  "equal across k; encoders: only that a drift table is produced).",
+    "decompose": "the softmax of the analysis's summed score terms equals HF's attention weights of that layer.",
+    "freq-report": "the bands table's abs_share per layer, head and band equals the share from HF's rotated q/k; "
+                   "the heads table's self/prev/first masses equal HF's attention weights'.",
+    "heads": "the heads table's prev/self/first/sink masses per layer and head equal the same means of HF's eager "
+             "attention weights over the analysis's windows.",
+    "sinks": "the sink statistics' first-token attention (and, RoPE, first-key norm ratio) per layer-0 head equal "
+             "HF's attention weights (rotated keys), on a fixed 20-token input; run_sinks's tables only run.",
+    "probes": "every vector the probe fits equals HF's hidden state after block 0 at the (row, position) it is "
+              "labelled with; each fold's chance MAE is recomputed from those labels.",
+    "geometry": "the analysis runs; its input, W_pos, equals HF's position table row by row (no table: the residual "
+                "after block 0 equals HF's hidden state). Its output is not checked against HF.",
+    "surgery-eval": "NLL per position under none / shift:k=3 / pi:scale=0.5 / pi:scale=2 equals HF's plain forward / "
+                    "position_ids + 3 / position_ids 2p / HF's linear rope scaling x2 (GPT-J: HF has no scaling, "
+                    "pi:scale=2 unchecked); both PI presets change the loss.",
+    "long-context": "the binned NLL table under the surgery-eval presets equals the same bins of the same HF "
+                    "references. The harness is given the plain HF model the bridge wraps: given the bridge itself "
+                    "it refuses Gemma 2, GPT-NeoX, GPT-J, Phi and Phi-3 (ValueError, before any forward).",
+    "retrieval": "the engine's last-query attention weights at each decode step equal HF's eager full forward; "
+                 "masking a head changes the loss.",
+    "atlas": "the heads and sinks sections' tables equal run_heads / run_sinks with the atlas's configs "
+             "(bit-equal); the other sections only run.",
+}
 
 CELLS: dict[str, Callable[[Any], None]] = {
     "facts": facts, "position control": position_control, "shift-test": shift_test, "decompose": decompose,
