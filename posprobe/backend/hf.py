@@ -9,6 +9,7 @@ test, the long-context engine and the bridge adapter all ask this module; none r
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -389,10 +390,15 @@ def rotary_spec(hf_model: Any, layer: int, *, adjacent: bool | None = None, name
 def cache_kwargs(module: Any, cache: Any) -> dict[str, Any]:
     """The keyword arguments that hand `cache` to `module.forward` and turn caching on: transformers 5.24 renamed
     `past_key_values` to `cache` (the old name warns on every call), earlier versions know only the old name."""
+    return {_cache_kwarg(type(module)): cache, "use_cache": cache is not None}
+
+
+@functools.cache
+def _cache_kwarg(cls: type) -> str:
+    # Read once per class: decoding asks for every generated token.
     import inspect
 
-    params = inspect.signature(module.forward).parameters
-    return {"cache" if "cache" in params else "past_key_values": cache, "use_cache": cache is not None}
+    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
 
 
 def nope_layers(hf_model: Any) -> tuple[int, ...]:

@@ -14,7 +14,7 @@ from pathlib import Path
 from posprobe.backend.peek import PeekedFacts, WrongModelKind, peek
 
 __all__ = ["WrongModelKind", "check_at_least", "check_layers", "check_out", "check_window", "context",
-           "display_name", "given_flags", "peek_model", "read_text_early", "require_rotary"]
+           "given_flags", "peek_model", "read_text_early", "require_rotary"]
 
 
 def peek_model(args: argparse.Namespace) -> PeekedFacts | None:
@@ -23,16 +23,6 @@ def peek_model(args: argparse.Namespace) -> PeekedFacts | None:
     if n_ctx is not None and n_ctx < 1:
         raise ValueError(f"--n-ctx must be >= 1; got {n_ctx}")
     return peek(args.model)
-
-
-def display_name(spec: str) -> str:
-    """The model's name as `load_model` records it (the resolved source's: smollm2 -> SmolLM2-135M-Instruct, a
-    folder -> its name), so that every command writes one `model` value per model; the spec itself where it does
-    not resolve locally."""
-    from posprobe.backend.sources import resolve_local
-
-    source = resolve_local(spec)
-    return source.name if source is not None else str(spec)
 
 
 def given_flags(args: argparse.Namespace, config_cls: type, *names: str) -> list[str]:

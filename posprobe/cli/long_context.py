@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     work = work_folder_for(args.out)
     print(f"loading {args.model} ...", file=sys.stderr)
     model, tokenizer = load_hf_model(args.model, dtype=args.dtype, device=args.device)
-    result = run_long_context(model, text, config, tokenizer=tokenizer, name=checks.display_name(args.model),
+    result = run_long_context(model, text, config, tokenizer=tokenizer,
                               source=args.text, work=work, fresh=args.fresh)
     s = result.tables["long_context_summary"]
     table = s.pivot_table(index=["length", "preset"], columns="metric", values="value", sort=False, dropna=False)

@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     work = work_folder_for(args.out)
     print(f"loading {args.model} ...", file=sys.stderr)
     model, tokenizer = load_hf_model(args.model, dtype=args.dtype, device=args.device)
-    result = run_retrieval(model, text, config, tokenizer=tokenizer, name=checks.display_name(args.model),
+    result = run_retrieval(model, text, config, tokenizer=tokenizer,
                            source=args.text or "built-in text", work=work, fresh=args.fresh)
     print(summary_text(result))
     paths = result.save(args.out, figure_formats=args.figures, csv=args.csv)
