@@ -256,6 +256,12 @@ def _hidden(model: Any, ids: torch.Tensor, engine_on: bool, cache: Any = None, s
     return decoder(input_ids=ids, position_ids=pos, **hf.cache_kwargs(decoder, cache))
 
 
+def prefill(model: Any, ids: Int[torch.Tensor, "batch pos"], cache: Any) -> None:
+    """Run `ids` (one sequence, from position 0) into `cache` inside `long_attention`: the cache then holds every
+    layer's keys unrotated (HF rotated them to position 0) and its values, for a caller that places them itself."""
+    _hidden(model, ids, True, cache)
+
+
 def _logits(model: Any, hidden: torch.Tensor) -> torch.Tensor:
     return hf.logits_from_hidden(model, hidden)
 

@@ -465,3 +465,31 @@ def drop_pairs(lowest: int, highest: int) -> PairRule:
     """`drop_rotary` in every layer, positions kept."""
     return PairRule(f"drop:low{lowest},high{highest}", rotary=lambda s: drop_rotary(s, lowest, highest),
                     meta={"preset": "drop_frequencies", "lowest": lowest, "highest": highest})
+
+
+def plan_pairs(plan: PositionPlan) -> PairRule:
+    """A one-sequence PositionPlan as a PairRule over the tokens it covers (indices 0..len-1): view 0 is the plan's
+    own (q_pos, k_pos); each KeyView is one more view, selected for its query rows (the last view listing a row
+    wins, as `rope_positions` applies views in order). Plans with per-layer limits or rotary overrides are refused:
+    a PairRule applies to every layer with its own frequencies."""
+    if plan.layers is not None or plan.rotary:
+        raise ValueError(f"plan {plan.label!r} limits layers or overrides frequencies; only positions convert to a "
+                         "PairRule")
+    if plan.q_pos.dim() != 1:
+        raise ValueError(f"plan {plan.label!r} is batched ({tuple(plan.q_pos.shape)}); give one sequence's plan")
+    q, k = plan.q_pos.to(torch.float64), plan.k_pos.to(torch.float64)
+
+    def at(table: torch.Tensor) -> PosFn:
+        return lambda p: table[p.long()]
+
+    views = ((at(q), at(k)), *((at(q), at(v.k_pos.to(torch.float64))) for v in plan.views))
+    select = None
+    if plan.views:
+        which = torch.zeros(len(plan), dtype=torch.long)
+        for n_view, v in enumerate(plan.views, start=1):
+            which[v.queries] = n_view
+
+        def select(i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+            return which[i.long()][:, None].expand(len(i), len(j))
+
+    return PairRule(plan.label, views, select=select, meta={"preset": "plan", **dict(plan.meta)})
