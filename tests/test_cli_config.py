@@ -21,6 +21,7 @@ COMMANDS = {
     "squish": (C.SquishConfig, ["tiny-rope", "--instruction", "i", "--prompt", "p"]),
     "surgery-eval": (C.SurgeryEvalConfig, ["tiny-rope", "--text", "t.txt"]),
     "long-context": (C.LongContextConfig, ["tiny-rope", "--text", "t.txt", "--out", "x"]),
+    "squish-study": (C.SquishStudyConfig, ["smollm2", "--out", "x"]),
 }
 
 

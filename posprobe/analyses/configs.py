@@ -213,6 +213,84 @@ class SquishConfig:
             raise ValueError(f"temperature must be >= 0; got {self.temperature}")
 
 
+#: Key-squishing study conditions: their spelling and meaning (`SquishStudyConfig.conditions`).
+STUDY_CONDITIONS = {
+    "none": "no instruction (the control every other condition is compared with for KL)",
+    "normal": "the instruction at its own positions (the reference for the paired test)",
+    "squish:TO[:global]": "the instruction's keys all at position TO",
+    "range:LO:HI[:global]": "the instruction's keys spread linearly over positions LO..HI",
+    "moved:D[:global]": "keys at 0 and every later token moved out by D positions (the practitioner's recipe)",
+    "preset:SPEC": "a surgery preset on the whole prompt (one prompt at a time; see surgery-eval's presets)",
+}
+
+
+def parse_condition(spec: str) -> dict:
+    """One study condition as a dict: kind ("none", "normal", "squish", "preset"), and for squish `to` or `range_`,
+    `moved` (positions added to every token after the span) and `variant` ("cache": the span is encoded normally and
+    later tokens see it squished; "global": the span's own tokens see it squished too). ValueError names the spec."""
+    s = spec.strip()
+    if s in ("none", "normal"):
+        return {"kind": s, "name": s}
+    head, _, rest = s.partition(":")
+    if head == "preset" and rest:
+        presets.parse(rest)
+        return {"kind": "preset", "name": s, "preset": rest}
+    parts = rest.split(":") if rest else []
+    variant = "cache"
+    if parts and parts[-1] in ("cache", "global"):
+        variant = parts.pop()
+    try:
+        nums = [float(x) for x in parts]
+    except ValueError:
+        nums = []
+    shapes = {"squish": 1, "range": 2, "moved": 1}
+    if head not in shapes or len(nums) != shapes[head] or (head == "moved" and nums[0] < 0):
+        raise ValueError(f"unknown study condition {spec!r}; conditions: " + "; ".join(
+            f"{k} = {v}" for k, v in STUDY_CONDITIONS.items()))
+    out = {"kind": "squish", "name": s, "variant": variant, "to": 0.0, "range_": None, "moved": 0.0}
+    if head == "squish":
+        out["to"] = nums[0]
+    elif head == "range":
+        out["range_"], out["to"] = (nums[0], nums[1]), None
+    else:
+        out["moved"] = nums[0]
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class SquishStudyConfig:
+    """The key-squishing study (`run_squish_study`, `posprobe squish-study`): checkable instructions x questions x
+    placements x distances x conditions, greedy answers scored by each instruction's checker."""
+
+    instructions: tuple[str, ...] = option((), "built-in instructions to test (repeatable; default: all)",
+                                           flag="--instruction")
+    questions: int = option(24, "built-in questions per cell (the first N; at most the built-in count)")
+    placements: tuple[Literal["system", "user"], ...] = option(
+        ("system",), "where the instruction goes: the system message, or the start of the (first) user turn",
+        flag="--placement")
+    distances: tuple[int, ...] = option((0, 6), "filler conversation turns between the instruction and the "
+                                        "question (repeatable)", flag="--distance")
+    conditions: tuple[str, ...] = option(("none", "normal", "squish:0", "moved:1000", "squish:0:global"),
+                                         "conditions (repeatable): " + "; ".join(
+                                             f"{k} = {v}" for k, v in STUDY_CONDITIONS.items()), flag="--condition")
+    max_new_tokens: int = option(48, "greedy answer tokens per prompt")
+    batch_size: int = option(16, "prompts per batch")
+    progress: bool = option(True, "", cli=False)
+
+    def __post_init__(self) -> None:
+        _check_choices(self)
+        _at_least(self, 1, "questions", "max_new_tokens", "batch_size")
+        if not self.conditions or not self.placements or not self.distances:
+            raise ValueError("give at least one condition, placement and distance")
+        if any(d < 0 for d in self.distances):
+            raise ValueError(f"distances must be >= 0 filler turns; got {list(self.distances)}")
+        names = [parse_condition(c)["name"] for c in self.conditions]
+        if len(set(names)) != len(names):
+            raise ValueError(f"a condition is listed twice: {names}")
+        if "normal" not in names:
+            raise ValueError("the conditions must include 'normal' (the paired reference of every squished one)")
+
+
 @dataclass(frozen=True, kw_only=True)
 class SurgeryEvalConfig:
     """Loss by position under surgery presets (`run_surgery_eval`, `posprobe surgery-eval`)."""

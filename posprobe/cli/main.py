@@ -15,6 +15,7 @@ SUBCOMMANDS = {
     "shift-test": "shift",
     "freq-report": "freq_report",
     "squish": "squish",
+    "squish-study": "squish_study",
     "surgery-eval": "surgery_eval",
     "long-context": "long_context",
     "decompose": "decompose",

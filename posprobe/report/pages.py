@@ -20,6 +20,7 @@ PAGES = {
     "geometry": "posprobe.report.geometry",
     "squish": "posprobe.report.squish",
     "surgery-eval": "posprobe.report.squish",
+    "squish-study": "posprobe.report.squish_study",
     "long-context": "posprobe.report.long_context",
     "heads": "posprobe.report.heads",
     "sinks": "posprobe.report.sinks",
