@@ -105,6 +105,9 @@ CASES = {
 }
 
 
+CASES["french_cooking"] = CASES["french"]  # the same checker: French (the study applies it by topic)
+
+
 def test_every_builtin_instruction_has_cases():
     assert set(CASES) == set(BUILTIN_INSTRUCTIONS)
 
@@ -150,7 +153,8 @@ def test_acknowledges_by_mentions():
 def test_builtin_instructions_order_selection_and_errors():
     everything = builtin_instructions()
     assert [i.name for i in everything] == list(BUILTIN_INSTRUCTIONS)
-    assert len(everything) >= 11 and all(i.concerns_all for i in everything)
+    assert len(everything) >= 12
+    assert [i.name for i in everything if i.topic] == ["french_cooking"]  # the one conditional instruction
     assert {"french", "spanish", "german", "lowercase", "capitals", "keyword", "end_phrase", "short", "no_commas",
             "json", "persona"} <= set(BUILTIN_INSTRUCTIONS)
     assert [i.name for i in builtin_instructions(["json", "french"])] == ["json", "french"]
@@ -166,7 +170,7 @@ def test_builtin_instructions_order_selection_and_errors():
 
 def test_custom_instruction_validation():
     inst = custom_instruction("haiku", "Answer with a haiku.", lambda a: a.count("\n") == 2, ["Haiku"])
-    assert isinstance(inst, Instruction) and inst.mentions == ("haiku",) and inst.concerns_all
+    assert isinstance(inst, Instruction) and inst.mentions == ("haiku",) and inst.topic is None
     assert inst.check("a\nb\nc") and not inst.check("abc")
     with pytest.raises(ValueError, match="name"):
         custom_instruction(" ", "Answer with a haiku.", str.isupper)
@@ -357,3 +361,13 @@ def test_modules_import_without_torch_or_numpy():
             "print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_cooking_topic_is_tagged_and_spread():
+    from posprobe.data.questions import BUILTIN_QUESTIONS, COOKING, builtin_questions
+
+    tagged = {q.text for q in BUILTIN_QUESTIONS if q.topic == "cooking"}
+    assert tagged == set(COOKING)  # every listed question exists, spelled as in the table
+    first = builtin_questions(24)
+    assert 1 <= sum(q.topic == "cooking" for q in first) <= 6  # the default selection mixes topics
+    assert len({q.text for q in BUILTIN_QUESTIONS}) == len(BUILTIN_QUESTIONS)

@@ -159,7 +159,8 @@ def test_cell_statistics_against_scipy():
     squished = [0, 0, 0, 0, 1, 0, 1, 1]
     for cond, fol in (("normal", normal), ("squish:0", squished)):
         for q, f in enumerate(fol):
-            rows.append(dict(model="m", placement="system", distance=0, instruction="x", condition=cond, question=q,
+            rows.append(dict(model="m", placement="system", distance=0, instruction="x", concerned=True,
+                             condition=cond, question=q,
                              followed=bool(f), acknowledged=False, kl_first=0.1 * q, ref_nll=1.0, span_attention=0.5,
                              distance_tokens=5.0))
     summary = S._summary(pd.DataFrame(rows)).set_index("condition")
@@ -170,3 +171,17 @@ def test_cell_statistics_against_scipy():
     # Discordant pairs on the same questions: normal-only 4 (q0-q3), squished-only 1 (q7).
     assert sq.p_vs_normal == pytest.approx(binomtest(1, 5, 0.5).pvalue)
     assert summary.loc["squish:0"].kl_first == pytest.approx(0.35)
+
+
+def test_topic_instruction_marks_unconcerned_questions(tiny_chat):
+    model, tok = tiny_chat
+    qs = [Question("Why is bread crusty?", "Heat.", "cooking"), Question("Why is the sea salty?", "Rivers.")]
+    inst = custom_instruction("cook_x", "On cooking questions, say x.", lambda a: "x" in a, topic="cooking")
+    cfg = SquishStudyConfig(**{**SMALL, "distances": (0,), "conditions": ("none", "normal")})
+    r = S.run_squish_study(model, cfg, tokenizer=tok, instructions=[inst], questions=qs)
+    ans = r.tables["squish_answers"]
+    normal = ans[ans.condition == "normal"].set_index("question")
+    assert normal.concerned.tolist() == [True, False]
+    cells = r.tables["squish_adherence"]
+    assert sorted(cells[cells.condition == "normal"].concerned.tolist()) == [False, True]
+    assert (cells.n == 1).all()

@@ -164,7 +164,7 @@ def _kl(p_log: torch.Tensor, q_log: torch.Tensor) -> list[float]:
 
 def _summary(answers: pd.DataFrame) -> pd.DataFrame:
     rows = []
-    keys = ["model", "placement", "distance", "instruction", "condition"]
+    keys = ["model", "placement", "distance", "instruction", "concerned", "condition"]
     normal = answers[answers.condition == "normal"].set_index(["placement", "distance", "instruction", "question"])
     for key, part in answers.groupby(keys, sort=False):
         k = part.followed.sum()
@@ -173,7 +173,7 @@ def _summary(answers: pd.DataFrame) -> pd.DataFrame:
                    acknowledged=part.acknowledged.mean(), kl_first=part.kl_first.mean(), ref_nll=part.ref_nll.mean(),
                    span_attention=part.span_attention.mean(), distance_tokens=part.distance_tokens.mean())
         p = float("nan")
-        if key[4] not in ("normal", "none"):
+        if key[5] not in ("normal", "none"):
             base = normal.loc[[(key[1], key[2], key[3], q) for q in part.question]].followed.to_numpy()
             now = part.followed.to_numpy()
             # Discordant pairs on the same questions: followed normally but not here (b), and the reverse (c).
@@ -187,9 +187,10 @@ def run_squish_study(model: Any, config: SquishStudyConfig | None = None, *, tok
                      instructions: Sequence[Instruction] | None = None, questions: Sequence[Question] | None = None,
                      name: str | None = None, work: str | None = None, fresh: bool = False) -> Result:
     """The study: tables `squish_answers` (one row per question x placement x distance x instruction x condition:
-    the answer, followed, acknowledged, kl_first in nats, ref_nll in nats/token, span_attention as a fraction) and
-    `squish_adherence` (per cell: adherence with a 95 % Wilson interval, the exact McNemar p against `normal`, and
-    the cell means).
+    the answer, followed, acknowledged, kl_first in nats, ref_nll in nats/token, span_attention as a fraction, and
+    `concerned`: False where a topic instruction meets a question of another topic, whose `followed` then counts a
+    leak) and `squish_adherence` (per cell, concerned and unconcerned questions apart: adherence with a 95 % Wilson
+    interval, the exact McNemar p against `normal`, and the cell means).
 
     `model`: a plain HF chat model with its `tokenizer`, or a TransformerBridge (its HF model runs). `instructions`
     default to the built-in suite (`config.instructions` picks by name), `questions` to the first `config.questions`
@@ -263,7 +264,8 @@ def run_squish_study(model: Any, config: SquishStudyConfig | None = None, *, tok
             rows.append(dict(
                 model=name, placement=placement, distance=distance,
                 distance_tokens=(p.question_start - p.span[1]) if p.span else float("nan"),
-                instruction=inst.name if inst else "none", condition=c["name"], question=qi, answer=text,
+                instruction=inst.name if inst else "none", condition=c["name"], question=qi,
+                concerned=inst is None or inst.topic is None or q.topic == inst.topic, answer=text,
                 followed=bool(inst.check(text)) if inst else False,
                 acknowledged=bool(acknowledges(inst, text)) if inst else False, kl_first=kl[qi],
                 ref_nll=got["ref_nll"][qi],
@@ -278,6 +280,7 @@ def run_squish_study(model: Any, config: SquishStudyConfig | None = None, *, tok
             part["instruction"] = inst.name
             part["followed"] = [bool(inst.check(a)) for a in part.answer]
             part["acknowledged"] = [bool(acknowledges(inst, a)) for a in part.answer]
+            part["concerned"] = [inst.topic is None or q.topic == inst.topic for q in (qs[i] for i in part.question)]
             base_rows.append(part)
     scored = pd.concat([answers[answers.condition != "none"], *base_rows], ignore_index=True)
     summary = _summary(scored)

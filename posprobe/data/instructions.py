@@ -33,14 +33,14 @@ __all__ = [
 @dataclass(frozen=True)
 class Instruction:
     """An instruction: `name` (short id), `text` (exactly what goes in the prompt), `check` (answer -> True when it
-    follows), `mentions` (lowercase phrases that show an answer talks about it) and `concerns_all` (whether it
-    should change every answer, whatever the question)."""
+    follows), `mentions` (lowercase phrases that show an answer talks about it) and `topic` (None: it concerns every
+    question; a topic: only questions of that topic, and on the others its checker measures a leak)."""
 
     name: str
     text: str
     check: Callable[[str], bool] = field(repr=False)
     mentions: tuple[str, ...] = ()
-    concerns_all: bool = True
+    topic: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
@@ -226,6 +226,10 @@ BUILTIN_INSTRUCTIONS: dict[str, Instruction] = {i.name: i for i in (
     Instruction("no_commas", "Do not use any commas in your answers.", _no_commas, ("comma",)),
     Instruction("json", "Reply only with valid JSON and nothing else.", _is_json, _JSON_MENTIONS),
     Instruction("persona", "You are a pirate. Talk like a pirate in every answer.", _speaks_pirate, ("pirate",)),
+    # Conditional: followed on cooking questions; on the others its checker counts French where English was asked,
+    # the "more global" effect a fine-tune would have and a conversational instruction should not.
+    Instruction("french_cooking", "When a question is about cooking or food, answer it in French; answer every "
+                "other question in English.", _in_language("fr"), _LANGUAGE_MENTIONS["fr"], topic="cooking"),
 )}
 
 
@@ -247,11 +251,11 @@ def builtin_instructions(names: Sequence[str] | str | None = None) -> list[Instr
 
 
 def custom_instruction(name: str, text: str, check: Callable[[str], bool], mentions: Sequence[str] = (), *,
-                       concerns_all: bool = True) -> Instruction:
+                       topic: str | None = None) -> Instruction:
     """Return an `Instruction` of your own; raises ValueError for an empty name or text, a check that is not
     callable, or mentions that are not non-empty strings. Run `validate_checkers` on it before generating."""
     return Instruction(name, text, check, tuple(mentions) if not isinstance(mentions, str) else mentions,
-                       concerns_all)
+                       topic)
 
 
 def _is_bool(value: Any) -> bool:

@@ -18,15 +18,17 @@ from pathlib import Path
 
 from posprobe.data.pairs import DataError
 
-__all__ = ["BUILTIN_QUESTIONS", "FILLER_TURNS", "Question", "builtin_questions", "load_questions"]
+__all__ = ["BUILTIN_QUESTIONS", "COOKING", "FILLER_TURNS", "Question", "builtin_questions", "load_questions"]
 
 
 @dataclass(frozen=True)
 class Question:
-    """A question and a short correct reference answer ("" when none is known)."""
+    """A question, a short correct reference answer ("" when none is known) and its topic ("" when untagged; a
+    conditional instruction such as "answer cooking questions in French" concerns the questions of one topic)."""
 
     text: str
     reference: str = ""
+    topic: str = ""
 
 
 _QA: tuple[tuple[str, str], ...] = (
@@ -212,8 +214,28 @@ _QA: tuple[tuple[str, str], ...] = (
     ("Why do we wear seat belts in cars?", "Seat belts hold us in place and protect us in a crash."),
 )
 
-#: The built-in questions, in a fixed order.
-BUILTIN_QUESTIONS: tuple[Question, ...] = tuple(Question(q, r) for q, r in _QA)
+#: Questions about cooking and food (the topic of the conditional built-in instruction `french_cooking`).
+COOKING = frozenset({
+    "How long should I boil an egg to get a firm yolk?", "Why do people add salt to the water when cooking pasta?",
+    "What makes bread dough rise?", "How can I tell when pasta is cooked?",
+    "What is the difference between baking soda and baking powder?", "Why should meat rest after cooking?",
+    "How can I stop cut apples from turning brown?", "What kind of rice is used for risotto?",
+    "How can I soften brown sugar that has gone hard?", "Which spice gives curry its yellow colour?",
+    "What is the main ingredient in chocolate?", "How do I know if an egg is still fresh?",
+    "What is a good way to reheat rice safely?",
+})
+
+
+def _spread(n: int, stride: int = 37) -> list[int]:
+    # The questions are written in topic groups; a stride coprime with n visits every index once and spreads each
+    # group over the whole order, so the first N questions (the study's default) mix the topics.
+    assert n % stride and all(n % p or stride % p for p in range(2, stride + 1))
+    return sorted(range(n), key=lambda i: (i * stride) % n)
+
+
+#: The built-in questions, in a fixed order that mixes the topics.
+BUILTIN_QUESTIONS: tuple[Question, ...] = tuple(
+    Question(_QA[i][0], _QA[i][1], "cooking" if _QA[i][0] in COOKING else "") for i in _spread(len(_QA)))
 
 #: Small talk (user, assistant), in conversation order, for turns between an instruction and the question.
 FILLER_TURNS: tuple[tuple[str, str], ...] = (

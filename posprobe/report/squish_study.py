@@ -27,12 +27,14 @@ def figure_caption(meta: dict | None, note: str | None = None) -> str:
                        "answer tokens": cfg.get("max_new_tokens")}, note=note)
 
 
-def pooled(result: Any) -> pd.DataFrame:
+def pooled(result: Any, concerned: bool = True) -> pd.DataFrame:
     """Adherence (0..1) per condition and distance pooled over instructions and placements, with a 95 % Wilson
-    interval over the pooled answers, and the means of the other measures."""
+    interval over the pooled answers, and the means of the other measures; over the questions each instruction
+    concerns (`concerned=False`: the others, where adherence is a topic instruction's leak)."""
     from posprobe.core.stats import wilson_ci
 
     df = result.tables["squish_adherence"]
+    df = df[df.concerned == concerned] if "concerned" in df else df
     rows = []
     for (cond, dist), part in df.groupby(["condition", "distance"], sort=False):
         k, n = float((part.adherence * part.n).sum()), int(part.n.sum())
@@ -60,6 +62,8 @@ def figures(result: Any) -> list:
     df = result.tables["squish_adherence"]
     conds = _order(df, m)
     out = []
+    if "concerned" in df:
+        df = df[df.concerned]
     first = df[df.distance == df.distance.min()]
     fig = go.Figure()
     for i, c in enumerate(conds):
@@ -125,6 +129,11 @@ def summary_text(result: Any) -> str:
             for r in sig.itertuples()))
     else:
         lines.append("no instruction x condition cell differs from normal positions at p < 0.05 (exact McNemar)")
+    leak = pooled(result, concerned=False)
+    if len(leak):
+        lines.append("questions a topic instruction does not concern (its behaviour there is a leak): " + ", ".join(
+            f"{r.condition} at {int(r.distance)} turns {r.adherence:.2f} [{r.ci_low:.2f}, {r.ci_high:.2f}] "
+            f"(KL from no instruction {_fmt(r.kl_first, 3)} nats, n = {r.n})" for r in leak.itertuples()))
     other = pool[pool.condition != "none"].groupby("condition", sort=False).agg(
         kl=("kl_first", "mean"), attn=("span_attention", "mean"), ack=("acknowledged", "mean"),
         ref=("ref_nll", "mean"))
