@@ -22,6 +22,7 @@ COMMANDS = {
     "surgery-eval": (C.SurgeryEvalConfig, ["tiny-rope", "--text", "t.txt"]),
     "long-context": (C.LongContextConfig, ["tiny-rope", "--text", "t.txt", "--out", "x"]),
     "squish-study": (C.SquishStudyConfig, ["smollm2", "--out", "x"]),
+    "brittleness": (C.BrittlenessConfig, ["smollm2", "--out", "x"]),
 }
 
 

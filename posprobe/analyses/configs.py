@@ -6,8 +6,10 @@ and checks them before any weights load. Each analysis module re-exports its own
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass, fields
-from typing import ClassVar, Literal, get_args, get_origin, get_type_hints
+from typing import ClassVar, Literal, Sequence, get_args, get_origin, get_type_hints
 
 from posprobe.core import presets
 from posprobe.core.config import option
@@ -579,3 +581,112 @@ class ExtrapolationConfig:
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
+
+
+# ---- key-position brittleness by distance (posprobe.analyses.brittleness) ----------------------------------
+
+BRITTLENESS_SIGMAS = (0.0, 1.0, 2.0, 4.0, 8.0)
+BRITTLENESS_BUCKETS = ("near:1", "near:4", "near:16", "near:64", "far:256")
+
+_BUCKET_RE = re.compile(r"(near|far):(\d+)")
+
+#: Window w of a brittleness run draws its noise with seed * stride + w: runs with different seeds share no draws.
+BRITTLENESS_SEED_STRIDE = 1000
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """A distance bucket: `near` K (1 <= i - j <= K) or `far` D (i - j > D), in tokens."""
+
+    kind: str
+    distance: int
+
+    @property
+    def spec(self) -> str:
+        """The bucket as written: "near:K" or "far:D"."""
+        return f"{self.kind}:{self.distance}"
+
+    @property
+    def min_length(self) -> int:
+        """Shortest sequence (tokens) in which the bucket holds a pair whose query's prediction is scored.
+
+        Query i predicts token i + 1, so the last scored query is n - 2: far:D needs n - 2 > D; near needs query 1
+        (key 0) scored, n >= 3."""
+        return self.distance + 3 if self.kind == "far" else 3
+
+
+def parse_bucket(spec: str) -> Bucket:
+    """The Bucket of "near:K" or "far:D" (K, D whole numbers >= 1); ValueError naming the spec otherwise."""
+    m = _BUCKET_RE.fullmatch(str(spec).strip())
+    if m is None:
+        raise ValueError(f"bucket {spec!r}: write near:K (the K nearest earlier keys) or far:D (keys more than D "
+                         "tokens back), K and D whole numbers >= 1")
+    value = int(m.group(2))
+    if value < 1:
+        raise ValueError(f"bucket {spec!r}: the distance must be >= 1; got {value}")
+    return Bucket(m.group(1), value)
+
+
+def min_length(buckets: Sequence[str | Bucket]) -> int:
+    """Shortest window (tokens) in which every bucket holds a pair whose query's prediction is scored."""
+    return max((b if isinstance(b, Bucket) else parse_bucket(b)).min_length for b in buckets)
+
+
+def check_length(length: int, buckets: Sequence[str | Bucket], what: str = "a window") -> None:
+    """ValueError when `length` tokens are too short for a bucket (no scored query would see a jittered pair)."""
+    parsed = [b if isinstance(b, Bucket) else parse_bucket(b) for b in buckets]
+    need = min_length(parsed)
+    if length < need:
+        worst = max(parsed, key=lambda b: b.min_length)
+        why = (f"a pair more than {worst.distance} tokens apart whose query's prediction is scored"
+               if worst.kind == "far" else "a scored query with an earlier key")
+        raise ValueError(f"{what} of {length} tokens is too short for bucket {worst.spec}: it needs at least {need} "
+                         f"tokens ({why})")
+
+
+def check_sigma(sigma: float) -> float:
+    """`sigma` as a float; ValueError unless finite and >= 0 (tokens)."""
+    s = float(sigma)
+    if not math.isfinite(s) or s < 0:
+        raise ValueError(f"sigma must be a finite number >= 0 (tokens); got {sigma}")
+    return s
+
+
+@dataclass(frozen=True, kw_only=True)
+class BrittlenessConfig:
+    """Key-position brittleness by distance (`run_brittleness`, `posprobe brittleness`). Sigma 0, the baseline, is
+    always added; sigmas are sorted; buckets may also be given comma-separated (duplicates dropped). Whether the
+    windows are long enough for the buckets (`min_length`) is checked against the windows themselves."""
+
+    sigmas: tuple[float, ...] = option(BRITTLENESS_SIGMAS, "standard deviations of the Gaussian noise on the jittered "
+                                       "keys' positions (tokens; repeatable; 0 is always added)",
+                                       aliases=("--sigma",))
+    buckets: tuple[str, ...] = option(BRITTLENESS_BUCKETS, "distance buckets whose (query, key) pairs are jittered "
+                                      "(repeatable): near:K = the K nearest earlier keys of each query, far:D = keys "
+                                      "more than D tokens back", aliases=("--bucket",))
+    window: int = option(512, "tokens per text window (every window the same length)")
+    max_windows: int = option(8, "text windows cut from the text (fewer if the text is short)")
+    seed: int = option(0, f"seed of the noise (window w draws with seed * {BRITTLENESS_SEED_STRIDE} + w) and of the "
+                          "bootstrap")
+    n_bootstrap: int = option(1000, "bootstrap resamples (over windows) of the 95% interval of the loss increase",
+                              flag="--bootstrap")
+    chunk: int = option(256, "query rows per attention chunk (memory grows with chunk x window)")
+    progress: bool = option(True, "", cli=False)
+
+    def __post_init__(self) -> None:
+        for name in ("window", "max_windows", "n_bootstrap", "chunk"):
+            v = getattr(self, name)
+            if v < 1:
+                raise ValueError(f"{name} must be >= 1; got {v}")
+        if self.max_windows > BRITTLENESS_SEED_STRIDE:
+            raise ValueError(f"max_windows must be <= {BRITTLENESS_SEED_STRIDE} (window w draws its noise with seed * "
+                             f"{BRITTLENESS_SEED_STRIDE} + w); got {self.max_windows}")
+        if not self.sigmas:
+            raise ValueError("give at least one sigma")
+        sigmas = sorted({0.0, *(check_sigma(s) for s in self.sigmas)})
+        object.__setattr__(self, "sigmas", tuple(sigmas))
+        specs = [s.strip() for item in self.buckets for s in str(item).split(",") if s.strip()]
+        if not specs:
+            raise ValueError("give at least one bucket (near:K or far:D)")
+        buckets = [parse_bucket(s) for s in specs]
+        object.__setattr__(self, "buckets", tuple(dict.fromkeys(b.spec for b in buckets)))

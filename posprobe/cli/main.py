@@ -16,6 +16,7 @@ SUBCOMMANDS = {
     "freq-report": "freq_report",
     "squish": "squish",
     "squish-study": "squish_study",
+    "brittleness": "brittleness",
     "surgery-eval": "surgery_eval",
     "long-context": "long_context",
     "decompose": "decompose",

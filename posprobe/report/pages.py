@@ -21,6 +21,7 @@ PAGES = {
     "squish": "posprobe.report.squish",
     "surgery-eval": "posprobe.report.squish",
     "squish-study": "posprobe.report.squish_study",
+    "brittleness": "posprobe.report.brittleness",
     "long-context": "posprobe.report.long_context",
     "heads": "posprobe.report.heads",
     "sinks": "posprobe.report.sinks",

@@ -30,6 +30,14 @@ import pandas as pd
 
 #: Column name -> meaning (and unit). One vocabulary for every analysis.
 COLUMNS: dict[str, str] = {
+    # key-position brittleness (analyses.brittleness)
+    "bucket": "distance bucket of the jittered (query, key) pairs: near:K = 1 <= query_pos - key_pos <= K, "
+              "far:D = query_pos - key_pos > D",
+    "sigma": "standard deviation of the Gaussian noise on the jittered keys' positions (tokens)",
+    "nll": "mean next-token loss (nats/token)",
+    "delta_nll": "nll minus nll at sigma 0 on the same windows (nats/token)",
+    "n_pairs_jittered": "(query, key) pairs in the bucket per scored query (mean over queries 0..length-2; their "
+                        "keys move by the noise, by nothing at sigma 0)",
     # where
     "model": "model name",
     "layer": "block index (0-based); -1 or empty = not layer-specific",
