@@ -60,3 +60,14 @@ def test_flags_reach_the_config():
     with pytest.raises(ValueError, match="not both"):
         config_from_args(C.SquishConfig, parser.parse_args(["squish", "m", "--instruction", "i", "--prompt", "p",
                                                             "--squish-to", "0", "--squish-range", "0", "4"]))
+
+
+def test_a_tuple_of_choices_takes_each_choice_and_refuses_others(capsys):
+    parser = build_parser()
+    for argv, want in ((["--placement", "user"], ("user",)), (["--placement", "system", "user"], ("system", "user")),
+                       (["--placement", "user,system"], ("user", "system"))):
+        args = parser.parse_args(["squish-study", "smollm2", "--out", "x", *argv])
+        assert config_from_args(C.SquishStudyConfig, args).placements == want
+    with pytest.raises(SystemExit):
+        parser.parse_args(["squish-study", "smollm2", "--out", "x", "--placement", "system,assistant"])
+    assert "'assistant' is not one of: system, user" in capsys.readouterr().err

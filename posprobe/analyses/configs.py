@@ -264,18 +264,20 @@ class SquishStudyConfig:
     """The key-squishing study (`run_squish_study`, `posprobe squish-study`): checkable instructions x questions x
     placements x distances x conditions, greedy answers scored by each instruction's checker."""
 
-    instructions: tuple[str, ...] = option((), "built-in instructions to test (repeatable; default: all)",
-                                           flag="--instruction")
+    instructions: tuple[str, ...] = option(
+        ("french", "spanish", "persona", "french_cooking"),
+        "built-in instructions to test (repeatable; 'all' for the whole suite); the default: those SmolLM2-135M "
+        "follows at all at normal positions, and the topic instruction", flag="--instruction")
     questions: int = option(24, "built-in questions per cell (the first N; at most the built-in count)")
     placements: tuple[Literal["system", "user"], ...] = option(
         ("system",), "where the instruction goes: the system message, or the start of the (first) user turn",
         flag="--placement")
-    distances: tuple[int, ...] = option((0, 6), "filler conversation turns between the instruction and the "
+    distances: tuple[int, ...] = option((0, 4), "filler conversation turns between the instruction and the "
                                         "question (repeatable)", flag="--distance")
     conditions: tuple[str, ...] = option(("none", "normal", "squish:0", "moved:1000", "squish:0:global"),
                                          "conditions (repeatable): " + "; ".join(
                                              f"{k} = {v}" for k, v in STUDY_CONDITIONS.items()), flag="--condition")
-    max_new_tokens: int = option(48, "greedy answer tokens per prompt")
+    max_new_tokens: int = option(32, "greedy answer tokens per prompt")
     batch_size: int = option(16, "prompts per batch")
     progress: bool = option(True, "", cli=False)
 

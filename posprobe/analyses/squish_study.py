@@ -206,7 +206,8 @@ def run_squish_study(model: Any, config: SquishStudyConfig | None = None, *, tok
     if tokenizer is None:
         raise ValueError("give the tokenizer (run_squish_study(model, config, tokenizer=...))")
     hf, tok = model, tokenizer
-    insts = list(instructions) if instructions is not None else builtin_instructions(cfg.instructions or None)
+    insts = list(instructions) if instructions is not None else builtin_instructions(
+        None if cfg.instructions in ((), ("all",)) else cfg.instructions)
     qs = list(questions) if questions is not None else builtin_questions(cfg.questions)
     if not insts or not qs:
         raise ValueError("the study needs at least one instruction and one question")
@@ -239,6 +240,9 @@ def run_squish_study(model: Any, config: SquishStudyConfig | None = None, *, tok
                                     data=data, config=cfg, **key_extra), fresh=fresh)
     units = [_unit(p, d, i.name if i else "", c["name"]) for p, d, i, c in cells]
     done = ckpt.announce(units, "squish-study", "cells")
+    if cfg.progress:
+        print(f"squish-study: {len(units)} cells (placement x distance x instruction x condition) of {len(qs)} "
+              f"prompts, {cfg.max_new_tokens} greedy tokens each", file=sys.stderr)
     start, computed = time.perf_counter(), 0
     results: dict[str, dict] = {}
     for (placement, distance, inst, c), unit in zip(cells, units):

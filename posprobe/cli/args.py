@@ -152,14 +152,21 @@ def _kind(hint: Any) -> tuple[Any, tuple | None]:
 
 
 def _list_item(item: Any) -> Callable[[str], Any]:
-    # Numbers may come comma-separated ("0,3"); strings are taken whole (preset specs contain commas).
+    # Numbers and choices may come comma-separated ("0,3", "system,user"); strings are taken whole (preset specs
+    # contain commas). A Literal item is checked against its choices here: calling Literal itself raises.
+    choices = get_args(item) if get_origin(item) is Literal else None
+    conv = type(choices[0]) if choices else item
+
     def parse(text: str) -> Any:
-        if item is str:
+        if conv is str and choices is None:
             return text
-        parts = tuple(item(x) for x in text.split(",") if x.strip())
+        parts = tuple(conv(x.strip()) for x in text.split(",") if x.strip())
+        bad = [x for x in parts if choices is not None and x not in choices]
+        if bad:
+            raise argparse.ArgumentTypeError(f"{bad[0]!r} is not one of: {', '.join(map(str, choices))}")
         return parts if len(parts) != 1 else parts[0]
 
-    parse.__name__ = getattr(item, "__name__", "value")
+    parse.__name__ = getattr(conv, "__name__", "value")
     return parse
 
 
