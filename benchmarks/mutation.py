@@ -6,7 +6,7 @@ function; a mutant the tests do not notice ("survived") is either a gap in the t
 behaviour ("equivalent"). This script runs mutmut on one module at a time, each in its own scratch copy of the
 repository, with a targeted selection of fast tests (tiny random models, no real weights, browsers or notebooks),
 and prints the score per module. Not part of CI: a benchmark-like script (`pip install mutmut==3.8.1` into the
-venv first; about 10-40 min per module on 2 cores, `--sample 10` for a tenth of that).
+venv first; `--sample 10` tests a systematic tenth of the mutants).
 
     python benchmarks/mutation.py                       # every module, one after another (2 workers each)
     python benchmarks/mutation.py --module families     # one module
