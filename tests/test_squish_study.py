@@ -185,3 +185,25 @@ def test_topic_instruction_marks_unconcerned_questions(tiny_chat):
     cells = r.tables["squish_adherence"]
     assert sorted(cells[cells.condition == "normal"].concerned.tolist()) == [False, True]
     assert (cells.n == 1).all()
+
+
+def test_summary_names_placement_and_leak_of_each_significant_cell():
+    from posprobe.report.result import Result
+    from posprobe.report.squish_study import summary_text
+
+    rows = []
+    for placement in ("system", "user"):
+        for concerned in (True, False):
+            for cond, fol in (("normal", [1] * 8), ("squish:0:global", [0] * 8)):
+                rows += [dict(model="m", placement=placement, distance=0, instruction="x", concerned=concerned,
+                              condition=cond, question=q, followed=bool(f), acknowledged=False, kl_first=0.0,
+                              ref_nll=1.0, span_attention=0.5, distance_tokens=5.0)
+                         for q, f in enumerate(fol, start=0 if concerned else 8)]  # a question is one or the other
+    answers = pd.DataFrame(rows)
+    r = Result({"squish_answers": answers, "squish_adherence": S._summary(answers)},
+               {"instructions": {"x": "X."}, "config": {"conditions": ["normal", "squish:0:global"]}})
+    line = next(x for x in summary_text(r).split("\n") if x.startswith("differs"))
+    p = "p = 0.008"  # 8 discordant pairs all one way: 2 * 0.5**8
+    for tag in ("system", "system, leak", "user", "user, leak"):
+        assert f"x squish:0:global ({tag}) at 0 turns (0.00 vs 1.00 normal, {p})" in line
+    assert line.count("squish:0:global") == 4

@@ -109,6 +109,13 @@ def _fmt(x: float, digits: int = 2) -> str:
     return "n/a" if x != x else f"{x:.{digits}f}"
 
 
+def _normal(df: pd.DataFrame, r: Any) -> float:
+    """The normal condition's adherence in the cell of row `r` (same placement, distance, instruction, questions)."""
+    m = df[(df.condition == "normal") & (df.placement == r.placement) & (df.distance == r.distance)
+           & (df.instruction == r.instruction) & (df.concerned == r.concerned)]
+    return float(m.adherence.iloc[0]) if len(m) else float("nan")
+
+
 def summary_text(result: Any) -> str:
     """The study in words: per condition, pooled adherence with its interval against normal positions, per distance;
     the instructions where a squished condition differs from normal at p < 0.05 (exact McNemar); KL, attention and
@@ -123,10 +130,17 @@ def summary_text(result: Any) -> str:
         cells = [f"{r.condition} {r.adherence:.2f} [{r.ci_low:.2f}, {r.ci_high:.2f}]" for r in part.itertuples()]
         lines.append(f"{where}: adherence " + ", ".join(cells) + f" (n = {int(part.n.iloc[0])} answers each)")
     sig = df[(df.p_vs_normal < 0.05)]
+    # With several placements the same instruction x condition x distance appears once per placement: name it.
+    several = df.placement.nunique() > 1
+
+    def where(r: Any) -> str:
+        tags = ([r.placement] if several else []) + ([] if getattr(r, "concerned", True) else ["leak"])
+        return f" ({', '.join(tags)})" if tags else ""
+
     if len(sig):
         lines.append("differs from normal positions at p < 0.05 (exact McNemar, same questions): " + "; ".join(
-            f"{r.instruction} {r.condition} at {int(r.distance)} turns ({r.adherence:.2f}, p = {r.p_vs_normal:.3f})"
-            for r in sig.itertuples()))
+            f"{r.instruction} {r.condition}{where(r)} at {int(r.distance)} turns ({r.adherence:.2f} vs "
+            f"{_normal(df, r):.2f} normal, p = {r.p_vs_normal:.3f})" for r in sig.itertuples()))
     else:
         lines.append("no instruction x condition cell differs from normal positions at p < 0.05 (exact McNemar)")
     leak = pooled(result, concerned=False)
