@@ -12,7 +12,8 @@ from posprobe.data.builtin import (
     builtin_corpus,
     builtin_pairs,
 )
-from posprobe.data.pairs import DataError, MinimalPair, load_blimp, pairs_fingerprint
+from posprobe.data.pairs import MinimalPair, load_blimp, pairs_fingerprint
+from posprobe.data.records import DataError
 from posprobe.data.text import (
     detokenize_wikitext,
     framed_windows,

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
-from posprobe.data.pairs import DataError
+from posprobe.data.records import DataError, json_records, read_lines
 
 __all__ = [
     "BUILTIN_INSTRUCTIONS", "END_PHRASE", "IFEVAL_SUPPORTED", "IFEvalLoad", "IFEvalPrompt", "Instruction", "KEYWORD",
@@ -392,26 +392,10 @@ def load_ifeval(path: str | Path) -> IFEvalLoad:
     object, a missing key, or arguments a supported id cannot use.
     """
     origin = f"IFEval file {path}"
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise DataError(f"{origin}: cannot read file: {exc}") from exc
     prompts: list[IFEvalPrompt] = []
     skipped: Counter[str] = Counter()
     total = 0
-    for lineno, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        where = f"{origin}, line {lineno}"
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{where}: malformed JSON: {exc}") from None
-        if not isinstance(rec, dict):
-            raise DataError(f"{where}: expected a JSON object, got {type(rec).__name__}")
-        missing = [k for k in _IFEVAL_KEYS if k not in rec]
-        if missing:
-            raise DataError(f"{where}: missing key(s) {', '.join(missing)}")
+    for where, rec in json_records(read_lines(path, origin), origin, _IFEVAL_KEYS):
         ids, kwargs, prompt = rec["instruction_id_list"], rec["kwargs"], rec["prompt"]
         if not isinstance(prompt, str) or not prompt.strip():
             raise DataError(f"{where}: prompt must be a non-empty string")

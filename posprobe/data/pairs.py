@@ -12,11 +12,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from posprobe.data.records import DataError, json_records, read_lines
+
 _BLIMP_KEYS = ("sentence_good", "sentence_bad", "field", "linguistics_term", "UID", "pairID")
-
-
-class DataError(ValueError):
-    """Input data is missing, malformed or empty after filtering."""
 
 
 @dataclass(frozen=True)
@@ -50,25 +48,7 @@ def _blimp_origin(root: Path, file: Path) -> str:
 
 def _read_blimp_file(file: Path, origin: str) -> list[MinimalPair]:
     pairs: list[MinimalPair] = []
-    try:
-        lines = file.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise DataError(f"{origin}: cannot read file: {exc}") from exc
-    for lineno, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        where = f"{origin}, line {lineno}"
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as exc:
-            # str(exc), not exc.msg: the message without its position ("Unterminated string starting at")
-            # does not say where.
-            raise DataError(f"{where}: malformed JSON: {exc}") from None
-        if not isinstance(rec, dict):
-            raise DataError(f"{where}: expected a JSON object, got {type(rec).__name__}")
-        missing = [k for k in _BLIMP_KEYS if k not in rec]
-        if missing:
-            raise DataError(f"{where}: missing key(s) {', '.join(missing)}")
+    for where, rec in json_records(read_lines(file, origin), origin, _BLIMP_KEYS):
         good, bad = rec["sentence_good"], rec["sentence_bad"]
         if not isinstance(good, str) or not isinstance(bad, str):
             raise DataError(f"{where}: sentence_good and sentence_bad must be strings")

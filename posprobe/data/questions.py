@@ -12,11 +12,10 @@ Pure Python.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from posprobe.data.pairs import DataError
+from posprobe.data.records import DataError, json_records, read_lines
 
 __all__ = ["BUILTIN_QUESTIONS", "COOKING", "FILLER_TURNS", "Question", "builtin_questions", "load_questions"]
 
@@ -298,25 +297,10 @@ def load_questions(path: str | Path) -> list[Question]:
     ValueError) for an unreadable or empty file, and naming the line for malformed JSON or a missing question."""
     path = Path(path)
     origin = f"questions file {path}"
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise DataError(f"{origin}: cannot read file: {exc}") from exc
+    lines = read_lines(path, origin)
     jsonl = path.suffix.lower() == ".jsonl"
-    questions: list[Question] = []
-    for lineno, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        if not jsonl:
-            questions.append(Question(line.strip()))
-            continue
-        where = f"{origin}, line {lineno}"
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{where}: malformed JSON: {exc}") from None
-        if not isinstance(rec, dict):
-            raise DataError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+    questions = [] if jsonl else [Question(line.strip()) for line in lines if line.strip()]
+    for where, rec in json_records(lines if jsonl else (), origin):
         text, reference = rec.get("question"), rec.get("reference", "")
         if not isinstance(text, str) or not text.strip():
             raise DataError(f"{where}: needs a non-empty string under \"question\"")

@@ -6,7 +6,7 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-from posprobe.data.pairs import DataError
+from posprobe.data.records import DataError
 
 _WT_MARKERS = (" @-@ ", " @,@ ", " @.@ ")
 
