@@ -363,10 +363,11 @@ def _resid_post(hf, ids: torch.Tensor) -> list:
 
 
 def test_massive_activations_equal_a_numpy_recomputation_and_find_the_planted_dimension():
-    # Sun et al. 2024: an activation is massive when its |value| is orders of magnitude above the median
-    # |activation| (posprobe: above `massive_ratio` x the median, default 100; the layer median is the mean over
-    # sequences of each sequence's median |activation| over positions x dims). A planted massive dimension: layer
-    # 1's MLP writes dim 7 scaled by 3000 (|value| in the thousands, so Sun et al.'s |a| > 100 also holds). The
+    # Sun et al. 2024: an activation is massive when its |value| exceeds 100 and about 1000x the median |activation|
+    # of its hidden state (posprobe's defaults `massive_abs` 100, `massive_ratio` 1000, against each sequence's
+    # median; the table's ratio is to the layer median, the mean over sequences of each sequence's median
+    # |activation| over positions x dims). A planted massive dimension: layer 1's MLP writes dim 7 scaled by 3000
+    # (|value| in the thousands, up to ~7000x the median). The
     # reference is numpy on HF's residual stream; the median is the lower middle value of the even count (as
     # torch.median), within 1% of numpy's midpoint median here. The mean in place of the median gives ratios ~100x
     # smaller on layer 1, so a mean-for-median slip fails both the ratio and the layer/dims checks.
@@ -382,8 +383,8 @@ def test_massive_activations_equal_a_numpy_recomputation_and_find_the_planted_di
         hf.model.layers[1].mlp.down_proj.weight[DIM] *= 3000.0
     ids = torch.randint(3, 250, (4, 20), generator=torch.Generator().manual_seed(2))
     table = massive_table(bridge, ids, top=TOP, batch_size=3, progress=False, condition="c")
-    ratio = Cfg().massive_ratio
-    assert ratio == 100.0
+    ratio, min_abs = Cfg().massive_ratio, Cfg().massive_abs
+    assert (ratio, min_abs) == (1000.0, 100.0)
     first_massive = None
     for layer, a in enumerate(_resid_post(hf, ids)):  # a: [batch, pos, d] |activations|
         flat = np.sort(a.reshape(a.shape[0], -1), axis=1)
@@ -399,19 +400,59 @@ def test_massive_activations_equal_a_numpy_recomputation_and_find_the_planted_di
         assert np.allclose(got.value, [v for v, _, _ in want], rtol=1e-5), layer
         assert np.allclose(got.median_abs, median_abs, rtol=1e-5), (layer, float(got.median_abs.iloc[0]), median_abs)
         assert np.allclose(got.ratio, [v / median_abs for v, _, _ in want], rtol=1e-5), layer
-        if first_massive is None and want[0][0] > ratio * median_abs:
+        massive = (a > ratio * med_seq[:, None, None]) & (a > min_abs)
+        if first_massive is None and massive.any():
             first_massive = layer
-            hits = int(sum(((a[s, :, DIM] > ratio * med_seq[s]).sum()) for s in range(a.shape[0])))
-            others = [d for d in range(a.shape[2]) if d != DIM]
-            assert not (a[..., others] > ratio * med_seq[:, None, None]).any()  # only the planted dim is massive
+            hits = int(massive[..., DIM].sum())
+            assert not np.delete(massive, DIM, axis=2).any()  # only the planted dim is massive
     assert first_massive == 1  # layer 0 is untouched: its top ratio is single-digit
-    assert table[table.layer == 1].ratio.min() > 10 * ratio and table[table.layer == 0].ratio.max() < ratio / 10
+    assert table[table.layer == 1].ratio.max() > ratio and table[table.layer == 0].ratio.max() < ratio / 100
     assert set(table[table.layer == 1].dim) == {DIM}
-    _, meta = intervene(bridge, ids, table, ratio=ratio, batch_size=3)
+    _, meta = intervene(bridge, ids, table, ratio=ratio, min_abs=min_abs, batch_size=3)
     assert meta["layer"] == first_massive and meta["dims"] == [DIM] and meta["massive_entries"] == hits
     res = run_sinks(bridge, None, SinksConfig(length=20, random_samples=0, max_windows=3, control=False,
                                               ablate_heads=0, progress=False))
     assert res.meta["massive"]["layer"] == 1 and res.meta["massive"]["dims"] == [DIM]  # through the analysis too
+
+
+def test_massive_needs_both_the_ratio_and_the_absolute_bar_as_a_numpy_recomputation_says():
+    # Two plants: layer 0's MLP writes dim 9 x600 (|value| ~ 600, ~1700x the median) and layer 1's writes dim 7
+    # x3000 (~4400). With Sun et al.'s bars (100, 1000x) layer 0 is the first massive layer; an absolute bar of 1000
+    # passes over it to layer 1 (its dim 9 entries carried in the residual stay under 1000); a ratio bar of 1e9
+    # leaves none. Layer, dims and the number of edited entries must equal numpy's rule on HF's residual stream.
+    import numpy as np
+
+    from posprobe.analyses.massive import intervene, massive_table
+
+    bridge, _ = tiny_family("llama")
+    hf = _plain(bridge)
+    with torch.no_grad():
+        hf.model.layers[0].mlp.down_proj.weight[9] *= 600.0
+        hf.model.layers[1].mlp.down_proj.weight[7] *= 3000.0
+    ids = torch.randint(3, 250, (4, 20), generator=torch.Generator().manual_seed(2))
+    table = massive_table(bridge, ids, top=3, batch_size=3, progress=False, condition="c")
+    acts = _resid_post(hf, ids)
+
+    def numpy_rule(ratio, min_abs):
+        for layer, a in enumerate(acts):
+            flat = np.sort(a.reshape(a.shape[0], -1), axis=1)
+            med = flat[:, (flat.shape[1] - 1) // 2]  # torch.median's lower middle value per sequence
+            massive = (a > ratio * med[:, None, None]) & (a > min_abs)
+            if massive.any():
+                dims = sorted(set(np.nonzero(massive)[2].tolist()))
+                return layer, dims, int(massive[..., dims].sum())
+        return None
+
+    seen = []
+    for ratio, min_abs in ((1000.0, 100.0), (1000.0, 1000.0), (1e9, 100.0)):
+        want = numpy_rule(ratio, min_abs)
+        effect, meta = intervene(bridge, ids, table, ratio=ratio, min_abs=min_abs, batch_size=3)
+        if want is None:
+            assert not len(effect) and "no activation exceeds" in meta["skipped"]
+        else:
+            assert (meta["layer"], meta["dims"], meta["massive_entries"]) == want, (ratio, min_abs, meta, want)
+        seen.append(want and want[:2])
+    assert seen == [(0, [9]), (1, [7]), None]  # the plants did what they should: each bar decides once
 
 
 def test_head_ablation_labels_a_silent_head_low_effect_and_a_loud_head_by_the_hf_measured_sign():

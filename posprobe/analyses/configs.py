@@ -367,8 +367,10 @@ class SinksConfig:
     ablate_delta: float = option(0.005, "a zeroed head is low-effect when the text loss changes by less than this "
                                         "(nats/token), else loss-rises / loss-falls")
     massive_top: int = option(3, "largest |residual activations| kept per layer (Sun et al. 2024; 0: skip)")
-    massive_ratio: float = option(100.0, "an activation is massive above this multiple of its sequence's median "
-                                         "|activation|; the first layer with one is where they are zeroed / averaged")
+    massive_ratio: float = option(1000.0, "an activation is massive above this multiple of its sequence's median "
+                                          "|activation| (Sun et al. 2024: about 1000) and above --massive-abs; the "
+                                          "first layer with one is where they are zeroed / averaged")
+    massive_abs: float = option(100.0, "... and above this |activation| (Sun et al. 2024: 100)")
     batch_size: int = option(8, "sequences per forward pass")
     seed: int = option(0, "seed of the random sequences")
     progress: bool = option(True, "", cli=False)
@@ -378,8 +380,9 @@ class SinksConfig:
         _at_least(self, 0, "massive_top", "ablate_heads")
         if not 0 <= self.ablate_attention <= 1 or self.ablate_delta < 0:
             raise ValueError("ablate_attention must be within [0, 1] and ablate_delta >= 0")
-        if self.massive_ratio <= 1:
-            raise ValueError(f"massive_ratio must be > 1, got {self.massive_ratio}")
+        if self.massive_ratio <= 1 or not self.massive_abs >= 0:
+            raise ValueError(f"massive_ratio must be > 1 and massive_abs >= 0, got {self.massive_ratio} and "
+                             f"{self.massive_abs}")
         _at_least(self, 2, "length")
         _at_least(self, 1, "batch_size")
         _at_least(self, 0, "random_samples", "max_windows")

@@ -6,9 +6,10 @@ with their position, token and dimension, and the sequence's median |activation|
 top entries per layer, each with its ratio to the layer's median (the mean over sequences of the per-sequence
 median, so memory stays flat in the corpus size).
 
-The intervention of Sun et al.: at the first layer where an activation exceeds `ratio` x the median (L*), set
-every entry of the massive dimensions that exceeds `ratio` x its sequence's median to zero, or to the mean of
-those entries over the text; report the loss (nats/token) and the first token's attention in the later layers
+Sun et al.'s definition: an activation is massive when its magnitude exceeds 100 and about 1000x the median
+magnitude of its hidden state (`min_abs`, `ratio`). Their intervention: at the first layer with a massive
+activation (L*), set every entry of the massive dimensions that is massive by the same rule (against its own
+sequence's median) to zero, or to the mean of those entries over the text; report the loss (nats/token) and the first token's attention in the later layers
 under each, against the untouched model. The edit is one forward hook at L*'s output, decided per sequence from the
 activations themselves (the same rule a plain Hugging Face forward hook applies: tests/test_sinks.py).
 """
@@ -74,14 +75,21 @@ def massive_table(model: Any, rows: torch.Tensor, *, top: int, batch_size: int, 
     return pd.DataFrame(out)
 
 
-def massive_edit(dims: list[int], ratio: float, mode: str, means: torch.Tensor | None = None
-                 ) -> Callable[[torch.Tensor], torch.Tensor]:
+def _massive(sub: torch.Tensor, med: torch.Tensor, ratio: float, min_abs: float) -> torch.Tensor:
+    """Which entries of `sub` ([batch, pos, dims]) are massive: |value| above `ratio` x their sequence's median
+    `med` ([batch]) and above `min_abs`."""
+    return (sub.abs() > ratio * med[:, None, None]) & (sub.abs() > min_abs)
+
+
+def massive_edit(dims: list[int], ratio: float, mode: str, means: torch.Tensor | None = None, *,
+                 min_abs: float = 0.0) -> Callable[[torch.Tensor], torch.Tensor]:
     """The edit of a `[batch, pos, d]` residual: entries of `dims` whose |value| exceeds `ratio` x their
-    sequence's median |activation| set to 0 (`mode` "zero") or to `means` (one per dim, `mode` "mean")."""
+    sequence's median |activation| and `min_abs` set to 0 (`mode` "zero") or to `means` (one per dim, `mode`
+    "mean")."""
     def edit(x: torch.Tensor) -> torch.Tensor:
         med = x.abs().float().reshape(x.shape[0], -1).median(dim=-1).values.to(x.dtype)  # [batch]
         sub = x[..., dims]
-        hit = sub.abs() > ratio * med[:, None, None]
+        hit = _massive(sub, med, ratio, min_abs)
         if mode == "zero":
             new = torch.where(hit, torch.zeros_like(sub), sub)
         else:
@@ -95,15 +103,17 @@ def massive_edit(dims: list[int], ratio: float, mode: str, means: torch.Tensor |
 
 
 @torch.no_grad()
-def intervene(model: Any, rows: torch.Tensor, table: pd.DataFrame, *, ratio: float, batch_size: int
-              ) -> tuple[pd.DataFrame, dict]:
+def intervene(model: Any, rows: torch.Tensor, table: pd.DataFrame, *, ratio: float, batch_size: int,
+              min_abs: float = 0.0) -> tuple[pd.DataFrame, dict]:
     """Loss and first-token attention with the massive activations of the first layer that has them set to zero
     or to their mean, against the model as it is. Returns (table: variant "none"/"zero"/"mean", metric "nll"
     (nats/token) / "first_attention" (mean over heads of layers after L*), value, count = tokens or heads) and
-    meta (layer, dims, hits, means); an empty table where no layer has an activation above `ratio` x median."""
-    hits = table[table.ratio > ratio]
+    meta (layer, dims, hits, means); an empty table where no layer has an activation above `ratio` x median and
+    `min_abs`."""
+    hits = table[(table.ratio > ratio) & (table.value > min_abs)]
     if not len(hits) or not has_lm_head(model):
-        why = ("no activation exceeds the ratio" if not len(hits) else "the model has no language-model head")
+        why = (f"no activation exceeds {ratio:g}x the median and {min_abs:g}" if not len(hits)
+               else "the model has no language-model head")
         return pd.DataFrame(), {"skipped": why}
     layer = int(hits.layer.min())
     dims = sorted({int(d) for d in hits[hits.layer == layer].dim})
@@ -116,7 +126,7 @@ def intervene(model: Any, rows: torch.Tensor, table: pd.DataFrame, *, ratio: flo
         x = capture(model, rows[a:a + batch_size], ["resid_post"], layers=[layer])[("resid_post", layer)]
         med = x.abs().float().reshape(x.shape[0], -1).median(dim=-1).values
         sub = x[..., dims].float()
-        hit = sub.abs() > ratio * med[:, None, None].to(sub.device)
+        hit = _massive(sub, med.to(sub.device), ratio, min_abs)
         total += torch.where(hit, sub, torch.zeros_like(sub)).double().sum((0, 1)).cpu()
         count += hit.double().sum((0, 1)).cpu()
     means = (total / count.clamp_min(1)).float()
@@ -135,7 +145,7 @@ def intervene(model: Any, rows: torch.Tensor, table: pd.DataFrame, *, ratio: flo
     readers = [(hook_name("pattern", l), read_pattern(l)) for l in later]
     n_heads = model_facts(model).n_heads * len(later)
     for mode in ("none", "zero", "mean"):
-        edit = None if mode == "none" else massive_edit(dims, ratio, mode, means)
+        edit = None if mode == "none" else massive_edit(dims, ratio, mode, means, min_abs=min_abs)
         hooks = ([] if edit is None else [(point, lambda x, hook, e=edit: e(x))]) + readers
         nll, n_tok = 0.0, 0
         acc["first"] = 0.0
@@ -152,6 +162,6 @@ def intervene(model: Any, rows: torch.Tensor, table: pd.DataFrame, *, ratio: flo
         if later:
             out.append(dict(variant=mode, metric="first_attention", value=acc["first"] / (rows.shape[0] * n_heads),
                             count=n_heads))
-    meta = {"layer": layer, "dims": dims, "ratio": ratio, "massive_entries": int(count.sum()),
+    meta = {"layer": layer, "dims": dims, "ratio": ratio, "min_abs": min_abs, "massive_entries": int(count.sum()),
             "means": [float(m) for m in means]}
     return pd.DataFrame(out), meta

@@ -229,7 +229,7 @@ def run_sinks(model: Any, text: str | None = None, config: SinksConfig | None = 
     count); meta["sink_share"] holds the share over all layers per condition (Gu et al.'s headline number).
     With `massive_top`, also `massive_activations` (per condition and layer the largest |residual activations|
     with position, token, dimension and ratio to the median; `posprobe.analyses.massive`) and, where a layer has
-    one above `massive_ratio` x median, `massive_intervention` (loss and first-token attention with them zeroed
+    one above `massive_ratio` x median and `massive_abs` (Sun et al.'s definition), `massive_intervention` (loss and first-token attention with them zeroed
     or set to their mean; meta["massive"] says where and which dims). With `control`, `sink_control`: the share and
     the first token's attention on the text windows as they are, with the first token moved to position n // 2,
     and with it replaced by "the" or a newline (`control_variants`); meta["control"] says what the model's positional
@@ -285,7 +285,8 @@ def run_sinks(model: Any, text: str | None = None, config: SinksConfig | None = 
         if "text" in conditions:
             text_rows = tables["massive_activations"]
             effect, massive_meta = intervene(model, conditions["text"], text_rows[text_rows.condition == "text"],
-                                             ratio=cfg.massive_ratio, batch_size=cfg.batch_size)
+                                             ratio=cfg.massive_ratio, min_abs=cfg.massive_abs,
+                                             batch_size=cfg.batch_size)
             if len(effect):
                 tables["massive_intervention"] = effect
     for df in tables.values():

@@ -184,7 +184,8 @@ def massive_text(result: Any) -> str:
         return out + f" No intervention: {m.get('skipped', 'no massive activation')}."
     v = eff.set_index(["variant", "metric"]).value
     zero, mean = v["zero", "nll"] - v["none", "nll"], v["mean", "nll"] - v["none", "nll"]
-    out += (f" Setting the {m['massive_entries']} massive entries of layer {m['layer']} (dims "
+    rule = f"|h| > {m['min_abs']:g} and > {m['ratio']:g}x its sequence's median, " if "min_abs" in m else ""
+    out += (f" Setting the {m['massive_entries']} massive entries ({rule}Sun et al.) of layer {m['layer']} (dims "
             f"{', '.join(map(str, m['dims']))}) to zero changes the text loss by {zero:+.3f} nats/token, to their "
             f"mean by {mean:+.3f}")
     if ("none", "first_attention") in v.index:
@@ -228,9 +229,10 @@ def sections(result: Any) -> list[Section]:
         cfg = m["config"]
         rule = (f"Per layer the {cfg['massive_top']} largest |residual activations| after the block at distinct "
                 "(position, dimension), over the corpus; ratio to the mean over sequences of the median "
-                "|activation|. Intervention (Sun et al. 2024): at the first layer with an activation above "
-                f"{cfg['massive_ratio']}x the median, the entries of those dimensions above that bar are set to zero "
-                "or to their mean over the text.")
+                "|activation|. Massive (Sun et al. 2024): above "
+                f"{cfg['massive_ratio']:g}x the median and above {cfg.get('massive_abs', 0):g} in magnitude. "
+                "Intervention: at the first layer with a massive activation, the massive entries of those dimensions "
+                "are set to zero or to their mean over the text.")
         eff = result.tables.get("massive_intervention")
         extra = table_html(eff.drop(columns="model").round(4)) if eff is not None and len(eff) else ""
         out.append(Section("Massive activations", html=f"<p>{html.escape(rule)}</p>" + extra,
