@@ -9,9 +9,10 @@ median, so memory stays flat in the corpus size).
 Sun et al.'s definition: an activation is massive when its magnitude exceeds 100 and about 1000x the median
 magnitude of its hidden state (`min_abs`, `ratio`). Their intervention: at the first layer with a massive
 activation (L*), set every entry of the massive dimensions that is massive by the same rule (against its own
-sequence's median) to zero, or to the mean of those entries over the text; report the loss (nats/token) and the first token's attention in the later layers
-under each, against the untouched model. The edit is one forward hook at L*'s output, decided per sequence from the
-activations themselves (the same rule a plain Hugging Face forward hook applies: tests/test_sinks.py).
+sequence's median) to zero, or to the mean of those entries over the text; report the loss (nats/token) and the
+first token's attention in the later layers under each, against the untouched model. The edit is one forward hook
+at L*'s output, decided per sequence from the activations themselves (the same rule a plain Hugging Face forward
+hook applies: tests/test_sinks.py).
 """
 
 from __future__ import annotations

@@ -229,9 +229,10 @@ def run_sinks(model: Any, text: str | None = None, config: SinksConfig | None = 
     count); meta["sink_share"] holds the share over all layers per condition (Gu et al.'s headline number).
     With `massive_top`, also `massive_activations` (per condition and layer the largest |residual activations|
     with position, token, dimension and ratio to the median; `posprobe.analyses.massive`) and, where a layer has
-    one above `massive_ratio` x median and `massive_abs` (Sun et al.'s definition), `massive_intervention` (loss and first-token attention with them zeroed
-    or set to their mean; meta["massive"] says where and which dims). With `control`, `sink_control`: the share and
-    the first token's attention on the text windows as they are, with the first token moved to position n // 2,
+    one above `massive_ratio` x median and `massive_abs` (Sun et al.'s definition), `massive_intervention` (loss
+    and first-token attention with them zeroed or set to their mean; meta["massive"] says where and which dims).
+    With `control`, `sink_control`: the share and the first token's attention on the text windows as they are, with
+    the first token moved to position n // 2,
     and with it replaced by "the" or a newline (`control_variants`); meta["control"] says what the model's positional
     mechanism alone predicts for the position variants. With `ablate_heads`, `head_ablation`: the heads with the most
     attention on the first token, each zeroed alone and labelled by the change of the text loss (low-effect,
