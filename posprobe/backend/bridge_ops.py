@@ -99,6 +99,11 @@ def position_table(model: Any) -> torch.Tensor:
     return emb.weight[learned.first_row(emb):]
 
 
+def token_table(model: Any) -> torch.Tensor:
+    # HF's input embedding as the forward reads it (any scale such as XGLM's sqrt(d) is applied later, in HF's code).
+    return model.embed.original_component.weight
+
+
 # ---- weights and norms (score decomposition)
 
 

@@ -57,6 +57,10 @@ def position_table(model: Any) -> torch.Tensor:
     return model.W_pos
 
 
+def token_table(model: Any) -> torch.Tensor:
+    return model.W_E
+
+
 # ---- weights and norms (score decomposition)
 
 

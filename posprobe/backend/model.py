@@ -127,6 +127,11 @@ def position_table(model: Any) -> torch.Tensor:
     return ops(model).position_table(model)
 
 
+def token_table(model: Any) -> torch.Tensor:
+    """The token embedding W_E, `[d_vocab, d_model]`, unscaled (as the model's embedding module stores it)."""
+    return ops(model).token_table(model)
+
+
 # --- weights and norms used by the score decomposition
 
 

@@ -41,6 +41,10 @@ def run(args: argparse.Namespace) -> int:
 
     model = load_model(args.model, device=args.device, dtype=args.dtype, n_ctx=args.n_ctx)
     result = run_geometry(model, text, config, source=args.text)
+    from posprobe.report.geometry import overlap_text
+
+    if overlap_text(result):
+        print(overlap_text(result))
     paths = result.save(args.out, figure_formats=args.figures, csv=args.csv)
     print(f"wrote {paths['report']}")
     return 0

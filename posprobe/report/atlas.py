@@ -93,10 +93,14 @@ def paragraph(result: Any, section: str) -> str:
                 f"distance explains: {', '.join(f'{v} {k}' for k, v in kinds.items())} heads"
                 f"{_frequency_scope(result.meta, sum(kinds.values()))}.")
     if section == "geometry":
+        from posprobe.report.geometry import overlap_text
+
         pc1 = n("wpos_pc1_explained")
+        part = getattr(result, "parts", {}).get("geometry")
+        extra = (" " + overlap_text(part)) if part is not None and overlap_text(part) else ""
         return (f"The first principal component of the learned position table explains {pc1:.0%} of its variance; "
                 "the report shows the trajectory of positions in the top components and their sinusoid fits."
-                if pc1 is not None else "Residual-stream position geometry (see the section report).")
+                + extra if pc1 is not None else "Residual-stream position geometry (see the section report).")
     if section == "probes":
         first, last, ctrl, chance = (n(k) for k in ("mae_first_layer", "mae_last_layer", "mae_control", "mae_chance"))
         return (f"A linear probe recovers a token's absolute position from the residual stream with a mean absolute "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 from typing import Any
 
 import pandas as pd
@@ -43,7 +44,52 @@ def sections(result: Any) -> list[Section]:
                f"out), positions from {skip}. Sinusoid fit of each principal component's score against "
                "position: period in positions, R&sup2; of the fit (a period at the search bound, 4x the span, means a "
                "monotonic component with no full cycle).</p>")
-    return [Section("Summary", html=summary + table_html(table)), Section("Figures", figures=figures(result))]
+    out = [Section("Summary", html=summary + table_html(table)), Section("Figures", figures=figures(result))]
+    overlap = result.tables.get("pos_token_subspace")
+    if overlap is not None and len(overlap):
+        wide = overlap.pivot_table(index="k", columns="metric", values="value").reset_index().round(4)
+        out.append(Section("Add or concatenate? The position table against the token embeddings",
+                           html=f"<p>{html.escape(overlap_text(result))}</p>", table=wide,
+                           figures=[overlap_figure(overlap, result.meta)]))
+    return out
+
+
+def overlap_text(result: Any) -> str:
+    """One sentence on whether the learned position table shares the token embeddings' principal directions ("" when
+    the result has no `pos_token_subspace` table): at the smallest k whose top-k directions hold 90% of the table's
+    variance (the largest k if none does), its share in the tokens' top-k subspace against a random subspace's."""
+    df = result.tables.get("pos_token_subspace")
+    if df is None or not len(df):
+        return ""
+    w = df.pivot_table(index="k", columns="metric", values="value").sort_index()
+    enough = w[w.pos_own_share >= 0.9]
+    k = int(enough.index[0]) if len(enough) else int(w.index[-1])
+    r = w.loc[k]
+    rel = r.pos_share_in_token / r.random_share
+    verdict = ("positions and tokens sit in nearly separate directions: summing learned something close to a "
+               "concatenation" if rel < 0.5 else "positions share the token embeddings' main directions: summed and "
+               "mixed" if rel > 2 else "positions fall in the token embeddings' main directions as often as a random "
+               "subspace would")
+    return (f"Add or concatenate? The top {k} principal directions of the position table hold {r.pos_own_share:.0%} "
+            f"of its variance; the token embeddings' top {k} directions hold {r.pos_share_in_token:.1%} of it, "
+            f"against {r.random_share:.1%} for a random {k}-dimensional subspace (smallest principal angle "
+            f"{r.angle_min:.0f} degrees): {verdict}.")
+
+
+def overlap_figure(df: pd.DataFrame, meta: dict | None = None) -> Any:
+    """Share of the position table's variance inside the token embeddings' top-k subspace (and the converse) vs k,
+    against a random subspace's k / d_model."""
+    import plotly.graph_objects as go
+
+    w = df.pivot_table(index="k", columns="metric", values="value").sort_index()
+    fig = go.Figure()
+    for metric, name, dash in (("pos_share_in_token", "position table in the tokens' top-k subspace", "solid"),
+                               ("token_share_in_pos", "token embeddings in the positions' top-k subspace", "solid"),
+                               ("random_share", "a random k-dimensional subspace (k / d_model)", "dot")):
+        fig.add_trace(go.Scatter(x=w.index, y=w[metric], name=name, mode="lines+markers", line=dict(dash=dash)))
+    fig.update_layout(title="Add or concatenate? Variance shared by the position table and the token embeddings",
+                      xaxis_title="k (subspace dimension)", yaxis_title="share of variance", xaxis_type="log")
+    return style(fig, caption=figure_caption(meta, "W_pos vs W_E"))
 
 
 #: Positions per axis of a cosine map drawn in a report (larger maps are shown at every k-th position).

@@ -57,7 +57,8 @@ COLUMNS: dict[str, str] = {
     "key_pos": "key token position",
     "rel_pos": "query_pos - key_pos (lower edge where binned)",
     "rel_pos_hi": "inclusive upper edge of a rel_pos bin",
-    "k": "start position of a shifted sequence (shift test), or principal-component index (geometry)",
+    "k": "start position of a shifted sequence (shift test), or principal-component index / subspace dimension "
+         "(geometry)",
     "window": "index of the text window",
     "point": "capture point (resid_pre, resid_mid, resid_post, ...)",
     "source": "what a row was computed from (W_pos, residual stream, ...)",
