@@ -1,0 +1,89 @@
+"""Head similarity across models (Kazemnejad et al. 2023, "The Impact of Positional Encoding on Length
+Generalization in Transformers", Fig. 4): how alike are the attention patterns of two models' heads on the same
+inputs?
+
+For every head h of model A in layer l: the Jensen-Shannon divergence (nats, natural log; 0 for equal
+distributions, at most ln 2) between h's attention distribution and that of each head h' of model B in the same layer,
+averaged over query positions 1..n-1 (query 0 can only attend to itself, in every head) and over the inputs; then
+the minimum over h' ("how close is the nearest head of B"), averaged per layer. Both models read the same token ids,
+so they must share a tokenizer (the zoo's members do). Patterns are captured per batch and folded into a
+`[heads_a, heads_b]` sum per layer, so memory stays flat in the number of inputs.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import pandas as pd
+import torch
+
+from posprobe.backend.facts import model_facts
+from posprobe.core.capture import capture, check_rows
+from posprobe.report.result import Result
+from posprobe.report.schema import data_meta, make_meta
+
+__all__ = ["jsd_sums", "head_similarity"]
+
+
+def _xlogy_ratio(p: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    # p * log(p / m) with 0 * log 0 = 0; m >= p / 2 > 0 wherever p > 0, so the ratio is finite there.
+    return torch.where(p > 0, p * (p.clamp_min(1e-300).log() - m.clamp_min(1e-300).log()), torch.zeros_like(p))
+
+
+def jsd_sums(pa: torch.Tensor, pb: torch.Tensor) -> torch.Tensor:
+    """`[heads_a, heads_b]` float64: the Jensen-Shannon divergence (nats) between every head of `pa` and every head
+    of `pb` (`[batch, head, query_pos, key_pos]` attention patterns of the same inputs), summed over the batch and
+    over query positions 1..n-1."""
+    if pa.shape[0] != pb.shape[0] or pa.shape[2:] != pb.shape[2:]:
+        raise ValueError(f"patterns of different inputs: {tuple(pa.shape)} vs {tuple(pb.shape)}")
+    a, b = pa[:, :, 1:].double(), pb[:, :, 1:].double()
+    out = torch.zeros(a.shape[1], b.shape[1], dtype=torch.float64)
+    for i in range(a.shape[0]):  # one input at a time: [ha, hb, q, k] stays small
+        p, r = a[i][:, None], b[i][None, :]
+        m = (p + r) / 2
+        out += (0.5 * (_xlogy_ratio(p, m) + _xlogy_ratio(r, m))).sum(-1).sum(-1).cpu()
+    return out
+
+
+def head_similarity(model_a: Any, model_b: Any, token_rows: Sequence[Sequence[int]] | torch.Tensor, *,
+                    layers: Sequence[int] | None = None, batch_size: int = 4) -> Result:
+    """Per layer and head of `model_a`, the nearest head of `model_b` by mean Jensen-Shannon divergence (nats) of
+    their attention patterns on the same `token_rows`. Tables `head_similarity` (layer, head, nearest_head, jsd_min,
+    jsd_mean: the mean over B's heads) and `head_similarity_layer` (layer, jsd_min averaged over A's heads: Kazemnejad
+    et al.'s Fig. 4 number). Raises ValueError before any forward when the models differ in depth or vocabulary."""
+    fa, fb = model_facts(model_a), model_facts(model_b)
+    if fa.n_layers != fb.n_layers:
+        raise ValueError(f"{fa.name} has {fa.n_layers} layers and {fb.name} {fb.n_layers}: heads are compared "
+                         "layer by layer, so the depths must match")
+    va, vb = model_a.tokenizer.get_vocab(), model_b.tokenizer.get_vocab()
+    if va != vb:
+        raise ValueError(f"{fa.name} and {fb.name} have different vocabularies: the same token ids would be "
+                         "different inputs")
+    rows = check_rows(model_a, token_rows)
+    check_rows(model_b, rows)
+    layers = list(range(fa.n_layers)) if layers is None else list(layers)
+    if not layers or any(not 0 <= layer < fa.n_layers for layer in layers):
+        raise ValueError(f"layers must be a non-empty subset of 0..{fa.n_layers - 1}, got {layers}")
+    sums = {layer: torch.zeros(fa.n_heads, fb.n_heads, dtype=torch.float64) for layer in layers}
+    for i in range(0, rows.shape[0], batch_size):
+        batch = rows[i:i + batch_size]
+        got_a = capture(model_a, batch, ["pattern"], layers=layers)
+        got_b = capture(model_b, batch, ["pattern"], layers=layers)
+        for layer in layers:
+            sums[layer] += jsd_sums(got_a[("pattern", layer)], got_b[("pattern", layer)])
+    n = rows.shape[0] * (rows.shape[1] - 1)
+    heads, per_layer = [], []
+    for layer in layers:
+        mean = sums[layer] / n
+        best = mean.min(dim=1)
+        for h in range(fa.n_heads):
+            heads.append(dict(model=fa.name, other=fb.name, layer=layer, head=h, nearest_head=int(best.indices[h]),
+                              jsd_min=float(best.values[h]), jsd_mean=float(mean[h].mean())))
+        per_layer.append(dict(model=fa.name, other=fb.name, layer=layer, jsd_min=float(best.values.mean()),
+                              count=fa.n_heads))
+    meta = make_meta("head-similarity", model=fa.summary(), other=fb.summary(),
+                     data=data_meta("token rows", n_items=int(rows.shape[0]), unit="sequences"),
+                     config=dict(layers=layers, batch_size=batch_size, length=int(rows.shape[1])),
+                     definition="Jensen-Shannon divergence (nats) of attention distributions, mean over query "
+                                "positions 1..n-1 and inputs; minimum over the other model's heads in the same layer")
+    return Result({"head_similarity": pd.DataFrame(heads), "head_similarity_layer": pd.DataFrame(per_layer)}, meta)
