@@ -371,3 +371,11 @@ def test_minilm_position_table_avoids_the_token_directions(minilm):
     # Measured (README): at every k the position table holds less variance in the token embeddings' top-k
     # subspace than a random subspace would (0.004 vs 0.042 at k = 16).
     assert (got.pos_share_in_token < got.random_share / 2).all()
+
+
+def test_position_token_overlap_of_a_constant_table_is_not_measurable():
+    from posprobe.analyses.geometry import position_token_overlap
+
+    got = position_token_overlap(np.zeros((10, 8)), np.random.default_rng(0).normal(size=(50, 8)), ks=(1, 2))
+    w = got.pivot_table(index="k", columns="metric", values="value", dropna=False)
+    assert w.drop(columns="random_share").isna().all().all() and list(w.random_share) == [1 / 8, 2 / 8]

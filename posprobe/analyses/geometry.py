@@ -145,6 +145,11 @@ def position_token_overlap(W_pos: torch.Tensor | np.ndarray, W_E: torch.Tensor |
         raise ValueError(f"no k in 1..{limit} (d_model {d}, {P.shape[0]} positions, {E.shape[0]} tokens)")
     Pc, Ec = P - P.mean(0), E - E.mean(0)
     p_total, e_total = float((Pc ** 2).sum()), float((Ec ** 2).sum())
+    if p_total == 0 or e_total == 0:  # a constant table (e.g. untrained zeros) has no principal directions
+        names = ("angle_min", "angle_mean", "pos_share_in_token", "token_share_in_pos", "pos_own_share",
+                 "token_own_share")
+        return pd.DataFrame([dict(k=k, metric=m, value=k / d if m == "random_share" else float("nan"))
+                             for k in ks for m in (*names, "random_share")])
     Vp_all, Ve_all = _top_directions(P, max(ks)), _top_directions(E, max(ks))
     rows = []
     for k in ks:

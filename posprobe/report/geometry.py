@@ -61,7 +61,10 @@ def overlap_text(result: Any) -> str:
     df = result.tables.get("pos_token_subspace")
     if df is None or not len(df):
         return ""
-    w = df.pivot_table(index="k", columns="metric", values="value").sort_index()
+    w = df.pivot_table(index="k", columns="metric", values="value", dropna=False).sort_index()
+    if w.pos_share_in_token.isna().all():
+        return ("Add or concatenate? Not measurable: the position table or the token embeddings are constant (no "
+                "variance, e.g. untrained weights).")
     enough = w[w.pos_own_share >= 0.9]
     k = int(enough.index[0]) if len(enough) else int(w.index[-1])
     r = w.loc[k]
