@@ -371,3 +371,9 @@ def test_cooking_topic_is_tagged_and_spread():
     first = builtin_questions(24)
     assert 1 <= sum(q.topic == "cooking" for q in first) <= 6  # the default selection mixes topics
     assert len({q.text for q in BUILTIN_QUESTIONS}) == len(BUILTIN_QUESTIONS)
+
+
+def test_all_or_nothing_names_the_whole_suite():
+    everything = [i.name for i in builtin_instructions()]
+    for names in ((), [], ("all",), "all", None):
+        assert [i.name for i in builtin_instructions(names)] == everything

@@ -206,8 +206,7 @@ def run_squish_study(model: Any, config: SquishStudyConfig | None = None, *, tok
     if tokenizer is None:
         raise ValueError("give the tokenizer (run_squish_study(model, config, tokenizer=...))")
     hf, tok = model, tokenizer
-    insts = list(instructions) if instructions is not None else builtin_instructions(
-        None if cfg.instructions in ((), ("all",)) else cfg.instructions)
+    insts = list(instructions) if instructions is not None else builtin_instructions(cfg.instructions)
     qs = list(questions) if questions is not None else builtin_questions(cfg.questions)
     if not insts or not qs:
         raise ValueError("the study needs at least one instruction and one question")

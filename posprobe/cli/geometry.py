@@ -43,8 +43,9 @@ def run(args: argparse.Namespace) -> int:
     result = run_geometry(model, text, config, source=args.text)
     from posprobe.report.geometry import overlap_text
 
-    if overlap_text(result):
-        print(overlap_text(result))
+    sentence = overlap_text(result)
+    if sentence:
+        print(sentence)
     paths = result.save(args.out, figure_formats=args.figures, csv=args.csv)
     print(f"wrote {paths['report']}")
     return 0

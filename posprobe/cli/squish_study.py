@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     config = config_from_args(SquishStudyConfig, args, progress=not args.no_progress)
     checks.check_out(args.out)
     checks.require_rotary(checks.peek_model(args), "squish-study")
-    instructions = builtin_instructions(None if config.instructions in ((), ("all",)) else config.instructions)
+    instructions = builtin_instructions(config.instructions)
     validate_checkers(instructions)
     if args.questions_file:
         questions = load_questions(args.questions_file)

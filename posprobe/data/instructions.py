@@ -234,12 +234,13 @@ BUILTIN_INSTRUCTIONS: dict[str, Instruction] = {i.name: i for i in (
 
 
 def builtin_instructions(names: Sequence[str] | str | None = None) -> list[Instruction]:
-    """Return the built-in instructions: all of them in their fixed order, or those named, in the order named.
-    A single name may be given as a string. Raises ValueError for an unknown or repeated name."""
-    if names is None:
-        return list(BUILTIN_INSTRUCTIONS.values())
+    """Return the built-in instructions: all of them in their fixed order (`names` None, empty or "all"), or those
+    named, in the order named. A single name may be given as a string. Raises ValueError for an unknown or repeated
+    name."""
     if isinstance(names, str):
         names = [names]
+    if not names or list(names) == ["all"]:
+        return list(BUILTIN_INSTRUCTIONS.values())
     unknown = [n for n in names if n not in BUILTIN_INSTRUCTIONS]
     if unknown:
         raise ValueError(f"unknown instruction(s) {', '.join(map(repr, unknown))}; "

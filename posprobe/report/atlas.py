@@ -97,7 +97,8 @@ def paragraph(result: Any, section: str) -> str:
 
         pc1 = n("wpos_pc1_explained")
         part = getattr(result, "parts", {}).get("geometry")
-        extra = (" " + overlap_text(part)) if part is not None and overlap_text(part) else ""
+        sentence = overlap_text(part) if part is not None else ""
+        extra = " " + sentence if sentence else ""
         return (f"The first principal component of the learned position table explains {pc1:.0%} of its variance; "
                 "the report shows the trajectory of positions in the top components and their sinusoid fits."
                 + extra if pc1 is not None else "Residual-stream position geometry (see the section report).")

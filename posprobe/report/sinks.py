@@ -184,8 +184,10 @@ def massive_text(result: Any) -> str:
         return out + f" No intervention: {m.get('skipped', 'no massive activation')}."
     v = eff.set_index(["variant", "metric"]).value
     zero, mean = v["zero", "nll"] - v["none", "nll"], v["mean", "nll"] - v["none", "nll"]
-    rule = f"|h| > {m['min_abs']:g} and > {m['ratio']:g}x its sequence's median, " if "min_abs" in m else ""
-    out += (f" Setting the {m['massive_entries']} massive entries ({rule}Sun et al.) of layer {m['layer']} (dims "
+    rule = f"|h| > {m['min_abs']:g} and > {m['ratio']:g}x its sequence's median" if "min_abs" in m else "massive"
+    if (m.get("min_abs"), m.get("ratio")) == (100.0, 1000.0):
+        rule += ", Sun et al."  # their definition only at their bars
+    out += (f" Setting the {m['massive_entries']} massive entries ({rule}) of layer {m['layer']} (dims "
             f"{', '.join(map(str, m['dims']))}) to zero changes the text loss by {zero:+.3f} nats/token, to their "
             f"mean by {mean:+.3f}")
     if ("none", "first_attention") in v.index:
