@@ -100,6 +100,11 @@ def test_models_of_different_depth_or_vocabulary_are_refused_before_any_forward(
         m.setattr(H, "model_facts", lambda model: replace(facts(model), n_layers=3) if model is b else facts(model))
         with pytest.raises(ValueError, match="depths must match"):
             head_similarity(a, b, ids)
+    with monkeypatch.context() as m:
+        m.setattr(H, "model_facts", lambda model: replace(facts(model), attention_unsupported="not proven here")
+                  if model is b else facts(model))
+        with pytest.raises(NotImplementedError, match="Head similarity is not available.*not proven here"):
+            head_similarity(a, b, ids)
     b.tokenizer.add_tokens(["<posprobe-extra>"])
     with pytest.raises(ValueError, match="different vocabularies"):
         head_similarity(a, b, ids)

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import pandas as pd
 import torch
 
-from posprobe.backend.facts import model_facts
+from posprobe.backend.facts import model_facts, require_attention_supported
 from posprobe.core.capture import capture, check_rows
 from posprobe.report.result import Result
 from posprobe.report.schema import data_meta, make_meta
@@ -52,6 +52,8 @@ def head_similarity(model_a: Any, model_b: Any, token_rows: Sequence[Sequence[in
     jsd_mean: the mean over B's heads) and `head_similarity_layer` (layer, jsd_min averaged over A's heads: Kazemnejad
     et al.'s Fig. 4 number). Raises ValueError before any forward when the models differ in depth or vocabulary."""
     fa, fb = model_facts(model_a), model_facts(model_b)
+    for f in (fa, fb):  # a pattern posprobe has not proven equal to HF's would give a divergence that means nothing
+        require_attention_supported(f, "Head similarity")
     if fa.n_layers != fb.n_layers:
         raise ValueError(f"{fa.name} has {fa.n_layers} layers and {fb.name} {fb.n_layers}: heads are compared "
                          "layer by layer, so the depths must match")
