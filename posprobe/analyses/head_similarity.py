@@ -22,7 +22,7 @@ from posprobe.core.capture import capture, check_rows
 from posprobe.report.result import Result
 from posprobe.report.schema import data_meta, make_meta
 
-__all__ = ["jsd_sums", "head_similarity"]
+__all__ = ["head_similarity", "jsd_sums", "pairwise_jsd_sums", "similarity_frames"]
 
 
 def _xlogy_ratio(p: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -66,26 +66,47 @@ def head_similarity(model_a: Any, model_b: Any, token_rows: Sequence[Sequence[in
     layers = list(range(fa.n_layers)) if layers is None else list(layers)
     if not layers or any(not 0 <= layer < fa.n_layers for layer in layers):
         raise ValueError(f"layers must be a non-empty subset of 0..{fa.n_layers - 1}, got {layers}")
-    sums = {layer: torch.zeros(fa.n_heads, fb.n_heads, dtype=torch.float64) for layer in layers}
-    for i in range(0, rows.shape[0], batch_size):
-        batch = rows[i:i + batch_size]
-        got_a = capture(model_a, batch, ["pattern"], layers=layers)
-        got_b = capture(model_b, batch, ["pattern"], layers=layers)
-        for layer in layers:
-            sums[layer] += jsd_sums(got_a[("pattern", layer)], got_b[("pattern", layer)])
-    n = rows.shape[0] * (rows.shape[1] - 1)
-    heads, per_layer = [], []
-    for layer in layers:
-        mean = sums[layer] / n
-        best = mean.min(dim=1)
-        for h in range(fa.n_heads):
-            heads.append(dict(model=fa.name, other=fb.name, layer=layer, head=h, nearest_head=int(best.indices[h]),
-                              jsd_min=float(best.values[h]), jsd_mean=float(mean[h].mean())))
-        per_layer.append(dict(model=fa.name, other=fb.name, layer=layer, jsd_min=float(best.values.mean()),
-                              count=fa.n_heads))
+    sums = pairwise_jsd_sums([model_a, model_b], rows, layers, pairs=[(0, 1)], batch_size=batch_size)[(0, 1)]
+    heads, per_layer = similarity_frames(fa.name, fb.name, sums, rows.shape[0] * (rows.shape[1] - 1))
     meta = make_meta("head-similarity", model=fa.summary(), other=fb.summary(),
                      data=data_meta("token rows", n_items=int(rows.shape[0]), unit="sequences"),
                      config=dict(layers=layers, batch_size=batch_size, length=int(rows.shape[1])),
                      definition="Jensen-Shannon divergence (nats) of attention distributions, mean over query "
                                 "positions 1..n-1 and inputs; minimum over the other model's heads in the same layer")
     return Result({"head_similarity": pd.DataFrame(heads), "head_similarity_layer": pd.DataFrame(per_layer)}, meta)
+
+
+
+def pairwise_jsd_sums(models: Sequence[Any], rows: torch.Tensor, layers: Sequence[int], *,
+                      pairs: Sequence[tuple[int, int]] | None = None, batch_size: int = 4,
+                      ) -> dict[tuple[int, int], dict[int, torch.Tensor]]:
+    """(i, j) -> layer -> `jsd_sums` of models[i] against models[j] on `rows`, for the ordered `pairs` (default:
+    every i != j). Each model runs once per batch and only that batch's patterns are held, so memory stays flat in
+    the number of inputs."""
+    pairs = [(i, j) for i in range(len(models)) for j in range(len(models)) if i != j] if pairs is None else pairs
+    sums: dict[tuple[int, int], dict[int, torch.Tensor]] = {p: {} for p in pairs}
+    used = sorted({i for p in pairs for i in p})
+    for start in range(0, rows.shape[0], batch_size):
+        batch = rows[start:start + batch_size]
+        pats = {i: capture(models[i], batch, ["pattern"], layers=list(layers)) for i in used}
+        for i, j in pairs:
+            for layer in layers:
+                got = jsd_sums(pats[i][("pattern", layer)], pats[j][("pattern", layer)])
+                sums[(i, j)][layer] = sums[(i, j)].get(layer, 0) + got
+    return sums
+
+
+def similarity_frames(name_a: str, name_b: str, sums: dict[int, torch.Tensor], count: int,
+                      ) -> tuple[list[dict], list[dict]]:
+    """The rows of `head_similarity` and `head_similarity_layer` (see `head_similarity`) from one pair's
+    `pairwise_jsd_sums` over `count` (input, query) positions."""
+    heads, per_layer = [], []
+    for layer, total in sums.items():
+        mean = total / count
+        best = mean.min(dim=1)
+        for h in range(mean.shape[0]):
+            heads.append(dict(model=name_a, other=name_b, layer=layer, head=h, nearest_head=int(best.indices[h]),
+                              jsd_min=float(best.values[h]), jsd_mean=float(mean[h].mean())))
+        per_layer.append(dict(model=name_a, other=name_b, layer=layer, jsd_min=float(best.values.mean()),
+                              count=mean.shape[0]))
+    return heads, per_layer

@@ -1,5 +1,6 @@
 """`posprobe zoo`: train matched small causal LMs that differ only in their positions (`zoo train`), compare how
-they extrapolate past the training length (`zoo eval`), list the members (`zoo list`)."""
+they extrapolate past the training length (`zoo eval`), run every positional analysis across them side by side
+(`zoo atlas`), list the members (`zoo list`)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     from posprobe.analyses.configs import ExtrapolationConfig
     from posprobe.cli.args import add_config_arguments, add_output_arguments, add_resume_arguments
-    from posprobe.zoo.config import ZooConfig
+    from posprobe.zoo.config import ZooAtlasConfig, ZooConfig
 
     sub = p.add_subparsers(dest="zoo_command", metavar="ZOO_COMMAND")
     t = sub.add_parser("train", help="train the zoo's members (each an ordinary Hugging Face folder)",
@@ -43,6 +44,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps or auto (default: cpu)")
     add_config_arguments(e, ExtrapolationConfig)
     add_output_arguments(e)
+    a = sub.add_parser("atlas", help="every positional analysis across the members, side by side",
+                       description="The shift test, position probes, head classes, head similarity, sinks, add or "
+                                   "concatenate, score decomposition, RoPE frequency usage and perplexity past L on "
+                                   "every member of the zoo folders and any other models named; one report.")
+    a.add_argument("models", nargs="+", metavar="MODEL", help="zoo folders, member folders or other model specs")
+    a.add_argument("--text", metavar="PATH", default=None, help="text (default: the zoo's held-out eval.txt)")
+    a.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps or auto (default: cpu)")
+    add_config_arguments(a, ZooAtlasConfig)
+    add_output_arguments(a)
     sub.add_parser("list", help="the members, their families and blocks", description="The zoo's members.")
 
 
@@ -54,7 +64,9 @@ def run(args: argparse.Namespace) -> int:
         return _train(args)
     if command == "eval":
         return _eval(args)
-    raise ValueError("choose a zoo command: train, eval or list (posprobe zoo --help)")
+    if command == "atlas":
+        return _atlas(args)
+    raise ValueError("choose a zoo command: train, eval, atlas or list (posprobe zoo --help)")
 
 
 def _list() -> int:
@@ -120,6 +132,25 @@ def _eval(args: argparse.Namespace) -> int:
 
     result = evaluate_zoo(args.models, config, text=text, source=args.text, device=args.device)
     print(ratio_table(result).to_string(index=False))
+    paths = result.save(args.out, figure_formats=args.figures, csv=args.csv)
+    print(f"wrote {paths['report']}")
+    return 0
+
+
+def _atlas(args: argparse.Namespace) -> int:
+    from posprobe.cli import checks
+    from posprobe.cli.args import config_from_args
+    from posprobe.zoo.config import ZooAtlasConfig
+
+    checks.check_out(args.out)
+    config = config_from_args(ZooAtlasConfig, args, progress=not args.no_progress)
+    text = checks.read_text_early(args.text)
+
+    from posprobe.report.zoo_atlas import headline_table
+    from posprobe.zoo.atlas import run_zoo_atlas
+
+    result = run_zoo_atlas(args.models, config, text=text, source=args.text, device=args.device)
+    print(headline_table(result).to_string(index=False))
     paths = result.save(args.out, figure_formats=args.figures, csv=args.csv)
     print(f"wrote {paths['report']}")
     return 0

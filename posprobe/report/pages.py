@@ -30,6 +30,7 @@ PAGES = {
     "extrapolation": "posprobe.report.extrapolation",
     "zoo-eval": "posprobe.report.extrapolation",
     "zoo-train": "posprobe.report.zoo_training",
+    "zoo-atlas": "posprobe.report.zoo_atlas",
 }
 
 

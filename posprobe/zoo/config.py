@@ -8,6 +8,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal
 
+from posprobe.analyses.configs import _at_least
 from posprobe.core.config import option
 from posprobe.zoo.members import Widths, member, member_names
 
@@ -96,6 +97,45 @@ class ZooConfig:
     def tokens_per_step(self) -> int:
         """Training tokens per optimiser step (batch x L)."""
         return self.batch_size * self.length
+
+
+ZOO_ATLAS_SECTIONS = ("training", "extrapolation", "shift", "probes", "heads", "similarity", "sinks", "geometry",
+                      "decomposition", "frequency")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZooAtlasConfig:
+    """`posprobe zoo atlas`: the atlas's analyses on every member of a zoo, with the same data and bounds (about
+    5 minutes for the CPU tier's 18 members on a 2-core CPU)."""
+
+    sections: tuple[str, ...] | None = option(None, f"run only these sections ({', '.join(ZOO_ATLAS_SECTIONS)}; "
+                                                    "default: all)", flag="--section")
+    window: int = option(64, "tokens per text window of the heads, similarity, sinks, geometry, probe, decomposition "
+                             "and frequency sections (at most each model's context)")
+    max_windows: int = option(8, "text windows per section")
+    ks: tuple[int, ...] = option((0, 16, 32, 64), "shift-test start positions (those that do not fit a model's "
+                                                  "context with the shift window are left out for it)", flag="--k")
+    shift_window: int = option(32, "tokens per text window of the shift test")
+    max_pairs: int = option(10, "built-in minimal pairs per paradigm for the shift test")
+    probe_tokens: int = option(2000, "tokens sampled for the position probes")
+    similarity_windows: int = option(16, "text windows every model reads for the head similarity")
+    extrapolation_tokens: int = option(4096, "scored tokens per length of the extrapolation section")
+    factors: tuple[float, ...] = option((1, 2, 4, 8), "extrapolation lengths as multiples of L", flag="--factor")
+    seed: int = option(0, "seed of every sampled piece")
+    progress: bool = option(True, "", cli=False)
+
+    def __post_init__(self) -> None:
+        _at_least(self, 2, "window", "shift_window")
+        _at_least(self, 1, "max_windows", "max_pairs", "probe_tokens", "similarity_windows", "extrapolation_tokens")
+        bad = sorted(set(self.sections or ()) - set(ZOO_ATLAS_SECTIONS))
+        if bad:
+            raise ValueError(f"unknown zoo atlas sections {bad}; choose from {list(ZOO_ATLAS_SECTIONS)}")
+        if any(int(k) != k or k < 0 for k in self.ks):
+            raise ValueError(f"k must be a whole number >= 0; got {self.ks}")
+
+    def wanted(self) -> list[str]:
+        """The sections to run, in report order."""
+        return [s for s in ZOO_ATLAS_SECTIONS if self.sections is None or s in self.sections]
 
 
 def load_config_file(path: str | Path, **overrides: Any) -> ZooConfig:
