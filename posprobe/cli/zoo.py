@@ -15,7 +15,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     from posprobe.analyses.configs import ExtrapolationConfig
     from posprobe.cli.args import add_config_arguments, add_output_arguments, add_resume_arguments
-    from posprobe.zoo.config import ZooAtlasConfig, ZooConfig
+    from posprobe.zoo.config import TaskConfig, ZooAtlasConfig, ZooConfig
 
     sub = p.add_subparsers(dest="zoo_command", metavar="ZOO_COMMAND")
     t = sub.add_parser("train", help="train the zoo's members (each an ordinary Hugging Face folder)",
@@ -53,6 +53,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps or auto (default: cpu)")
     add_config_arguments(a, ZooAtlasConfig)
     add_output_arguments(a)
+    k = sub.add_parser("tasks", help="train every member on copy, reverse, addition and sorting; accuracy up to 3L",
+                       description="Kazemnejad et al.'s length generalisation: every member x seed trained on the "
+                                   "synthetic tasks at instance lengths 1..L, exact-answer accuracy measured on "
+                                   "lengths up to 3L; a killed run resumes when the same command is repeated.")
+    k.add_argument("--device", default=None, help="cpu, cuda, cuda:N, mps or auto (default: the tier's)")
+    add_config_arguments(k, TaskConfig)
+    add_config_arguments(k, ZooConfig, skip=("length", "vocab_size", "eval_fraction", "steps", "batch_size"))
+    k.set_defaults(**{f.name: None for f in fields(ZooConfig)})
+    k.add_argument("--out", metavar="DIR", required=True, help="new folder for the task zoo (its parent must exist)")
+    k.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    add_resume_arguments(k)
     sub.add_parser("list", help="the members, their families and blocks", description="The zoo's members.")
 
 
@@ -66,7 +77,9 @@ def run(args: argparse.Namespace) -> int:
         return _eval(args)
     if command == "atlas":
         return _atlas(args)
-    raise ValueError("choose a zoo command: train, eval, atlas or list (posprobe zoo --help)")
+    if command == "tasks":
+        return _tasks(args)
+    raise ValueError("choose a zoo command: train, eval, atlas, tasks or list (posprobe zoo --help)")
 
 
 def _list() -> int:
@@ -153,4 +166,31 @@ def _atlas(args: argparse.Namespace) -> int:
     print(headline_table(result).to_string(index=False))
     paths = result.save(args.out, figure_formats=args.figures, csv=args.csv)
     print(f"wrote {paths['report']}")
+    return 0
+
+
+def _tasks(args: argparse.Namespace) -> int:
+    from dataclasses import fields
+
+    from posprobe.cli import checks
+    from posprobe.cli.args import config_from_args
+    from posprobe.zoo.config import TaskConfig, ZooConfig
+
+    checks.check_out(args.out)
+    tasks = config_from_args(TaskConfig, args)
+    flags = {f.name: getattr(args, f.name) for f in fields(ZooConfig) if getattr(args, f.name, None) is not None}
+    flags = {k: tuple(v) if isinstance(v, list) else v for k, v in flags.items()}
+    flags.update(steps=tasks.steps, batch_size=tasks.batch_size, progress=not args.no_progress)
+    if args.device is not None:
+        flags["device"] = args.device
+    cfg = ZooConfig(**flags)
+
+    from posprobe.report.zoo_tasks import accuracy_table
+    from posprobe.zoo.run import check_device
+    from posprobe.zoo.task_zoo import train_task_zoo
+
+    check_device(cfg)
+    result = train_task_zoo(cfg, tasks, args.out, fresh=args.fresh)
+    print(accuracy_table(result).to_string(index=False))
+    print(f"wrote {args.out} ({len(result.tables['members'])} members) and {args.out}/tasks/report.html")
     return 0

@@ -31,6 +31,7 @@ PAGES = {
     "zoo-eval": "posprobe.report.extrapolation",
     "zoo-train": "posprobe.report.zoo_training",
     "zoo-atlas": "posprobe.report.zoo_atlas",
+    "zoo-tasks": "posprobe.report.zoo_tasks",
 }
 
 

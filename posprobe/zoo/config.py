@@ -12,7 +12,7 @@ from posprobe.analyses.configs import _at_least
 from posprobe.core.config import option
 from posprobe.zoo.members import Widths, member, member_names
 
-__all__ = ["TIERS", "ZooConfig", "load_config_file"]
+__all__ = ["TIERS", "TaskConfig", "ZooAtlasConfig", "ZooConfig", "load_config_file"]
 
 #: Sizes and schedules per tier. cpu: every member in about a minute on 2 cores (~25k tokens/s each);
 #: gpu: minutes per member on one GPU (same code path, wider and longer).
@@ -136,6 +136,38 @@ class ZooAtlasConfig:
     def wanted(self) -> list[str]:
         """The sections to run, in report order."""
         return [s for s in ZOO_ATLAS_SECTIONS if self.sections is None or s in self.sections]
+
+
+#: The synthetic tasks (`posprobe.zoo.tasks`), repeated here so that flags are built without importing it.
+TASK_NAMES = ("copy", "reverse", "addition", "sorting")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskConfig:
+    """The synthetic tasks of `posprobe zoo tasks` (after Kazemnejad et al. 2023): trained on instance lengths
+    1..L, accuracy measured on lengths 1..test_factor x L."""
+
+    tasks: tuple[str, ...] = option(TASK_NAMES, "tasks mixed in training and measured (repeatable)", flag="--task")
+    train_max: int = option(8, "longest training instance L (symbols to copy, reverse or sort; digits per operand of "
+                               "an addition)")
+    test_factor: float = option(3.0, "accuracy on instance lengths 1 .. test_factor x L")
+    test_count: int = option(64, "test instances per task and length")
+    steps: int = option(1500, "optimiser steps per member (the text zoo's tier steps do not apply)")
+    batch_size: int = option(32, "task instances per step")
+
+    def __post_init__(self) -> None:
+        bad = sorted(set(self.tasks) - set(TASK_NAMES))
+        if bad or not self.tasks:
+            raise ValueError(f"unknown tasks {bad}; choose from {', '.join(TASK_NAMES)}")
+        object.__setattr__(self, "tasks", tuple(dict.fromkeys(self.tasks)))
+        _at_least(self, 1, "train_max", "test_count", "steps", "batch_size")
+        if self.test_factor < 1:
+            raise ValueError(f"test_factor must be >= 1, got {self.test_factor}")
+
+    @property
+    def test_lengths(self) -> list[int]:
+        """Instance lengths measured: 1 .. test_factor x L."""
+        return list(range(1, int(self.test_factor * self.train_max) + 1))
 
 
 def load_config_file(path: str | Path, **overrides: Any) -> ZooConfig:

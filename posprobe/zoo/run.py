@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from typing import Any, Callable
 
 import pandas as pd
 
@@ -16,7 +17,8 @@ from posprobe.report.schema import data_meta, make_meta, text_sha256
 from posprobe.zoo.config import ZooConfig
 from posprobe.zoo.members import member
 
-__all__ = ["EVAL_FILE", "check_device", "member_folder_name", "split_text", "train_zoo"]
+__all__ = ["EVAL_FILE", "check_device", "check_out_folder", "commit_zoo", "member_folder_name", "split_text",
+           "train_jobs", "train_zoo"]
 
 #: The held-out evaluation text every zoo keeps beside its members (what `posprobe zoo eval` reads by default).
 EVAL_FILE = "eval.txt"
@@ -62,10 +64,7 @@ def train_zoo(cfg: ZooConfig, text: str, out: str | os.PathLike, *, eval_text: s
     from posprobe.zoo.train import train_member
 
     out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(f"--out {out} exists and is not empty; a zoo is written into a new folder")
-    if not out.absolute().parent.is_dir():
-        raise ValueError(f"--out {out}: its parent folder does not exist (create it first)")
+    check_out_folder(out)
     check_device(cfg)
     train_text, held_out = split_text(text, eval_text, cfg.eval_fraction)
     if not train_text.strip():
@@ -77,6 +76,30 @@ def train_zoo(cfg: ZooConfig, text: str, out: str | os.PathLike, *, eval_text: s
                          "tokens; give more text (--text) or a shorter --length")
     key = run_key("zoo-train", model={"members": list(cfg.members)},
                   data={"train_sha256": text_sha256(train_text), "eval_sha256": text_sha256(held_out)}, config=cfg)
+
+    def train_one(name: str, seed: int, folder: Path, io: Any, later: int) -> dict:
+        return train_member(name, seed, cfg, ids, tokenizer, folder, io, later_steps=later)
+
+    records, staging, work = train_jobs(cfg, out, key, train_one, fresh=fresh)
+    result = _result(cfg, records, source, train_text, held_out, len(ids))
+    commit_zoo(out, staging, {EVAL_FILE: held_out}, {"training": result})
+    discard_work_folder(work)
+    return result
+
+
+def check_out_folder(out: Path) -> None:
+    """A zoo is written into a new (or empty) folder whose parent exists; ValueError otherwise."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"--out {out} exists and is not empty; a zoo is written into a new folder")
+    if not out.absolute().parent.is_dir():
+        raise ValueError(f"--out {out}: its parent folder does not exist (create it first)")
+
+
+def train_jobs(cfg: ZooConfig, out: Path, key: str, train_one: Callable[[str, int, Path, Any, int], dict], *,
+               fresh: bool = False) -> tuple[list[dict], Path, Path]:
+    """Every member x seed of `cfg` through `train_one(name, seed, folder, state_io, later_steps) -> record`, each
+    checkpointed under `<out>.work` (run key `key`): a finished member is not trained again and an interrupted one
+    resumes. Returns (records, the staging folder of the member folders, the work folder)."""
     work = work_folder_for(out)
     ckpt = Checkpoint(work, key, fresh=fresh)
     staging = work / "members"
@@ -90,13 +113,9 @@ def train_zoo(cfg: ZooConfig, text: str, out: str | os.PathLike, *, eval_text: s
             records.append(ckpt.get(done_unit))
             continue
         io = (lambda u=unit: ckpt.get(u) if ckpt.has(u) else None, lambda s, u=unit: ckpt.put(u, s))
-        rec = train_member(name, seed, cfg, ids, tokenizer, folder, io,
-                           later_steps=cfg.steps * (len(jobs) - i - 1))
+        rec = train_one(name, seed, folder, io, cfg.steps * (len(jobs) - i - 1))
         records.append(ckpt.put(done_unit, rec))
-    result = _result(cfg, records, source, train_text, held_out, len(ids))
-    _commit(out, staging, held_out, result)
-    discard_work_folder(work)
-    return result
+    return records, staging, work
 
 
 def _result(cfg: ZooConfig, records: list[dict], source: str | None, train_text: str, held_out: str,
@@ -118,16 +137,19 @@ def _result(cfg: ZooConfig, records: list[dict], source: str | None, train_text:
     return Result({"members": pd.DataFrame(rows), "training": pd.DataFrame(curve)}, meta)
 
 
-def _commit(out: Path, staging: Path, held_out: str, result: Result) -> None:
-    # Everything is assembled in a hidden folder beside `out` and renamed into place: a zoo is whole or absent.
+def commit_zoo(out: Path, staging: Path, files: dict[str, str], results: dict[str, Result]) -> None:
+    """Assemble the zoo in a hidden folder beside `out` (the member folders of `staging`, text `files`, each Result
+    saved in its subfolder) and rename it into place: a zoo is whole or absent."""
     tmp = out.with_name(f".{out.name}.zoo-tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     for folder in sorted(staging.iterdir()):
         if folder.is_dir() and not folder.name.startswith("."):
             shutil.copytree(folder, tmp / folder.name)
-    (tmp / EVAL_FILE).write_text(held_out, encoding="utf-8")
-    result.save(tmp / "training")
+    for name, body in files.items():
+        (tmp / name).write_text(body, encoding="utf-8")
+    for name, result in results.items():
+        result.save(tmp / name)
     if out.exists():
         out.rmdir()  # checked empty before training
     os.replace(tmp, out)

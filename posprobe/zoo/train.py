@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 
 from posprobe.zoo.config import ZooConfig
-from posprobe.zoo.members import Member, member
+from posprobe.zoo.members import Member, Widths, member
 
 __all__ = ["batch_ids", "build_model", "init_weights", "train_member", "ZOO_FILE"]
 
@@ -28,11 +28,12 @@ ZOO_FILE = "zoo.json"
 _INIT_STD = 0.02
 
 
-def build_model(m: Member, cfg: ZooConfig, tokenizer: Any, seed: int) -> Any:
-    """A freshly initialised Hugging Face causal LM for member `m` (float32, eager attention, training mode)."""
+def build_model(m: Member, cfg: ZooConfig, tokenizer: Any, seed: int, widths: Widths | None = None) -> Any:
+    """A freshly initialised Hugging Face causal LM for member `m` at `widths` (default: the config's; float32, eager
+    attention, training mode)."""
     from transformers import AutoModelForCausalLM
 
-    hf_cfg = m.hf_config(cfg.widths, pad_id=tokenizer.pad_token_id, bos_id=tokenizer.bos_token_id)
+    hf_cfg = m.hf_config(widths or cfg.widths, pad_id=tokenizer.pad_token_id, bos_id=tokenizer.bos_token_id)
     model = AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="eager", dtype=torch.float32)
     init_weights(model, seed)
     return model
@@ -107,14 +108,19 @@ def _fmt(seconds: float) -> str:
 
 def train_member(name: str, seed: int, cfg: ZooConfig, ids: torch.Tensor, tokenizer: Any, folder: Path,
                  state_io: tuple[Callable[[], dict | None], Callable[[dict], None]], *,
-                 later_steps: int = 0, log_every: int = 10) -> dict:
+                 later_steps: int = 0, log_every: int = 10,
+                 batches: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None,
+                 widths: Widths | None = None, record: dict | None = None) -> dict:
     """Train member `name` with `seed` on token ids `ids` and save it as a Hugging Face folder at `folder`
     (written beside it and renamed into place). `state_io` = (load, save) of the training state: a saved state is
-    resumed from, and one is saved every `cfg.checkpoint_every` steps. Returns the member's training record:
-    losses every `log_every` steps (nats/token), wall seconds of this call, tokens/s."""
+    resumed from, and one is saved every `cfg.checkpoint_every` steps. `batches(step) -> (input ids, labels)`
+    replaces the text windows (the synthetic tasks), `widths` the config's shape, `record` adds fields to zoo.json.
+    Returns the member's training record: losses every `log_every` steps (nats per scored token), wall seconds of
+    this call, tokens/s (padding included)."""
     m = member(name)
     device = torch.device(cfg.device)
-    model = build_model(m, cfg, tokenizer, seed).to(device)
+    widths = widths or cfg.widths
+    model = build_model(m, cfg, tokenizer, seed, widths).to(device)
     opt, sched = _optimizer(model, cfg)
     load_state, save_state = state_io
     state = load_state()
@@ -125,14 +131,17 @@ def train_member(name: str, seed: int, cfg: ZooConfig, ids: torch.Tensor, tokeni
         sched.load_state_dict(state["scheduler"])
         start, log = int(state["step"]), list(state["log"])
     model.train()
-    progress = _Progress(f"{name} seed {seed}", cfg.steps, start, cfg.tokens_per_step, later_steps, cfg.progress)
+    if batches is None:
+        batches = lambda step: (lambda x: (x, x))(batch_ids(ids, step, cfg, seed))  # noqa: E731
+    tokens_per_step = int(batches(0)[0].numel())
+    progress = _Progress(f"{name} seed {seed}", cfg.steps, start, tokens_per_step, later_steps, cfg.progress)
     t0 = time.perf_counter()
     running = torch.zeros((), device=device)
     # Grad on explicitly: loading a model for analysis elsewhere in the process may have turned it off globally.
     with torch.enable_grad():
         for step in range(start, cfg.steps):
-            x = batch_ids(ids, step, cfg, seed).to(device)
-            loss = model(input_ids=x, labels=x).loss
+            x, labels = (t.to(device) for t in batches(step))
+            loss = model(input_ids=x, labels=labels).loss
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             opt.step()
@@ -153,14 +162,15 @@ def train_member(name: str, seed: int, cfg: ZooConfig, ids: torch.Tensor, tokeni
     progress.close()
     if not math.isfinite(log[-1][1]):
         raise RuntimeError(f"zoo member {name} (seed {seed}) diverged: loss {log[-1][1]}; lower --lr")
-    _save_folder(model.to("cpu").eval(), tokenizer, folder, m, seed, cfg, log)
+    _save_folder(model.to("cpu").eval(), tokenizer, folder, m, seed, cfg, log, widths, record or {})
     steps_run = cfg.steps - start
     return {"member": name, "seed": seed, "log": log, "seconds": seconds, "steps_run": steps_run,
-            "tokens_per_s": steps_run * cfg.tokens_per_step / seconds if seconds > 0 else float("nan"),
+            "tokens_per_s": steps_run * tokens_per_step / seconds if seconds > 0 else float("nan"),
             "params": sum(p.numel() for p in model.parameters())}
 
 
-def _save_folder(model: Any, tokenizer: Any, folder: Path, m: Member, seed: int, cfg: ZooConfig, log: list) -> None:
+def _save_folder(model: Any, tokenizer: Any, folder: Path, m: Member, seed: int, cfg: ZooConfig, log: list,
+                 widths: Widths, extra: dict) -> None:
     import json
     from dataclasses import asdict
 
@@ -177,9 +187,9 @@ def _save_folder(model: Any, tokenizer: Any, folder: Path, m: Member, seed: int,
             hf_logging.enable_progress_bar()
     tokenizer.save_pretrained(tmp)
     record = {"member": m.name, "family": m.family, "block": m.block, "model_type": m.model_type,
-              "positions": m.positions, "differences": m.differences, "seed": seed, "widths": asdict(cfg.widths),
+              "positions": m.positions, "differences": m.differences, "seed": seed, "widths": asdict(widths),
               "steps": cfg.steps, "batch_size": cfg.batch_size, "lr": cfg.lr, "warmup": cfg.warmup,
-              "final_loss": log[-1][1] if log else None}
+              "final_loss": log[-1][1] if log else None, **extra}
     (tmp / ZOO_FILE).write_text(json.dumps(record, indent=1), encoding="utf-8")
     if folder.exists():
         shutil.rmtree(folder)

@@ -1,0 +1,100 @@
+"""`train_task_zoo`: every member x seed trained on the synthetic tasks (`posprobe.zoo.tasks`) with the zoo's widths,
+optimiser and checkpoints, then its accuracy measured per task and instance length up to test_factor x L. The zoo
+folder holds the member folders (Hugging Face folders over the tasks' character vocabulary) and `tasks/` (the
+Result: tables `accuracy`, `members`, `training`)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from posprobe.report.checkpoint import discard_work_folder, run_key
+from posprobe.report.result import Result
+from posprobe.report.schema import make_meta
+from posprobe.zoo.config import TaskConfig, ZooConfig
+from posprobe.zoo.members import Widths, member
+from posprobe.zoo.run import check_device, check_out_folder, commit_zoo, member_folder_name, train_jobs
+
+__all__ = ["task_context", "train_task_zoo"]
+
+#: Subfolder of a task zoo holding the accuracy Result.
+TASKS_FOLDER = "tasks"
+
+
+def task_context(tasks: TaskConfig) -> int:
+    """Positions every task member has: the longest test sequence (tokens). Rows of a learned table past the
+    longest training sequence exist but are never trained (as in Kazemnejad et al.)."""
+    from posprobe.zoo.tasks import sequence_length
+
+    return max(sequence_length(t, n) for t in tasks.tasks for n in tasks.test_lengths)
+
+
+def train_task_zoo(cfg: ZooConfig, tasks: TaskConfig, out: str | os.PathLike, *, fresh: bool = False) -> Result:
+    """Train `cfg.members` x `cfg.seeds` on the mixture of `tasks.tasks` (instance lengths 1..train_max, the same
+    rows in the same order for every member) at the config's width, depth, heads, steps and optimiser, and write
+    the zoo to `out`. Returns the Result (analysis "zoo-tasks"): `accuracy` (model, member, family, block, seed,
+    task, n, in_training, accuracy = share of exact greedy answers, count), `members`, `training` (loss per scored
+    answer token every 10 steps)."""
+    from posprobe.zoo.tasks import task_batch, task_tokenizer
+    from posprobe.zoo.train import train_member
+
+    out = Path(out)
+    check_out_folder(out)
+    check_device(cfg)
+    tokenizer = task_tokenizer()
+    widths = Widths(d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads, length=task_context(tasks),
+                    vocab_size=len(tokenizer.get_vocab()))
+    key = run_key("zoo-tasks", model={"members": list(cfg.members)}, data={"tasks": list(tasks.tasks)},
+                  config=cfg, tasks=asdict(tasks))
+    record = {"tasks": list(tasks.tasks), "train_max": tasks.train_max}
+
+    def train_one(name: str, seed: int, folder: Path, io: Any, later: int) -> dict:
+        rec = train_member(name, seed, cfg, None, tokenizer, folder, io, later_steps=later, widths=widths,
+                           batches=lambda step: task_batch(tasks.tasks, tasks.train_max, cfg.batch_size, step, seed),
+                           record=record)
+        # Measured right after training and kept in the checkpoint, so a resumed run does not measure again.
+        return {**rec, "accuracy": _measure(folder, tasks, cfg.device)}
+
+    records, staging, work = train_jobs(cfg, out, key, train_one, fresh=fresh)
+    result = _result(cfg, tasks, widths, records)
+    commit_zoo(out, staging, {}, {TASKS_FOLDER: result})
+    discard_work_folder(work)
+    return result
+
+
+def _measure(folder: Path, tasks: TaskConfig, device: str) -> list[dict]:
+    from transformers import AutoModelForCausalLM
+
+    from posprobe.zoo.tasks import held_out_instances, task_accuracy
+
+    model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").to(device).eval()
+    rows = []
+    for task in tasks.tasks:
+        for n in tasks.test_lengths:
+            pairs = held_out_instances(task, n, tasks.test_count, seed=0)
+            rows.append(dict(task=task, n=n, accuracy=task_accuracy(model, task, pairs), count=len(pairs)))
+    return rows
+
+
+def _result(cfg: ZooConfig, tasks: TaskConfig, widths: Widths, records: list[dict]) -> Result:
+    acc, members, curve = [], [], []
+    for r in records:
+        m = member(r["member"])
+        name = member_folder_name(m.name, r["seed"])
+        info = dict(model=name, member=m.name, family=m.family, block=m.block, seed=r["seed"])
+        acc += [{**info, **row, "in_training": row["n"] <= tasks.train_max} for row in r["accuracy"]]
+        members.append({**info, "model_type": m.model_type, "params": r["params"], "steps": cfg.steps,
+                        "seconds": r["seconds"], "tokens_per_s": r["tokens_per_s"], "loss": r["log"][-1][1],
+                        "positions": m.positions, "differences": m.differences})
+        curve += [{**info, "step": s, "loss": loss, "lr": lr} for s, loss, lr in r["log"]]
+    meta = make_meta("zoo-tasks", model={"name": "task zoo", "positional_kind": "several",
+                                         "members": list(cfg.members)},
+                     data={"source": f"synthetic tasks ({', '.join(tasks.tasks)})", "n_items": tasks.test_count,
+                           "unit": "test instances per task and length"},
+                     config=cfg, tasks=asdict(tasks), context=widths.length, vocab_size=widths.vocab_size)
+    return Result({"accuracy": pd.DataFrame(acc), "members": pd.DataFrame(members), "training": pd.DataFrame(curve)},
+                  meta)
