@@ -63,3 +63,41 @@ ratio_table(result)
 
 # %%
 result.figures()[0]
+
+# %% [markdown]
+# ## Inside the zoo: every analysis on every member
+#
+# `run_zoo_atlas` (`posprobe zoo atlas DIR`) runs the shift test, position probes per layer, head classes, head
+# similarity across members (Kazemnejad et al.'s Fig. 4), sinks, add-or-concatenate, the score decomposition and RoPE
+# frequency usage on every member with the same text, and says for every (model, section) it skips why. Here four
+# sections, bounded for the smoke zoo.
+
+# %%
+from posprobe.report.zoo_atlas import headline_table, similarity_matrix  # noqa: E402
+from posprobe.zoo import ZooAtlasConfig, run_zoo_atlas  # noqa: E402
+
+atlas = run_zoo_atlas([str(out)], ZooAtlasConfig(sections=("shift", "probes", "similarity", "sinks"), window=48,
+                                                 ks=(0, 8, 16), max_windows=4, probe_tokens=600, progress=False))
+headline_table(atlas)
+
+# %%
+similarity_matrix(atlas.tables["head_similarity_layer"]).round(3)
+
+# %% [markdown]
+# ## Synthetic tasks (Kazemnejad et al. 2023)
+#
+# `train_task_zoo` (`posprobe zoo tasks --out DIR`) trains every member on copy, reverse, addition and sorting at
+# instance lengths 1..L and measures exact-answer accuracy up to 3L. A smoke run: two members, two tasks, 300 steps.
+
+# %%
+from posprobe.report.zoo_tasks import accuracy_table  # noqa: E402
+from posprobe.zoo import TaskConfig, train_task_zoo  # noqa: E402
+
+tasks = train_task_zoo(ZooConfig(members=("nope", "rope"), d_model=64, n_layers=2, n_heads=4, steps=300,
+                                 progress=False),
+                       TaskConfig(tasks=("copy", "reverse"), train_max=4, test_count=16, steps=300),
+                       Path(tempfile.mkdtemp()) / "tasks")
+accuracy_table(tasks)
+
+# %%
+tasks.figures()[0]

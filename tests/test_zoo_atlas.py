@@ -163,9 +163,12 @@ def test_per_model_sections_equal_the_standalone_analyses(zoo_atlas):
     out, result = zoo_atlas
     text = (out / "eval.txt").read_text()
     model = load_model(str(out / "rope-s1"))
-    probes = run_probes(model, text, ProbeConfig(points=("resid_post",), n_splits=3, window=CFG.window,
-                                                 max_windows=6, max_tokens=CFG.probe_tokens, seed=CFG.seed,
+    windows = -(-CFG.probe_tokens // CFG.window)  # as many windows as the sampled tokens need
+    probes = run_probes(model, text, ProbeConfig(points=("resid_pre", "resid_post"), n_splits=3, window=CFG.window,
+                                                 max_windows=windows, max_tokens=CFG.probe_tokens, seed=CFG.seed,
                                                  progress=False)).tables["probes"]
+    embedding = probes[(probes.point == "resid_pre") & (probes.layer == 0)].assign(layer=-1)
+    probes = pd.concat([embedding, probes[probes.point == "resid_post"]])
     want = probes.groupby(["layer", "condition", "metric"]).value.mean()
     t = result.tables["probes"]
     got = t[t.model == "rope-s1"].set_index(["layer", "condition", "metric"]).value

@@ -180,7 +180,7 @@ def _tasks(args: argparse.Namespace) -> int:
     tasks = config_from_args(TaskConfig, args)
     flags = {f.name: getattr(args, f.name) for f in fields(ZooConfig) if getattr(args, f.name, None) is not None}
     flags = {k: tuple(v) if isinstance(v, list) else v for k, v in flags.items()}
-    flags.update(steps=tasks.steps, batch_size=tasks.batch_size, progress=not args.no_progress)
+    flags.update(progress=not args.no_progress)
     if args.device is not None:
         flags["device"] = args.device
     cfg = ZooConfig(**flags)

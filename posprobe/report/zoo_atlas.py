@@ -159,22 +159,27 @@ def _probes(result: Any) -> Section | None:
     mae = p[p.metric == "mae"]
     probe, chance = mae[mae.condition == "probe"], mae[mae.condition == "chance"]
     chance_level = float(chance.value.mean()) if len(chance) else float("nan")
+    control = mae[mae.condition == "control"]
     sentences = []
     for m in [m for m in order if m in set(probe.member)]:
         g = probe[probe.member == m].groupby("layer").value.mean().sort_index()
-        below = g[g < chance_level / 2]
-        when = f"below half of chance from layer {int(below.index[0])}" if len(below) else "never below half of chance"
-        sentences.append(f"{m} {g.iloc[0]:.1f} after layer {int(g.index[0])}, {g.iloc[-1]:.1f} after layer "
-                         f"{int(g.index[-1])} ({when})")
+        best = g.idxmin()
+        sentences.append(f"{m} {g.iloc[0]:.1f} {_layer_name(int(g.index[0]))}, {g.iloc[-1]:.1f} after layer "
+                         f"{int(g.index[-1])} (lowest {g.min():.1f} {_layer_name(int(best))})")
     fig = _line_figure(probe, "layer", "value", order, "Absolute position recovered from the residual stream",
-                       "layer (residual stream after it)", "probe mean absolute error (positions)",
+                       "layer (residual stream after it; -1 = the embedding)", "probe mean absolute error (positions)",
                        _cap(result, "Ridge probe, grouped cross-validation over windows; dashed: chance."))
     if chance_level == chance_level:
         fig.add_hline(y=chance_level, line=dict(color=REFERENCE_COLOR, dash="dash", width=1.5))
-    text = (f"Mean absolute error of a linear probe for the token's position (chance {chance_level:.1f} positions): "
-            + "; ".join(sentences) + ". Haviv et al. (2022): a causal model without positions still learns absolute "
-            "position (from the causal mask), within its first layers." + _refused_text(result, "probes"))
+    text = (f"Mean absolute error (positions) of a linear probe for the token's position, chance {chance_level:.1f}, "
+            f"shuffled-label control {control.value.mean():.1f}: " + "; ".join(sentences) + ". Haviv et al. (2022): "
+            "a causal model without positions still learns absolute position (from the causal mask), within its "
+            "first layers." + _refused_text(result, "probes"))
     return Section(_TITLES["probes"], html=f"<p>{text}</p>", figures=[fig])
+
+
+def _layer_name(layer: int) -> str:
+    return "at the embedding" if layer < 0 else f"after layer {layer}"
 
 
 def _heads(result: Any) -> Section | None:
@@ -199,9 +204,10 @@ def _heads(result: Any) -> Section | None:
         figs.append(style(box, caption=_cap(result, "Per head: the smallest d whose offsets 0..d hold 90% of the "
                                                     "mean attention; heads wider than the window measured are "
                                                     "left out.")))
-        med = win.groupby("member").value.median()
-        sentences.append("Median attention window (90% of attention, tokens back): "
-                         + ", ".join(f"{m} {med[m]:.0f}" for m in order if m in med.index and med[m] == med[m]) + ".")
+        med, low = win.groupby("member").value.median(), win.groupby("member").value.min()
+        sentences.append("Attention window (tokens back holding 90% of a head's attention), median and narrowest "
+                         "head: " + ", ".join(f"{m} {med[m]:.0f} / {low[m]:.0f}" for m in order
+                                              if m in med.index and med[m] == med[m]) + ".")
     prev = counts[counts.kind == "previous-token"].set_index("member").heads
     sink = counts[counts.kind == "sink"].set_index("member").heads
     sentences.append("Previous-token heads per model: " + ", ".join(f"{m} {prev.get(m, 0):.1f}" for m in order

@@ -1,5 +1,6 @@
 """The positional zoo: small causal LMs that differ only in their positions, trained by posprobe as ordinary
-Hugging Face folders (`train_zoo`), and analyses run across them side by side (`evaluate_zoo`). Sits above the
+Hugging Face folders (`train_zoo`; on synthetic tasks `train_task_zoo`), and analyses run across them side by side
+(`evaluate_zoo`, `run_zoo_atlas`). Sits above the
 analyses (it runs them) and below the CLI. Imports are lazy: `import posprobe.zoo` loads no torch."""
 
 from __future__ import annotations
@@ -9,6 +10,10 @@ from typing import Any
 
 _EXPORTS = {
     "ZooConfig": "posprobe.zoo.config",
+    "ZooAtlasConfig": "posprobe.zoo.config",
+    "TaskConfig": "posprobe.zoo.config",
+    "run_zoo_atlas": "posprobe.zoo.atlas",
+    "train_task_zoo": "posprobe.zoo.task_zoo",
     "TIERS": "posprobe.zoo.config",
     "load_config_file": "posprobe.zoo.config",
     "MEMBERS": "posprobe.zoo.members",

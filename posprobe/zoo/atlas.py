@@ -241,11 +241,16 @@ def _run_probes(m: _Model, text: str, cfg: ZooAtlasConfig) -> Any:
     from posprobe.analyses.configs import ProbeConfig
     from posprobe.analyses.probes import run_probes
 
-    got = run_probes(m.model, text, ProbeConfig(points=("resid_post",), n_splits=3, window=min(cfg.window,
-                                                                                               m.facts.n_ctx),
-                                                max_windows=max(cfg.max_windows, 6), max_tokens=cfg.probe_tokens,
-                                                seed=cfg.seed, progress=False))
+    window = min(cfg.window, m.facts.n_ctx)
+    # Enough windows to hold the sampled tokens (a probe of 128 dims on 512 tokens sat at chance on every relative
+    # member of the CPU zoo; on 2,048 the NoPE member's error falls layer by layer).
+    windows = max(cfg.max_windows, -(-cfg.probe_tokens // window))
+    got = run_probes(m.model, text, ProbeConfig(points=("resid_pre", "resid_post"), n_splits=3, window=window,
+                                                max_windows=windows, max_tokens=cfg.probe_tokens, seed=cfg.seed,
+                                                progress=False))
     p = got.tables["probes"]
+    # The residual stream before layer 0 is the embedding (layer -1); after layer l, resid_post of l.
+    p = pd.concat([p[(p.point == "resid_pre") & (p.layer == 0)].assign(layer=-1), p[p.point == "resid_post"]])
     per_layer = p.groupby(["layer", "condition", "metric"], as_index=False).value.mean()
     return {"probes": per_layer}, None
 

@@ -6,7 +6,7 @@ Result: tables `accuracy`, `members`, `training`)."""
 from __future__ import annotations
 
 import os
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,9 @@ def task_context(tasks: TaskConfig) -> int:
 
 def train_task_zoo(cfg: ZooConfig, tasks: TaskConfig, out: str | os.PathLike, *, fresh: bool = False) -> Result:
     """Train `cfg.members` x `cfg.seeds` on the mixture of `tasks.tasks` (instance lengths 1..train_max, the same
-    rows in the same order for every member) at the config's width, depth, heads, steps and optimiser, and write
+    rows in the same order for every member) at the config's width, depth, heads and optimiser, for `tasks.steps`
+    steps of `tasks.batch_size` instances (the config's text-tier steps, batch, length and vocabulary do not apply;
+    warmup is 5% of the steps), and write
     the zoo to `out`. Returns the Result (analysis "zoo-tasks"): `accuracy` (model, member, family, block, seed,
     task, n, in_training, accuracy = share of exact greedy answers, count), `members`, `training` (loss per scored
     answer token every 10 steps)."""
@@ -43,6 +45,7 @@ def train_task_zoo(cfg: ZooConfig, tasks: TaskConfig, out: str | os.PathLike, *,
     from posprobe.zoo.train import train_member
 
     out = Path(out)
+    cfg = replace(cfg, steps=tasks.steps, batch_size=tasks.batch_size, warmup=None)
     check_out_folder(out)
     check_device(cfg)
     tokenizer = task_tokenizer()
