@@ -90,19 +90,28 @@ def _list() -> int:
     return 0
 
 
+def _zoo_flags(args: argparse.Namespace) -> dict:
+    # The ZooConfig fields given on the command line (unset flags are None, so a --config file's values or the
+    # fields' defaults apply), with the device and the progress switch.
+    from dataclasses import fields
+
+    from posprobe.zoo.config import ZooConfig
+
+    flags = {f.name: getattr(args, f.name) for f in fields(ZooConfig) if getattr(args, f.name, None) is not None}
+    flags = {k: tuple(v) if isinstance(v, list) else v for k, v in flags.items()}
+    flags.update(device=args.device, progress=not args.no_progress)
+    return {k: v for k, v in flags.items() if v is not None}
+
+
 def _train(args: argparse.Namespace) -> int:
     import sys
-    from dataclasses import fields
     from pathlib import Path
 
     from posprobe.cli import checks
     from posprobe.zoo.config import ZooConfig, load_config_file
 
     checks.check_out(args.out)
-    flags = {f.name: getattr(args, f.name) for f in fields(ZooConfig) if getattr(args, f.name, None) is not None}
-    flags = {k: tuple(v) if isinstance(v, list) else v for k, v in flags.items()}
-    flags.update(device=args.device, progress=not args.no_progress)
-    flags = {k: v for k, v in flags.items() if v is not None}
+    flags = _zoo_flags(args)
     cfg = load_config_file(args.config, **flags) if args.config else ZooConfig(**flags)
     text = checks.read_text_early(args.text)
     eval_text = checks.read_text_early(args.eval_text)
@@ -133,57 +142,45 @@ def summary_text(result) -> str:
 
 def _eval(args: argparse.Namespace) -> int:
     from posprobe.analyses.configs import ExtrapolationConfig
-    from posprobe.cli import checks
-    from posprobe.cli.args import config_from_args
 
-    checks.check_out(args.out)
-    config = config_from_args(ExtrapolationConfig, args, progress=not args.no_progress)
-    text = checks.read_text_early(args.text)
-
-    from posprobe.report.extrapolation import ratio_table
-    from posprobe.zoo.evaluate import evaluate_zoo
-
-    result = evaluate_zoo(args.models, config, text=text, source=args.text, device=args.device)
-    print(ratio_table(result).to_string(index=False))
-    paths = result.save(args.out, figure_formats=args.figures, csv=args.csv)
-    print(f"wrote {paths['report']}")
-    return 0
+    return _across_models(args, ExtrapolationConfig, ("posprobe.zoo.evaluate", "evaluate_zoo"),
+                          ("posprobe.report.extrapolation", "ratio_table"))
 
 
 def _atlas(args: argparse.Namespace) -> int:
-    from posprobe.cli import checks
-    from posprobe.cli.args import config_from_args
     from posprobe.zoo.config import ZooAtlasConfig
 
+    return _across_models(args, ZooAtlasConfig, ("posprobe.zoo.atlas", "run_zoo_atlas"),
+                          ("posprobe.report.zoo_atlas", "headline_table"))
+
+
+def _across_models(args: argparse.Namespace, config_cls: type, run: tuple[str, str], table: tuple[str, str]) -> int:
+    # An analysis over zoo folders and other models: config and text checked before any import of the heavy
+    # modules (`run` and `table` name a module and a function), then run, summary table on stdout, result saved.
+    import importlib
+
+    from posprobe.cli import checks
+    from posprobe.cli.args import config_from_args
+
     checks.check_out(args.out)
-    config = config_from_args(ZooAtlasConfig, args, progress=not args.no_progress)
+    config = config_from_args(config_cls, args, progress=not args.no_progress)
     text = checks.read_text_early(args.text)
-
-    from posprobe.report.zoo_atlas import headline_table
-    from posprobe.zoo.atlas import run_zoo_atlas
-
-    result = run_zoo_atlas(args.models, config, text=text, source=args.text, device=args.device)
-    print(headline_table(result).to_string(index=False))
+    fn, summary = (getattr(importlib.import_module(mod), name) for mod, name in (run, table))
+    result = fn(args.models, config, text=text, source=args.text, device=args.device)
+    print(summary(result).to_string(index=False))
     paths = result.save(args.out, figure_formats=args.figures, csv=args.csv)
     print(f"wrote {paths['report']}")
     return 0
 
 
 def _tasks(args: argparse.Namespace) -> int:
-    from dataclasses import fields
-
     from posprobe.cli import checks
     from posprobe.cli.args import config_from_args
     from posprobe.zoo.config import TaskConfig, ZooConfig
 
     checks.check_out(args.out)
     tasks = config_from_args(TaskConfig, args)
-    flags = {f.name: getattr(args, f.name) for f in fields(ZooConfig) if getattr(args, f.name, None) is not None}
-    flags = {k: tuple(v) if isinstance(v, list) else v for k, v in flags.items()}
-    flags.update(progress=not args.no_progress)
-    if args.device is not None:
-        flags["device"] = args.device
-    cfg = ZooConfig(**flags)
+    cfg = ZooConfig(**_zoo_flags(args))
 
     from posprobe.report.zoo_tasks import accuracy_table
     from posprobe.zoo.run import check_device

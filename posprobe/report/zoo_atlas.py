@@ -5,6 +5,7 @@ several). Tables and meta only."""
 from __future__ import annotations
 
 import html
+from types import SimpleNamespace
 from typing import Any
 
 import pandas as pd
@@ -308,11 +309,8 @@ def _geometry(result: Any) -> Section | None:
         if i == 0:
             fig.add_trace(go.Scatter(x=w.index, y=w["random_share"], name="random subspace (k / d_model)",
                                      mode="lines", line=dict(color=REFERENCE_COLOR, dash="dot")))
-
-        class _R:  # overlap_text reads a result's tables
-            tables = {"pos_token_subspace": g}
-
-        sentences.append(f"<b>{html.escape(str(model))}</b>: {html.escape(overlap_text(_R))}")
+        one = SimpleNamespace(tables={"pos_token_subspace": g})  # overlap_text reads a result's tables
+        sentences.append(f"<b>{html.escape(str(model))}</b>: {html.escape(overlap_text(one))}")
     fig.update_layout(title="Add or concatenate? The position table's variance inside the tokens' top-k subspace",
                       xaxis_title="k (subspace dimension)", yaxis_title="share of the table's variance",
                       xaxis_type="log")

@@ -34,14 +34,12 @@ from posprobe.analyses.configs import PROTOCOLS
 from posprobe.report.result import Result
 from posprobe.report.schema import data_meta, make_meta, text_sha256
 from posprobe.zoo.config import ZOO_ATLAS_SECTIONS, ZooAtlasConfig
-from posprobe.zoo.evaluate import default_text, ratio_summary, zoo_models
+from posprobe.zoo.evaluate import MEMBER_COLUMNS, member_info, ratio_summary, resolve_text, zoo_models
 
 __all__ = ["ZOO_ATLAS_SECTIONS", "ZooAtlasConfig", "run_zoo_atlas", "attention_window"]
 
 #: Share of a head's attention (mean over queries) that its attention window holds.
 WINDOW_MASS = 0.9
-
-_MEMBER_COLUMNS = ("member", "family", "block", "seed")
 
 
 @dataclass
@@ -82,13 +80,7 @@ def run_zoo_atlas(paths: list[str], config: ZooAtlasConfig | None = None, *, tex
 
     cfg = config or ZooAtlasConfig()
     specs = zoo_models(paths)
-    if text is None:
-        found = default_text(paths)
-        if found is None:
-            raise ValueError("no text: pass --text (only a zoo folder carries its own eval.txt)")
-        text, source = found
-    if not text.strip():
-        raise ValueError("the text is empty")
+    text, source = resolve_text(paths, text, source)
     source = source or "text"
     wanted = cfg.wanted()
     models = []
@@ -159,16 +151,11 @@ def run_zoo_atlas(paths: list[str], config: ZooAtlasConfig | None = None, *, tex
 
 
 def _tag(df: pd.DataFrame, m: _Model) -> pd.DataFrame:
-    info = {k: (m.record or {}).get(k) for k in _MEMBER_COLUMNS}
-    if info["member"] is None:
-        info["member"] = m.label
-    return df.assign(model=m.label, **info)
+    return df.assign(model=m.label, **member_info(m.label, m.record))
 
 
 def _model_row(m: _Model) -> dict:
-    row = {"model": m.label, "spec": m.spec, **{k: (m.record or {}).get(k) for k in _MEMBER_COLUMNS}}
-    if row["member"] is None:
-        row["member"] = m.label
+    row = {"model": m.label, "spec": m.spec, **member_info(m.label, m.record)}
     if m.facts is not None:
         row.update(positional_kind=m.facts.positional_kind, n_ctx=m.facts.n_ctx, n_layers=m.facts.n_layers,
                    n_heads=m.facts.n_heads, layers="; ".join(m.facts.layer_positions), status="loaded", why="")
@@ -369,9 +356,9 @@ def _similarity(models: list[_Model], text: str, cfg: ZooAtlasConfig) -> tuple[d
         h, p = similarity_frames(ok[i].label, ok[j].label, s, rows.shape[0] * (rows.shape[1] - 1))
         heads += h
         per_layer += p
-    member = {m.label: _tag(pd.DataFrame([{}]), m).iloc[0] for m in ok}
+    member = {m.label: member_info(m.label, m.record) for m in ok}
     layer_df = pd.DataFrame(per_layer)
-    for col in _MEMBER_COLUMNS:
+    for col in MEMBER_COLUMNS:
         layer_df[col] = [member[x][col] for x in layer_df["model"]]
         layer_df[f"other_{col}"] = [member[x][col] for x in layer_df["other"]]
     return {"head_similarity": pd.DataFrame(heads), "head_similarity_layer": layer_df}, why

@@ -16,9 +16,10 @@ from posprobe.report.schema import data_meta, make_meta, text_sha256
 from posprobe.zoo.run import EVAL_FILE
 from posprobe.zoo.train import ZOO_FILE
 
-__all__ = ["evaluate_zoo", "zoo_models"]
+__all__ = ["evaluate_zoo", "member_info", "resolve_text", "zoo_models"]
 
-_MEMBER_COLUMNS = ("member", "family", "block", "seed")
+#: The columns that say which zoo member a row belongs to.
+MEMBER_COLUMNS = ("member", "family", "block", "seed")
 
 
 def zoo_models(paths: list[str]) -> list[tuple[str, dict | None]]:
@@ -48,6 +49,27 @@ def default_text(paths: list[str]) -> tuple[str, str] | None:
     return None
 
 
+def member_info(label: str, record: dict | None) -> dict:
+    """A model's member, family, block and seed from its zoo record (None outside a zoo; member = its label)."""
+    info = {k: (record or {}).get(k) for k in MEMBER_COLUMNS}
+    if info["member"] is None:
+        info["member"] = label
+    return info
+
+
+def resolve_text(paths: list[str], text: str | None, source: str | None) -> tuple[str, str | None]:
+    """(text, source): `text` as given, else the first zoo folder's held-out eval.txt; ValueError when there is none
+    or it is empty (before any model loads)."""
+    if text is None:
+        found = default_text(paths)
+        if found is None:
+            raise ValueError("no text: pass --text (only a zoo folder carries its own eval.txt)")
+        text, source = found
+    if not text.strip():
+        raise ValueError("the text is empty")
+    return text, source
+
+
 def evaluate_zoo(paths: list[str], config: ExtrapolationConfig | None = None, *, text: str | None = None,
                  source: str | None = None, device: str = "cpu") -> Result:
     """Perplexity vs evaluation length for every model in `paths` (zoo folders, member folders, other model
@@ -59,27 +81,19 @@ def evaluate_zoo(paths: list[str], config: ExtrapolationConfig | None = None, *,
 
     config = config or ExtrapolationConfig()
     models = zoo_models(paths)
-    if text is None:
-        found = default_text(paths)
-        if found is None:
-            raise ValueError("no evaluation text: pass --text (only a zoo folder carries its own eval.txt)")
-        text, source = found
-    if not text.strip():
-        raise ValueError("the evaluation text is empty")
+    text, source = resolve_text(paths, text, source)
     frames = []
     for spec, rec in models:
         label = Path(spec).name if rec is not None else spec
         cfg = config
         if rec is not None and config.train_length is None:
             cfg = replace(config, train_length=int(rec["widths"]["length"]))
-        info = {k: (rec or {}).get(k) for k in _MEMBER_COLUMNS}
+        info = member_info(label, rec)
         try:
             model = load_model(spec, device=device)
             df = run_extrapolation(model, text, cfg, source=source, label=label).tables["perplexity"]
         except (ValueError, NotImplementedError, ModelLoadError) as e:
             df = pd.DataFrame([{"model": label, "status": "refused", "why": str(e)}])
-        if info["member"] is None:
-            info["member"] = label
         frames.append(df.assign(**info))
     table = pd.concat(frames, ignore_index=True)
     meta = make_meta("zoo-eval", model={"name": "zoo", "positional_kind": "several", "models": [s for s, _ in models]},

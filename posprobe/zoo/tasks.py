@@ -10,6 +10,7 @@ imported only where tensors are made."""
 
 from __future__ import annotations
 
+import functools
 import random
 from typing import Any
 
@@ -28,6 +29,7 @@ _SYMBOLS = _DIGITS + _LETTERS + "+="
 _TEST_STREAM = 7_919
 
 
+@functools.lru_cache(maxsize=1)
 def _vocab() -> dict[str, int]:
     tokens = [EOT, PAD, UNK] + [f"<{t}>" for t in TASKS] + list(_SYMBOLS)
     return {t: i for i, t in enumerate(tokens)}
