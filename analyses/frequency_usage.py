@@ -23,10 +23,9 @@ import os
 
 import torch
 
+from posprobe import load_model, model_facts
 from posprobe.analyses.frequency import frequency_usage, top_heads
 from posprobe.analyses.frequency_ablation import band_ablation, head_ablations, p_sweep
-from posprobe.backend.facts import model_facts
-from posprobe.backend.loading import load_model
 from posprobe.data import BUILTIN_TEXT, framed_windows
 from posprobe.report.frequency import band_head_heatmap, head_band_profile, layer_band_overview, sweep_figure
 

@@ -27,8 +27,8 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import plotly.express as px
 
+from posprobe import load_model
 from posprobe.analyses.squish import squish_generate
-from posprobe.backend.loading import load_model
 
 model = load_model("smollm2")
 

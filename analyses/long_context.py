@@ -32,8 +32,8 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import posprobe
+from posprobe import load_hf_model
 from posprobe.analyses.long_context import LongContextConfig, run_long_context
-from posprobe.backend.loading import load_hf_model
 from posprobe.data import BUILTIN_TEXT, read_text
 
 model, tokenizer = load_hf_model("smollm2")

@@ -24,10 +24,9 @@
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from posprobe import load_model, model_facts
 from posprobe.analyses.geometry import residual_geometry, wpos_geometry
 from posprobe.analyses.probes import ProbeConfig, fold_summary, position_probes, text_rows
-from posprobe.backend.loading import load_model
-from posprobe.backend.model import n_layers
 from posprobe.data import BUILTIN_TEXT
 
 MODEL = os.environ.get("POSPROBE_MODEL", "tiny-ape")
@@ -59,7 +58,8 @@ try:
     geo = wpos_geometry(model, n_components=4)
 except ValueError as e:  # WrongModelKind: no W_pos, so look at the residual stream instead
     print(e)
-    geo = residual_geometry(model, rows, [n_layers(model) - 1], point="resid_post", skip_first=1, progress=False)
+    last = model_facts(model).n_layers - 1
+    geo = residual_geometry(model, rows, [last], point="resid_post", skip_first=1, progress=False)
 geo.df[geo.df.metric.isin(["explained_variance", "sin_period", "sin_r2"])].pivot_table(
     index="k", columns="metric", values="value")
 

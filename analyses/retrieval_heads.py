@@ -31,8 +31,8 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import posprobe
+from posprobe import load_hf_model
 from posprobe.analyses.retrieval import RetrievalConfig, run_retrieval
-from posprobe.backend.loading import load_hf_model
 from posprobe.data import BUILTIN_TEXT, read_text
 from posprobe.report.retrieval import summary_text
 

@@ -26,6 +26,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 
+from posprobe import load_model
 from posprobe.analyses.decompose import (
     corpus_rows,
     decompose_layer,
@@ -35,7 +36,6 @@ from posprobe.analyses.decompose import (
     positional_mean,
     summary_table,
 )
-from posprobe.backend.loading import load_model
 from posprobe.data import BUILTIN_TEXT
 from posprobe.report.decompose import heatmap_figure
 

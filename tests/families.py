@@ -141,6 +141,16 @@ def missing_adapter(family: str, cls_name: str, tl_version: str) -> NoReturn:
                 "(EXPECTED_ADAPTER_GAPS in tests/families.py) deliberately or pin TL", pytrace=False)
 
 
+def model_type_of(name: str) -> str | None:
+    """The Hugging Face `model_type` (the text config's) of support-matrix family `name`, None where this file builds
+    no such family."""
+    got = _configs().get(name)
+    if got is None:
+        return None
+    cfg = got[0]
+    return str(cfg.get_text_config(decoder=True).model_type if hasattr(cfg, "get_text_config") else cfg.model_type)
+
+
 def tiny_family(name: str, seed: int = 0) -> tuple[object, object]:
     """(bridge, reference) for family `name`, every weight random and seeded. The reference is a plain HF model
     rebuilt from the same config and a clone of the same weights before TransformerLens boots

@@ -265,3 +265,33 @@ def test_low_effect_heads_that_are_retrieval_heads_are_flagged(tiny_rope, monkey
     assert table.loc[(0, 1), "classes"] == "loss-rises,retrieval" and table.loc[(1, 3), "classes"] == "low-effect,other"
     text = cross_check_text(r.meta)
     assert "L0H0, L1H2 are labelled low-effect" in text and "L0H1" not in text and "L1H3" not in text
+
+
+def test_a_section_declared_in_one_place_runs_and_reaches_the_page_and_meta(tiny_rope, monkeypatch, tmp_path):
+    # Adding a section: its ATLAS_SECTIONS entry and its AtlasSection (run, headlines, paragraph). The atlas runs it,
+    # writes its headline rows, titles it on the page and in meta, and its paragraph survives a save and a load.
+    import pandas as pd
+
+    from posprobe.analyses import configs
+    from posprobe.analyses import sections as S
+    from posprobe.report.atlas import paragraph
+    from posprobe.report.result import Result
+
+    monkeypatch.setitem(configs.ATLAS_SECTIONS, "dummy", ("tests", "a dummy section"))
+    monkeypatch.setitem(S._REGISTRY, "dummy", S.AtlasSection(
+        "dummy", "Dummy section",
+        run=lambda model, r: Result({"d": pd.DataFrame({"window": [r.window]})}, {"analysis": "dummy"}),
+        headlines=lambda part: [("window", float(part.tables["d"].window.iloc[0]))],
+        paragraph=lambda result, n: f"The dummy saw windows of {n('window'):.0f} tokens."))
+    r = run_atlas(tiny_rope, None, AtlasConfig(**SMALL, sections=("facts", "dummy")))
+    assert r.meta["sections"] == ["facts", "dummy"] and r.meta["titles"]["dummy"] == "Dummy section"
+    t = r.tables["atlas"]
+    assert t[t.section == "dummy"].value.tolist() == [32.0]
+    assert paragraph(r, "dummy") == "The dummy saw windows of 32 tokens."
+    paths = r.save(tmp_path / "a")
+    page = paths["report"].read_text()
+    assert "Dummy section" in page and "The dummy saw windows of 32 tokens." in page
+    assert json.loads((tmp_path / "a" / "meta.json").read_text())["paragraphs"]["dummy"] == paragraph(r, "dummy")
+    assert paragraph(Result.load(tmp_path / "a"), "dummy") == paragraph(r, "dummy")
+    with pytest.raises(ValueError, match="unknown atlas sections"):
+        AtlasConfig(sections=("nonesuch",))

@@ -15,6 +15,7 @@ from families import tiny_family
 
 import posprobe.backend.families as F
 from posprobe.analyses.atlas import SECTIONS, applicable, skip_reasons
+from posprobe.backend.architectures import ARCHITECTURES
 from posprobe.backend.facts import model_facts
 from posprobe.backend.peek import WrongModelKind, hf_positional_kind
 
@@ -39,9 +40,9 @@ def test_peek_reads_the_families_vocabulary_without_torch():
             "k({'model_type': 'x', 'rotary_pct': 0.25}), 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["alibi", "learned_absolute", "relative_bias", "rotary", "False"]
-    for kind, fam in F.FAMILIES.items():
-        for mt in fam.hf_model_types:
-            assert hf_positional_kind({"model_type": mt}) == kind
+    for mt, row in ARCHITECTURES.items():  # every architecture row that names a family is read as that family
+        if row.family is not None:
+            assert hf_positional_kind({"model_type": mt}) == row.family.kind, mt
 
 
 def test_alibi_fit_recovers_slopes_and_refuses_a_bias_that_is_not_linear():
@@ -101,3 +102,23 @@ def test_layer_phrases_come_from_each_family():
     assert text == ("rotary, sliding window", "NoPE (no positional encoding)", "ALiBi (slopes 2^-1 … 2^-2, measured)",
                     "learned absolute (added to the embedding)", "relative position buckets (T5)",
                     "fixed sinusoidal (added to the embedding)", "mystery")
+
+
+def test_model_facts_are_read_once_and_again_when_what_they_read_changes(monkeypatch):
+    # An atlas asks for the facts a dozen times: they are read once per model, and read again where the model's name,
+    # context, source or head changed (a stale n_ctx would let a window past the context through).
+    from families import tiny_family
+
+    import posprobe.backend.facts as FM
+
+    bridge, _ = tiny_family("gpt2")
+    bridge.__dict__.pop("_posprobe_facts", None)
+    calls = []
+    real = FM._read_facts
+    monkeypatch.setattr(FM, "_read_facts", lambda m: calls.append(1) or real(m))
+    first = FM.model_facts(bridge)
+    assert FM.model_facts(bridge) is first and len(calls) == 1
+    bridge.cfg.n_ctx = 64
+    assert FM.model_facts(bridge).n_ctx == 64 and len(calls) == 2
+    bridge.cfg.model_name = "renamed"
+    assert FM.model_facts(bridge).name == "renamed" and len(calls) == 3

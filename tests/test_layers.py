@@ -123,6 +123,26 @@ def test_no_module_imports_a_higher_layer():
     assert not up, "imports up the layers:\n" + "\n".join(up)
 
 
+#: Imports the layer order allows but the house does not: (importer prefix, imported prefix, why).
+FORBIDDEN = (
+    ("posprobe.analyses", "posprobe.backend.hf", "analyses ask the facts or the façades, not the HF door itself"),
+    ("posprobe.data", "posprobe.backend", "data sets are read without models (the cache lives in posprobe.places)"),
+)
+
+
+def forbidden(graph: dict[str, set[str]]) -> list[str]:
+    """Edges of `graph` that FORBIDDEN names, as "a -> b (why)"."""
+    return [f"{a} -> {b} ({why})" for a, targets in graph.items() for b in sorted(targets)
+            for src, dst, why in FORBIDDEN if (a + ".").startswith(src + ".") and (b + ".").startswith(dst + ".")]
+
+
+def test_no_forbidden_import():
+    found = forbidden(import_graph())
+    assert not found, "imports the house forbids:\n" + "\n".join(found)
+    planted = {"posprobe.analyses.shift": {"posprobe.backend.hf"}, "posprobe.data.x": {"posprobe.backend"}}
+    assert len(forbidden(planted)) == 2
+
+
 def test_no_import_cycles():
     found = cycles(import_graph())
     assert not found, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in found)

@@ -451,10 +451,11 @@ def test_control_variants_by_hand():
         toks, pos = got[label]
         assert pos is None and torch.equal(toks[:, 1:], rows[:, 1:])
         assert [bridge.tokenizer.decode([int(t)]) for t in toks[:, 0]] == [char, char]
-    # A fixed-sinusoidal model (XGLM): posprobe sets its positions, but the control's position variants are for
-    # learned, rotary and ALiBi positions only.
+    # A fixed-sinusoidal model (XGLM): posprobe sets its positions too, so the control moves them as on any family
+    # with a position control.
     xglm, _ = tiny_family("xglm")
-    assert list(control_variants(xglm, rows)) == ["as is", "'the' first", "newline first"]
+    assert list(control_variants(xglm, rows)) == list(got)
+    assert control_variants(xglm, rows)["first token at position 4"][1].tolist() == [4, 1, 2, 3, 4, 5, 6, 7, 8]
 
 
 def test_run_sinks_frames_text_windows_as_the_encoder_expects_and_takes_the_full_context():

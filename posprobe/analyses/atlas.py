@@ -19,27 +19,20 @@ from typing import Any
 
 import pandas as pd
 
-from posprobe.analyses.configs import (
-    ATLAS_SECTIONS,
-    AtlasConfig,
-    FrequencyConfig,
-    GeometryConfig,
-    HeadsConfig,
-    ProbeConfig,
-    RetrievalConfig,
-    ShiftConfig,
-    SinksConfig,
-)
-from posprobe.backend import hf as HF
-from posprobe.backend.facts import ModelFacts, model_facts
+from posprobe.analyses.configs import ATLAS_SECTIONS, AtlasConfig
+from posprobe.analyses.retrieval import RETRIEVAL_MIN_CTX  # noqa: F401 - the atlas's bounds, read here by users
+from posprobe.analyses.sections import AtlasRun, AtlasSection, register, section
+from posprobe.analyses.sinks import SINK_LENGTH
+from posprobe.backend.facts import ModelFacts, hf_attention_modules, model_facts
 from posprobe.backend.families import nope as nope_family
 from posprobe.backend.families import not_applicable
-from posprobe.backend.model import device_of, dtype_of
-from posprobe.data import BUILTIN_CORPUS_SOURCE, BUILTIN_SOURCE, builtin_corpus, builtin_pairs
+from posprobe.data import BUILTIN_CORPUS_SOURCE, builtin_corpus
+from posprobe.report.atlas import facts_paragraph
 from posprobe.report.result import Result
 from posprobe.report.schema import data_meta, make_meta, text_sha256
 
-SECTIONS = ATLAS_SECTIONS
+#: The atlas's section names in report order (each declared by its analysis: `analyses.sections`).
+SECTIONS = tuple(ATLAS_SECTIONS)
 
 
 class AtlasResult(Result):
@@ -52,8 +45,20 @@ class AtlasResult(Result):
         super().__init__(tables, meta)
         self.parts = parts
 
+    def paragraph(self, name: str) -> str:
+        """Section `name`'s findings in words, written by the paragraph its analysis declares (from the atlas table,
+        meta and parts)."""
+        t = self.tables["atlas"]
+
+        def n(metric: str) -> float | None:
+            v = t[(t.section == name) & (t.metric == metric)].value
+            return float(v.iloc[0]) if len(v) else None
+
+        return section(name).paragraph(self, n)
+
     def save(self, out_dir: Any, *, figure_formats: Any = (), csv: str = "auto") -> dict[str, Path]:
-        """Each section's outputs in `<out_dir>/<section>/`, then the atlas's own files and report
+        """Each section's outputs in `<out_dir>/<section>/`, then the atlas's own files and report (meta
+        "paragraphs" holds each section's words, so a loaded atlas reads the same)
         (keys `<section>/<key>` for the sections, the usual keys for the atlas's own files). Every report of the
         folder loads one local `plotly.min.js` at its top (offline still; one copy instead of one per report)."""
         from posprobe.report.export import parse_formats
@@ -61,6 +66,7 @@ class AtlasResult(Result):
         from posprobe.report.result import csv_tables
 
         formats = parse_formats(figure_formats)  # a bad format fails before anything is written
+        self.meta["paragraphs"] = {s: self.paragraph(s) for s in self.meta["sections"]}
         csv_tables({}, csv)  # a bad value too
         Path(out_dir).mkdir(exist_ok=True)
         paths: dict[str, Path] = {}
@@ -72,50 +78,34 @@ class AtlasResult(Result):
         return paths
 
 
-#: Sequence length of the sinks section: Gu et al.'s protocol measures Sink_1^0.3 on 64-token sequences.
-SINK_LENGTH = 64
-
 #: Windows (and their length, tokens) of the exact layer-0 decomposition that the atlas compares with the pattern
 #: view on learned-position models: float64 pair terms grow with windows x heads x length^2.
 RELATIVE_VIEW_WINDOWS = 4
 RELATIVE_VIEW_TOKENS = 128
 
-#: The shortest context the retrieval section runs in: a needle prompt's fixed parts and a haystack around it.
-RETRIEVAL_MIN_CTX = 512
+# The facts section: the model's ModelFacts, read before any other section runs (its rows are written by run_atlas).
+register(AtlasSection("facts", "Positional facts", run=lambda model, r: None, headlines=lambda part: [],
+                      paragraph=facts_paragraph))
 
 
 def applicable(facts: ModelFacts, wanted: tuple[str, ...] | None, engine_runs: bool = False) -> list[str]:
     """The sections that apply to this model, restricted to `wanted` when given: see `skip_reasons`."""
     skip = skip_reasons(facts, engine_runs)
-    return [s for s in SECTIONS if s not in skip and (wanted is None or s in wanted)]
+    return [s for s in ATLAS_SECTIONS if s not in skip and (wanted is None or s in wanted)]
 
 
 def skip_reasons(facts: ModelFacts, engine_runs: bool = False) -> dict[str, str]:
     """Section -> why it does not run on this model: its positional family's own reasons (backend.families: e.g.
     frequency needs RoPE, geometry a learned table), then what posprobe has not proven for the model (position
     analyses: `facts.unsupported`; patterns: `facts.attention_unsupported`; rotated q/k the model rotates where no
-    hook fires), then retrieval's needs (the long-context engine runs the model, context >= RETRIEVAL_MIN_CTX)."""
+    hook fires), then retrieval's needs (the long-context engine runs the model, context >= RETRIEVAL_MIN_CTX): each
+    section's own `blocked` answers after its family's."""
     why: dict[str, str] = {}
-    for s in SECTIONS:
-        if (reason := not_applicable(facts.positional_kind, s)) is not None:
-            why[s] = reason
-    # Sinks read a RoPE model's rotated q/k: proven rotation, read where a hook fires.
-    rotary_unsupported = facts.unsupported if facts.is_rotary else None
-    for s, blocked in (("heads", facts.attention_unsupported), ("sinks", facts.attention_unsupported),
-                       ("sinks", facts.rotation_unhooked), ("sinks", rotary_unsupported),
-                       ("frequency", facts.unsupported), ("frequency", facts.rotation_unhooked),
-                       ("frequency", facts.attention_unsupported),
-                       ("geometry", facts.unsupported),
-                       ("geometry", None if facts.has_w_pos else "the model exposes no position table"),
-                       ("shift", facts.unsupported),
-                       ("retrieval", facts.unsupported)):
-        if blocked is not None:
-            why.setdefault(s, blocked)
-    if facts.n_ctx < RETRIEVAL_MIN_CTX:
-        why.setdefault("retrieval", f"a {facts.n_ctx}-token context is shorter than the {RETRIEVAL_MIN_CTX} "
-                                    "tokens a needle prompt needs")
-    if not engine_runs:
-        why.setdefault("retrieval", "the long-context engine does not run this model")
+    for s in ATLAS_SECTIONS:
+        reasons = (not_applicable(facts.positional_kind, s), *section(s).blocked(facts, engine_runs))
+        first = next((r for r in reasons if r is not None), None)
+        if first is not None:
+            why[s] = first
     return why
 
 
@@ -127,14 +117,6 @@ def run_atlas(model: Any, text: str | None = None, config: AtlasConfig | None = 
     import sys
     import time
 
-    from posprobe.analyses.frequency import run_frequency
-    from posprobe.analyses.geometry import run_geometry
-    from posprobe.analyses.heads import run_heads
-    from posprobe.analyses.probes import run_probes
-    from posprobe.analyses.retrieval import run_retrieval
-    from posprobe.analyses.shift import hf_scorable, run_shift_test
-    from posprobe.analyses.sinks import run_sinks
-
     cfg = config or AtlasConfig()
     facts = model_facts(model)
     body = builtin_corpus() if text is None else text
@@ -143,100 +125,34 @@ def run_atlas(model: Any, text: str | None = None, config: AtlasConfig | None = 
     w, nw = cfg.window_for(facts.n_ctx), cfg.max_windows
     # Built-in sentences are < 64 tokens: a k that would push them past the context is lowered to fit.
     ks = tuple(sorted({min(k, max(facts.n_ctx - 64, 0)) for k in cfg.ks}))
-    runs = {
-        "heads": lambda: run_heads(
-            model,
-            body,
-            HeadsConfig(
-                window=w,
-                max_windows=nw,
-                induction_len=min(cfg.induction_len, (facts.n_ctx - 1) // 2),
-                seed=cfg.seed,
-                progress=cfg.progress,
-            ),
-            source=src,
-        ),
-        # Bounded: 8 random sequences, the text windows, the control and massive activations; the heads are zeroed
-        # one at a time (one pass each) only when retrieval runs too, to cross-check the two views of a head.
-        "sinks": lambda: run_sinks(
-            model,
-            body,
-            SinksConfig(length=min(SINK_LENGTH, w), random_samples=8, max_windows=nw,
-                        ablate_heads=cfg.ablate_heads if "retrieval" in sections else 0, seed=cfg.seed,
-                        progress=cfg.progress),
-            source=src,
-        ),
-        "frequency": lambda: run_frequency(
-            model,
-            body,
-            FrequencyConfig(window=w, max_windows=nw, queries=32, ablate=False, progress=cfg.progress),
-            source=src,
-        ),
-        "geometry": lambda: run_geometry(
-            model, body, GeometryConfig(window=w, max_windows=nw, progress=cfg.progress), source=src
-        ),
-        "probes": lambda: run_probes(
-            model,
-            body,
-            ProbeConfig(
-                points=("resid_post",),
-                n_splits=3,
-                window=w,
-                max_windows=max(nw, 6),
-                max_tokens=cfg.probe_tokens_used(),
-                seed=cfg.seed,
-                progress=cfg.progress,
-            ),
-            source=src,
-        ),
-        # Bounded: one task, three depths, the top 5 heads and one draw of 5 random heads masked (9 answers); fewer
-        # on a model with under 10 heads, where the random control could not draw 5 heads outside the top 5.
-        "retrieval": lambda: run_retrieval(
-            model,
-            body,
-            RetrievalConfig(lengths=(min(cfg.needle_length, facts.n_ctx),), depths=(0.25, 0.5, 0.75),
-                            tasks=("niah_single_2",), mask_k=(min(5, facts.n_layers * facts.n_heads // 2),),
-                            random_draws=1, seed=cfg.seed, progress=cfg.progress),
-            source=src,
-        ),
-        "shift": lambda: run_shift_test(
-            model,
-            builtin_pairs(max_pairs=cfg.max_pairs, seed=cfg.seed),
-            config=ShiftConfig(
-                ks=ks, seed=cfg.seed, n_bootstrap=200, allow_beyond_context=False, progress=cfg.progress
-            ),
-            data_source=BUILTIN_SOURCE,
-            # The loaded weights through HF's own forward, except ALiBi (HF takes no position ids there).
-            backend="hf" if hf_scorable(model) and facts.positional_kind != "alibi" else "auto",
-            device=str(device_of(model)),
-            dtype=str(dtype_of(model)).replace("torch.", ""),
-        ),
-    }
     why_skipped = skip_reasons(facts, engine_runs=_engine_runs(model))
-    sections = [s for s in SECTIONS if s not in why_skipped and (cfg.sections is None or s in cfg.sections)]
-    skipped = [s for s in SECTIONS if s not in sections]
+    sections = [s for s in ATLAS_SECTIONS if s not in why_skipped and (cfg.sections is None or s in cfg.sections)]
+    skipped = [s for s in ATLAS_SECTIONS if s not in sections]
     left_out = []
     if cfg.quick and cfg.sections is None and "retrieval" in sections:  # the short tour leaves out the decoding
         sections, left_out = [s for s in sections if s != "retrieval"], ["retrieval"]
+    run = AtlasRun(facts, cfg, body, src, w, nw, ks, tuple(sections))
     parts: dict[str, Result] = {}
     timings: dict[str, float] = {}
+    extra: dict[str, Any] = {"nope_layers": nope_layers(facts)}
+    rows: list[tuple[str, str, float]] = [("facts", "n_layers", facts.n_layers), ("facts", "n_heads", facts.n_heads),
+                                          ("facts", "n_ctx", facts.n_ctx)]
     for i, name in enumerate(s for s in sections if s != "facts"):
         if not quiet:
             print(f"atlas [{i + 1}/{len(sections) - ('facts' in sections)}] {name} ...", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
-        parts[name] = runs[name]()
+        sec = section(name)
+        parts[name] = sec.run(model, run)
         timings[name] = round(time.perf_counter() - t0, 2)
-    rows = _headlines(facts, parts)
+        rows += [(name, metric, value) for metric, value in sec.headlines(parts[name])]
+        extra.update(sec.meta(parts[name]))
     tables = {"atlas": pd.DataFrame(rows, columns=["section", "metric", "value"])}
-    extra: dict[str, Any] = {"nope_layers": nope_layers(facts)}
-    if "frequency" in parts:  # the layers whose heads the frequency section measured (rotary layers only)
-        extra["frequency_layers"] = sorted(int(l) for l in parts["frequency"].tables["heads"].layer.unique())
     ablation = parts["sinks"].tables.get("head_ablation") if "sinks" in parts else None
     if ablation is not None and "retrieval" in parts:
         cross, extra["ablation_retrieval"] = ablation_vs_retrieval(ablation, parts["retrieval"],
                                                                    parts["sinks"].meta["ablation"])
         tables["ablation_retrieval"] = cross.assign(model=facts.name)
-    if "heads" in parts and facts.positional_kind == "learned_absolute" and facts.unsupported is None:
+    if "heads" in parts and facts.family is not None and facts.family.learned_table and facts.unsupported is None:
         # Learned positions: the heads section reads relative position from the pattern, the exact layer-0 score
         # split from the position x position term; the two views side by side, per layer-0 head.
         from posprobe.analyses.decompose import corpus_rows
@@ -255,7 +171,9 @@ def run_atlas(model: Any, text: str | None = None, config: AtlasConfig | None = 
                      config=cfg, sections=sections, skipped=skipped,
                      skipped_why={s: why_skipped[s] for s in skipped if s in why_skipped}, left_out=left_out,
                      shift_ks=list(ks), seconds=timings, window=w, sink_length=min(SINK_LENGTH, w),
-                     probe_tokens=cfg.probe_tokens_used(), **extra)
+                     probe_tokens=cfg.probe_tokens_used(),
+                     titles={s: section(s).title for s in ATLAS_SECTIONS},
+                     key_figures={s: section(s).key_figures for s in sections}, **extra)
     return AtlasResult(tables, meta, parts)
 
 
@@ -308,76 +226,5 @@ def _engine_runs(model: Any) -> bool:
         LA.require_supported(model.original_model)
     except (NotImplementedError, ValueError):
         return False
-    mods = HF.attention_modules(model.original_model)
+    mods = hf_attention_modules(model.original_model)
     return bool(mods) and all(hasattr(m, "q_proj") and hasattr(m, "o_proj") for m in mods)
-
-
-def _headlines(facts: ModelFacts, parts: dict[str, Result]) -> list[tuple[str, str, float]]:
-    rows: list[tuple[str, str, float]] = [("facts", "n_layers", facts.n_layers), ("facts", "n_heads", facts.n_heads),
-                                          ("facts", "n_ctx", facts.n_ctx)]
-    if "heads" in parts:
-        w = parts["heads"].tables["heads"].pivot_table(index=["layer", "head"], columns="metric", values="value")
-        kinds = parts["heads"].tables["head_classes"].kind.value_counts()
-        rows += [("heads", "max_prev_mass", float(w.prev_mass.max())),
-                 ("heads", "mean_first_mass", float(w.first_mass.mean())),
-                 ("heads", "sink_fraction", parts["heads"].meta["sink_fraction"])]
-        rows += [("heads", f"n_{k}", float(v)) for k, v in kinds.items()]
-    if "sinks" in parts:
-        share = parts["sinks"].meta["sink_share"]
-        rows += [("sinks", f"sink_share_{c}", float(v)) for c, v in share.items()]
-        ctl = parts["sinks"].tables.get("sink_control")
-        if ctl is not None and len(ctl):
-            by = ctl[ctl.metric == "sink_share"].set_index("variant").value
-            rows += [("sinks", "sink_share_the_first", float(by.get("'the' first", float("nan"))))]
-    if "frequency" in parts:
-        b = parts["frequency"].tables["bands"]
-        share = b[(b.metric == "abs_share") & (b.band >= 0)]
-        n_bands = int(share.band.max()) + 1
-        q = n_bands // 4 or 1
-        rows += [
-            (
-                "frequency",
-                "abs_share_fastest_quarter",
-                float(share[share.band < q].groupby(["layer", "head"]).value.sum().mean()),
-            ),
-            (
-                "frequency",
-                "abs_share_slowest_quarter",
-                float(share[share.band >= n_bands - q].groupby(["layer", "head"]).value.sum().mean()),
-            ),
-        ]
-        heads = parts["frequency"].tables["heads"]
-        rows += [("frequency", f"n_{k}", float(v)) for k, v in heads.kind.value_counts().items()]
-    if "geometry" in parts:
-        g = parts["geometry"].tables["geometry"]
-        ev = g[(g.source == "W_pos") & (g.metric == "explained_variance")].sort_values("k")
-        if len(ev):
-            rows.append(("geometry", "wpos_pc1_explained", float(ev.value.iloc[0])))
-    if "probes" in parts:
-        p = parts["probes"].tables["probes"]
-        mae = p[p.metric == "mae"].groupby(["layer", "condition"]).value.mean().unstack()
-        rows += [("probes", "mae_first_layer", float(mae["probe"].iloc[0])),
-                 ("probes", "mae_last_layer", float(mae["probe"].iloc[-1])),
-                 ("probes", "mae_control", float(mae["control"].mean())),
-                 ("probes", "mae_chance", float(mae["chance"].mean()))]
-    if "shift" in parts:
-        s = parts["shift"].tables.get("shift_summary", pd.DataFrame())
-        if len(s):
-            o = s[s.level == "overall"].sort_values("k")
-            rows += [("shift", f"accuracy_k{int(r.k)}", float(r.accuracy)) for r in o.itertuples()]
-        d = parts["shift"].tables.get("shift_drift", pd.DataFrame())
-        if len(d):
-            pooled = d[d.layer == "pooled"].sort_values("k")
-            rows += [("shift", f"pooled_cosine_k{int(r.k)}", float(r.cosine_to_k0)) for r in pooled.itertuples()]
-        dev = parts["shift"].meta.get("max_abs_logp_change_vs_k0")
-        if dev:
-            rows.append(("shift", "max_abs_logp_change", float(max(dev.values()))))
-    if "retrieval" in parts:
-        m = parts["retrieval"].tables["retrieval_masking"]
-        acc = m[m.metric == "string_match_all"].groupby("masked").value.mean()
-        kinds = parts["retrieval"].tables["head_classes"].kind.value_counts()
-        rows += [("retrieval", "needle_accuracy", float(acc.get("none", float("nan")))),
-                 ("retrieval", "needle_accuracy_top_masked", float(acc.get("top", float("nan")))),
-                 ("retrieval", "needle_accuracy_random_masked", float(acc.get("random", float("nan")))),
-                 ("retrieval", "n_retrieval", float(kinds.get("retrieval", 0)))]
-    return rows

@@ -148,7 +148,7 @@ def _windows(data: str | Sequence[Sequence[int]] | None, tokenizer: Any, cfg: Br
 
 def _check(hf: Any, windows: list[list[int]], cfg: BrittlenessConfig) -> None:
     """Every check that can fail, before the first forward."""
-    from posprobe.backend import hf as HF
+    from posprobe.backend.facts import hf_trained_context, hf_vocab_size
     from posprobe.core import long_engine as LA
 
     if not hasattr(hf, "get_decoder") or not hasattr(hf, "get_output_embeddings"):
@@ -156,11 +156,11 @@ def _check(hf: Any, windows: list[list[int]], cfg: BrittlenessConfig) -> None:
     LA.require_supported(hf, "Key-position jitter")
     check_length(min(len(w) for w in windows), cfg.buckets)
     buckets = [parse_bucket(b) for b in cfg.buckets]
-    vocab = int(HF.text_config(hf).vocab_size)
+    vocab = hf_vocab_size(hf)
     bad = [t for w in windows for t in w if not 0 <= t < vocab]
     if bad:
         raise ValueError(f"token id {bad[0]} is outside the model's vocabulary of {vocab}")
-    ctx = HF.trained_context(hf)
+    ctx = hf_trained_context(hf)
     longest = max(len(w) for w in windows)
     if ctx is not None and longest > ctx:
         raise ValueError(f"a window of {longest} tokens is past the model's trained context of {ctx}: the loss would "
@@ -188,8 +188,7 @@ def run_brittleness(model: Any, data: str | Sequence[Sequence[int]] | None = Non
     import torch
     from tqdm.auto import tqdm
 
-    from posprobe.backend import hf as HF
-    from posprobe.backend.facts import hf_facts
+    from posprobe.backend.facts import hf_facts, hf_trained_context
     from posprobe.backend.kind import is_bridge
     from posprobe.backend.model import hf_model_name, model_name, tokenizer_of
     from posprobe.core import long_engine as LA
@@ -238,7 +237,7 @@ def run_brittleness(model: Any, data: str | Sequence[Sequence[int]] | None = Non
     facts = hf_facts(hf, name).summary()
     meta = make_meta(
         "brittleness", model=facts, data=data_info, config=cfg, windows_from=made_from,
-        window_lengths=sorted({len(w) for w in windows}), trained_ctx=HF.trained_context(hf),
+        window_lengths=sorted({len(w) for w in windows}), trained_ctx=hf_trained_context(hf),
         noise={"rule": "key j of a pair in the bucket moves to j + e_j, e_j = sigma * z_j, z = torch.randn(n, "
                        f"generator=torch.Generator().manual_seed(seed * {SEED_STRIDE} + window), dtype=float64), "
                        "n = the window's length; the query stays at i; pairs outside the bucket keep i - j",

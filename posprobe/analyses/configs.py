@@ -16,8 +16,18 @@ from posprobe.core.config import option
 from posprobe.data.needles import TASKS as NEEDLE_TASKS
 from posprobe.data.needles import task_names as needle_task_names
 
-#: The atlas's sections, in report order (analyses.atlas runs those that apply to a model).
-ATLAS_SECTIONS = ("facts", "heads", "sinks", "frequency", "geometry", "probes", "shift", "retrieval")
+#: The atlas's sections in report order: name -> (the module that declares it, what it measures for --help). The
+#: module declares the rest (`analyses.sections.AtlasSection`); analyses.atlas runs those that apply to a model.
+ATLAS_SECTIONS: dict[str, tuple[str, str]] = {
+    "facts": ("posprobe.analyses.atlas", "positional facts"),
+    "heads": ("posprobe.analyses.heads", "head signatures (sink, previous-token, induction...)"),
+    "sinks": ("posprobe.analyses.sinks", "attention sinks (share, position-vs-token control, massive activations)"),
+    "frequency": ("posprobe.analyses.frequency", "RoPE frequency usage"),
+    "geometry": ("posprobe.analyses.geometry", "learned-position geometry"),
+    "probes": ("posprobe.analyses.probes", "position probes"),
+    "shift": ("posprobe.analyses.shift", "the shift test"),
+    "retrieval": ("posprobe.analyses.retrieval", "retrieval heads (needle answers with them masked)"),
+}
 
 #: Residual-stream capture points a position probe can read.
 RESIDUAL_POINTS = ("resid_pre", "resid_mid", "resid_post")

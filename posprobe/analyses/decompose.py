@@ -85,7 +85,7 @@ BIAS_PARTS = frozenset("tnb")
 EXACT_TERMS = ("ww", "wp", "pw", "pp", "bias")
 DATA_TERMS = ("pp", "pc", "pr", "cp", "cc", "cr", "rp", "rc", "rr", "mean", "bias")
 #: ALiBi models: the distance bias (with the model's per-row constant), a term with a position part.
-ALIBI_TERM = "alibi"
+ALIBI_TERM = alibi.FAMILY.score_term
 # The four TUPE-style maps; in the data-driven split the remainder r plays the word's role.
 HEATMAP_TERMS = {"exact-layer0": ("ww", "wp", "pw", "pp"), "data-driven": ("rr", "rp", "pr", "pp")}
 
@@ -362,7 +362,7 @@ def decompose_layer(
     parts = {"m": g.expand_as(h), "p": pos.expand_as(h), "c": ctx.expand_as(h), "r": h - g - pos - ctx}
     parts = _frozen_norm(norm, parts, got[norm.scale_point] if norm else None)
     part_names, pairs = _pair_scores(model, layer, parts, layer in facts.rotary_layers)
-    if facts.positional_kind == "alibi":
+    if facts.family is not None and facts.family.score_term:
         part_names, pairs = _with_alibi(model, layer, part_names, pairs, got["scores"])
     return _checked(Decomposition(facts.name, layer, "data-driven", part_names, pairs, got["scores"],
                                   tokens.cpu(), {"corpus_positions": int(mu.shape[0])}))
@@ -485,7 +485,7 @@ def decompose_heads(model: Any, config: DecomposeConfig) -> tuple[Decomposition,
     if config.head is not None and not 0 <= config.head < facts.n_heads:
         raise ValueError(f"--head {config.head} out of range for {facts.n_heads} heads")
     exact = config.method == "exact" or (
-        config.method == "auto" and config.layer == 0 and facts.positional_kind == "learned_absolute")
+        config.method == "auto" and config.layer == 0 and "exact-layer0" in _decompositions(facts))
     if exact and config.layer != 0:
         raise ValueError("The exact split exists at layer 0 only; use method 'data' for later layers")
     text = config.text if config.text is not None else BUILTIN_TEXT

@@ -19,6 +19,7 @@ import torch
 
 from posprobe.analyses.configs import FrequencyConfig
 from posprobe.analyses.frequency_ablation import band_ablation, head_ablations, p_sweep
+from posprobe.analyses.sections import AtlasRun, AtlasSection, register
 from posprobe.backend.facts import (
     ModelFacts,
     at_length,
@@ -30,6 +31,7 @@ from posprobe.backend.hooks import score_scale, score_soft_cap
 from posprobe.backend.model import device_of
 from posprobe.core import distributed
 from posprobe.core.capture import Reducer, check_rows, stream, to_cpu_once
+from posprobe.report import frequency as frequency_report
 from posprobe.report.checkpoint import stream_resume
 from posprobe.report.result import Result
 from posprobe.report.schema import data_meta, make_meta, text_sha256
@@ -438,3 +440,26 @@ def top_heads(heads: pd.DataFrame, n: int = 6) -> list[tuple[int, int]]:
         if len(picks) >= min(n, len(heads)):
             break
     return picks
+
+
+def _atlas_run(model: Any, r: AtlasRun) -> Result:
+    return run_frequency(model, r.text, FrequencyConfig(window=r.window, max_windows=r.max_windows, queries=32,
+                                                         ablate=False, progress=r.config.progress), source=r.source)
+
+
+def _atlas_headlines(part: Result) -> list[tuple[str, float]]:
+    b = part.tables["bands"]
+    share = b[(b.metric == "abs_share") & (b.band >= 0)]
+    n_bands = int(share.band.max()) + 1
+    q = n_bands // 4 or 1
+    per_head = lambda rows: float(rows.groupby(["layer", "head"]).value.sum().mean())  # noqa: E731
+    return ([("abs_share_fastest_quarter", per_head(share[share.band < q])),
+             ("abs_share_slowest_quarter", per_head(share[share.band >= n_bands - q]))]
+            + [(f"n_{k}", float(v)) for k, v in part.tables["heads"].kind.value_counts().items()])
+
+
+ATLAS_SECTION = register(AtlasSection(
+    "frequency", "RoPE frequency usage", _atlas_run, _atlas_headlines, frequency_report.atlas_paragraph,
+    blocked=lambda facts, engine_runs: (facts.unsupported, facts.rotation_unhooked, facts.attention_unsupported),
+    # the layers whose heads the section measured (rotary layers only)
+    meta=lambda part: {"frequency_layers": sorted(int(l) for l in part.tables["heads"].layer.unique())}))

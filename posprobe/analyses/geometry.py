@@ -15,8 +15,10 @@ import torch
 from jaxtyping import Float, Int
 
 from posprobe.analyses.configs import GeometryConfig
+from posprobe.analyses.sections import AtlasRun, AtlasSection, register
 from posprobe.backend.facts import WrongModelKind, model_facts, require_learned
 from posprobe.backend.model import context_length, n_layers, position_table, token_table
+from posprobe.report import geometry as geometry_report
 from posprobe.report.result import Result
 from posprobe.report.schema import data_meta, make_meta, text_sha256
 
@@ -274,3 +276,20 @@ def run_geometry(model: Any, text: str | None = None, config: GeometryConfig | N
     meta = make_meta("geometry", model=facts.summary(), data=data, config=cfg,
                      views=[v for r in parts for v in r.meta["views"]], n_rows=len(rows), n_pos=len(rows[0]))
     return Result(tables, meta)
+
+
+def _atlas_run(model: Any, r: AtlasRun) -> Result:
+    return run_geometry(model, r.text, GeometryConfig(window=r.window, max_windows=r.max_windows,
+                                                      progress=r.config.progress), source=r.source)
+
+
+def _atlas_headlines(part: Result) -> list[tuple[str, float]]:
+    g = part.tables["geometry"]
+    ev = g[(g.source == "W_pos") & (g.metric == "explained_variance")].sort_values("k")
+    return [("wpos_pc1_explained", float(ev.value.iloc[0]))] if len(ev) else []
+
+
+ATLAS_SECTION = register(AtlasSection(
+    "geometry", "Learned-position geometry", _atlas_run, _atlas_headlines, geometry_report.atlas_paragraph,
+    blocked=lambda facts, engine_runs: (facts.unsupported,
+                                        None if facts.has_w_pos else "the model exposes no position table")))

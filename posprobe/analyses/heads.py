@@ -24,11 +24,13 @@ import pandas as pd
 import torch
 
 from posprobe.analyses.configs import HeadsConfig
+from posprobe.analyses.sections import AtlasRun, AtlasSection, register
 from posprobe.backend.facts import model_facts, require_attention_supported
 from posprobe.backend.model import encode_text, first_token, tokenizer_of
 from posprobe.core import distributed
 from posprobe.core.capture import Reducer, capture, float64_device, stream, to_cpu_once
 from posprobe.data import BUILTIN_TEXT, framed_windows, random_token_ids
+from posprobe.report import heads as heads_report
 from posprobe.report.checkpoint import stream_resume
 from posprobe.report.result import Result
 from posprobe.report.schema import data_meta, make_meta, text_sha256
@@ -261,3 +263,21 @@ def run_heads(model: Any, text: str | None = None, config: HeadsConfig | None = 
     result.meta["data"] = data_meta(source or ("built-in text" if text is None else "text"), n_items=len(rows),
                                     unit="windows", sha256=text_sha256(body))
     return result
+
+
+def _atlas_run(model: Any, r: AtlasRun) -> Result:
+    return run_heads(model, r.text, HeadsConfig(window=r.window, max_windows=r.max_windows,
+                                                 induction_len=min(r.config.induction_len, (r.facts.n_ctx - 1) // 2),
+                                                 seed=r.config.seed, progress=r.config.progress), source=r.source)
+
+
+def _atlas_headlines(part: Result) -> list[tuple[str, float]]:
+    w = part.tables["heads"].pivot_table(index=["layer", "head"], columns="metric", values="value")
+    kinds = part.tables["head_classes"].kind.value_counts()
+    return [("max_prev_mass", float(w.prev_mass.max())), ("mean_first_mass", float(w.first_mass.mean())),
+            ("sink_fraction", part.meta["sink_fraction"])] + [(f"n_{k}", float(v)) for k, v in kinds.items()]
+
+
+ATLAS_SECTION = register(AtlasSection(
+    "heads", "Head signatures", _atlas_run, _atlas_headlines, heads_report.atlas_paragraph,
+    blocked=lambda facts, engine_runs: (facts.attention_unsupported,), key_figures=2))

@@ -24,8 +24,8 @@ import torch
 
 from posprobe.analyses.configs import LongContextConfig
 from posprobe.analyses.retrieval import answer_heads
-from posprobe.backend import hf as HF
-from posprobe.backend.facts import hf_facts
+from posprobe.backend.facts import hf_facts, hf_position_table, hf_positional_kind, hf_trained_context
+from posprobe.backend.families import ROTARY
 from posprobe.backend.kind import is_bridge
 from posprobe.backend.model import hf_model_name, model_name, tokenizer_of, weights_fingerprint
 from posprobe.core import long_engine as LA
@@ -130,12 +130,12 @@ def _check(hf: Any, tok: Any, n_tokens: int, rules: dict[str, PairRule], cfg: Lo
     """Every check that can fail, before any forward; returns the trained context."""
     if any(not r.identity for r in rules.values()):
         LA.require_supported(hf)
-    if not HF.is_rotary(hf):
-        table = HF.position_table_size(hf)
+    if hf_positional_kind(hf) != ROTARY:
+        table = hf_position_table(hf)
         longest_any = max((*cfg.lengths, *(cfg.passkey_lengths or ())))
         if table and longest_any > table:
             raise ValueError(f"length {longest_any} is past this model's {table} learned positions")
-    ctx = cfg.trained_ctx or HF.trained_context(hf)
+    ctx = cfg.trained_ctx or hf_trained_context(hf)
     if ctx is None:
         raise ValueError("the model config does not give its trained context; pass trained_ctx (--trained-ctx)")
     longest = max(cfg.lengths)

@@ -19,9 +19,11 @@ from jaxtyping import Int
 from tqdm.auto import tqdm
 
 from posprobe.analyses.configs import ProbeConfig
+from posprobe.analyses.sections import AtlasRun, AtlasSection, register
 from posprobe.backend.model import encode_text, first_token
 from posprobe.core.capture import Reducer, batches, stream, to_cpu_once
 from posprobe.data import framed_windows
+from posprobe.report import probes as probes_report
 from posprobe.report.checkpoint import Checkpoint, rows_sha256, run_key
 from posprobe.report.probes import fold_summary  # noqa: F401 - part of this module's API
 from posprobe.report.result import Result
@@ -289,3 +291,21 @@ def position_probes(model: Any, token_rows: Sequence[Sequence[int]] | torch.Tens
                      n_tokens=len(flat), control="training positions shuffled within each token row (test labels true)",
                      folds="GroupKFold by token row")
     return Result({"probes": df}, meta)
+
+
+def _atlas_run(model: Any, r: AtlasRun) -> Result:
+    c = r.config
+    return run_probes(model, r.text, ProbeConfig(points=("resid_post",), n_splits=3, window=r.window,
+                                                 max_windows=max(r.max_windows, 6), max_tokens=c.probe_tokens_used(),
+                                                 seed=c.seed, progress=c.progress), source=r.source)
+
+
+def _atlas_headlines(part: Result) -> list[tuple[str, float]]:
+    p = part.tables["probes"]
+    mae = p[p.metric == "mae"].groupby(["layer", "condition"]).value.mean().unstack()
+    return [("mae_first_layer", float(mae["probe"].iloc[0])), ("mae_last_layer", float(mae["probe"].iloc[-1])),
+            ("mae_control", float(mae["control"].mean())), ("mae_chance", float(mae["chance"].mean()))]
+
+
+ATLAS_SECTION = register(AtlasSection("probes", "Position probes", _atlas_run, _atlas_headlines,
+                                      probes_report.atlas_paragraph))

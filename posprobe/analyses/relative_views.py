@@ -36,7 +36,7 @@ def relative_views(model: Any, rows: torch.Tensor, heads: pd.DataFrame) -> pd.Da
     `pp` term's `rel_pos_fraction` and the position terms' `var_share` (term `positional`) from the exact layer-0
     decomposition of `rows` (`[batch, pos]` token ids). Tidy: model, layer, head, term, metric, value (shares)."""
     facts = model_facts(model)
-    if facts.positional_kind != "learned_absolute":
+    if facts.family is None or not facts.family.learned_table:
         raise ValueError(f"relative views compare a learned position table's two views; {facts.name} uses "
                          f"{facts.positional_kind} positions")
     s = head_summary(decompose_layer0(model, torch.as_tensor(rows)))

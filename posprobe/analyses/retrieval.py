@@ -26,6 +26,7 @@ import pandas as pd
 import torch
 
 from posprobe.analyses.configs import RetrievalConfig
+from posprobe.analyses.sections import AtlasRun, AtlasSection, register
 from posprobe.backend.facts import hf_facts
 from posprobe.backend.kind import is_bridge
 from posprobe.backend.model import hf_model_name, model_name, tokenizer_of, weights_fingerprint
@@ -34,6 +35,7 @@ from posprobe.core.presets import preset_pairs
 from posprobe.core.stats import bootstrap_ci, wilson_ci
 from posprobe.data import BUILTIN_TEXT
 from posprobe.data.needles import TASKS, NeedlePrompt, needle_prompt, string_match_all
+from posprobe.report import retrieval as retrieval_report
 from posprobe.report.checkpoint import Checkpoint, run_key
 from posprobe.report.result import Result
 from posprobe.report.schema import data_meta, make_meta, text_sha256
@@ -275,3 +277,37 @@ def run_retrieval(model: Any, text: str | None = None, config: RetrievalConfig |
                      intervals=_interval_meta(cfg), beyond_context=beyond,
                      checkpoint={"folder": str(work) if work is not None else None, "resumed_units": ckpt.resumed})
     return Result(tables, meta)
+
+
+#: The shortest context the atlas's retrieval section runs in: a needle prompt's fixed parts and a haystack around it.
+RETRIEVAL_MIN_CTX = 512
+
+
+def _atlas_run(model: Any, r: AtlasRun) -> Result:
+    # Bounded: one task, three depths, the top 5 heads and one draw of 5 random heads masked (9 answers); fewer on a
+    # model with under 10 heads, where the random control could not draw 5 heads outside the top 5.
+    f, c = r.facts, r.config
+    return run_retrieval(model, r.text, RetrievalConfig(
+        lengths=(min(c.needle_length, f.n_ctx),), depths=(0.25, 0.5, 0.75), tasks=("niah_single_2",),
+        mask_k=(min(5, f.n_layers * f.n_heads // 2),), random_draws=1, seed=c.seed, progress=c.progress),
+        source=r.source)
+
+
+def _atlas_headlines(part: Result) -> list[tuple[str, float]]:
+    m = part.tables["retrieval_masking"]
+    acc = m[m.metric == "string_match_all"].groupby("masked").value.mean()
+    kinds = part.tables["head_classes"].kind.value_counts()
+    return [("needle_accuracy", float(acc.get("none", float("nan")))),
+            ("needle_accuracy_top_masked", float(acc.get("top", float("nan")))),
+            ("needle_accuracy_random_masked", float(acc.get("random", float("nan")))),
+            ("n_retrieval", float(kinds.get("retrieval", 0)))]
+
+
+def _atlas_blocked(facts: Any, engine_runs: bool) -> tuple[str | None, ...]:
+    short = (f"a {facts.n_ctx}-token context is shorter than the {RETRIEVAL_MIN_CTX} tokens a needle prompt needs"
+             if facts.n_ctx < RETRIEVAL_MIN_CTX else None)
+    return facts.unsupported, short, None if engine_runs else "the long-context engine does not run this model"
+
+
+ATLAS_SECTION = register(AtlasSection("retrieval", "Retrieval heads", _atlas_run, _atlas_headlines,
+                                      retrieval_report.atlas_paragraph, blocked=_atlas_blocked))

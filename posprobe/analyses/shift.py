@@ -16,11 +16,13 @@ import pandas as pd
 import torch
 
 from posprobe.analyses.configs import ShiftConfig, ShiftError
+from posprobe.analyses.sections import AtlasRun, AtlasSection, register
 from posprobe.backend.families import control as position_control
 from posprobe.backend.families import find as find_family
 from posprobe.backend.model import forward, n_layers, tokenizer_of
 from posprobe.core.scoring import Positioned
 from posprobe.data import BUILTIN_SOURCE, DataError, MinimalPair, pairs_fingerprint
+from posprobe.report import shift as shift_report
 from posprobe.report.checkpoint import Checkpoint, run_key
 from posprobe.report.result import Result
 from posprobe.report.schema import data_meta, make_meta, text_sha256
@@ -259,7 +261,6 @@ class Prepared:
 def prepare(model: Any, *, backend: str = "auto", device: str = "cpu", dtype: str = "float32",
             n_ctx: int | None = None) -> Prepared:
     """Pick the scoring backend: HF with native position_ids when weights are on disk, else TL hooks."""
-    from posprobe.backend import hf as HF
     from posprobe.backend.facts import WrongModelKind, hf_facts, model_facts
     from posprobe.backend.sources import resolve
     from posprobe.core.scoring import HFScorer, TLScorer
@@ -272,11 +273,13 @@ def prepare(model: Any, *, backend: str = "auto", device: str = "cpu", dtype: st
         src = resolve(model)
         from posprobe.backend.peek import peek
 
-        alibi = backend == "auto" and getattr(peek(model), "positional_kind", None) == "alibi"  # no position ids
-        if src.kind == "hf-dir" and backend != "tl" and not alibi:
+        early = peek(model)
+        fam = getattr(early, "family", None)
+        no_ids = backend == "auto" and fam is not None and not fam.hf_position_ids  # ALiBi: HF takes no ids
+        if src.kind == "hf-dir" and backend != "tl" and not no_ids:
             from posprobe.backend.loading import load_hf_model
 
-            if not HF.folder_architecture(HF.hf_folder(src)).startswith("Bert"):
+            if early is None or not early.is_encoder:  # encoders are scored through TL (representation drift)
                 hf, tok = load_hf_model(model, dtype=dtype, device=device)
                 facts = hf_facts(hf, src.name)
                 ctx = facts.n_ctx
@@ -330,9 +333,8 @@ def hf_scorable(model: Any) -> bool:
 
 def _prepare_hf_twin(model: Any) -> Prepared:
     # A loaded bridge scored through the plain HF model it wraps (shared weights): the fast path without a reload.
-    from posprobe.backend import hf as HF
     from posprobe.backend.bridge import plain_hf_model
-    from posprobe.backend.facts import model_facts
+    from posprobe.backend.facts import hf_position_table, hf_positional_kind, model_facts
     from posprobe.backend.model import context_length, model_name
     from posprobe.core.scoring import HFScorer
 
@@ -341,8 +343,8 @@ def _prepare_hf_twin(model: Any) -> Prepared:
                          f"head; got {type(model).__name__}")
     hf = plain_hf_model(model)
     tok = tokenizer_of(model)
-    ctx = min(HF.position_table_size(hf) or context_length(model), context_length(model))
-    return Prepared(model_name(model), HFScorer(hf, tok), tok, HF.positional_kind(hf), ctx, False, "hf", model,
+    ctx = min(hf_position_table(hf) or context_length(model), context_length(model))
+    return Prepared(model_name(model), HFScorer(hf, tok), tok, hf_positional_kind(hf), ctx, False, "hf", model,
                     model_facts(model))
 
 
@@ -379,9 +381,10 @@ def run_shift_test(
     if moved_by is None:
         raise ShiftError(f"The shift test needs learned, sinusoidal, rotary or ALiBi positions; {prep.name} uses "
                          f"{prep.positional_kind}")
-    if prep.positional_kind == "alibi" and prep.backend == "hf":
-        raise ShiftError(f"{prep.name} uses ALiBi, which Hugging Face computes without position ids: use backend 'tl' "
-                         "(posprobe's ALiBi position control)")
+    fam = find_family(prep.positional_kind)
+    if fam is not None and not fam.hf_position_ids and prep.backend == "hf":
+        raise ShiftError(f"{prep.name} uses {fam.label}, which Hugging Face computes without position ids: use backend "
+                         f"'tl' (posprobe's {fam.label} position control)")
     kind, prefix = prefix_ids(prep.tokenizer, cfg.prefix) if not prep.is_encoder else ("cls-sep", [])
     # Absolute positions (ids into a table of n_ctx rows) stop at the context; relative ones may go past on request.
     limit = prep.n_ctx if (moved_by == "position ids" or not cfg.allow_beyond_context) else 10**12
@@ -435,10 +438,9 @@ def run_shift_test(
         meta["max_abs_logp_change_vs_k0"] = dev
     if len(tokens):
         meta["perplexity"] = ppl_by_k(tokens).to_dict("records")
-    if prep.positional_kind in ("rotary", "alibi"):
-        kind = "RoPE" if prep.positional_kind == "rotary" else "ALiBi"
-        meta["note"] = (f"{kind} model: the shift moves queries and keys together, so scores depend only on relative "
-                        "positions and must not change with k. This run is an invariance control; "
+    if fam is not None and fam.shift_invariant:
+        meta["note"] = (f"{fam.label} model: the shift moves queries and keys together, so scores depend only on "
+                        "relative positions and must not change with k. This run is an invariance control; "
                         "max_abs_logp_change_vs_k0 is the measured deviation (float rounding).")
     tables = {"shift_pairs": pair_df, "shift_summary": summary, "shift_tokens": tokens, "shift_drift": drift}
     return ShiftResult({k: v for k, v in tables.items() if len(v)}, meta)
@@ -483,3 +485,37 @@ def encoder_drift(model: Any, sentences: Sequence[str], ks: Sequence[int], cfg: 
         rows.append((k, "pooled", "sentence", float(pooled.mean())))
     return pd.DataFrame(rows, columns=["k", "layer", "unit", "cosine_to_k0"])
 
+
+def _atlas_run(model: Any, r: AtlasRun) -> Result:
+    from posprobe.backend.model import device_of, dtype_of
+    from posprobe.data import BUILTIN_SOURCE, builtin_pairs
+
+    c, fam = r.config, r.facts.family
+    return run_shift_test(
+        model, builtin_pairs(max_pairs=c.max_pairs, seed=c.seed),
+        config=ShiftConfig(ks=r.ks, seed=c.seed, n_bootstrap=200, allow_beyond_context=False, progress=c.progress),
+        data_source=BUILTIN_SOURCE,
+        # The loaded weights through HF's own forward, except where HF takes no position ids (ALiBi).
+        backend="hf" if hf_scorable(model) and (fam is None or fam.hf_position_ids) else "auto",
+        device=str(device_of(model)), dtype=str(dtype_of(model)).replace("torch.", ""))
+
+
+def _atlas_headlines(part: Result) -> list[tuple[str, float]]:
+    rows: list[tuple[str, float]] = []
+    s = part.tables.get("shift_summary", pd.DataFrame())
+    if len(s):
+        rows += [(f"accuracy_k{int(r.k)}", float(r.accuracy)) for r in s[s.level == "overall"].sort_values("k")
+                 .itertuples()]
+    d = part.tables.get("shift_drift", pd.DataFrame())
+    if len(d):
+        rows += [(f"pooled_cosine_k{int(r.k)}", float(r.cosine_to_k0)) for r in d[d.layer == "pooled"].sort_values("k")
+                 .itertuples()]
+    dev = part.meta.get("max_abs_logp_change_vs_k0")
+    if dev:
+        rows.append(("max_abs_logp_change", float(max(dev.values()))))
+    return rows
+
+
+ATLAS_SECTION = register(AtlasSection("shift", "Shift test", _atlas_run, _atlas_headlines,
+                                      shift_report.atlas_paragraph,
+                                      blocked=lambda facts, engine_runs: (facts.unsupported,)))

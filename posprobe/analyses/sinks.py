@@ -22,10 +22,12 @@ import pandas as pd
 import torch
 
 from posprobe.analyses.configs import SinksConfig
+from posprobe.analyses.sections import AtlasRun, AtlasSection, register
 from posprobe.backend.facts import ModelFacts, model_facts, require_attention_supported
 from posprobe.backend.model import encode_text, has_lm_head, special_tokens, tokenizer_of
 from posprobe.core.capture import Reducer, check_rows, float64_device, stream, to_cpu_once
 from posprobe.data import BUILTIN_TEXT, framed_windows, random_token_ids
+from posprobe.report import sinks as sinks_report
 from posprobe.report.result import Result
 from posprobe.report.schema import data_meta, make_meta, text_sha256
 from posprobe.report.sinks import control_meaning
@@ -181,7 +183,7 @@ def control_variants(model: Any, rows: torch.Tensor) -> dict[str, tuple[torch.Te
     tok = tokenizer_of(model)
     out: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {"as is": (rows, None)}
     facts = model_facts(model)
-    if facts.positional_kind in ("learned_absolute", "rotary", "alibi") and facts.unsupported is None:
+    if facts.family is not None and facts.family.control is not None and facts.unsupported is None:
         moved = torch.arange(n)
         moved[0] = n // 2
         out[f"first token at position {n // 2}"] = (rows, moved)
@@ -306,3 +308,33 @@ def run_sinks(model: Any, text: str | None = None, config: SinksConfig | None = 
                      first_tokens={c: tokenizer_of(model).convert_ids_to_tokens(r[:3, 0].tolist())
                                    for c, r in conditions.items()})
     return Result(tables, meta)
+
+
+#: Sequence length of the atlas's sinks section: Gu et al.'s protocol measures Sink_1^0.3 on 64-token sequences.
+SINK_LENGTH = 64
+
+
+def _atlas_run(model: Any, r: AtlasRun) -> Result:
+    # Bounded: 8 random sequences, the text windows, the control and massive activations; the heads are zeroed one at
+    # a time (one pass each) only when retrieval runs too, to cross-check the two views of a head.
+    c = r.config
+    return run_sinks(model, r.text, SinksConfig(
+        length=min(SINK_LENGTH, r.window), random_samples=8, max_windows=r.max_windows,
+        ablate_heads=c.ablate_heads if "retrieval" in r.sections else 0, seed=c.seed, progress=c.progress),
+        source=r.source)
+
+
+def _atlas_headlines(part: Result) -> list[tuple[str, float]]:
+    rows = [(f"sink_share_{c}", float(v)) for c, v in part.meta["sink_share"].items()]
+    ctl = part.tables.get("sink_control")
+    if ctl is not None and len(ctl):
+        by = ctl[ctl.metric == "sink_share"].set_index("variant").value
+        rows.append(("sink_share_the_first", float(by.get("'the' first", float("nan")))))
+    return rows
+
+
+# Sinks read a RoPE model's rotated q/k: a proven rotation, read where a hook fires.
+ATLAS_SECTION = register(AtlasSection(
+    "sinks", "Attention sinks", _atlas_run, _atlas_headlines, sinks_report.atlas_paragraph,
+    blocked=lambda facts, engine_runs: (facts.attention_unsupported, facts.rotation_unhooked,
+                                        facts.unsupported if facts.is_rotary else None)))

@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from posprobe.backend import hf
+from posprobe.backend import families, hf
+from posprobe.backend.architectures import PATTERN, POSITIONS, of_config, proven
 from posprobe.backend.attach import hooked
 from posprobe.backend.bridge import (
     layer_type,
@@ -27,7 +28,6 @@ from posprobe.backend.bridge import (
 from posprobe.backend.families import alibi, learned, relative, rotary, sinusoidal
 from posprobe.backend.fast_attention import sdpa_attention
 from posprobe.backend.kind import hf_attention, is_encoder, n_layers
-from posprobe.backend.peek import tl_positional_kind
 from posprobe.backend.vocab import NormSpec, hook_name
 from posprobe.rope import RotarySpec, hf_cos_sin, hf_rotate, rotate
 
@@ -204,13 +204,13 @@ def _fires_rotation_hooks(attn: Any) -> bool:
 def _intercepts_rotation(model: Any) -> bool:
     # GPT-J from transformers 5.24: HF's own attention module rotates q and k and hands them to the attention
     # interface, where TL's delegated component fires no hook_rot_q/k; posprobe's interceptor fires them there.
-    if model.cfg.positional_embedding_type != "rotary" or _fires_rotation_hooks(model.blocks[0].attn):
+    if _tl_kind(model) != families.ROTARY or _fires_rotation_hooks(model.blocks[0].attn):
         return False
     return _delegated(model) and hf.uses_attention_interface(hf_attention(model, 0))
 
 
 def rotation_unhooked(model: Any) -> str | None:
-    if (model.cfg.positional_embedding_type != "rotary" or _fires_rotation_hooks(model.blocks[0].attn)
+    if (_tl_kind(model) != families.ROTARY or _fires_rotation_hooks(model.blocks[0].attn)
             or _intercepts_rotation(model)):
         return None
     arch = type(model.original_model).__name__
@@ -305,7 +305,7 @@ def _scaling(model: Any, layer: int) -> float:
         return float(a.scaling)
     if hasattr(a, "scale_attn"):  # GPT-J divides the scores by scale_attn
         return 1.0 / float(a.scale_attn)
-    if str(getattr(hf.text_config(model.original_model), "model_type", "")) == "gpt_neo":
+    if of_config(hf.text_config(model.original_model)).unscaled_scores:
         return 1.0  # GPT-Neo does not scale its scores
     return float(getattr(a, "head_dim", getattr(a, "attention_head_size", 0)) ** -0.5)
 
@@ -362,48 +362,25 @@ def score_soft_cap(model: Any) -> float | None:
 
 # ---- positional facts (read by facts.model_facts)
 
-#: HF model types whose position handling posprobe has proven against Hugging Face on the bridge (identity
-#: tests of position plans, score decomposition, frequency bands and head signatures): everything else is
-#: refused by the position analyses with the reason `positional_unsupported` gives.
-PROVEN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "gemma3", "granite",
-                      "olmo2", "smollm3", "starcoder2", "gpt_neox", "phi", "phi3", "stablelm", "cohere",
-                      "cohere2", "glm", "gptj", "gpt2", "gpt_neo", "opt", "bert", "roberta", "mpt", "bloom", "falcon",
-                      "xglm")
-
-
-#: HF model types whose hook_pattern the support matrix proves equal to Hugging Face's attention weights (pattern
-#: analyses: heads).
-PATTERN_PROVEN_MODEL_TYPES = PROVEN_MODEL_TYPES + ("olmo",)
-
-
 def forward_unsupported(model: Any) -> str | None:
-    # Encoder-decoder bridges (T5) have no `blocks`: every analysis walks one stack. Measured (TL 4.3, transformers
-    # 5.23, tiny random models): the bridge's own forward of Falcon with ALiBi (Falcon-RW) is 0.1-0.9 away from HF's
-    # logits in every config tried (multi-query or not, parallel attention or not, biases or not); Falcon with rotary
-    # matches to 1e-6. Every hook value would be off: refused as a whole.
+    # Encoder-decoder bridges (T5) have no `blocks`: every analysis walks one stack. Other known departures of the
+    # bridge from HF's forward are the architecture row's measured defects (backend.architectures).
     cfg = hf.text_config(model.original_model)
     if not hasattr(model, "blocks"):
         return relative.encoder_decoder(type(model.original_model).__name__)
-    if str(getattr(cfg, "model_type", "")) == "falcon" and getattr(cfg, "alibi", False):
-        return (f"TransformerLens {_tl_version()}'s bridge does not reproduce Hugging Face's forward for Falcon with "
-                "ALiBi (Falcon-RW; logits 0.1-0.9 apart on tiny random models), so no hook value can be trusted")
-    # Measured on TL 3.9 against HF's forward on an independent copy of the weights (tiny random Cohere / Cohere 2):
-    # logits 0.042 / 0.070 apart, its hooks rotating q/k as half-split pairs where Cohere interleaves them. (An
-    # earlier check compared the bridge with the HF module it rewires, i.e. with itself.) TL >= 4 matches to 1e-6.
-    if str(getattr(cfg, "model_type", "")) in ("cohere", "cohere2") and _tl_major() < 4:
-        return (f"TransformerLens {_tl_version()}'s bridge does not reproduce Hugging Face's forward for "
-                f"{type(model.original_model).__name__} (logits 0.04-0.07 apart on tiny random models; it rotates q/k "
-                "as half-split pairs where Cohere interleaves them; TransformerLens >= 4 matches)")
-    return None
+    arch = type(model.original_model).__name__
+    defect = next((d for d in of_config(cfg).defects if d.holds(_tl_major(), cfg)), None)
+    return None if defect is None else defect.why.format(tl=_tl_version(), arch=arch)
 
 
 def attention_unsupported(model: Any) -> str | None:
-    mt = str(getattr(hf.text_config(model.original_model), "model_type", ""))
+    cfg = hf.text_config(model.original_model)
+    mt = str(getattr(cfg, "model_type", ""))
     if _delegated(model) and _tl_major() < 4:
         arch = type(model.original_model).__name__
         return (f"TransformerLens {_tl_version()} does not fire hook_pattern on {arch}'s delegated attention "
                 "(TransformerLens >= 4 does)")
-    if mt in PATTERN_PROVEN_MODEL_TYPES:
+    if PATTERN in of_config(cfg).proven:
         return None
     return (f"{type(model.original_model).__name__} ({mt}): its hook_pattern has not been proven equal to Hugging "
             "Face's attention weights in posprobe")
@@ -412,7 +389,7 @@ def attention_unsupported(model: Any) -> str | None:
 def rotary_specs(model: Any) -> tuple[RotarySpec | None, ...] | None:
     # None where the model has no rotary layers, or a rotation posprobe does not read (see positional_unsupported);
     # a None entry for a NoPE layer.
-    if model.cfg.positional_embedding_type != "rotary":
+    if _tl_kind(model) != families.ROTARY:
         return None
     nope = hf.nope_layers(model.original_model)
     try:
@@ -459,10 +436,14 @@ def _sinusoidal(model: Any) -> bool:
     return sinusoidal.detect(model.original_model)
 
 
+def _tl_kind(model: Any) -> str:
+    return families.from_tl(model.cfg.positional_embedding_type)
+
+
 def layer_kinds(model: Any) -> tuple[str, ...]:
-    kind = "sinusoidal" if _sinusoidal(model) else tl_positional_kind(model.cfg.positional_embedding_type)
+    kind = families.SINUSOIDAL if _sinusoidal(model) else _tl_kind(model)
     nope = hf.nope_layers(model.original_model)
-    return tuple("nope" if l in nope else kind for l in range(n_layers(model)))
+    return tuple(families.NOPE if l in nope else kind for l in range(n_layers(model)))
 
 
 def positional_unsupported(model: Any) -> str | None:
@@ -470,23 +451,23 @@ def positional_unsupported(model: Any) -> str | None:
     cfg = hf.text_config(hf_model)
     mt = str(getattr(cfg, "model_type", ""))
     arch = type(hf_model).__name__
-    kind = model.cfg.positional_embedding_type
-    if kind == "alibi":
+    kind = _tl_kind(model)
+    if kind == families.ALIBI:
         try:
             alibi_slopes(model)  # measured; a bias that is not linear in the key position is refused
         except NotImplementedError as e:
             return str(e)
-    if kind in ("standard", "shortformer") and not hasattr(model, "pos_embed"):
+    if kind == learned.FAMILY.kind and not hasattr(model, "pos_embed"):
         if not _sinusoidal(model):
             return (f"{arch} adds its position embedding inside Hugging Face's model (TL's bridge has no pos_embed "
                     "component), which posprobe cannot read or control yet")
         if not sinusoidal.known(hf_model):
             return sinusoidal.unsupported(arch)  # a known module still needs a proven model type (below)
-    if kind in ("relative_positional_bias", "relative_bias"):
+    if kind == families.RELATIVE:
         return relative.unsupported(arch)
-    if kind == "rotary" and getattr(cfg, "num_kv_shared_layers", 0):
+    if kind == families.ROTARY and getattr(cfg, "num_kv_shared_layers", 0):
         return rotary.kv_shared(arch, cfg.num_kv_shared_layers)
-    if kind == "rotary":
+    if kind == families.ROTARY:
         try:
             hf.refuse_unknown_rope(hf_model, 0, arch)
         except NotImplementedError as e:
@@ -498,9 +479,9 @@ def positional_unsupported(model: Any) -> str | None:
     why = next((w for w in (unsupported_qk_path(model, l) for l in range(n_layers(model))) if w), None)
     if why is not None:
         return f"{arch}'s attention {why}, which posprobe's position control does not reproduce yet"
-    if mt not in PROVEN_MODEL_TYPES:
+    if POSITIONS not in of_config(cfg).proven:
         return (f"{arch} ({mt}) has not been proven against Hugging Face in posprobe yet "
-                f"(proven: {', '.join(PROVEN_MODEL_TYPES)})")
+                f"(proven: {', '.join(proven(POSITIONS))})")
     return None
 
 

@@ -7,9 +7,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from posprobe.backend import hf
+from posprobe.backend import families, hf
 from posprobe.backend.dispatch import ops
-from posprobe.backend.families import describe_layers
 from posprobe.backend.kind import is_encoder
 from posprobe.backend.model import has_lm_head
 from posprobe.backend.peek import (  # torch-free, so the CLI can raise WrongModelKind before loading
@@ -54,7 +53,13 @@ class ModelFacts:
 
     @property
     def is_rotary(self) -> bool:
-        return self.positional_kind == "rotary"
+        return self.positional_kind == families.ROTARY
+
+    @property
+    def family(self) -> families.Family | None:
+        """The positional family's adapter (its answers: shift invariance, position ids, tables, ...), None for a
+        kind posprobe has no adapter for."""
+        return families.find(self.positional_kind)
 
     @property
     def rotary_layers(self) -> tuple[int, ...]:
@@ -110,14 +115,33 @@ def _runs(items: tuple[str, ...]) -> list[str]:
 def _whole_model_kind(kinds: tuple[str, ...], kind: str) -> str:
     """The model's positional kind: "nope" where every layer is NoPE (a rotary architecture with rotary switched off
     everywhere, as SmolLM3's `no_rope_layers` all 0), else `kind`. Position plans cannot move such a model."""
-    return "nope" if kinds and all(k == "nope" for k in kinds) else kind
+    return families.NOPE if kinds and all(k == families.NOPE for k in kinds) else kind
 
 
 def model_facts(model: Any) -> ModelFacts:
     """Positional facts of a TransformerLens model (TransformerBridge, HookedTransformer or HookedEncoder): shapes
     from its config, rotary specs and layer types from the backend adapter (on a bridge: from the wrapped HF
     model, whose rotary base the bridge's own config can get wrong). NotImplementedError, naming why, for a model
-    whose bridge forward is known not to be Hugging Face's: every analysis asks for the facts first."""
+    whose bridge forward is known not to be Hugging Face's: every analysis asks for the facts first.
+
+    Read once per model and kept on it (every analysis asks, an atlas a dozen times); read again where what they
+    are read from has changed (the name, context, source, head or positional type set on the model)."""
+    key = _facts_key(model)
+    kept = model.__dict__.get("_posprobe_facts")
+    if kept is not None and kept[0] == key:
+        return kept[1]
+    facts = _read_facts(model)
+    model.__dict__["_posprobe_facts"] = (key, facts)
+    return facts
+
+
+def _facts_key(model: Any) -> tuple:
+    cfg = model.cfg
+    return (str(cfg.model_name), int(cfg.n_ctx), str(cfg.positional_embedding_type),
+            str(getattr(model, "posprobe_source", "object")), has_lm_head(model), id(getattr(model, "tokenizer", None)))
+
+
+def _read_facts(model: Any) -> ModelFacts:
     cfg = model.cfg
     pet = cfg.positional_embedding_type
     adapter = ops(model)
@@ -127,7 +151,7 @@ def model_facts(model: Any) -> ModelFacts:
     rotary, attn_types, kinds = adapter.rotary_specs(model), adapter.attn_types(model), adapter.layer_kinds(model)
     rules = tuple(adapter.length_rule(model, l) for l in range(len(kinds))) if rotary is not None else None
     slopes = None
-    if "alibi" in kinds:
+    if families.ALIBI in kinds:
         try:
             slopes = adapter.alibi_slopes(model)
         except NotImplementedError:
@@ -136,7 +160,8 @@ def model_facts(model: Any) -> ModelFacts:
         name=str(cfg.model_name),
         source=str(getattr(model, "posprobe_source", "object")),
         # TL calls a fixed sinusoidal table "standard" too (XGLM): the adapter's per-layer kinds tell them apart.
-        positional_kind=_whole_model_kind(kinds, "sinusoidal" if "sinusoidal" in kinds else tl_positional_kind(pet)),
+        positional_kind=_whole_model_kind(kinds, families.SINUSOIDAL if families.SINUSOIDAL in kinds
+                                          else tl_positional_kind(pet)),
         is_encoder=is_encoder(model),
         n_ctx=int(cfg.n_ctx),
         n_layers=int(cfg.n_layers),
@@ -145,11 +170,12 @@ def model_facts(model: Any) -> ModelFacts:
         n_kv_heads=int(getattr(cfg, "n_key_value_heads", None) or cfg.n_heads),
         d_head=int(cfg.d_head),
         has_lm_head=has_lm_head(model),
-        has_w_pos=pet in ("standard", "shortformer") and "sinusoidal" not in kinds and hasattr(model, "pos_embed"),
+        has_w_pos=(tl_positional_kind(pet) == families.LEARNED or pet == "shortformer")
+        and families.SINUSOIDAL not in kinds and hasattr(model, "pos_embed"),
         rotary=rotary,
         attn_types=attn_types,
         normalization=str(cfg.normalization_type),
-        layer_positions=describe_layers(kinds, rotary, int(cfg.d_head), attn_types, alibi_slopes=slopes,
+        layer_positions=families.describe_layers(kinds, rotary, int(cfg.d_head), attn_types, alibi_slopes=slopes,
                                         length_rules=rules),
         unsupported=adapter.positional_unsupported(model),
         attention_unsupported=adapter.attention_unsupported(model),
@@ -167,12 +193,12 @@ def hf_facts(hf_model: Any, name: str | None = None) -> ModelFacts:
     layers = len(hf.attention_modules(hf_model)) or int(getattr(cfg, "num_hidden_layers", 0))
     rotary = None
     nope = hf.nope_layers(hf_model)
-    if kind == "rotary":
+    if kind == families.ROTARY:
         try:
             rotary = tuple(None if l in nope else hf.rotary_spec(hf_model, l, name=name) for l in range(layers))
         except NotImplementedError:
             rotary = None
-    kinds = tuple("nope" if l in nope else kind for l in range(layers))
+    kinds = tuple(families.NOPE if l in nope else kind for l in range(layers))
     kind = _whole_model_kind(kinds, kind)
     rules = tuple(hf.length_rule_text(hf_model, l) for l in range(layers)) if rotary is not None else None
     attn_types = tuple("local" if (hf.layer_type(hf_model, l) or "").startswith("sliding") else "global"
@@ -192,13 +218,42 @@ def hf_facts(hf_model: Any, name: str | None = None) -> ModelFacts:
         n_kv_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
         d_head=hf.head_dim(hf_model) if heads else 0,
         has_lm_head=head is not None,
-        has_w_pos=kind == "learned_absolute",
+        has_w_pos=kind == families.LEARNED,
         rotary=rotary,
         attn_types=attn_types,
         normalization=norms[0] if norms else "none",
-        layer_positions=describe_layers(kinds, rotary, hf.head_dim(hf_model) if heads else 0, attn_types,
+        layer_positions=families.describe_layers(kinds, rotary, hf.head_dim(hf_model) if heads else 0, attn_types,
                                         length_rules=rules),
     )
+
+
+# ---- a plain Hugging Face model's config facts, for analyses that drive HF models directly (the long-context
+# harness, jitter, the shift test's HF path): the analyses ask here, never backend.hf itself.
+
+def hf_positional_kind(hf_model: Any) -> str:
+    """The positional kind a plain HF model's config names ("unknown" where none)."""
+    return hf.positional_kind(hf_model)
+
+
+def hf_trained_context(hf_model: Any) -> int | None:
+    """Tokens the model was trained for: the config's original_max_position_embeddings under rope scaling, else
+    max_position_embeddings / n_positions; None where the config gives none."""
+    return hf.trained_context(hf_model)
+
+
+def hf_position_table(hf_model: Any) -> int | None:
+    """Positions the config declares (max_position_embeddings / n_positions), or None."""
+    return hf.position_table_size(hf_model)
+
+
+def hf_vocab_size(hf_model: Any) -> int:
+    """Rows of the model's vocabulary (token ids are below this)."""
+    return int(hf.text_config(hf_model).vocab_size)
+
+
+def hf_attention_modules(hf_model: Any) -> list[Any]:
+    """The decoder's HF attention modules in layer order."""
+    return hf.attention_modules(hf_model)
 
 
 def at_length(model: Any, facts: ModelFacts, length: int) -> ModelFacts:
@@ -253,7 +308,7 @@ def require_rotated_qk(facts: ModelFacts, what: str) -> None:
 def require_learned(facts: ModelFacts, what: str) -> None:
     """Raise WrongModelKind unless the model adds learned absolute position embeddings; NotImplementedError
     where their layout is not one posprobe has proven (e.g. OPT's offset table)."""
-    if facts.positional_kind == "sinusoidal":  # a position table, but one posprobe cannot reach yet (XGLM)
+    if facts.family is not None and facts.family.fixed_table:  # a table posprobe may not reach yet (XGLM)
         require_supported(facts, what)
     if not facts.has_w_pos:
         raise WrongModelKind(

@@ -19,6 +19,8 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
+from posprobe.backend import families
+from posprobe.backend.architectures import of_config
 from posprobe.backend.peek import hf_positional_kind
 from posprobe.backend.sources import ModelLoadError, Source, gguf_cache_path, read_hf_config
 from posprobe.rope import RotarySpec, inv_freq_table
@@ -51,13 +53,13 @@ def text_config(hf_model: Any) -> Any:
 
 
 def positional_kind(hf_model: Any) -> str:
-    """"rotary", "learned_absolute", "alibi", "relative_bias" or "unknown", from the model's config."""
+    """The positional kind its config names (`families.from_hf_config`; "unknown" where it names none)."""
     return hf_positional_kind(text_config(hf_model).to_dict())
 
 
 def is_rotary(hf_model: Any) -> bool:
     """True where the config describes rotary positions."""
-    return positional_kind(hf_model) == "rotary"
+    return positional_kind(hf_model) == families.ROTARY
 
 
 def trained_context(hf_model: Any) -> int | None:
@@ -118,7 +120,7 @@ def finish_logits(hf_model: Any, logits: torch.Tensor) -> torch.Tensor:
     if scale and scale != 1:
         logits = logits / scale
     mult = getattr(cfg, "logit_scale", None)  # other families' `logit_scale` (CLIP's) is not an LM head's
-    if str(getattr(cfg, "model_type", "")).startswith("cohere") and mult and mult != 1:
+    if of_config(cfg).logit_scale and mult and mult != 1:
         logits = logits * mult
     return softcap_logits(logits, final_logit_softcap(hf_model))
 
@@ -300,15 +302,11 @@ def inv_freq(hf_model: Any, layer: int) -> tuple[torch.Tensor, float]:
     return table, float(getattr(emb, f"{prefix}attention_scaling", 1.0))
 
 
-#: HF model types whose rotary code pairs adjacent dims (2b, 2b+1), its cos/sin interleaved (`repeat_interleave`),
-#: rotated in float32; every other rotary model pairs (b, b + rotary_dim/2) (`rotate_half`).
-ADJACENT_PAIR_MODEL_TYPES = ("cohere", "cohere2", "glm", "gptj", "codegen")
-
-
 def adjacent_pairs(hf_model: Any) -> bool:
-    """True where the model's rotary code pairs adjacent dims (Cohere, GLM, GPT-J, CodeGen), False for half-split
-    pairs."""
-    return str(getattr(text_config(hf_model), "model_type", "")) in ADJACENT_PAIR_MODEL_TYPES
+    """True where the model's rotary code pairs adjacent dims (2b, 2b+1), its cos/sin interleaved
+    (`repeat_interleave`), rotated in float32 (the architecture row's pairing: Cohere, GLM, GPT-J, CodeGen); False
+    for half-split pairs (b, b + rotary_dim/2), `rotate_half`."""
+    return of_config(text_config(hf_model)).pairing == "adjacent"
 
 
 #: Rope types a preset can apply to a loaded model exactly as HF applies them from a config (their parameters are
@@ -408,8 +406,9 @@ def nope_layers(hf_model: Any) -> tuple[int, ...]:
     flags = getattr(cfg, "no_rope_layers", None)
     if flags:
         return tuple(i for i, f in enumerate(flags) if not f)
-    if str(getattr(cfg, "model_type", "")) == "cohere2" and getattr(cfg, "layer_types", None):
-        return tuple(i for i, t in enumerate(cfg.layer_types) if t == "full_attention")
+    rule = of_config(cfg).nope_layer_type
+    if rule and getattr(cfg, "layer_types", None):
+        return tuple(i for i, t in enumerate(cfg.layer_types) if t == rule)
     return ()
 
 

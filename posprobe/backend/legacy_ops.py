@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from posprobe.backend import families
 from posprobe.backend.kind import is_encoder, n_layers
 from posprobe.backend.peek import tl_positional_kind
 from posprobe.backend.vocab import NormSpec, hook_name
@@ -220,7 +221,7 @@ def score_soft_cap(model: Any) -> float | None:
 
 
 def rotary_specs(model: Any) -> tuple[RotarySpec, ...] | None:
-    if model.cfg.positional_embedding_type != "rotary":
+    if tl_positional_kind(model.cfg.positional_embedding_type) != families.ROTARY:
         return None
     return tuple(layer_rotary_spec(model, layer) for layer in range(n_layers(model)))
 
@@ -249,6 +250,7 @@ def positional_unsupported(model: Any) -> str | None:
     # TL 3 reimplements each architecture itself; its HookedTransformer hooks fire for every family it builds,
     # and posprobe's legacy tests cover the families it loads (GPT-2, Llama/SmolLM2, Gemma 3, BERT).
     kind = model.cfg.positional_embedding_type
-    if kind not in ("standard", "shortformer", "rotary"):
+    # TL's shortformer adds its learned table to q and k only: TL 3 hooks it as it hooks "standard".
+    if tl_positional_kind(kind) not in (families.LEARNED, families.ROTARY) and kind != "shortformer":
         return f"{model.cfg.model_name} uses {kind} positions, which posprobe has no adapter for yet"
     return None

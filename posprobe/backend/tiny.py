@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from posprobe.backend.families import LEARNED, from_tl
 from posprobe.backend.tiny_specs import SPECS  # re-exported: callers read tiny.SPECS
 
 
@@ -72,7 +73,7 @@ def tiny_hf_config(name: str) -> Any:
     # HookedTransformer tiny models the tests' effect sizes were set on.
     common = dict(vocab_size=259, bos_token_id=256, eos_token_id=257, pad_token_id=258, tie_word_embeddings=False,
                   initializer_range=0.8 / s["d_model"] ** 0.5)
-    if s["positional_embedding_type"] == "standard":
+    if from_tl(s["positional_embedding_type"]) == LEARNED:
         return transformers.GPT2Config(n_positions=s["n_ctx"], n_embd=s["d_model"], n_layer=s["n_layers"],
                                        n_head=s["n_heads"], n_inner=s["d_mlp"], activation_function=s["act_fn"],
                                        layer_norm_epsilon=1e-5, **common)

@@ -6,20 +6,8 @@ import argparse
 
 from posprobe.analyses.configs import ATLAS_SECTIONS
 
-#: What each atlas section measures, for --help; a section missing here fails at import, so the help cannot drift.
-SECTION_HELP = {
-    "facts": "positional facts",
-    "heads": "head signatures (sink, previous-token, induction...)",
-    "sinks": "attention sinks (share, position-vs-token control, massive activations)",
-    "frequency": "RoPE frequency usage",
-    "geometry": "learned-position geometry",
-    "probes": "position probes",
-    "shift": "the shift test",
-    "retrieval": "retrieval heads (needle answers with them masked)",
-}
-
 HELP = ("One report on a model's positional machinery, every section that applies to the model: "
-        + "; ".join(f"{s}: {SECTION_HELP[s]}" for s in ATLAS_SECTIONS) + ".")
+        + "; ".join(f"{s}: {what}" for s, (_, what) in ATLAS_SECTIONS.items()) + ".")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

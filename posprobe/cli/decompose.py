@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     if args.method == "exact":
         if args.layer != 0:
             raise ValueError("The exact split exists at layer 0 only; use --method data for later layers")
-        if early is not None and early.known_kind and early.positional_kind != "learned_absolute":
+        if early is not None and early.known_kind and "exact-layer0" not in getattr(early.family, "decompositions", ()):
             raise checks.WrongModelKind(
                 f"--method exact needs position embeddings added to the token embeddings, but {early.name} uses "
                 f"{early.positional_kind} positions; use --method data (the data-driven split)")

@@ -5,56 +5,21 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from posprobe.cli.command import AnalysisCommand
+
 HELP = ("Loss by position past the trained context and passkey retrieval (length x depth) under each "
         "surgery preset, on the plain Hugging Face model with chunked attention (memory linear in length).")
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    from posprobe.analyses.configs import LongContextConfig
-    from posprobe.cli.args import (
-        add_config_arguments,
-        add_model_arguments,
-        add_output_arguments,
-        add_resume_arguments,
-        add_text_argument,
-    )
-
-    add_model_arguments(p)
-    add_text_argument(p, required=True)
-    add_config_arguments(p, LongContextConfig)
-    add_output_arguments(p, required=True)
-    add_resume_arguments(p)
-
-
-def run(args: argparse.Namespace) -> int:
-    import sys
-
-    from posprobe.analyses.configs import LongContextConfig
+def _checks(args: argparse.Namespace, config: Any, early: Any) -> None:
     from posprobe.cli import checks
-    from posprobe.cli.args import config_from_args
 
-    # Validation before torch is imported: bad input fails in about a second.
-    if args.n_ctx is not None:
-        raise ValueError("--n-ctx does not apply to long-context (the model runs at full length); "
-                         "use --trained-ctx to set the trained context")
-    config = config_from_args(LongContextConfig, args, progress=not args.no_progress)
-    checks.check_out(args.out)
     _refuse_unused(args, config)
-    early = checks.peek_model(args)
     if any(p.strip().lower() != "none" for p in config.presets):
         checks.require_rotary(early, "long-context presets")
-    text = checks.read_text_early(args.text)
 
-    from posprobe.analyses.long_context import run_long_context
-    from posprobe.backend.loading import load_hf_model
-    from posprobe.report.checkpoint import discard_work_folder, work_folder_for
 
-    # Every finished window and passkey trial is kept in <out>.work: a rerun resumes from there.
-    work = work_folder_for(args.out)
-    print(f"loading {args.model} ...", file=sys.stderr)
-    model, tokenizer = load_hf_model(args.model, dtype=args.dtype, device=args.device)
-    result = run_long_context(model, text, config, tokenizer=tokenizer,
-                              source=args.text, work=work, fresh=args.fresh)
+def _summary(args: argparse.Namespace, result: Any) -> None:
     s = result.tables["long_context_summary"]
     table = s.pivot_table(index=["length", "preset"], columns="metric", values="value", sort=False, dropna=False)
     print(f"trained context {result.meta['trained_ctx']} tokens; NLL in nats/token; break_pos -1 = never")
@@ -74,10 +39,6 @@ def run(args: argparse.Namespace) -> int:
         grid = acc.pivot_table(index=["task", "preset", "length"], columns="depth", values="value", sort=False,
                                dropna=False)
         print(grid.to_string(float_format=lambda v: f"{v:.2f}"))
-    paths = result.save(args.out, figure_formats=args.figures, csv=args.csv)
-    discard_work_folder(work)
-    print(f"wrote {paths['report']}")
-    return 0
 
 
 def _refuse_unused(args: argparse.Namespace, config: Any) -> None:
@@ -100,3 +61,11 @@ def _refuse_unused(args: argparse.Namespace, config: Any) -> None:
     if all(t == "passkey" for t in config.tasks):
         refuse(given_flags(args, LongContextConfig, "needle_tokens"),
                "to needle tasks (the passkey decodes --new-tokens)")
+
+
+COMMAND = AnalysisCommand(
+    "LongContextConfig", "posprobe.analyses.long_context:run_long_context", loader="hf", text="required",
+    resume=True, checks=_checks, summary=_summary,
+    no_n_ctx="--n-ctx does not apply to long-context (the model runs at full length); use --trained-ctx to set the "
+             "trained context")
+add_arguments, run = COMMAND.add_arguments, COMMAND.run

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from jaxtyping import Float, Int
 
 from posprobe.backend import hf
+from posprobe.backend.architectures import LONG, lookup, proven
 from posprobe.core.positions import PositionError
 from posprobe.core.surgery import PairRule, shift_pairs
 from posprobe.rope import hf_cos_sin, hf_rotate, inv_freq_of
@@ -38,12 +39,6 @@ from posprobe.rope import hf_cos_sin, hf_rotate, inv_freq_of
 # `enable_gqa` (PyTorch >= 2.5): grouped-query attention without a copy of keys and values per query head.
 _SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
 
-# HF model types whose attention rotates the head (all of it, or its first dims: partial rotary), half-split or
-# adjacent pairs (`hf.adjacent_pairs`), and passes q/k to the attention interface unchanged after rotation. Others
-# are refused rather than guessed.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo", "olmo2",
-                         "granite", "smollm3", "starcoder2", "gpt_neox", "phi", "phi3", "stablelm", "cohere", "cohere2",
-                         "glm", "gptj")
 
 
 def require_supported(model: Any, what: str = "Long-context presets") -> None:
@@ -56,9 +51,11 @@ def require_supported(model: Any, what: str = "Long-context presets") -> None:
     if mods and not hf.uses_attention_interface(mods[0]):  # Falcon; GPT-J before transformers 5.24
         raise NotImplementedError(f"{what}: {type(mods[0]).__name__} computes its scores itself (in this "
                                   "transformers version), not through the attention interface the engine plugs into")
-    if mt not in SUPPORTED_MODEL_TYPES:
+    # Architectures proven at LONG rotate the head (all of it, or its first dims), half-split or adjacent pairs, and
+    # pass q/k to the attention interface unchanged after rotation; others are refused rather than guessed.
+    if LONG not in lookup(mt).proven:
         raise NotImplementedError(f"{what}: {mt!r} models are not supported "
-                                  f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+                                  f"(supported: {', '.join(proven(LONG))})")
     nope = hf.nope_layers(model)
     for l in (l for l in range(len(mods)) if l not in nope):
         hf.refuse_unknown_rope(model, l)

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from jaxtyping import Int
 
 from posprobe.backend.facts import WrongModelKind, model_facts, require_learned, require_rotary, require_supported
 from posprobe.backend.families import family
+from posprobe.backend.families.base import POSITION_IDS, QK_ROTATION, SCORE_BIAS
 from posprobe.backend.hooks import (
     alibi_slopes,
     attention_scores,
@@ -69,7 +70,7 @@ def learned_positions(
     Checked against n_ctx before any forward pass. A shift by k is `arange(L) + k`.
     """
     facts = model_facts(model)
-    if facts.positional_kind == "sinusoidal":
+    if facts.family is not None and facts.family.fixed_table:
         require_supported(facts, "Setting position ids")
         ids = _as_tensor(position_ids, torch.long)
         check_learned_positions(model, ids)
@@ -392,7 +393,7 @@ def alibi_positions(model: Any, plan: PositionPlan) -> Iterator[PositionPlan]:
     model already applied (slopes measured from the model itself), so the identity plan changes nothing, bit for
     bit. Key views and rotary overrides do not apply to ALiBi (PositionError)."""
     facts = model_facts(model)
-    if facts.positional_kind != "alibi":
+    if facts.family is None or facts.family.control != SCORE_BIAS:
         raise WrongModelKind(f"ALiBi position control needs an ALiBi model, but {facts.name} uses "
                              f"{facts.positional_kind} positions")
     require_supported(facts, "ALiBi position control")
@@ -433,6 +434,24 @@ def shifted_plan(n: int, k: float, *, q_only: bool = False) -> PositionPlan:
     return PositionPlan(base + k, base if q_only else base + k, label=f"shift{'-q' if q_only else ''}:{k:g}")
 
 
+def _by_rotation(model: Any, pos: torch.Tensor, label: str) -> Any:
+    # One host->device copy for q and k (the plan keeps them on the device); mps has no float64, and float32 holds
+    # every integer position below 2**24 exactly.
+    device = device_of(model)
+    p = pos.to(device, torch.float32 if device.type == "mps" else torch.float64)
+    return rope_positions(model, PositionPlan(p, p.clone(), label=label))
+
+
+#: How each family's control (`Family.control`) places token t at pos[..., t]: the one dispatch from a family to
+#: the code that moves its positions.
+_CONTROLLERS: dict[str, Callable[[Any, torch.Tensor, str], Any]] = {
+    POSITION_IDS: lambda model, pos, label: learned_positions(model, pos),
+    SCORE_BIAS: lambda model, pos, label: alibi_positions(
+        model, PositionPlan(pos.double(), pos.double().clone(), label=label)),
+    QK_ROTATION: _by_rotation,
+}
+
+
 def token_positions(model: Any, pos: torch.Tensor, label: str = "positions") -> Any:
     """A context in which token t's query and key sit at `pos[..., t]` (`[pos]` or `[batch, pos]`, CPU), whatever
     the model's positional kind: learned or sinusoidal ids, ALiBi distances or RoPE rotations (WrongModelKind for
@@ -443,15 +462,8 @@ def token_positions(model: Any, pos: torch.Tensor, label: str = "positions") -> 
     except KeyError:
         raise WrongModelKind(f"Positions can be set on learned, sinusoidal, rotary or ALiBi models; "
                              f"{model_name(model)} uses {kind}") from None
-    if fam.control == "position ids":
-        return learned_positions(model, pos)
-    if fam.control == "score bias":
-        return alibi_positions(model, PositionPlan(pos.double(), pos.double().clone(), label=label))
-    if fam.control == "q/k rotation":
-        # One host->device copy for q and k (the plan keeps them on the device); mps has no float64, and float32
-        # holds every integer position below 2**24 exactly.
-        device = device_of(model)
-        p = pos.to(device, torch.float32 if device.type == "mps" else torch.float64)
-        return rope_positions(model, PositionPlan(p, p.clone(), label=label))
+    controller = _CONTROLLERS.get(fam.control) if fam.control is not None else None
+    if controller is not None:
+        return controller(model, pos, label)
     raise WrongModelKind(f"Positions can be set on learned, sinusoidal, rotary or ALiBi models; {model_name(model)} "
                          f"uses {kind} positions ({fam.why_no_control})")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from posprobe.backend.sources import cache_dir, hub_offline
 from posprobe.data import DataError
+from posprobe.places import cache_dir, hub_offline
 
 REPO = "nyu-mll/blimp"
 

@@ -186,3 +186,36 @@ def sections(result: Any) -> list[Section]:
             )
         )
     return secs
+
+
+def _layer_list(layers: list[int]) -> str:
+    return ", ".join(map(str, layers))
+
+
+def _frequency_scope(meta: dict, counted: int) -> str:
+    # Why the counts cover fewer heads than the model has: the section measures rotary layers only.
+    f = meta["model"]
+    total = int(f["n_layers"]) * int(f["n_heads"])
+    if counted >= total:
+        return f" (all {total} query heads)"
+    measured = meta.get("frequency_layers")
+    if measured is None:
+        return f" ({counted} of {total} query heads: the rotary layers' only)"
+    missing = [l for l in range(int(f["n_layers"])) if l not in measured]
+    if not missing:
+        return f" ({counted} of {total} query heads)"
+    why = "no rotary bands to measure (NoPE)" if set(missing) <= set(meta.get("nope_layers") or []) else "not measured"
+    return (f" ({counted} of {total} query heads: those of the {len(measured)} rotary layers; layer"
+            f"{'s' if len(missing) > 1 else ''} {_layer_list(missing)} {'have' if len(missing) > 1 else 'has'} {why})")
+
+
+def atlas_paragraph(result: Any, n: Any) -> str:
+    """The atlas's frequency section in words: score magnitude from the fastest and slowest quarter of bands, and
+    the heads by how much relative distance explains, with the heads they cover."""
+    fast, slow = n("abs_share_fastest_quarter"), n("abs_share_slowest_quarter")
+    kinds = {r.metric[2:]: int(r.value) for r in result.tables["atlas"].itertuples()
+             if r.section == "frequency" and r.metric.startswith("n_")}
+    return (f"On average a head draws {fast:.0%} of its score magnitude from the fastest quarter of rotary "
+            f"bands and {slow:.0%} from the slowest quarter. By how much of the score's variance relative "
+            f"distance explains: {', '.join(f'{v} {k}' for k, v in kinds.items())} heads"
+            f"{_frequency_scope(result.meta, sum(kinds.values()))}.")

@@ -152,3 +152,14 @@ def geometry_figures(df: pd.DataFrame, meta: dict | None = None) -> list:
         for fig in figs[start:]:
             style(fig, caption=cap)
     return figs
+
+
+def atlas_paragraph(result: Any, n: Any) -> str:
+    """The atlas's geometry section in words: the position table's first component, and the add-or-concatenate
+    overlap with the token embeddings."""
+    pc1 = n("wpos_pc1_explained")
+    sentence = overlap_text(result.parts["geometry"])
+    extra = " " + sentence if sentence else ""
+    return (f"The first principal component of the learned position table explains {pc1:.0%} of its variance; "
+            "the report shows the trajectory of positions in the top components and their sinusoid fits."
+            + extra if pc1 is not None else "Residual-stream position geometry (see the section report).")

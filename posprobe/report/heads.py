@@ -117,3 +117,26 @@ def sections(result: Any) -> list[Section]:
     wide = _wide(result).round(3)
     return [Section("Summary", html=intro + table_html(per_layer)), Section("Figures", figures=figures(result)),
             Section("Every head", table=wide.merge(classes[["layer", "head", "kind"]], on=["layer", "head"]))]
+
+
+def relative_views_text(views: dict | None) -> str:
+    """The two views of relative position in layer 0 (learned positions) in one sentence; "" without them."""
+    if not views:
+        return ""
+
+    def names(heads: list, values: bool = False) -> str:
+        if not heads:
+            return "none"
+        return ", ".join(f"L{l}H{h}" + (f" ({t:.2f} vs {p:.2f})" if values else "") for l, h, t, p in heads)
+
+    term, pattern = views["term"], views["pattern"]
+    return (f" Layer 0, two views of relative position: the position x position score term follows the offset i - j "
+            f"(R² >= {views['term_relative']}) and carries >= {views['term_positional']:.0%} of the score variance in "
+            f"{len(term)} heads ({names(term)}); the attention pattern does (R² > {views['pattern_threshold']}) in "
+            f"{len(pattern)} ({names(pattern)}). Score term only: {names(views['term_only'], True)}; pattern only: "
+            f"{names(views['pattern_only'], True)} (term R² vs pattern R²).")
+
+
+def atlas_paragraph(result: Any, n: Any) -> str:
+    """The atlas's heads section in words: the heads summary, and on learned positions the two views of layer 0."""
+    return summary_text(result.parts["heads"]) + relative_views_text(result.meta.get("relative_views"))

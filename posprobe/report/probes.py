@@ -103,3 +103,12 @@ def probe_figures(df: pd.DataFrame, meta: dict | None = None) -> list:
             fig.update_yaxes(rangemode="tozero")
         figs.append(style(fig, caption=figure_caption(meta)))
     return figs
+
+
+def atlas_paragraph(result: Any, n: Any) -> str:
+    """The atlas's probes section in words: the position error after the first and last block against the
+    shuffled-label control and chance."""
+    first, last, ctrl, chance = (n(k) for k in ("mae_first_layer", "mae_last_layer", "mae_control", "mae_chance"))
+    return (f"A linear probe recovers a token's absolute position from the residual stream with a mean absolute "
+            f"error of {first:.1f} positions after the first block and {last:.1f} after the last, against "
+            f"{ctrl:.1f} for the shuffled-label control and {chance:.1f} for predicting the mean.")

@@ -140,3 +140,11 @@ def sections(result: Any) -> list[Section]:
     wide = wide.sort_values("retrieval_score", ascending=False).head(40).round(3)
     return [Section("Summary", html=intro + table_html(masking)), Section("Figures", figures=figures(result)),
             Section("Strongest heads (by retrieval score)", table=wide)]
+
+
+def atlas_paragraph(result: Any, n: Any) -> str:
+    """The atlas's retrieval section in words: the retrieval summary, and the cross-check with the sinks section's
+    zeroed heads where both ran."""
+    from posprobe.report.atlas import cross_check_text
+
+    return summary_text(result.parts["retrieval"]) + cross_check_text(result.meta)

@@ -282,3 +282,33 @@ def sections(result: Any) -> list:
 
 def _table(result: Any, name: str) -> pd.DataFrame:
     return result.tables.get(f"shift_{name}", pd.DataFrame())
+
+
+def atlas_paragraph(result: Any, n: Any) -> str:
+    """The atlas's shift section in words: an encoder's representation drift, else minimal-pair accuracy per k and
+    what the family makes of it (an invariance control, or the effect of absolute positions)."""
+    from posprobe.backend import families
+
+    rows = result.tables["atlas"]
+    cos = {int(r.metric.split("_k")[1]): r.value for r in rows.itertuples()
+           if r.section == "shift" and r.metric.startswith("pooled_cosine_k")}
+    if cos:
+        far = max(cos)
+        return (f"An encoder has no LM head, so the shift test measures representation drift: the mean-pooled last "
+                f"layer at start position k={far} has cosine {cos[far]:.3f} to the same sentences at k=0 "
+                f"({', '.join(f'{v:.3f} at k={k}' for k, v in sorted(cos.items()) if k)}).")
+    accs = {int(r.metric.split("_k")[1]): r.value for r in rows.itertuples()
+            if r.section == "shift" and r.metric.startswith("accuracy_k")}
+    dev = n("max_abs_logp_change")
+    ks = sorted(accs)
+    text = ("Minimal-pair accuracy (built-in pairs) " +
+            ", ".join(f"{accs[k]:.3f} at k={k}" for k in ks) + ".")
+    kind = result.meta["model"]["positional_kind"]
+    fam = families.find(kind)
+    if fam is not None and fam.shift_invariant:
+        text += (f" {fam.label} control: shifting queries and keys together cannot change relative positions, and "
+                 f"the largest change of any sentence's log-probability was {dev:.2g} nats (float rounding).")
+    elif len(ks) > 1:
+        text += (f" {families.label(kind).capitalize()} positions: starting the sentences at k={ks[-1]} instead of 0 "
+                 f"changes accuracy by {accs[ks[-1]] - accs[0]:+.3f}.")
+    return text

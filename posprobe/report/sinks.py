@@ -108,14 +108,14 @@ def control_meaning(positional_kind: str, moved_to: int) -> dict:
     to `moved_to`: {"moved_to", "mechanism" (the family's phrase), "reading" (None where posprobe cannot move the
     family's positions), "predicts_more_attention" (True where the mechanism alone predicts more attention on the
     moved token, None where it predicts no direction)}."""
-    from posprobe.backend.families import find
+    from posprobe.backend.families import SCORE_BIAS, find
 
     fam = find(positional_kind)
     reading = None if fam is None or fam.control is None else CONTROL_READINGS.get(fam.control)
     return {"moved_to": int(moved_to), "mechanism": fam.phrase if fam is not None else positional_kind,
             "reading": reading.format(p=moved_to) if reading else None,
             # Only a distance bias fixes the direction in advance: nearer keys get a larger score.
-            "predicts_more_attention": True if fam is not None and fam.control == "score bias" else None}
+            "predicts_more_attention": True if fam is not None and fam.control == SCORE_BIAS else None}
 
 
 def control_reading(result: Any) -> str:
@@ -240,3 +240,15 @@ def sections(result: Any) -> list[Section]:
         out.append(Section("Massive activations", html=f"<p>{html.escape(rule)}</p>" + extra,
                            table=acts.drop(columns="model").round(3)))
     return out
+
+
+def atlas_paragraph(result: Any, n: Any) -> str:
+    """The atlas's sinks section in words: Gu et al.'s share on random tokens and text, the 'the'-first control,
+    the position-vs-token reading, massive activations and the ablation."""
+    rnd, txt, the = n("sink_share_random"), n("sink_share_text"), n("sink_share_the_first")
+    text = (f"Gu et al. 2025 Sink_1^0.3: {rnd:.0%} of (sequence, head) pairs sink on the first token on random "
+            f"tokens, {txt:.0%} on text" if rnd is not None and txt is not None else "Attention sinks")
+    if the is not None:
+        text += f"; {the:.0%} with the text's first token replaced by 'the' (does the sink follow the token?)"
+    part = result.parts["sinks"]
+    return text + "." + control_reading(part) + massive_text(part) + ablation_text(part)

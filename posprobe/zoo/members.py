@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from posprobe.backend.families import ALIBI, LEARNED, NOPE, ROTARY, SINUSOIDAL
+
 __all__ = ["Member", "MEMBERS", "Widths", "member", "member_names"]
 
 
@@ -53,21 +55,21 @@ _GPT = "gpt"
 _LLAMA = "llama"
 
 MEMBERS: dict[str, Member] = {m.name: m for m in (
-    Member("learned", "learned_absolute", _GPT, "gpt2", "a learned table of L rows added to the embedding",
+    Member("learned", LEARNED, _GPT, "gpt2", "a learned table of L rows added to the embedding",
            "GPT-2's fused q/k/v projection"),
-    Member("sinusoidal", "sinusoidal", _GPT, "xglm", "fixed sinusoids added to the embedding",
+    Member("sinusoidal", SINUSOIDAL, _GPT, "xglm", "fixed sinusoids added to the embedding",
            "token embeddings scaled by sqrt(d_model) before the sinusoids are added (Vaswani et al.; unscaled, the "
            "sinusoids' unit amplitude drowns the 0.02-scale tokens); table read from row 2 (padding offset)"),
-    Member("alibi", "alibi", _GPT, "bloom", "ALiBi distance bias, Press et al.'s slopes",
+    Member("alibi", ALIBI, _GPT, "bloom", "ALiBi distance bias, Press et al.'s slopes",
            "BLOOM adds a LayerNorm on the embedding before block 0"),
-    Member("rope", "rotary", _GPT, "gpt_neox", "rotary on 100% of head dims (half-split), base 10000",
+    Member("rope", ROTARY, _GPT, "gpt_neox", "rotary on 100% of head dims (half-split), base 10000",
            "GPT-NeoX's per-head fused q/k/v projection"),
-    Member("partial", "rotary", _GPT, "gpt_neox", "rotary on 25% of head dims (half-split), base 10000",
+    Member("partial", ROTARY, _GPT, "gpt_neox", "rotary on 25% of head dims (half-split), base 10000",
            "GPT-NeoX's per-head fused q/k/v projection"),
-    Member("rope-llama", "rotary", _LLAMA, "smollm3", "rotary on 100% of head dims (half-split), base 10000"),
-    Member("nope", "nope", _LLAMA, "smollm3", "no positional encoding in any layer"),
-    Member("hybrid", "rotary", _LLAMA, "smollm3", "rotary, every 4th layer NoPE (SmolLM3's pattern)"),
-    Member("p-rope", "rotary", _LLAMA, "llama",
+    Member("rope-llama", ROTARY, _LLAMA, "smollm3", "rotary on 100% of head dims (half-split), base 10000"),
+    Member("nope", NOPE, _LLAMA, "smollm3", "no positional encoding in any layer"),
+    Member("hybrid", ROTARY, _LLAMA, "smollm3", "rotary, every 4th layer NoPE (SmolLM3's pattern)"),
+    Member("p-rope", ROTARY, _LLAMA, "llama",
            "p-RoPE: rotary with the slowest 75% of frequencies removed (Llama's 'proportional' type)"),
 )}
 

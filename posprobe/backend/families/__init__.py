@@ -7,10 +7,10 @@ Torch-free at import: `peek` reads the families' config vocabularies before any 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Mapping
 
 from posprobe.backend.families import alibi, learned, nope, relative, rotary, sinusoidal
-from posprobe.backend.families.base import CONTROLS, POSITION_SECTIONS, Family
+from posprobe.backend.families.base import CONTROLS, POSITION_IDS, POSITION_SECTIONS, QK_ROTATION, SCORE_BIAS, Family
 
 if TYPE_CHECKING:  # torch-free at import: peek runs before torch loads
     from posprobe.rope import RotarySpec
@@ -18,6 +18,45 @@ if TYPE_CHECKING:  # torch-free at import: peek runs before torch loads
 #: Every family by `kind`. "none" (a whole model without positions) is the NoPE family too.
 FAMILIES: dict[str, Family] = {m.FAMILY.kind: m.FAMILY for m in (rotary, learned, alibi, relative, sinusoidal, nope)}
 _ALIASES = {"none": "nope"}
+#: The order families are asked whether a spec names them: NoPE before rotary (an all-NoPE rotary config), then
+#: the families an architecture row or a config flag names, learned last (BERT's `absolute` is the default value).
+DETECTION_ORDER: tuple[Family, ...] = (nope.FAMILY, rotary.FAMILY, alibi.FAMILY, relative.FAMILY, sinusoidal.FAMILY,
+                                       learned.FAMILY)
+#: What a spec says where it names no family posprobe knows.
+UNKNOWN = "unknown"
+#: Kinds by name, for code outside this package that must name one (the zoo's members, posprobe's own tiny specs).
+ROTARY, LEARNED, ALIBI, SINUSOIDAL, NOPE, RELATIVE = (rotary.FAMILY.kind, learned.FAMILY.kind, alibi.FAMILY.kind,
+                                                      sinusoidal.FAMILY.kind, nope.FAMILY.kind, relative.FAMILY.kind)
+
+
+def from_hf_config(cfg: Mapping[str, Any], row_family: Family | None) -> str:
+    """The positional kind an HF config dict names (`row_family`: the family its architecture row lists), or
+    UNKNOWN: the first family in DETECTION_ORDER whose detector accepts it."""
+    return next((f.kind for f in DETECTION_ORDER if f.detect_hf is not None and f.detect_hf(cfg, row_family)),
+                UNKNOWN)
+
+
+def from_gguf(arch: str, meta: Mapping[str, Any]) -> str:
+    """The positional kind a GGUF header names (`general.architecture` `arch`, key/values `meta`), or UNKNOWN."""
+    return next((f.kind for f in DETECTION_ORDER if f.detect_gguf(arch, meta)), UNKNOWN)
+
+
+def from_tl(positional_embedding_type: str) -> str:
+    """posprobe's kind for a TransformerLens `positional_embedding_type` ("standard" -> "learned_absolute"); a name
+    no family claims (TL's "shortformer") is returned as it is."""
+    return next((f.kind for f in DETECTION_ORDER if positional_embedding_type in f.tl_names),
+                positional_embedding_type)
+
+
+def tl_name(kind: str) -> str:
+    """TransformerLens's `positional_embedding_type` for posprobe kind `kind` (for building TL configs)."""
+    return min(family(kind).tl_names)
+
+
+def label(kind: str) -> str:
+    """A short name for `kind` in sentences ("RoPE", "ALiBi", ...); the kind itself where no family has it."""
+    fam = find(kind)
+    return kind if fam is None or not fam.label else fam.label
 
 
 def find(kind: str) -> Family | None:
@@ -73,5 +112,7 @@ def describe_layers(kinds: tuple[str, ...], rotary_specs: tuple[RotarySpec | Non
     return tuple(out)
 
 
-__all__ = ["CONTROLS", "FAMILIES", "POSITION_SECTIONS", "Family", "alibi", "control", "describe_layers", "family",
-           "find", "learned", "nope", "not_applicable", "relative", "rotary", "sinusoidal"]
+__all__ = ["ALIBI", "CONTROLS", "DETECTION_ORDER", "FAMILIES", "LEARNED", "NOPE", "POSITION_IDS", "POSITION_SECTIONS",
+           "QK_ROTATION", "RELATIVE", "ROTARY", "SCORE_BIAS", "SINUSOIDAL", "UNKNOWN", "Family", "alibi", "control",
+           "describe_layers", "family", "find", "from_gguf", "from_hf_config", "from_tl", "label", "learned", "nope",
+           "not_applicable", "relative", "rotary", "sinusoidal", "tl_name"]

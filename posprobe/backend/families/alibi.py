@@ -9,8 +9,22 @@ from typing import Any
 
 from posprobe.backend.families.base import Family
 
+_KIND = "alibi"
+
+
+def _detect_hf(cfg: Any, row_family: Family | None) -> bool:
+    # Falcon-RW is a Falcon config with `alibi` set (other Falcons are rotary).
+    return bool(cfg.get("alibi")) or (row_family is not None and row_family.kind == _KIND)
+
+
 FAMILY = Family(
-    kind="alibi",
+    kind=_KIND,
+    label="ALiBi",
+    score_term="alibi",
+    tl_names=frozenset({"alibi"}),
+    shift_invariant=True,
+    hf_position_ids=False,
+    detect_hf=_detect_hf,
     phrase="ALiBi (linear distance bias)",
     control="score bias",
     decompositions=("data-driven",),  # with the bias as its own term ("alibi")
@@ -20,7 +34,6 @@ FAMILY = Family(
         "shift": "ALiBi's bias depends on distance alone, so shifting every position changes nothing by construction",
         "retrieval": "retrieval heads are read through the long-context engine, which rotates q and k",
     },
-    hf_model_types=frozenset({"bloom", "mpt"}),
     gguf_archs=frozenset({"bloom", "mpt", "refact", "jais", "jina-bert-v2"}),
 )
 

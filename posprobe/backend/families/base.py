@@ -5,10 +5,10 @@ Torch-free, so `peek` (which runs before any model loads) can read the families'
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Any, Callable, Mapping
 
 #: How a position plan reaches each family's model (`Family.control`).
-CONTROLS = ("position ids", "q/k rotation", "score bias")
+CONTROLS = POSITION_IDS, QK_ROTATION, SCORE_BIAS = ("position ids", "q/k rotation", "score bias")
 #: Atlas sections that exist for some positional families only (the rest read attention or hidden states alone).
 POSITION_SECTIONS = ("frequency", "geometry", "shift", "retrieval")
 
@@ -34,11 +34,41 @@ class Family:
     #: Whether positions past the model's table cannot be computed at all (a learned table has a last row), so an
     #: evaluation longer than the context is reported as "cannot run" rather than measured or raised.
     bounded_by_table: bool = False
-    #: Hugging Face model types of this family whose configs carry no positional key that names it outright.
-    hf_model_types: frozenset[str] = frozenset()
-    #: GGUF `general.architecture` values of this family (rotary is read from `<arch>.rope.*` keys instead).
+    #: The score term this family adds to q.k (ALiBi's distance bias, "alibi"), "" where it adds none.
+    score_term: str = ""
+    #: A short name for sentences ("RoPE", "ALiBi", ...).
+    label: str = ""
+    #: TransformerLens's `positional_embedding_type` values for this family ("standard" is learned absolute; TL also
+    #: calls XGLM's fixed sinusoids "standard", which `sinusoidal.detect` tells apart after loading).
+    tl_names: frozenset[str] = frozenset()
+    #: Whether scores depend on query-key offsets alone, so moving every position by k changes nothing by
+    #: construction (the shift test is then an invariance control).
+    shift_invariant: bool = False
+    #: Whether Hugging Face's forward places tokens through `position_ids` (ALiBi computes its bias without them).
+    hf_position_ids: bool = True
+    #: A trained position table added to the embedding (W_pos): geometry's table view, the exact layer-0 split.
+    learned_table: bool = False
+    #: A table fixed by its formula inside a Hugging Face module (sinusoids), set through that module.
+    fixed_table: bool = False
+    #: GGUF `general.architecture` values of this family.
     gguf_archs: frozenset[str] = frozenset()
+    #: A GGUF key prefix (after `<arch>.`) whose presence names the family (rotary: "rope.").
+    gguf_key_prefix: str = ""
+    #: Whether an HF config dict names this family: called with the config and the family its architecture row
+    #: lists (`backend.architectures`, None where the row names none). Families are asked in `DETECTION_ORDER`.
+    detect_hf: Callable[[Mapping[str, Any], Family | None], bool] | None = None
 
     def applies(self, section: str) -> str | None:
         """None where `section` applies to this family, else the reason it does not."""
         return self.not_applicable.get(section)
+
+    def detect_gguf(self, arch: str, meta: Mapping[str, Any]) -> bool:
+        """True where a GGUF header (`general.architecture` `arch`, key/value `meta`) names this family."""
+        if self.gguf_key_prefix and any(k.startswith(f"{arch}.{self.gguf_key_prefix}") for k in meta):
+            return True
+        return arch in self.gguf_archs
+
+
+def listed(kind: str) -> Callable[[Mapping[str, Any], Family | None], bool]:
+    """The detector of a family that only its architecture row names (`kind`: the family's own)."""
+    return lambda cfg, row_family: row_family is not None and row_family.kind == kind

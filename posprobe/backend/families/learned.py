@@ -8,8 +8,23 @@ from typing import Any
 
 from posprobe.backend.families.base import Family
 
+_KIND = "learned_absolute"
+
+
+def _detect_hf(cfg: Any, row_family: Family | None) -> bool:
+    # BERT's relative_key variants carry a learned table too, but score with it in a way posprobe does not analyse.
+    pet = str(cfg.get("position_embedding_type") or "").lower()
+    if pet.startswith("relative"):
+        return False
+    return pet == "absolute" or (row_family is not None and row_family.kind == _KIND)
+
+
 FAMILY = Family(
-    kind="learned_absolute",
+    kind=_KIND,
+    label="learned absolute",
+    tl_names=frozenset({"standard"}),
+    learned_table=True,
+    detect_hf=_detect_hf,
     phrase="learned absolute (added to the embedding)",
     control="position ids",
     bounded_by_table=True,
@@ -18,8 +33,6 @@ FAMILY = Family(
         "frequency": "per-frequency RoPE usage needs rotary positions; learned positions have no bands",
         "retrieval": "retrieval heads are read through the long-context engine, which rotates q and k",
     },
-    hf_model_types=frozenset({"gpt2", "gpt_neo", "opt", "bert", "roberta", "xlm-roberta", "distilbert", "electra",
-                              "camembert", "biogpt", "gpt_bigcode", "bart", "whisper"}),
     gguf_archs=frozenset({"gpt2", "starcoder", "bert"}),
 )
 

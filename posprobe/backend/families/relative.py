@@ -4,17 +4,21 @@ blocks and does not read or control the buckets yet, so every position analysis 
 
 from __future__ import annotations
 
-from posprobe.backend.families.base import Family
+from posprobe.backend.families.base import Family, listed
 
 _NOT_YET = "posprobe has no adapter for T5-style relative position buckets yet"
 
 FAMILY = Family(
     kind="relative_bias",
+    label="T5 relative buckets",
+    tl_names=frozenset({"relative_positional_bias", "relative_bias"}),
+    shift_invariant=True,
+    hf_position_ids=False,
+    detect_hf=listed("relative_bias"),
     phrase="relative position buckets (T5)",
     control=None,
     why_no_control=_NOT_YET,
     not_applicable={s: _NOT_YET for s in ("frequency", "geometry", "shift", "retrieval")},
-    hf_model_types=frozenset({"t5", "mt5", "umt5", "longt5"}),
 )
 
 

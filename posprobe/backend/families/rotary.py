@@ -6,7 +6,7 @@ between rotary ones (those layers belong to `nope`). The per-layer RotarySpec is
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Mapping
 
 from posprobe.backend.families.base import Family
 
@@ -17,8 +17,22 @@ if TYPE_CHECKING:  # torch-free at import: peek runs before torch loads
 HF_KEYS = ("rope_theta", "rope_parameters", "rope_scaling", "rotary_dim", "rotary_pct", "rotary_emb_base",
            "rotary_emb_fraction", "partial_rotary_factor")
 
+
+
+def uses_rotary(cfg: Mapping[str, Any]) -> bool:
+    """True where an HF config dict names rotary positions (a `position_embedding_type` of rotary / rope, or any
+    rope key), whether or not any layer applies them (`nope` asks this too)."""
+    pet = str(cfg.get("position_embedding_type") or "").lower()
+    return pet in ("rotary", "rope") or any(cfg.get(k) is not None for k in HF_KEYS)
+
+
 FAMILY = Family(
     kind="rotary",
+    label="RoPE",
+    tl_names=frozenset({"rotary"}),
+    shift_invariant=True,
+    gguf_key_prefix="rope.",
+    detect_hf=lambda cfg, row_family: uses_rotary(cfg),
     phrase="rotary",
     control="q/k rotation",
     decompositions=("data-driven",),

@@ -8,10 +8,13 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-from posprobe.backend.families.base import Family
+from posprobe.backend.families.base import Family, listed
 
 FAMILY = Family(
     kind="sinusoidal",
+    label="fixed sinusoidal",
+    fixed_table=True,
+    detect_hf=listed("sinusoidal"),
     phrase="fixed sinusoidal (added to the embedding)",
     control="position ids",
     decompositions=("data-driven",),
@@ -20,7 +23,6 @@ FAMILY = Family(
         "geometry": "position geometry reads a learned position table; a sinusoidal table is fixed by its formula",
         "retrieval": "retrieval heads are read through the long-context engine, which rotates q and k",
     },
-    hf_model_types=frozenset({"xglm"}),
 )
 
 
