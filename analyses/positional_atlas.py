@@ -25,7 +25,9 @@ from pathlib import Path
 import posprobe as pp
 
 WINDOW = int(os.environ.get("POSPROBE_ATLAS_WINDOW", "48"))
-cfg = pp.AtlasConfig(window=WINDOW, max_windows=4, max_pairs=5, probe_tokens=300, progress=False)
+NEEDLE = int(os.environ.get("POSPROBE_ATLAS_NEEDLE", "1024"))  # the retrieval section's needle prompt, tokens
+cfg = pp.AtlasConfig(window=WINDOW, max_windows=4, max_pairs=5, probe_tokens=300, needle_length=NEEDLE,
+                     progress=False)
 smol = pp.run_atlas(pp.load_model("smollm2"), None, cfg)
 print(smol.meta["sections"], "skipped:", smol.meta["skipped"])
 
@@ -59,6 +61,7 @@ heads.figures()[0]  # mean attention to the previous token, layer x head
 
 # %%
 mini = pp.run_atlas(pp.load_model("minilm"), None, cfg)
+print("minilm sections:", mini.meta["sections"])
 for section in mini.meta["sections"]:
     print(f"[{section}]", paragraph(mini, section), "\n")
 

@@ -38,8 +38,11 @@ for m in MEMBERS.values():
     print(f"{m.name:11s} {m.family:17s} {m.block:6s} {m.positions}")
 
 # %%
+# Training steps of the smoke zoo and of the task members (the test suite runs every cell with fewer).
+STEPS = int(os.environ.get("POSPROBE_ZOO_STEPS", "150"))
+TASK_STEPS = int(os.environ.get("POSPROBE_ZOO_TASK_STEPS", "300"))
 out = Path(tempfile.mkdtemp()) / "zoo"
-config = ZooConfig(d_model=64, n_layers=4, n_heads=4, length=64, vocab_size=512, batch_size=8, steps=150,
+config = ZooConfig(d_model=64, n_layers=4, n_heads=4, length=64, vocab_size=512, batch_size=8, steps=STEPS,
                    progress=False)
 training = train_zoo(config, builtin_corpus(), out)
 training.tables["members"][["member", "family", "block", "params", "seconds", "tokens_per_s", "loss"]]
@@ -93,9 +96,9 @@ similarity_matrix(atlas.tables["head_similarity_layer"]).round(3)
 from posprobe.report.zoo_tasks import accuracy_table  # noqa: E402
 from posprobe.zoo import TaskConfig, train_task_zoo  # noqa: E402
 
-tasks = train_task_zoo(ZooConfig(members=("nope", "rope"), d_model=64, n_layers=2, n_heads=4, steps=300,
+tasks = train_task_zoo(ZooConfig(members=("nope", "rope"), d_model=64, n_layers=2, n_heads=4, steps=TASK_STEPS,
                                  progress=False),
-                       TaskConfig(tasks=("copy", "reverse"), train_max=4, test_count=16, steps=300),
+                       TaskConfig(tasks=("copy", "reverse"), train_max=4, test_count=16, steps=TASK_STEPS),
                        Path(tempfile.mkdtemp()) / "tasks")
 accuracy_table(tasks)
 

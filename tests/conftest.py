@@ -6,6 +6,11 @@ import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `pytest -n 2` (CI): one process per core, each with one compute thread (set before torch is imported, and
+    # inherited by the commands a test launches); two threads each would oversubscribe the cores.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 import importlib.util
 from pathlib import Path

