@@ -441,7 +441,13 @@ def _tl_kind(model: Any) -> str:
 
 
 def layer_kinds(model: Any) -> tuple[str, ...]:
-    kind = families.SINUSOIDAL if _sinusoidal(model) else _tl_kind(model)
+    # The families' own detection on the wrapped HF model's config (the loop `peek` runs before loading), TL's name
+    # for the kind where the config names none, a sinusoidal module where TL says "standard" for it.
+    kind = hf.positional_kind(model.original_model)
+    if kind == families.UNKNOWN or kind == families.NOPE:  # NoPE: every layer is marked below, by the same flags
+        kind = _tl_kind(model)
+    if _sinusoidal(model):
+        kind = families.SINUSOIDAL
     nope = hf.nope_layers(model.original_model)
     return tuple(families.NOPE if l in nope else kind for l in range(n_layers(model)))
 

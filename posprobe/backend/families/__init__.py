@@ -18,9 +18,10 @@ if TYPE_CHECKING:  # torch-free at import: peek runs before torch loads
 #: Every family by `kind`. "none" (a whole model without positions) is the NoPE family too.
 FAMILIES: dict[str, Family] = {m.FAMILY.kind: m.FAMILY for m in (rotary, learned, alibi, relative, sinusoidal, nope)}
 _ALIASES = {"none": "nope"}
-#: The order families are asked whether a spec names them: NoPE before rotary (an all-NoPE rotary config), then
-#: the families an architecture row or a config flag names, learned last (BERT's `absolute` is the default value).
-DETECTION_ORDER: tuple[Family, ...] = (nope.FAMILY, rotary.FAMILY, alibi.FAMILY, relative.FAMILY, sinusoidal.FAMILY,
+#: The order families are asked whether a spec names them: ALiBi first (Falcon-RW's config sets `alibi` beside the
+#: rope_theta every Falcon config carries), NoPE before rotary (an all-NoPE rotary config), then the families an
+#: architecture row names, learned last (BERT's `absolute` is the default value).
+DETECTION_ORDER: tuple[Family, ...] = (alibi.FAMILY, nope.FAMILY, rotary.FAMILY, relative.FAMILY, sinusoidal.FAMILY,
                                        learned.FAMILY)
 #: What a spec says where it names no family posprobe knows.
 UNKNOWN = "unknown"
