@@ -44,17 +44,20 @@ class AtlasResult(Result):
     def __init__(self, tables: dict[str, pd.DataFrame], meta: dict, parts: dict[str, Result]):
         super().__init__(tables, meta)
         self.parts = parts
+        self._paragraphs: dict[str, str] = {}  # written once: printed, kept in meta and shown on the page
 
     def paragraph(self, name: str) -> str:
         """Section `name`'s findings in words, written by the paragraph its analysis declares (from the atlas table,
         meta and parts)."""
-        t = self.tables["atlas"]
+        if name not in self._paragraphs:
+            t = self.tables["atlas"]
 
-        def n(metric: str) -> float | None:
-            v = t[(t.section == name) & (t.metric == metric)].value
-            return float(v.iloc[0]) if len(v) else None
+            def n(metric: str) -> float | None:
+                v = t[(t.section == name) & (t.metric == metric)].value
+                return float(v.iloc[0]) if len(v) else None
 
-        return section(name).paragraph(self, n)
+            self._paragraphs[name] = section(name).paragraph(self, n)
+        return self._paragraphs[name]
 
     def save(self, out_dir: Any, *, figure_formats: Any = (), csv: str = "auto") -> dict[str, Path]:
         """Each section's outputs in `<out_dir>/<section>/`, then the atlas's own files and report (meta
