@@ -44,8 +44,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-#: Tests every module's selection carries: the mutant-killing tests written for this script.
-_MUTANT_TESTS = ["tests/test_mutants.py"]
+#: Tests every module's selection carries: the mutant-killing tests written for this script (tests/test_mutants*.py,
+#: all fast: hand-built cases and tiny models).
+_MUTANT_TESTS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_mutants*.py"))
 
 #: module name -> (files mutmut mutates, relative to the repo root; the fast tests that check them). Every test file
 #: here runs on tiny random models (tests/families.py, tiny-ape / tiny-rope); `-m "not slow"` drops the rest.
@@ -64,7 +65,7 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     "long_engine": (["posprobe/core/long_engine.py"],
                     ["tests/test_long_context.py", "tests/test_retrieval.py"]),
     "surgery": (["posprobe/core/surgery.py"],
-                ["tests/test_surgery.py", "tests/test_rope_types.py"]),
+                ["tests/test_surgery.py", "tests/test_rope_types.py", "tests/test_presets.py"]),
     "decompose": (["posprobe/analyses/decompose.py"],
                   ["tests/test_decompose.py"]),
 }

@@ -235,7 +235,13 @@ def test_partial_and_adjacent_rotary_queries_and_keys_at_different_positions(nam
     q, k = (t.transpose(1, 2) for t in ins)  # batch pos head d
     if q.shape[-1] < hd:  # Phi / StableLM hand over the rotated slice: the full heads are q_proj's
         q, k = (proj[w].view(1, 12, -1, hd) for w in "qk")
-    spec = f.rotary[0]
+    # The rotation as HF's config states it (rope_parameters: theta, the rotated fraction of the head), not
+    # posprobe's reading of it; posprobe's reading must agree.
+    rope = hf.config.rope_parameters
+    head_dim = getattr(hf.config, "head_dim", None) or hd
+    spec = RotarySpec(rotary_dim=int(head_dim * rope.get("partial_rotary_factor", 1.0)),
+                      base=float(rope["rope_theta"]), adjacent=name in ADJACENT)
+    assert f.rotary[0] == spec
     adjacent = name in ADJACENT
     assert spec.adjacent == adjacent and (adjacent or spec.rotary_dim < f.d_head)
     p = torch.arange(12, dtype=torch.float64)
@@ -300,19 +306,31 @@ def test_alibi_slopes_are_measured_and_equal_hfs_own_bias(name):
                                     "streaming:sink=2,window=5", "rerope:window=4"])
 def test_long_context_engine_leaves_nope_layers_unrotated(preset):
     # Was refused: SmolLM3's NoPE layer (3) must rotate nothing and keep its own score scale while the rotary layers
-    # take the preset; eviction applies everywhere. The chunked engine (rotates inside HF's attention interface)
-    # equals hook surgery on the bridge (positions proven against HF position_ids), per token.
+    # take the preset; eviction applies everywhere. The chunked engine (rotates inside HF's attention interface) and
+    # hook surgery on the bridge each equal the paper's rule applied pair by pair over HF's own modules
+    # (tests/paper_rules.py), with HF's config naming the NoPE layers (no_rope_layers[l] == 0), per token.
+    from paper_rules import pairwise_logits, preset_reference
+    from paper_rules import token_nll as reference_nll
+
     from posprobe.backend.bridge import plain_hf_model
     from posprobe.core import long_engine as LA
     from posprobe.core.generation import logits_under, token_logprobs
     from posprobe.core.presets import preset_pairs, preset_plan
 
-    bridge, _ = tiny_family("smollm3")
+    bridge, ref = tiny_family("smollm3")
     hf = plain_hf_model(bridge)
     ids = torch.randint(0, 256, (24,), generator=torch.Generator().manual_seed(2))
+    cfg = ref.config
+    assert 0 in cfg.no_rope_layers and 1 in cfg.no_rope_layers  # NoPE and rotary layers both present
+    rel, freqs, factor = preset_reference(preset, len(ids), cfg.rope_parameters["rope_theta"],
+                                          cfg.hidden_size // cfg.num_attention_heads)
+    rotates = [bool(r) for r in cfg.no_rope_layers]
+    want = reference_nll(pairwise_logits(ref, ids, rel, freqs=lambda l: freqs if rotates[l] else None,
+                                         score_factor=lambda l: factor if rotates[l] else 1.0), ids)
     got = LA.token_nll(hf, ids, preset_pairs(preset), chunk=5)
-    want = -token_logprobs(logits_under(bridge, ids[None], preset_plan(preset, bridge, len(ids))), ids[None])[0]
-    assert (got - want).abs().max() <= 1e-5
+    assert (got.double() - want).abs().max() <= 1e-5
+    plan = -token_logprobs(logits_under(bridge, ids[None], preset_plan(preset, bridge, len(ids))), ids[None])[0]
+    assert (plan.double() - want).abs().max() <= 1e-5
     own = LA.token_nll(hf, ids, preset_pairs("none"), chunk=5)
     assert (got - own).abs().max() > 1e-4  # the preset mattered
 

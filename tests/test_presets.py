@@ -46,6 +46,36 @@ def test_both_forms_of_every_preset_agree(tiny_rope, name):
     assert rule.label == plan.label == (spec if name != "none" else "none")
 
 
+PAPERS = ("none", "shift", "pi", "ntk", "yarn", "self-extend", "rerope", "string", "streaming")
+
+
+@pytest.mark.parametrize("name", PAPERS)
+def test_every_preset_with_a_paper_is_its_papers_rule(tiny_rope, name):
+    """Per (query, key) pair, both forms give the relative position the paper's formula gives (tests/paper_rules.py,
+    plain integers), and every layer turns at the paper's angle per band (HF's config for the base)."""
+    from paper_rules import preset_reference
+
+    from posprobe.backend.bridge import plain_hf_model
+    from posprobe.backend.hooks import layer_rotary_spec
+    from posprobe.rope import angular_frequency
+
+    assert set(PAPERS) <= set(P.PRESETS)
+    spec, n = P.PRESETS[name].example, 37
+    cfg = plain_hf_model(tiny_rope).config
+    rel, freqs, factor = preset_reference(spec, n, cfg.rope_parameters["rope_theta"],
+                                          cfg.hidden_size // cfg.num_attention_heads)
+    plan, rule = preset_plan(spec, tiny_rope, n), preset_pairs(spec)
+    i = torch.arange(n, dtype=torch.float64)
+    causal = torch.tril(torch.ones(n, n, dtype=torch.bool))
+    want = rel[causal].nan_to_num(-999.0)
+    assert torch.equal(_relative_of_plan(plan, n)[causal].nan_to_num(-999.0), want), spec
+    assert torch.equal(rule.relative(i, i)[causal].nan_to_num(-999.0), want), spec
+    for layer in range(cfg.num_hidden_layers):
+        rot = (plan.rotary or {}).get(layer, layer_rotary_spec(tiny_rope, layer))
+        assert angular_frequency(rot) == pytest.approx(freqs.tolist(), rel=1e-12), spec
+    assert float(plan.meta.get("score_scale", 1.0)) == pytest.approx(factor, rel=1e-15)
+
+
 @pytest.mark.parametrize("spec,message", [
     ("bogus", "unknown preset 'bogus'"),
     ("pi", "needs argument 'scale'"),

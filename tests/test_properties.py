@@ -3,8 +3,9 @@
 Position plans and surgery rules have a large input space (float and per-row positions, removed bands, base and
 per-band overrides, windows, groups and chunk sizes up to the boundaries); the hand-picked identity tests elsewhere
 would miss a corner. Each property is checked against an independent computation: complex numbers for the rotation,
-the per-query plan through the model for the per-pair rules, a float64 recomputation for the frequency reducer, HF's
-own forward (per-layer cos/sin) for plans on some layers.
+the papers' rules applied pair by pair in a plain-torch attention over HF's modules for the per-pair rules and the
+per-query plans, a float64 recomputation for the frequency reducer, HF's own forward (per-layer cos/sin) for plans on
+some layers.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def test_rotation_by_any_plan_equals_complex_multiplication(case):
 @st.composite
 def presets(draw):
     n = draw(st.integers(2, 40))
-    kind = draw(st.sampled_from(["self-extend", "rerope", "streaming", "pi", "ntk", "shift"]))
+    kind = draw(st.sampled_from(["self-extend", "rerope", "streaming", "string", "pi", "ntk", "yarn", "shift"]))
     w = draw(st.integers(1, n + 2))  # windows up to past the length: the boundaries included
     if kind == "self-extend":
         spec = f"self-extend:group={draw(st.integers(1, 5))},window={w}"
@@ -60,6 +61,10 @@ def presets(draw):
         spec = f"rerope:window={w}"
     elif kind == "streaming":
         spec = f"streaming:sink={draw(st.integers(0, 4))},window={w}"
+    elif kind == "string":
+        spec = f"string:offset={w},window={draw(st.integers(0, w))}"
+    elif kind == "yarn":
+        spec = f"yarn:scale={draw(st.sampled_from([0.5, 2.0, 3.5]))},original={draw(st.integers(2, 64))}"
     elif kind in ("pi", "ntk"):
         spec = f"{kind}:scale={draw(st.sampled_from([0.5, 1.0, 2.0, 3.5]))}"
     else:
@@ -68,9 +73,14 @@ def presets(draw):
 
 
 @given(presets())
-def test_per_pair_rules_equal_per_query_plans_on_random_lengths_and_chunks(tiny_rope, case):
-    # The chunked long-context engine (per-pair rule, chunks of any size incl. 1 and length +- 1) against the same
-    # preset as a per-query position plan through the bridge's hooks (itself proven against HF position ids).
+def test_per_pair_rules_equal_the_papers_rules_on_random_lengths_and_chunks(tiny_rope, case):
+    # The chunked long-context engine (per-pair rule, chunks of any size incl. 1 and length +- 1) against the
+    # preset as its paper states it, pair by pair (tests/paper_rules.py: HF's own modules, the attention scores in
+    # plain float64 torch with q_i turned by rel(i, j)); and the same preset as a per-query position plan through
+    # the bridge's hooks against the same reference.
+    from paper_rules import pairwise_logits, preset_reference
+    from paper_rules import token_nll as reference_nll
+
     from posprobe.backend.bridge import plain_hf_model
     from posprobe.core import long_engine
     from posprobe.core.generation import logits_under, token_logprobs
@@ -84,10 +94,16 @@ def test_per_pair_rules_equal_per_query_plans_on_random_lengths_and_chunks(tiny_
     assume(not is_identity(spec))
     ids = torch.randint(0, 200, (n,), generator=torch.Generator().manual_seed(seed))
     hf = plain_hf_model(tiny_rope)
+    cfg = hf.config
+    rel, freqs, factor = preset_reference(spec, n, cfg.rope_parameters["rope_theta"],
+                                          cfg.hidden_size // cfg.num_attention_heads)
+    want = reference_nll(pairwise_logits(hf, ids, rel, freqs=lambda layer: freqs,
+                                         score_factor=lambda layer: factor), ids)
     got = long_engine.token_nll(hf, ids, preset_pairs(spec), chunk=chunk)
+    assert (got.double() - want).abs().max() <= 1e-4, spec  # float32 model vs float64 scores
     with torch.no_grad():
-        want = -token_logprobs(logits_under(tiny_rope, ids[None], preset_plan(spec, tiny_rope, n)), ids[None])[0]
-    assert (got - want).abs().max() <= 1e-4, spec
+        plan = -token_logprobs(logits_under(tiny_rope, ids[None], preset_plan(spec, tiny_rope, n)), ids[None])[0]
+    assert (plan.double() - want).abs().max() <= 1e-4, spec
 
 
 @st.composite

@@ -36,7 +36,8 @@ def _arange(n: int) -> torch.Tensor:
 def shift(n: int, k: float, *, q_only: bool = False) -> PositionPlan:
     """q = k = i + k for token i (queries only with `q_only`). A common shift leaves a RoPE model unchanged."""
     _arange(n)
-    return shifted_plan(n, k, q_only=q_only)
+    meta = {"preset": "shift", "k": k, **({"q_only": True} if q_only else {})}
+    return replace(shifted_plan(n, k, q_only=q_only), meta=meta)
 
 
 def key_squish(n: int, span: tuple[int, int], *, to: float | None = 0.0, range_: tuple[float, float] | None = None,
