@@ -75,23 +75,27 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-b, a], dim=-1)
 
 
-def pairwise_logits(hf, ids: torch.Tensor, rel: torch.Tensor, *, freqs: Callable[[int], torch.Tensor | None],
+def pairwise_logits(hf, ids: torch.Tensor, rel: torch.Tensor | Callable[[int], torch.Tensor], *,
+                    freqs: Callable[[int], torch.Tensor | None],
                     score_factor: Callable[[int], float] = lambda layer: 1.0) -> torch.Tensor:
     """`[pos, vocab]` logits of a Hugging Face Llama-style decoder (half-split RoPE) for one sequence `ids` `[pos]`,
-    where layer l's query i scores key j at relative position rel[i, j] with angles rel * freqs(l) (freqs None: a
-    NoPE layer, no rotation), times the layer's own scaling and score_factor(l). NaN in rel drops the key."""
+    where layer l's query i scores key j at relative position rel[i, j] (or rel(l)[i, j]) with angles rel * freqs(l)
+    (freqs None: a NoPE layer, no rotation), times the layer's own scaling and score_factor(l). NaN in rel drops the
+    key."""
     m = hf.model
     n = ids.shape[-1]
     cfg = hf.config
     n_heads, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
     hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
     causal = torch.ones(n, n, dtype=torch.bool).tril()
-    keep = causal & ~rel.isnan()
-    rel0 = rel.nan_to_num(0.0)
+    rel_of = rel if callable(rel) else (lambda layer: rel)
     with torch.no_grad():
         h = m.embed_tokens(ids[None])
         for layer_idx, layer in enumerate(m.layers):
             attn = layer.self_attn
+            r = rel_of(layer_idx).to(torch.float64)
+            keep = causal & ~r.isnan()
+            rel0 = r.nan_to_num(0.0)
             x = layer.input_layernorm(h)
             q = attn.q_proj(x).view(n, n_heads, hd).transpose(0, 1).double()  # head pos d
             k = attn.k_proj(x).view(n, n_kv, hd).transpose(0, 1).double().repeat_interleave(n_heads // n_kv, 0)
