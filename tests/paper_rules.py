@@ -77,11 +77,14 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def pairwise_logits(hf, ids: torch.Tensor, rel: torch.Tensor | Callable[[int], torch.Tensor], *,
                     freqs: Callable[[int], torch.Tensor | None],
-                    score_factor: Callable[[int], float] = lambda layer: 1.0) -> torch.Tensor:
+                    score_factor: Callable[[int], float] = lambda layer: 1.0,
+                    masked: dict[int, tuple[int, ...]] | None = None,
+                    weights: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
     """`[pos, vocab]` logits of a Hugging Face Llama-style decoder (half-split RoPE) for one sequence `ids` `[pos]`,
     where layer l's query i scores key j at relative position rel[i, j] (or rel(l)[i, j]) with angles rel * freqs(l)
     (freqs None: a NoPE layer, no rotation), times the layer's own scaling and score_factor(l). NaN in rel drops the
-    key."""
+    key. `masked[l]` lists query heads whose output is zeroed before o_proj; `weights`, when given, receives each
+    layer's attention weights `[head, query, key]` (float64)."""
     m = hf.model
     n = ids.shape[-1]
     cfg = hf.config
@@ -110,7 +113,12 @@ def pairwise_logits(hf, ids: torch.Tensor, rel: torch.Tensor | Callable[[int], t
                           + torch.einsum("hid,ijd,hjd->hij", _rotate_half(q), sin, k))
             scores = scores * float(attn.scaling) * score_factor(layer_idx)
             p = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1)
-            out = (p @ v).transpose(0, 1).reshape(1, n, n_heads * hd).to(h.dtype)
+            if weights is not None:
+                weights[layer_idx] = p
+            o = p @ v
+            for head in (masked or {}).get(layer_idx, ()):
+                o[head] = 0
+            out = o.transpose(0, 1).reshape(1, n, n_heads * hd).to(h.dtype)
             h = h + attn.o_proj(out)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return hf.lm_head(m.norm(h))[0]

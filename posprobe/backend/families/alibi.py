@@ -41,8 +41,9 @@ FAMILY = Family(
 def phrase(slopes: tuple[float, ...]) -> str:
     """One ALiBi layer: its steepest and shallowest measured slope, as powers of two where they are."""
     def one(s: float) -> str:
-        e = math.log2(s) if s > 0 else float("nan")
-        return f"2^{e:.0f}" if abs(e - round(e)) < 1e-4 else f"{s:.3g}"
+        # A zero (or negative) measured slope is no power of two: printed as a number (log2 of it crashed here).
+        e = math.log2(s) if s > 0 else None
+        return f"2^{e:.0f}" if e is not None and abs(e - round(e)) < 1e-4 else f"{s:.3g}"
 
     return f"ALiBi (slopes {one(max(slopes))} … {one(min(slopes))}, measured)" if slopes else "ALiBi (no heads)"
 

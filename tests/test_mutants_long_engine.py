@@ -1,0 +1,129 @@
+"""posprobe/core/long_engine.py against `paper_rules.pairwise_logits` (issue #36's mutation testing): HF's own
+modules with the attention recomputed in plain float64 torch under the paper's rule, including masked heads, the
+recorded attention weights and greedy decoding with a KV cache. float32 model: tolerance 1e-4 on NLL / logits,
+1e-5 on attention weights (CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from paper_rules import pairwise_logits, preset_reference
+from paper_rules import token_nll as reference_nll
+
+from posprobe.backend.bridge import plain_hf_model
+from posprobe.core import long_engine as LE
+from posprobe.core.presets import preset_pairs
+
+
+def _ref(model, spec, n):
+    hf = plain_hf_model(model)
+    cfg = hf.config
+    rel, freqs, factor = preset_reference(spec, n, cfg.rope_parameters["rope_theta"],
+                                          cfg.hidden_size // cfg.num_attention_heads)
+    return hf, rel, freqs, factor
+
+
+def _ids(n, seed=0):
+    return torch.randint(0, 200, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("spec", ["self-extend:group=2,window=4", "streaming:sink=1,window=5", "pi:scale=2",
+                                  "yarn:scale=3,original=8"])
+def test_masked_heads_and_small_logit_chunks_equal_the_reference(tiny_rope, spec):
+    n = 17
+    hf, rel, freqs, factor = _ref(tiny_rope, spec, n)
+    ids = _ids(n, 1)
+    masked = {0: (1,), 1: (0, 3)}
+    want = reference_nll(pairwise_logits(hf, ids, rel, freqs=lambda l: freqs, score_factor=lambda l: factor,
+                                         masked=masked), ids)
+    got = LE.token_nll(hf, ids, preset_pairs(spec), chunk=4, logit_chunk=3, masked=masked)
+    assert got.shape == (n - 1,) and (got.double() - want).abs().max() <= 1e-4
+    unmasked = reference_nll(pairwise_logits(hf, ids, rel, freqs=lambda l: freqs, score_factor=lambda l: factor),
+                             ids)
+    assert (unmasked - want).abs().max() > 1e-3  # masking mattered
+
+
+def test_preset_none_with_masked_heads_runs_through_the_engine_at_the_models_positions(tiny_rope):
+    n = 12
+    hf, rel, freqs, _ = _ref(tiny_rope, "none", n)
+    ids = _ids(n, 2)
+    want = reference_nll(pairwise_logits(hf, ids, rel, freqs=lambda l: freqs, masked={1: (2,)}), ids)
+    got = LE.token_nll(hf, ids, preset_pairs("none"), masked={1: (2,)})
+    assert (got.double() - want).abs().max() <= 1e-4
+    plain = LE.token_nll(hf, ids, preset_pairs("none"))  # the model's own forward
+    assert (plain.double() - reference_nll(pairwise_logits(hf, ids, rel, freqs=lambda l: freqs), ids)).abs().max() \
+        <= 1e-4
+
+
+@pytest.mark.parametrize("spec", ["rerope:window=3", "streaming:sink=2,window=4", "none"])
+def test_greedy_decoding_with_a_cache_equals_the_reference_argmax_step_by_step(tiny_rope, spec):
+    n, new = 10, 6
+    prompt = _ids(n, 3)
+    hf = plain_hf_model(tiny_rope)
+    seq = prompt.clone()
+    want = []
+    for _ in range(new):
+        _, rel, freqs, factor = _ref(tiny_rope, spec, len(seq))
+        logits = pairwise_logits(hf, seq, rel, freqs=lambda l: freqs, score_factor=lambda l: factor)
+        tok = int(logits[-1].argmax())
+        want.append(tok)
+        seq = torch.cat([seq, torch.tensor([tok])])
+    rows = []
+    got = LE.greedy_decode(hf, prompt, preset_pairs(spec), new, chunk=3,
+                           record=lambda layer, w: rows.append((layer, w.clone())))
+    assert got.dtype == torch.long and got.tolist() == want
+    # the recorded weights: one row per layer per forward (the prompt, then each new token but the last)
+    assert [l for l, _ in rows] == [0, 1] * new
+    _, rel, freqs, factor = _ref(tiny_rope, spec, n + new - 1)
+    weights = {}
+    pairwise_logits(hf, seq[:-1], rel, freqs=lambda l: freqs, score_factor=lambda l: factor, weights=weights)
+    for layer in (0, 1):
+        last = rows[-2 + layer][1]
+        assert last.shape == (weights[layer].shape[0], n + new - 1)
+        assert (last.double() - weights[layer][:, -1]).abs().max() <= 1e-5
+
+
+def test_greedy_decoding_stops_where_asked(tiny_rope):
+    hf = plain_hf_model(tiny_rope)
+    prompt = _ids(8, 4)
+    rule = preset_pairs("rerope:window=3")
+    full = LE.greedy_decode(hf, prompt, rule, 5).tolist()
+    assert len(full) == 5
+    assert LE.greedy_decode(hf, prompt, rule, 5, stop_token=full[1]).tolist() == full[:full.index(full[1]) + 1]
+    assert LE.greedy_decode(hf, prompt, rule, 5, stop=lambda toks: len(toks) == 3).tolist() == full[:3]
+    assert LE.greedy_decode(hf, prompt, rule, 1).tolist() == full[:1]
+
+
+def test_long_attention_refusals(tiny_rope):
+    hf = plain_hf_model(tiny_rope)
+    with pytest.raises(ValueError, match="preset 'none' runs the model's own forward"):
+        with LE.long_attention(hf, preset_pairs("none")):
+            pass
+    with pytest.raises(ValueError, match="chunk must be >= 1; got 0"):
+        with LE.long_attention(hf, preset_pairs("pi:scale=2"), chunk=0):
+            pass
+    assert LE.zero_positions(3).tolist() == [[0, 0, 0]] and LE.zero_positions(2).dtype == torch.long
+
+
+def test_memory_estimate_grows_with_length_cache_and_chunk_and_refusals_name_the_remedy(tiny_rope):
+    hf = plain_hf_model(tiny_rope)
+    plain, chunked = preset_pairs("pi:scale=2"), preset_pairs("self-extend:group=2,window=4")
+    weights = sum(p.numel() * p.element_size() for p in hf.parameters())
+    e = LE.estimate_bytes
+    assert weights < e(hf, 10, plain) < e(hf, 1000, plain) < e(hf, 1000, plain, cache=True)
+    assert e(hf, 1000, plain, chunk=1) == e(hf, 1000, plain, chunk=512)  # one view, no selector: nothing chunked
+    assert e(hf, 1000, chunked, chunk=1) < e(hf, 1000, chunked, chunk=64) < e(hf, 1000, chunked, chunk=512)
+    assert e(hf, 1000, chunked, chunk=2000) == e(hf, 1000, chunked, chunk=1000)  # a chunk is at most the length
+    need = e(hf, 1000, chunked, chunk=256)
+    assert LE.check_memory(hf, 1000, chunked, chunk=256, available=int(need / 0.9) + 1) == need
+    with pytest.raises(ValueError, match=r"use --chunk \d+ or smaller") as ex:
+        LE.check_memory(hf, 1000, chunked, chunk=256, available=int(need / 0.9) - 1)
+    fits = int(str(ex.value).split("--chunk ")[1].split()[0])
+    assert 1 <= fits < 256 and e(hf, 1000, chunked, chunk=fits) <= 0.9 * (int(need / 0.9) - 1)
+    assert e(hf, 1000, chunked, chunk=fits + 1) > 0.9 * (int(need / 0.9) - 1)  # the largest that fits
+    with pytest.raises(ValueError, match="--chunk does not change this estimate"):
+        LE.check_memory(hf, 1000, plain, available=1000)
+    with pytest.raises(ValueError, match="even --chunk 1 needs about"):
+        LE.check_memory(hf, 1000, chunked, chunk=256, available=weights)
+    with pytest.raises(ValueError, match="; use a shorter length$"):
+        LE.check_memory(hf, 1000, chunked, chunk=1, available=weights)
