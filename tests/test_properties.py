@@ -117,11 +117,13 @@ def corpus_passes(draw):
 @given(corpus_passes())
 def test_frequency_reducer_equals_a_float64_recomputation_on_random_shapes(tiny_rope64, case):
     # The streaming reducer (batches, query subsets, query blocks of any size down to one row) against the band
-    # products of the captured rotated q/k, written out pair by pair in float64 over the kept causal entries.
+    # products of HF's own rotated q/k (caught at its apply_rotary_pos_emb, scaled by HF's attention scaling),
+    # written out pair by pair in float64 over the kept causal entries.
+    from matrix_cells import hf_rope_io
+
     import posprobe.analyses.frequency as fr
+    from posprobe.backend.bridge import plain_hf_model
     from posprobe.backend.facts import model_facts
-    from posprobe.backend.hooks import score_scale
-    from posprobe.core.capture import capture
 
     facts = model_facts(tiny_rope64)
     n = case["window"]
@@ -133,7 +135,7 @@ def test_frequency_reducer_equals_a_float64_recomputation_on_random_shapes(tiny_
                                  progress=False)
     finally:
         fr.CHUNK_ELEMENTS = old
-    cap = capture(tiny_rope64, toks, ["rot_q", "rot_k"])
+    hf = plain_hf_model(tiny_rope64)
     first_q = 0 if case["queries"] is None else max(0, n - case["queries"])
     causal = torch.ones(n, n, dtype=torch.bool).tril()
     causal[:first_q] = False
@@ -141,16 +143,20 @@ def test_frequency_reducer_equals_a_float64_recomputation_on_random_shapes(tiny_
     for layer in range(facts.n_layers):
         spec = facts.rotary[layer]
         half, group = spec.rotary_dim // 2, facts.n_heads // facts.n_kv_heads
-        q, k = cap["rot_q", layer], cap["rot_k", layer].repeat_interleave(group, dim=2)
-        scale = score_scale(tiny_rope64, layer)
+        _, (q, k), _, attn = hf_rope_io(hf, toks, layer)  # [batch, head, pos, d]
+        q, k = q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(group, dim=2)  # [batch, pos, head, d]
+        scale = 1.0 / float(attn.scaling)
         for b in range(half):
             dims = [2 * b, 2 * b + 1] if spec.adjacent else [b, b + half]
             part = torch.einsum("bqhd,bkhd->bhqk", q[..., dims], k[..., dims]) / scale  # [batch, head, q, k]
             kept = part[:, :, causal]  # [batch, head, entry]
             for h in range(facts.n_heads):
                 want_abs, want = kept[:, h].abs().mean().item(), kept[:, h].mean().item()
-                assert math.isclose(d[layer, h, b, "mean_abs_contrib"], want_abs, rel_tol=1e-9, abs_tol=1e-12)
-                assert math.isclose(d[layer, h, b, "mean_contrib"], want, rel_tol=1e-9, abs_tol=1e-12)
+                # HF turns float64 q/k with float32 cos/sin (its recipe for every dtype); the bridge's rotation
+                # hooks differ from it by up to ~2e-6 of a band's mean |contribution| here: tolerance 1e-5 of it.
+                tol = 1e-5 * want_abs + 1e-12
+                assert abs(d[layer, h, b, "mean_abs_contrib"] - want_abs) <= tol
+                assert abs(d[layer, h, b, "mean_contrib"] - want) <= tol
 
 
 @st.composite
