@@ -127,3 +127,44 @@ def test_memory_estimate_grows_with_length_cache_and_chunk_and_refusals_name_the
         LE.check_memory(hf, 1000, chunked, chunk=256, available=weights)
     with pytest.raises(ValueError, match="; use a shorter length$"):
         LE.check_memory(hf, 1000, chunked, chunk=1, available=weights)
+
+
+@pytest.mark.parametrize("spec,cache,chunk", [("pi:scale=2", False, 256), ("self-extend:group=2,window=4", True, 64),
+                                              ("streaming:sink=1,window=8", False, 5000)])
+def test_memory_terms_are_the_documented_budget(tiny_rope, spec, cache, chunk):
+    # The estimate's terms as _memory_terms' comment states them, from HF's config: the budget check_memory refuses
+    # by, so a changed constant changes which lengths are refused.
+    hf = plain_hf_model(tiny_rope)
+    cfg = hf.config
+    rule = preset_pairs(spec)
+    T, e = 3000, 4
+    D, F_, H, KV = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads
+    hd, L, V = D // H, cfg.num_hidden_layers, cfg.vocab_size
+    chunked = len(rule.views) > 1 or rule.select is not None
+    want = {
+        "weights": sum(p.numel() * p.element_size() for p in hf.parameters()),
+        "activations": 1.5 * T * (8 * D + 3 * F_ + 4 * (H + 2 * KV) * hd + 2 * H * hd) * e,
+        "scores": min(chunk, T) * T * H * 4 * (len(rule.views) + 3) if chunked else 0,
+        "logits": min(1024, T) * V * 4 * 3,
+        "kv": 3 * L * T * KV * hd * e if cache else 0,
+        "hidden": 2 * T * D * e,
+    }
+    got = LE._memory_terms(hf, T, rule, chunk=chunk, cache=cache)
+    assert got == pytest.approx(want, rel=1e-15)
+    assert LE.estimate_bytes(hf, T, rule, chunk=chunk, cache=cache) == int(sum(want.values()))
+    assert LE._memory_terms(hf, 500, rule, chunk=chunk, logit_chunk=100, cache=cache)["logits"] == 100 * V * 12
+
+
+def test_sliding_window_layers_make_the_engine_chunk_every_rule():
+    # Gemma 3's sliding layers: the engine applies the window itself, chunk by chunk, even for a one-view rule.
+    from families import tiny_family
+
+    bridge, _ = tiny_family("gemma3")
+    hf = plain_hf_model(bridge)
+    cfg = hf.config
+    assert cfg.sliding_window and cfg.layer_types
+    got = LE._memory_terms(hf, 1000, preset_pairs("pi:scale=2"), chunk=32)
+    assert got["scores"] == 32 * 1000 * cfg.num_attention_heads * 4 * (1 + 3)
+    assert got["activations"] == 1.5 * 1000 * (8 * cfg.hidden_size + 3 * cfg.intermediate_size + 4 * (
+        cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim + 2 * cfg.num_attention_heads
+        * cfg.head_dim) * 4

@@ -338,8 +338,12 @@ def estimate_bytes(model: Any, length: int, rule: PairRule, *, chunk: int = 256,
 
 def _memory_terms(model: Any, length: int, rule: PairRule, *, chunk: int, logit_chunk: int = 1024,
                   cache: bool = False) -> dict[str, float]:
-    # `estimate_bytes` by term: check_memory reads which term `chunk` scales (only "scores", and only where the
-    # engine chunks the scores) to advise only what lowers the estimate.
+    # `estimate_bytes` by term, in bytes, for T tokens at e bytes per element (D hidden, F MLP, H query / KV key heads
+    # of hd dims, L layers, V vocabulary): weights; activations 1.5 * T * (8D + 3F + 4(H + 2 KV) hd + 2 H hd) * e;
+    # scores min(chunk, T) * T * H * 4 * (views + 3) float32 bytes where the engine chunks (several views, a
+    # selector or sliding-window layers), else 0; logits min(logit_chunk, T) * V * 4 * 3; kv 3 * L * T * KV * hd * e
+    # when generating (keys, values, rotated keys); hidden 2 * T * D * e. check_memory reads which term `chunk`
+    # scales (only "scores") to advise only what lowers the estimate.
     cfg = hf.text_config(model)
     e = next(model.parameters()).element_size()
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
