@@ -168,3 +168,29 @@ def test_sliding_window_layers_make_the_engine_chunk_every_rule():
     assert got["activations"] == 1.5 * 1000 * (8 * cfg.hidden_size + 3 * cfg.intermediate_size + 4 * (
         cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim + 2 * cfg.num_attention_heads
         * cfg.head_dim) * 4
+
+
+def test_prefill_leaves_every_layers_keys_unrotated_in_the_cache(tiny_rope):
+    # Inside the engine the model runs at position 0 (HF's rotation is the identity), so the cache holds each layer's
+    # keys as HF's k_proj makes them from that layer's input, and its values likewise.
+    from transformers import DynamicCache
+
+    hf = plain_hf_model(tiny_rope)
+    ids = _ids(9, 6)
+    cache = DynamicCache()
+    with torch.no_grad(), LE.long_attention(hf, preset_pairs("rerope:window=3")):
+        LE.prefill(hf, ids[None], cache)
+    with torch.no_grad():
+        hidden = hf(ids[None], output_hidden_states=True).hidden_states  # the input of every layer
+    cfg = hf.config
+    kv, hd = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    # Under ReRoPE the first query rows see the keys as the plain model does: layer 0's input is the embedding, so
+    # its keys are exact; later layers' inputs differ (ReRoPE moved far pairs), so only layer 0 is compared.
+    attn, norm = hf.model.layers[0].self_attn, hf.model.layers[0].input_layernorm
+    with torch.no_grad():
+        x = norm(hidden[0])
+        k = attn.k_proj(x).view(1, 9, kv, hd).transpose(1, 2)
+        v = attn.v_proj(x).view(1, 9, kv, hd).transpose(1, 2)
+    keys, values = cache.layers[0].keys, cache.layers[0].values
+    assert keys.shape == k.shape and (keys - k).abs().max() <= 1e-6 and (values - v).abs().max() <= 1e-6
+    assert cache.get_seq_length() == 9 and len(cache.layers) == cfg.num_hidden_layers
