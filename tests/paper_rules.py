@@ -79,18 +79,21 @@ def pairwise_logits(hf, ids: torch.Tensor, rel: torch.Tensor | Callable[[int], t
                     freqs: Callable[[int], torch.Tensor | None],
                     score_factor: Callable[[int], float] = lambda layer: 1.0,
                     masked: dict[int, tuple[int, ...]] | None = None,
-                    weights: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+                    weights: dict[int, torch.Tensor] | None = None, window: int | None = None) -> torch.Tensor:
     """`[pos, vocab]` logits of a Hugging Face Llama-style decoder (half-split RoPE) for one sequence `ids` `[pos]`,
     where layer l's query i scores key j at relative position rel[i, j] (or rel(l)[i, j]) with angles rel * freqs(l)
     (freqs None: a NoPE layer, no rotation), times the layer's own scaling and score_factor(l). NaN in rel drops the
     key. `masked[l]` lists query heads whose output is zeroed before o_proj; `weights`, when given, receives each
-    layer's attention weights `[head, query, key]` (float64)."""
+    layer's attention weights `[head, query, key]` (float64). `window`: each query sees only its last `window` keys
+    (itself included), as a sliding-window layer does."""
     m = hf.model
     n = ids.shape[-1]
     cfg = hf.config
     n_heads, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
     hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
     causal = torch.ones(n, n, dtype=torch.bool).tril()
+    if window:
+        causal &= ~torch.ones(n, n, dtype=torch.bool).tril(-window)
     rel_of = rel if callable(rel) else (lambda layer: rel)
     with torch.no_grad():
         h = m.embed_tokens(ids[None])

@@ -194,3 +194,34 @@ def test_prefill_leaves_every_layers_keys_unrotated_in_the_cache(tiny_rope):
     keys, values = cache.layers[0].keys, cache.layers[0].values
     assert keys.shape == k.shape and (keys - k).abs().max() <= 1e-6 and (values - v).abs().max() <= 1e-6
     assert cache.get_seq_length() == 9 and len(cache.layers) == cfg.num_hidden_layers
+
+
+def test_hf_rope_presets_take_hfs_table_for_the_config(tiny_rope):
+    # HF's linear scaling by 2 is Position Interpolation by 2: every relative position halved (paper_rules' "pi").
+    n = 14
+    hf, rel, freqs, _ = _ref(tiny_rope, "pi:scale=2", n)
+    ids = _ids(n, 7)
+    want = reference_nll(pairwise_logits(hf, ids, rel, freqs=lambda l: freqs), ids)
+    got = LE.token_nll(hf, ids, preset_pairs("hf-linear:factor=2"), chunk=4)
+    assert (got.double() - want).abs().max() <= 1e-4
+
+
+def test_a_sliding_window_model_sees_only_its_window_under_any_rule():
+    # A plain HF Mistral with a 5-token sliding window: the engine applies the window itself (chunked path).
+    import transformers as T
+
+    torch.manual_seed(0)
+    cfg = T.MistralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, max_position_embeddings=128, sliding_window=5, vocab_size=200,
+                          attn_implementation="eager")
+    hf = T.MistralForCausalLM(cfg).eval()
+    n = 16
+    ids = _ids(n, 8)
+    d = cfg.hidden_size // cfg.num_attention_heads
+    for spec in ("pi:scale=2", "rerope:window=3"):
+        rel, freqs, _ = preset_reference(spec, n, cfg.rope_parameters["rope_theta"], d)
+        want = reference_nll(pairwise_logits(hf, ids, rel, freqs=lambda l: freqs, window=5), ids)
+        got = LE.token_nll(hf, ids, preset_pairs(spec), chunk=3)
+        assert (got.double() - want).abs().max() <= 1e-4, spec
+        full = reference_nll(pairwise_logits(hf, ids, rel, freqs=lambda l: freqs), ids)
+        assert (full - want).abs().max() > 1e-3, spec  # the window mattered
