@@ -225,3 +225,31 @@ def test_a_sliding_window_model_sees_only_its_window_under_any_rule():
         assert (got.double() - want).abs().max() <= 1e-4, spec
         full = reference_nll(pairwise_logits(hf, ids, rel, freqs=lambda l: freqs), ids)
         assert (full - want).abs().max() > 1e-3, spec  # the window mattered
+
+
+def test_memory_refusals_state_gib_count_the_cache_and_advise_the_largest_chunk(tiny_rope):
+    hf = plain_hf_model(tiny_rope)
+    rule = preset_pairs("self-extend:group=2,window=4")
+    T = 200_000  # an estimate of a few GiB for the tiny model: the numbers in the message are readable
+    e = LE.estimate_bytes
+    need, have = e(hf, T, rule, chunk=256), int(e(hf, T, rule, chunk=256) / 0.9) - 1
+    with pytest.raises(ValueError) as ex:
+        LE.check_memory(hf, T, rule, chunk=256, available=have)
+    assert str(ex.value).startswith(f"length {T} under 'self-extend:group=2,window=4' needs about "
+                                    f"{need / 2**30:.1f} GiB (estimate) but only {have / 2**30:.1f} GiB is "
+                                    "available; use --chunk ")
+    assert 1.0 < need / 2**30 < 100.0
+    # the cache counts: enough memory without it is not enough with it
+    plain = e(hf, T, rule, chunk=256)
+    assert e(hf, T, rule, chunk=256, cache=True) > plain
+    with pytest.raises(ValueError):
+        LE.check_memory(hf, T, rule, chunk=256, cache=True, available=int(plain / 0.9) + 1)
+    assert LE.check_memory(hf, T, rule, chunk=256, cache=True, available=int(e(hf, T, rule, chunk=256, cache=True)
+                                                                            / 0.9) + 1) > plain
+    # the advice is the largest chunk that fits, found by brute force here; and 1 where only 1 fits
+    for avail in (int(e(hf, T, rule, chunk=37, cache=True) / 0.9) + 1, int(e(hf, T, rule, chunk=1, cache=True) / 0.9)
+                  + 1):
+        best = max(c for c in range(1, 257) if e(hf, T, rule, chunk=c, cache=True) <= 0.9 * avail)
+        with pytest.raises(ValueError, match=f"use --chunk {best} or smaller"):
+            LE.check_memory(hf, T, rule, chunk=256, cache=True, available=avail)
+    assert best == 1
