@@ -35,6 +35,7 @@ import ast
 import fnmatch
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -253,13 +254,27 @@ def rerun(scratch: Path, *, children: int) -> dict[str, object]:
             shutil.copy2(ROOT / f, scratch / f)
     with open(scratch / "tests" / "conftest.py", "a") as fh:  # the refreshed copy lost it
         fh.write(_FRESH_CACHES)
-    todo = sorted(summarise(collect(scratch))["not_killed"])
+    # A tests/test_mutants*.py file added since the copy was made joins the selection.
+    tests = MODULES[name][1] + [t for t in _MUTANT_TESTS if t not in MODULES[name][1]]
+    toml = scratch / "pyproject.toml"
+    toml.write_text(re.sub(r"(?m)^pytest_add_cli_args_test_selection = .*$",
+                           lambda m: f"pytest_add_cli_args_test_selection = {_toml_list(tests)}", toml.read_text()))
+    before = collect(scratch)
+    todo = sorted(summarise(before)["not_killed"])
     log(f"[{name}] re-running {len(todo)} mutants in {scratch}")
     mutmut = Path(sys.executable).with_name("mutmut")
     with open(scratch / "mutmut-rerun.log", "w") as out:
         proc = subprocess.run([str(mutmut) if mutmut.exists() else "mutmut", "run", "--max-children", str(children),
                                *todo], cwd=scratch, env=_env(), stdout=out, stderr=subprocess.STDOUT)
-    res = summarise(collect(scratch))
+    # mutmut forgets every verdict when the test selection changes (a new tests/test_mutants*.py file); a mutant
+    # killed before stays killed (the tests only grew), so its earlier verdict stands where it was not re-run.
+    after = collect(scratch)
+    merged = {k: after[k] if after.get(k) is not None else before.get(k) for k in before.keys() | after.keys()}
+    for meta in sorted((scratch / "mutants").rglob("*.py.meta")):  # kept for the next re-run of this copy
+        record = json.loads(meta.read_text())
+        record["exit_code_by_key"] = {k: merged.get(k, v) for k, v in record["exit_code_by_key"].items()}
+        meta.write_text(json.dumps(record))
+    res = summarise(merged)
     res.update(module=name, files=MODULES[name][0], tests=MODULES[name][1] + _MUTANT_TESTS,
                wall_s=round(time.monotonic() - t0, 1), mutmut_rc=proc.returncode, rerun_of=len(todo),
                scratch=str(scratch))
