@@ -253,3 +253,25 @@ def test_memory_refusals_state_gib_count_the_cache_and_advise_the_largest_chunk(
         with pytest.raises(ValueError, match=f"use --chunk {best} or smaller"):
             LE.check_memory(hf, T, rule, chunk=256, cache=True, available=avail)
     assert best == 1
+
+
+@pytest.mark.parametrize("gqa", [True, False])
+def test_the_one_view_path_on_either_sdpa_equals_the_reference(tiny_rope, monkeypatch, gqa):
+    # One view, no selector: the engine hands the rotated q/k to PyTorch's SDPA, with enable_gqa (PyTorch >= 2.5) or,
+    # on an older PyTorch (posprobe supports >= 2.1), with keys and values repeated per query head.
+    monkeypatch.setattr(LE, "_SDPA_GQA", gqa)
+    n = 13
+    hf, rel, freqs, factor = _ref(tiny_rope, "yarn:scale=2,original=8", n)
+    assert hf.config.num_key_value_heads < hf.config.num_attention_heads  # grouped-query attention
+    ids = _ids(n, 9)
+    want = reference_nll(pairwise_logits(hf, ids, rel, freqs=lambda l: freqs, score_factor=lambda l: factor), ids)
+    got = LE.token_nll(hf, ids, preset_pairs("yarn:scale=2,original=8"))
+    assert (got.double() - want).abs().max() <= 1e-4
+    seq, toks = ids[:8], []
+    for _ in range(3):  # decode steps: one query against every key (not causal-masked)
+        _, rel_s, freqs_s, factor_s = _ref(tiny_rope, "yarn:scale=2,original=8", len(seq))
+        tok = int(pairwise_logits(hf, seq, rel_s, freqs=lambda l: freqs_s, score_factor=lambda l: factor_s)[-1]
+                  .argmax())
+        toks.append(tok)
+        seq = torch.cat([seq, torch.tensor([tok])])
+    assert LE.greedy_decode(hf, ids[:8], preset_pairs("yarn:scale=2,original=8"), 3).tolist() == toks
