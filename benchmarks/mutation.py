@@ -126,10 +126,15 @@ def _toml_list(items: list[str]) -> str:
     return "[" + ", ".join(json.dumps(i) for i in items) + "]"
 
 
+def _selection(name: str) -> list[str]:
+    """The test files module `name` runs: its own fast tests and every tests/test_mutants*.py file."""
+    own = MODULES[name][1]
+    return own + [t for t in _MUTANT_TESTS if t not in own]
+
+
 def make_scratch(name: str) -> Path:
     """A temporary copy of the repo with a [tool.mutmut] section for module `name`."""
-    mutate, tests = MODULES[name]
-    tests = tests + [t for t in _MUTANT_TESTS if (ROOT / t).exists() and t not in tests]
+    mutate, tests = MODULES[name][0], _selection(name)
     scratch = Path(tempfile.mkdtemp(prefix=f"posprobe-mutation-{name}-"))
     for f in _repo_files():
         dst = scratch / f
@@ -225,7 +230,7 @@ def run_module(name: str, *, keep: bool, children: int, sample: int | None = Non
     wall = time.monotonic() - t0
     codes = collect(scratch)
     res = summarise(codes)
-    res.update(module=name, files=MODULES[name][0], tests=MODULES[name][1] + _MUTANT_TESTS, wall_s=round(wall, 1),
+    res.update(module=name, files=MODULES[name][0], tests=_selection(name), wall_s=round(wall, 1),
                mutmut_rc=proc.returncode, sample=f"1/{sample}" if sample else "all")
     if proc.returncode != 0 or not codes:
         log(f"[{name}] mutmut exited {proc.returncode}; last lines of {out_path}:")
@@ -255,10 +260,10 @@ def rerun(scratch: Path, *, children: int) -> dict[str, object]:
     with open(scratch / "tests" / "conftest.py", "a") as fh:  # the refreshed copy lost it
         fh.write(_FRESH_CACHES)
     # A tests/test_mutants*.py file added since the copy was made joins the selection.
-    tests = MODULES[name][1] + [t for t in _MUTANT_TESTS if t not in MODULES[name][1]]
     toml = scratch / "pyproject.toml"
     toml.write_text(re.sub(r"(?m)^pytest_add_cli_args_test_selection = .*$",
-                           lambda m: f"pytest_add_cli_args_test_selection = {_toml_list(tests)}", toml.read_text()))
+                           lambda m: f"pytest_add_cli_args_test_selection = {_toml_list(_selection(name))}",
+                           toml.read_text()))
     before = collect(scratch)
     todo = sorted(summarise(before)["not_killed"])
     log(f"[{name}] re-running {len(todo)} mutants in {scratch}")
@@ -275,7 +280,7 @@ def rerun(scratch: Path, *, children: int) -> dict[str, object]:
         record["exit_code_by_key"] = {k: merged.get(k, v) for k, v in record["exit_code_by_key"].items()}
         meta.write_text(json.dumps(record))
     res = summarise(merged)
-    res.update(module=name, files=MODULES[name][0], tests=MODULES[name][1] + _MUTANT_TESTS,
+    res.update(module=name, files=MODULES[name][0], tests=_selection(name),
                wall_s=round(time.monotonic() - t0, 1), mutmut_rc=proc.returncode, rerun_of=len(todo),
                scratch=str(scratch))
     log(f"[{name}] after the re-run: {res['killed']} killed, {res['survived']} survived, score {res['score']}%")

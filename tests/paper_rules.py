@@ -50,6 +50,23 @@ def relative_table(n: int, rule: Callable[[int, int], float | None]) -> torch.Te
     return out
 
 
+def plan_relative(q_pos: torch.Tensor, k_pos: torch.Tensor, views=()) -> torch.Tensor:
+    """`[query, key]` float64 q_pos[i] - k_pos[j] of one sequence's position plan, each query through the last
+    KeyView listing it (the order in which position control applies them)."""
+    q, k = q_pos.double(), k_pos.double()
+    rel = q[:, None] - k[None, :]
+    for v in views:
+        rows = v.queries.nonzero()[:, 0]
+        rel[rows] = q[rows, None] - v.k_pos.double()[None, :]
+    return rel
+
+
+def rope_of(cfg) -> tuple[float, int]:
+    """(rope_theta, head dim) of a Llama-style HF config, as the config states them."""
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return float(cfg.rope_parameters["rope_theta"]), d
+
+
 def yarn_multiplier(band: int, d: int, base: float, s: float, original: int, fast: float = 32.0,
                     slow: float = 1.0) -> float:
     """Peng et al. 2023 (Eqs. 17-20): r = L / lambda, ramp gamma between alpha = slow and beta = fast, h(theta) =
@@ -133,9 +150,11 @@ def token_nll(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return -lp.gather(-1, ids[1:, None])[:, 0]
 
 
-def preset_reference(spec: str, n: int, base: float, d: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+def preset_reference(spec: str, n: int, cfg) -> tuple[torch.Tensor, torch.Tensor, float]:
     """(rel table `[n, n]`, angle per token of each band, score factor of the rotary layers) for a preset spec as
-    posprobe's CLI writes it ("self-extend:group=2,window=6"), from the papers' formulas above."""
+    posprobe's CLI writes it ("self-extend:group=2,window=6") on a model with HF config `cfg`, from the papers'
+    formulas above."""
+    base, d = rope_of(cfg)
     name, _, args = spec.partition(":")
     a = {k: float(v) for k, v in (kv.split("=") for kv in args.split(",") if kv)}
     f, factor = inv_freq(base, d), 1.0

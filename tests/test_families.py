@@ -322,8 +322,7 @@ def test_long_context_engine_leaves_nope_layers_unrotated(preset):
     ids = torch.randint(0, 256, (24,), generator=torch.Generator().manual_seed(2))
     cfg = ref.config
     assert 0 in cfg.no_rope_layers and 1 in cfg.no_rope_layers  # NoPE and rotary layers both present
-    rel, freqs, factor = preset_reference(preset, len(ids), cfg.rope_parameters["rope_theta"],
-                                          cfg.hidden_size // cfg.num_attention_heads)
+    rel, freqs, factor = preset_reference(preset, len(ids), cfg)
     rotates = [bool(r) for r in cfg.no_rope_layers]
     want = reference_nll(pairwise_logits(ref, ids, rel, freqs=lambda l: freqs if rotates[l] else None,
                                          score_factor=lambda l: factor if rotates[l] else 1.0), ids)

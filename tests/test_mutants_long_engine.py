@@ -18,8 +18,7 @@ from posprobe.core.presets import preset_pairs
 def _ref(model, spec, n):
     hf = plain_hf_model(model)
     cfg = hf.config
-    rel, freqs, factor = preset_reference(spec, n, cfg.rope_parameters["rope_theta"],
-                                          cfg.hidden_size // cfg.num_attention_heads)
+    rel, freqs, factor = preset_reference(spec, n, cfg)
     return hf, rel, freqs, factor
 
 
@@ -217,9 +216,8 @@ def test_a_sliding_window_model_sees_only_its_window_under_any_rule():
     hf = T.MistralForCausalLM(cfg).eval()
     n = 16
     ids = _ids(n, 8)
-    d = cfg.hidden_size // cfg.num_attention_heads
     for spec in ("pi:scale=2", "rerope:window=3"):
-        rel, freqs, _ = preset_reference(spec, n, cfg.rope_parameters["rope_theta"], d)
+        rel, freqs, _ = preset_reference(spec, n, cfg)
         want = reference_nll(pairwise_logits(hf, ids, rel, freqs=lambda l: freqs, window=5), ids)
         got = LE.token_nll(hf, ids, preset_pairs(spec), chunk=3)
         assert (got.double() - want).abs().max() <= 1e-4, spec

@@ -15,7 +15,7 @@ import types
 import pytest
 import torch
 from hf_util import hf_of
-from paper_rules import inv_freq, pairwise_logits
+from paper_rules import inv_freq, pairwise_logits, plan_relative, rope_of
 
 from posprobe.backend.bridge import plain_hf_model
 from posprobe.backend.hooks import hooked
@@ -28,9 +28,7 @@ TOL64 = 1e-5  # float64 model (HF's float32 angles) vs float64 reference, CPU
 
 def _setup(model):
     hf = plain_hf_model(model)
-    cfg = hf.config
-    d = cfg.hidden_size // cfg.num_attention_heads
-    return hf, inv_freq(float(cfg.rope_parameters["rope_theta"]), d)
+    return hf, inv_freq(*rope_of(hf.config))
 
 
 def _ids(n, batch=1, seed=0):
@@ -40,12 +38,7 @@ def _ids(n, batch=1, seed=0):
 def _rel(q, k, views=(), row=None):
     """[query, key] q_pos[i] - k_pos[j], each query through the last view listing it (one batch row)."""
     pick = (lambda t: t) if row is None else (lambda t: t[row] if t.dim() == 2 else t)
-    q, k = pick(q).double(), pick(k).double()
-    rel = q[:, None] - k[None, :]
-    for v in views:
-        rows = pick(v.queries).nonzero()[:, 0]
-        rel[rows] = q[rows, None] - pick(v.k_pos).double()[None, :]
-    return rel
+    return plan_relative(pick(q), pick(k), [KeyView(pick(v.queries), pick(v.k_pos), v.name) for v in views])
 
 
 def _far_fractional(n):

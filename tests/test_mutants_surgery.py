@@ -15,6 +15,7 @@ import math
 import pytest
 import torch
 from hf_util import hf_of, independent_hf
+from paper_rules import plan_relative, rope_of
 from paper_rules import rerope as _rerope
 from paper_rules import self_extend as _self_extend
 from paper_rules import streaming as _streaming
@@ -132,14 +133,9 @@ def test_key_squish_spans_at_the_edges_and_refusals():
 # ---- per-query relative rules (Self-Extend, ReRoPE, STRING, StreamingLLM) -----------------------------------
 
 def _relative(plan: PositionPlan) -> list[list[float]]:
-    """rel[i][j] = q_i - k_j, each query through the last view listing it (as rope_positions applies them)."""
-    n = len(plan)
-    k_of = [plan.k_pos] * n
-    for v in plan.views:
-        for i in range(n):
-            if v.queries[i]:
-                k_of[i] = v.k_pos
-    return [[float(plan.q_pos[i] - k_of[i][j]) for j in range(i + 1)] for i in range(n)]
+    """rel[i][j] = q_i - k_j for j <= i, each query through the last view listing it."""
+    rel = plan_relative(plan.q_pos, plan.k_pos, plan.views)
+    return [rel[i, :i + 1].tolist() for i in range(len(plan))]
 
 
 @pytest.mark.parametrize("g,w", [(2, 4), (3, 5), (1, 3), (4, 1)])
@@ -403,9 +399,8 @@ def test_drop_and_p_rope_bands_by_hand():
 
 def _hf_spec(model, layer):
     """The layer's rotation read from HF's config (no posprobe): rotary dims = head dim, base = rope_theta."""
-    cfg = hf_of(model).config
-    theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta") or cfg.rope_theta
-    return RotarySpec(cfg.hidden_size // cfg.num_attention_heads, float(theta))
+    theta, d = rope_of(hf_of(model).config)
+    return RotarySpec(d, theta)
 
 
 def test_model_presets_override_every_rotary_layer_by_hand(tiny_rope):

@@ -13,10 +13,9 @@ from posprobe.core.presets import preset_pairs, preset_plan
 
 def _relative_of_plan(plan, n):
     """`[query, key]` q_pos - k_pos of a per-query plan (each query's KeyView where it has one); NaN where evicted."""
-    rel = plan.q_pos[:, None] - plan.k_pos[None, :]
-    for v in plan.views:
-        rows = v.queries.nonzero()[:, 0]
-        rel[rows] = plan.q_pos[rows, None] - v.k_pos[None, :]
+    from paper_rules import plan_relative
+
+    rel = plan_relative(plan.q_pos, plan.k_pos, plan.views)
     if plan.meta.get("keep"):
         i = torch.arange(n, dtype=torch.float64)
         rel = rel.masked_fill(S.evicted(i, i, *plan.meta["keep"]), float("nan"))
@@ -62,8 +61,7 @@ def test_every_preset_with_a_paper_is_its_papers_rule(tiny_rope, name):
     assert set(PAPERS) <= set(P.PRESETS)
     spec, n = P.PRESETS[name].example, 37
     cfg = plain_hf_model(tiny_rope).config
-    rel, freqs, factor = preset_reference(spec, n, cfg.rope_parameters["rope_theta"],
-                                          cfg.hidden_size // cfg.num_attention_heads)
+    rel, freqs, factor = preset_reference(spec, n, cfg)
     plan, rule = preset_plan(spec, tiny_rope, n), preset_pairs(spec)
     i = torch.arange(n, dtype=torch.float64)
     causal = torch.tril(torch.ones(n, n, dtype=torch.bool))

@@ -95,8 +95,7 @@ def test_per_pair_rules_equal_the_papers_rules_on_random_lengths_and_chunks(tiny
     ids = torch.randint(0, 200, (n,), generator=torch.Generator().manual_seed(seed))
     hf = plain_hf_model(tiny_rope)
     cfg = hf.config
-    rel, freqs, factor = preset_reference(spec, n, cfg.rope_parameters["rope_theta"],
-                                          cfg.hidden_size // cfg.num_attention_heads)
+    rel, freqs, factor = preset_reference(spec, n, cfg)
     want = reference_nll(pairwise_logits(hf, ids, rel, freqs=lambda layer: freqs,
                                          score_factor=lambda layer: factor), ids)
     got = long_engine.token_nll(hf, ids, preset_pairs(spec), chunk=chunk)
