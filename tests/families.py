@@ -101,6 +101,12 @@ def _configs() -> dict:
         "xglm": (T.XGLMConfig(vocab_size=259, d_model=32, num_layers=2, attention_heads=4, ffn_dim=64,
                               max_position_embeddings=128, pad_token_id=1, bos_token_id=256, eos_token_id=257,
                               init_std=_INIT["initializer_range"]), T.XGLMForCausalLM),
+        # Decoder-only T5 bias (posprobe's own bridge adapter): 8 buckets to distance 16, so a 20-token input
+        # reaches the logarithmic buckets and the shared last one.
+        "pix2struct": (T.Pix2StructTextConfig(hidden_size=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                                              relative_attention_num_buckets=8, relative_attention_max_distance=16,
+                                              dense_act_fn="silu", is_decoder=True, use_cache=False,
+                                              decoder_start_token_id=258, **c), T.Pix2StructTextModel),
         "falcon_rw": (T.FalconConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, multi_query=False,
                                      parallel_attn=False, bias=True, new_decoder_architecture=False, alibi=True, **c),
                       T.FalconForCausalLM),
@@ -116,7 +122,8 @@ ADJACENT = ("cohere", "cohere2", "glm")
 #: Every family of the support matrix, in its row order.
 ALL_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "smollm3", "gpt2", "gpt_neo", "opt",
                 "bert", "gpt_neox", "gptj", "bloom", "phi3", "phi", "gemma", "granite", "olmo2", "olmo", "stablelm",
-                "starcoder2", "roberta", "mpt", "falcon", "falcon_rw", "cohere", "cohere2", "glm", "t5", "xglm")
+                "starcoder2", "roberta", "mpt", "falcon", "falcon_rw", "cohere", "cohere2", "glm", "t5", "pix2struct",
+                "xglm")
 
 
 #: The families' HF classes each TransformerLens major version is known to have no bridge adapter for: a family
@@ -159,6 +166,9 @@ def tiny_family(name: str, seed: int = 0) -> tuple[object, object]:
     from hf_util import independent_hf
     from transformer_lens.model_bridge import TransformerBridge
 
+    from posprobe.backend import t5_decoder
+
+    t5_decoder.register()  # the decoder-only T5-bias class's adapter (posprobe's; TransformerLens has none)
     cfg, cls = _configs()[name]
     cfg.architectures = [cls.__name__]  # what a saved folder's config says; the bridge picks its adapter by it
     with torch.random.fork_rng(devices=[]):

@@ -81,6 +81,8 @@ def position_control(bridge: Any) -> None:
     n, k = IDS.shape[1], 7
     if f.positional_kind == "alibi":
         return _alibi_control(bridge, hf)
+    if f.positional_kind == "relative_bias":
+        return _bucket_control(bridge, hf)
     with torch.no_grad():
         want = hf(IDS, position_ids=_hf_position_ids(hf, n, k)).logits
         if f.is_rotary:
@@ -135,6 +137,33 @@ def _alibi_control(bridge: Any, hf: Any) -> None:
     assert (got - own).abs().max() > 1e-3, "the comparison is vacuous: distances did not matter"
 
 
+def _bucket_control(bridge: Any, hf: Any) -> None:
+    # HF's T5 bias takes no position ids; its layer-0 attention computes the bias of offsets j - i in
+    # `compute_bias(query_length, key_length)`. The independent reference for a plan that doubles every offset: that
+    # same HF function over 2n positions, every other row and column (positions 2i, 2j), patched in.
+    from posprobe.core.positions import PositionPlan, bucket_positions
+
+    n = IDS.shape[1]
+    p = torch.arange(n, dtype=torch.float64)
+    attn = hf.get_submodule("layer.0.self_attention.attention")
+    with torch.no_grad():
+        with bucket_positions(bridge, PositionPlan(p, p.clone())):  # a refusal comes here, before any forward
+            identity = bridge(IDS)
+        own = bridge(IDS)
+        assert torch.equal(identity, own), "the identity plan must leave a T5-bias model bit-equal"
+        with bucket_positions(bridge, PositionPlan(2 * p, 2 * p)):
+            got = bridge(IDS)
+        compute = attn.compute_bias
+        attn.compute_bias = lambda q_len, k_len, **kw: compute(2 * q_len, 2 * k_len, **kw)[..., ::2, ::2]
+        try:
+            want = hf(IDS).logits
+        finally:
+            del attn.compute_bias
+        assert (want - hf(IDS).logits).abs().max() > 1e-3, "the reference is vacuous: doubling HF's offsets did nothing"
+    _close(got, want, "every offset doubled vs HF's own bias of doubled offsets")
+    assert (got - own).abs().max() > 1e-3, "the comparison is vacuous: offsets did not matter"
+
+
 def shift_test(bridge: Any) -> None:
     from posprobe.analyses.shift import run_shift_test
     from posprobe.data import builtin_pairs
@@ -143,9 +172,10 @@ def shift_test(bridge: Any) -> None:
     pairs = builtin_pairs(max_pairs=2, seed=0)
     cfg = ShiftConfig(ks=(0, 9), n_bootstrap=20, progress=False)
     hooks = run_shift_test(bridge, pairs, config=cfg, backend="tl")
-    if f.positional_kind == "alibi":  # HF takes no position ids here; the position control cell proves the numbers
+    if f.positional_kind in ("alibi", "relative_bias"):  # HF takes no position ids: the position control cell
+        # proves the numbers
         at = {k: torch.tensor(hooks.pairs[hooks.pairs.k == k].logp_good.to_numpy()) for k in (0, 9)}
-        _close(at[9], at[0], "ALiBi: a common shift leaves every distance, so every log-prob, unchanged")
+        _close(at[9], at[0], "a common shift leaves every distance, so every log-prob, unchanged")
         return
     if f.is_encoder or not f.has_lm_head:
         assert len(hooks.drift), "an encoder's shift test reports representation drift"
@@ -599,10 +629,13 @@ CHECKS: dict[str, str] = {
     "facts": "layer and head counts equal HF's config; every rotary layer's frequencies equal HF's inv_freq "
              "(removed bands unrotated in HF).",
     "position control": "logits with every position moved by 7 equal HF's forward with position_ids + 7 (ALiBi: "
-                        "every distance doubled equals HF with its slopes doubled); moving queries alone changes them.",
-    "shift-test": "the analysis's log p(good) at each start k equals HF's own forward with position_ids (ALiBi: "
-                  "equal across k; encoders: only that a drift table is produced).",
-    "decompose": "the softmax of the analysis's summed score terms equals HF's attention weights of that layer.",
+                        "every distance doubled equals HF with its slopes doubled; T5 buckets: every offset doubled "
+                        "equals HF's own bias of the doubled offsets, the identity plan bit-equal); moving queries "
+                        "alone changes them.",
+    "shift-test": "the analysis's log p(good) at each start k equals HF's own forward with position_ids (ALiBi, T5 "
+                  "buckets: equal across k; encoders: only that a drift table is produced).",
+    "decompose": "the softmax of the analysis's summed score terms equals HF's attention weights of that layer "
+                 "(ALiBi and T5 buckets: with the bias as a term of its own).",
     "freq-report": "the bands table's abs_share per layer, head and band equals the share from HF's rotated q/k; "
                    "the heads table's self/prev/first masses equal HF's attention weights'.",
     "heads": "the heads table's prev/self/first/sink masses per layer and head equal the same means of HF's eager "

@@ -39,6 +39,18 @@ def streaming(i: int, j: int, sink: int, window: int) -> int | None:
     return None if j <= i - window else i - j
 
 
+def t5_bucket(rel: int, num_buckets: int, max_distance: int) -> int:
+    """T5's causal bucket of key-minus-query offset `rel` (Raffel et al. 2020; Mesh TensorFlow's
+    `_relative_position_bucket`, unidirectional): a key d = max(0, -rel) tokens back gets bucket d while d is below
+    half the buckets, then logarithmically wider buckets up to `max_distance`, beyond which all share the last."""
+    d = max(0, -rel)
+    exact = num_buckets // 2
+    if d < exact:
+        return d
+    wide = math.log(d / exact) / math.log(max_distance / exact) * (num_buckets - exact)
+    return min(num_buckets - 1, exact + int(wide))
+
+
 def relative_table(n: int, rule: Callable[[int, int], float | None]) -> torch.Tensor:
     """`[query, key]` float64 table of rule(i, j) for j <= i; NaN above the diagonal and where the rule drops j."""
     out = torch.full((n, n), float("nan"), dtype=torch.float64)

@@ -93,14 +93,15 @@ def test_position_control_follows_the_family_and_names_why_it_cannot(monkeypatch
     monkeypatch.setattr(P, "model_facts", lambda model: replace(facts, positional_kind="none"))
     with pytest.raises(WrongModelKind, match="uses none positions .*no positional encoding"):
         P.token_positions(bridge, torch.arange(10))
-    assert F.control("relative_bias") is None and F.control("mystery") is None
+    assert F.control("relative_bias") == "bucket bias" and F.control("mystery") is None
 
 
 def test_layer_phrases_come_from_each_family():
     kinds = ("rotary", "nope", "alibi", "learned_absolute", "relative_bias", "sinusoidal", "mystery")
     text = F.describe_layers(kinds, None, 16, ("local",) + ("global",) * 6, alibi_slopes=((0.5, 0.25),) * 7)
     assert text == ("rotary, sliding window", "NoPE (no positional encoding)", "ALiBi (slopes 2^-1 … 2^-2, measured)",
-                    "learned absolute (added to the embedding)", "relative position buckets (T5)",
+                    "learned absolute (added to the embedding)",
+                    "T5 relative buckets (layer 0's bias table, shared by every layer)",
                     "fixed sinusoidal (added to the embedding)", "mystery")
 
 

@@ -97,7 +97,7 @@ def test_control_per_kind_by_hand():
     assert fams.control("sinusoidal") == "position ids"
     assert fams.control("alibi") == "score bias"
     assert fams.control("nope") is None and fams.control("none") is None
-    assert fams.control("relative_bias") is None
+    assert fams.control("relative_bias") == "bucket bias"
     assert fams.control("no-such-kind") is None
 
 

@@ -172,8 +172,8 @@ def test_token_positions_refuses_a_family_without_control_naming_it(monkeypatch)
         with pytest.raises(P.WrongModelKind) as e:
             P.token_positions(fake, torch.arange(3))
         msg = str(e.value)
-        assert msg.startswith("Positions can be set on learned, sinusoidal, rotary or ALiBi models; fake-model uses "
-                              f"{kind}"), msg
+        assert msg.startswith("Positions can be set on learned, sinusoidal, rotary, ALiBi or T5-bias models; "
+                              f"fake-model uses {kind}"), msg
         if kind == "nope":
             assert msg.endswith(f"positions ({family('nope').why_no_control})"), msg
 

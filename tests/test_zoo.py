@@ -44,10 +44,12 @@ def tiny_zoo(tmp_path_factory):
 
 
 def _plain_hf(folder):
-    # A genuine Hugging Face model read from disk: independent of posprobe's loading and of any TL bridge.
-    from transformers import AutoModelForCausalLM
+    # A genuine Hugging Face model read from disk: independent of posprobe's loading and of any TL bridge. The class
+    # the folder's config names (Pix2StructTextModel has no causal-LM auto class unless posprobe registers it).
+    import transformers
 
-    return AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+    arch = json.loads((Path(folder) / "config.json").read_text())["architectures"][0]
+    return getattr(transformers, arch).from_pretrained(folder, attn_implementation="eager").eval()
 
 
 # What `posprobe info` must say per layer of each member (4 layers): the family comes from the HF config alone.
@@ -61,6 +63,7 @@ EXPECTED_LAYERS = {
     "nope": ["NoPE"] * 4,
     "hybrid": ["rotary 100% of head dim"] * 3 + ["NoPE"],
     "p-rope": ["rotary 100% of head dim, half-split pairing, base 10000, 2 of 8 bands rotate"] * 4,  # d_head 16
+    "t5": ["T5 relative buckets"] * 4,
 }
 
 
@@ -95,6 +98,10 @@ def test_members_differ_only_where_stated(tiny_zoo):
     assert gpt["alibi"] == base + 2 * d  # the embedding LayerNorm
     assert gpt["learned"] == base + L * d  # the position table
     llama = members[members["block"] == "llama"]["params"]
+    # T5's bias table (32 buckets x heads) is the T5 member's only extra parameter; its unused cross-attention is
+    # not counted.
+    assert llama["t5"] == llama["rope-llama"] + 32 * TINY["n_heads"]
+    llama = llama.drop("t5")
     assert llama.nunique() == 1
     # The MLPs hold the same number of weights in both blocks (SwiGLU at 8d/3 vs GELU at 4d), to rounding.
     assert abs(int(llama.iloc[0]) - int(base)) < 0.05 * int(base)
@@ -225,8 +232,8 @@ def test_bad_input_is_refused_before_training(tmp_path, capsys):
     from posprobe.cli import main
     from posprobe.zoo.run import train_zoo
 
-    with pytest.raises(ValueError, match="unknown zoo member 't5'"):
-        ZooConfig(members=("t5",))
+    with pytest.raises(ValueError, match="unknown zoo member 'fire'; known: learned, "):
+        ZooConfig(members=("fire",))
     with pytest.raises(ValueError, match="tier"):
         ZooConfig(tier="tpu")
     with pytest.raises(ValueError, match="too short for one window"):
@@ -277,7 +284,7 @@ def _hf_losses(hf, rows: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), rows[:, 1:], reduction="none")
 
 
-@pytest.mark.parametrize("name", ["alibi", "rope", "sinusoidal", "nope"])
+@pytest.mark.parametrize("name", ["alibi", "rope", "sinusoidal", "nope", "t5"])
 def test_extrapolation_equals_hugging_face(tiny_zoo, name):
     from posprobe.analyses.extrapolation import ExtrapolationConfig, run_extrapolation
     from posprobe.backend.loading import load_model
@@ -442,3 +449,21 @@ def test_gpu_tier_runs_its_code_path_on_cpu_when_asked(tmp_path):
     result = train_zoo(cfg, _text(), tmp_path / "z")
     record = json.loads((tmp_path / "z" / "rope-s0" / "zoo.json").read_text())
     assert record["widths"]["d_model"] == 32 and result.meta["config"]["tier"] == "gpu"
+
+
+def test_the_t5_member_is_trained_on_the_next_token(tmp_path):
+    # Pix2Struct's text decoder scores logits[t] against labels[t] (no shift inside): the zoo hands it labels moved
+    # one token left, so its loss is the next-token cross-entropy every other member's class computes.
+    from posprobe.zoo.tokenizer import train_tokenizer
+    from posprobe.zoo.train import build_model, next_token_labels
+
+    cfg = ZooConfig(**TINY)
+    tok = train_tokenizer(_text(), cfg.vocab_size)
+    model = build_model(MEMBERS["t5"], cfg, tok, seed=0)
+    x = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got = model(input_ids=x, labels=next_token_labels(x)).loss
+        logits = model(input_ids=x).logits
+    want = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
+    assert torch.allclose(got, want, atol=1e-6)
+    assert not MEMBERS["t5"].shifts_labels and all(m.shifts_labels for n, m in MEMBERS.items() if n != "t5")

@@ -155,7 +155,7 @@ def test_cli_trains_and_measures_and_refuses_bad_input_first(tmp_path):
     assert "past L" in p.stdout and "alibi" in p.stdout and "tokens/s" in p.stderr
     assert (tmp_path / "tz" / "tasks" / "accuracy.parquet").is_file()
     for bad, says in ((["--task", "divide"], "divide"), (["--train-max", "0"], "train_max"),
-                      (["--member", "t5"], "t5")):
+                      (["--member", "fire"], "fire")):
         p = _cli(*bad, "--out", str(tmp_path / "bad"))
         assert p.returncode != 0 and says in p.stderr and "tokens/s" not in p.stderr, p.stderr
         assert not (tmp_path / "bad").exists()

@@ -34,6 +34,9 @@ head's slope measured from the model (backend.families.alibi), plus the per-quer
 it (softmax ignores it; measured as the row mean of what q.k and the penalty leave). Stored as the pair of a
 pseudo-part "a" with itself, so the terms still sum to the scores; the check then proves the penalty explains every
 within-row difference.
+T5-bias models (data-driven): q.k of the parts (unscaled, T5's convention) plus "relative_bias", the learned bias of
+each pair's offset bucket read from the model's own table (backend.t5_decoder), the same pseudo-part "a"; it needs no
+row constant, so the check proves the table explains the scores exactly.
 
 Model internals (weights, norms, hook points) are read only through `posprobe.backend`.
 """
@@ -51,10 +54,11 @@ from jaxtyping import Float, Int
 
 from posprobe.analyses.configs import DecomposeConfig
 from posprobe.backend.facts import WrongModelKind, model_facts, require_supported
-from posprobe.backend.families import alibi, find
+from posprobe.backend.families import alibi, find, relative
 from posprobe.backend.hooks import (
     alibi_slopes,
     attention_scores,
+    bucket_bias,
     kept_pairs,
     kept_scores,
     layer_rotary_spec,
@@ -86,6 +90,8 @@ EXACT_TERMS = ("ww", "wp", "pw", "pp", "bias")
 DATA_TERMS = ("pp", "pc", "pr", "cp", "cc", "cr", "rp", "rc", "rr", "mean", "bias")
 #: ALiBi models: the distance bias (with the model's per-row constant), a term with a position part.
 ALIBI_TERM = alibi.FAMILY.score_term
+#: T5-bias models: the learned bias of each pair's offset bucket, a term with a position part.
+BUCKET_TERM = relative.FAMILY.score_term
 # The four TUPE-style maps; in the data-driven split the remainder r plays the word's role.
 HEATMAP_TERMS = {"exact-layer0": ("ww", "wp", "pw", "pp"), "data-driven": ("rr", "rp", "pr", "pp")}
 
@@ -119,7 +125,12 @@ class Decomposition:
         if detail:
             return tuple(a + b for a in self.parts for b in self.parts if "a" not in a + b or a + b == "aa")
         names = EXACT_TERMS if self.method == "exact-layer0" else DATA_TERMS
-        return names + (ALIBI_TERM,) if "a" in self.parts else names
+        return names + (self.bias_term,) if "a" in self.parts else names
+
+    @property
+    def bias_term(self) -> str:
+        """The name of the family's score bias, pseudo-part "a" with itself ("alibi" or "relative_bias")."""
+        return str(self.meta.get("bias_term", ALIBI_TERM))
 
     def terms(self, detail: bool = False) -> dict[str, Float[torch.Tensor, "batch head_index query_pos key_pos"]]:
         """{term: float64 score contribution}; grouped (see module docstring) or per pair ("wp", "mb", ...)."""
@@ -128,7 +139,7 @@ class Decomposition:
             for j, b in enumerate(self.parts):
                 if ("a" in a + b) and a + b != "aa":
                     continue  # the ALiBi pseudo-part pairs with nothing but itself
-                out[_group(a + b, detail)] += self.pairs[i, j]
+                out[self.bias_term if a + b == "aa" and not detail else _group(a + b, detail)] += self.pairs[i, j]
         return out
 
     def reconstructed(self) -> Float[torch.Tensor, "batch head_index query_pos key_pos"]:
@@ -362,26 +373,43 @@ def decompose_layer(
     parts = {"m": g.expand_as(h), "p": pos.expand_as(h), "c": ctx.expand_as(h), "r": h - g - pos - ctx}
     parts = _frozen_norm(norm, parts, got[norm.scale_point] if norm else None)
     part_names, pairs = _pair_scores(model, layer, parts, layer in facts.rotary_layers)
+    meta: dict[str, Any] = {"corpus_positions": int(mu.shape[0])}
     if facts.family is not None and facts.family.score_term:
-        part_names, pairs = _with_alibi(model, layer, part_names, pairs, got["scores"])
+        bias = (_bucket_term(model, got["scores"]) if facts.family.score_term == BUCKET_TERM
+                else _alibi_term(model, layer, pairs, got["scores"]))
+        part_names, pairs = _with_bias(part_names, pairs, bias)
+        meta["bias_term"] = facts.family.score_term
     return _checked(Decomposition(facts.name, layer, "data-driven", part_names, pairs, got["scores"],
-                                  tokens.cpu(), {"corpus_positions": int(mu.shape[0])}))
+                                  tokens.cpu(), meta))
 
 
-def _with_alibi(model: Any, layer: int, names: tuple[str, ...], pairs: torch.Tensor, scores: torch.Tensor,
-                ) -> tuple[tuple[str, ...], torch.Tensor]:
-    # The ALiBi term as pseudo-part "a" paired with itself: the distance penalty from the measured slopes, plus the
-    # per-query-row constant the model adds (the row mean, over kept keys, of what q.k and the penalty leave). Only
-    # a constant per row is taken from the scores; `_checked` then fails unless the penalty explains the rest.
+def _alibi_term(model: Any, layer: int, pairs: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    # The distance penalty from the measured slopes, plus the per-query-row constant the model adds (the row mean,
+    # over kept keys, of what q.k and the penalty leave). Only a constant per row is taken from the scores;
+    # `_checked` then fails unless the penalty explains the rest.
     n_q, n_k = scores.shape[-2:]
     bias = alibi.distance_bias(alibi_slopes(model)[layer], n_q, n_k).expand_as(pairs[0, 0])
     ok = torch.isfinite(scores)
     rest = torch.where(ok, scores.to(torch.float64) - pairs.sum((0, 1)) - bias, 0.0)
-    row = rest.sum(-1, keepdim=True) / ok.sum(-1, keepdim=True).clamp_min(1)
+    return bias + rest.sum(-1, keepdim=True) / ok.sum(-1, keepdim=True).clamp_min(1)
+
+
+def _bucket_term(model: Any, scores: torch.Tensor) -> torch.Tensor:
+    # T5's bias of each (query, key) pair's offset bucket, from the model's own table: nothing is taken from the
+    # scores, so `_checked` proves the table and q.k explain them exactly.
+    n_q, n_k = scores.shape[-2:]
+    idx = torch.arange(n_k)
+    rel = idx[None, :] - idx[n_k - n_q:, None]
+    return _f64(bucket_bias(model, rel)).expand(scores.shape[0], -1, -1, -1)
+
+
+def _with_bias(names: tuple[str, ...], pairs: torch.Tensor, bias: torch.Tensor,
+               ) -> tuple[tuple[str, ...], torch.Tensor]:
+    # The family's score bias as pseudo-part "a" paired with itself, so the terms still sum to the scores.
     p = len(names)
     out = pairs.new_zeros((p + 1, p + 1, *pairs.shape[2:]))
     out[:p, :p] = pairs
-    out[p, p] = bias + row
+    out[p, p] = bias
     return (*names, "a"), out
 
 
@@ -430,7 +458,7 @@ def head_summary(dec: Decomposition, *, row_centred: bool = True) -> pd.DataFram
         for name, t in terms.items():
             tc = centre(t[:, h])
             share = float((tc * s).sum()) / ss if ss > 0 else float("nan")
-            if "p" in name or name == ALIBI_TERM:
+            if "p" in name or name == dec.bias_term:
                 positional += share
             rows += [(h, name, "var_share", share),
                      (h, name, "var_ratio", float((tc**2).sum()) / ss if ss > 0 else float("nan")),
@@ -534,8 +562,8 @@ def run_decompose(model: Any, config: DecomposeConfig | None = None, *, source: 
         n_tokens=len(words),
         max_abs_error=dec.max_error(),
         parts=list(dec.parts),
-        heatmap_terms=list(HEATMAP_TERMS[dec.method] if ALIBI_TERM not in dec.term_names()
-                           else ("rr", "rp", "pp", ALIBI_TERM)),
+        heatmap_terms=list(HEATMAP_TERMS[dec.method] if "a" not in dec.parts
+                           else ("rr", "rp", "pp", dec.bias_term)),
         **dec.meta,
     )
     return Result({"decompose": df}, meta)

@@ -109,6 +109,8 @@ _ROWS: tuple[Architecture, ...] = (
         "logits 0.1-0.9 apart on tiny random models), so no hook value can be trusted", config_flag="alibi"),)),
     _row("xglm", family=sinusoidal.FAMILY, proven=_BRIDGE),
     *(_row(mt, family=relative.FAMILY) for mt in ("t5", "mt5", "umt5", "longt5")),
+    # Decoder-only T5 bias (the zoo's member), through posprobe's own bridge adapter (backend.t5_decoder).
+    _row("pix2struct_text_model", family=relative.FAMILY, proven=_BRIDGE),
 )
 
 #: Every architecture posprobe knows, by HF `model_type`, in the order above.

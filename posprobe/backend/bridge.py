@@ -23,8 +23,10 @@ def boot(source: Any, folder: Any, *, device: str = "cpu", dtype: torch.dtype = 
     is loaded from the folder and passed in, otherwise the bridge asks the hub) or a hub name."""
     from transformer_lens.model_bridge import TransformerBridge
 
+    from posprobe.backend import t5_decoder
     from posprobe.backend.sources import ModelLoadError, official_name
 
+    t5_decoder.register()
     kwargs: dict[str, Any] = (
         dict(device=device, dtype=dtype) if device_map is None else dict(dtype=dtype, device_map=device_map)
     )
@@ -38,8 +40,10 @@ def boot(source: Any, folder: Any, *, device: str = "cpu", dtype: torch.dtype = 
             model = TransformerBridge.boot_transformers(str(folder), tokenizer=_tokenizer_with_bos(folder), **kwargs)
         except Exception as e:  # noqa: BLE001 - the bridge raises many types for unsupported architectures
             raise ModelLoadError(f"TransformerBridge could not boot {folder} ({arch or 'no architecture'}): {e}") from e
-        # A bare model folder (BertModel, GPT2Model) gets a randomly initialised head from the bridge.
-        model.has_lm_head = not (arch.endswith("Model") and not arch.endswith("LMHeadModel"))
+        # A bare model folder (BertModel, GPT2Model) gets a randomly initialised head from the bridge; Pix2Struct's
+        # text decoder is a whole LM despite its name.
+        model.has_lm_head = arch == t5_decoder.ARCHITECTURE or not (arch.endswith("Model")
+                                                                   and not arch.endswith("LMHeadModel"))
     else:
         try:
             model = TransformerBridge.boot_transformers(official_name(source.name), **kwargs)

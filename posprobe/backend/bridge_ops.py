@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from posprobe.backend import families, hf
+from posprobe.backend import families, hf, t5_decoder
 from posprobe.backend.architectures import PATTERN, POSITIONS, of_config, proven
 from posprobe.backend.attach import hooked
 from posprobe.backend.bridge import (
@@ -107,6 +107,10 @@ def token_table(model: Any) -> torch.Tensor:
 # ---- weights and norms (score decomposition)
 
 
+#: T5's norm classes: called LayerNorm, computed as RMSNorm (scale only, no centring, no bias).
+_RMS_CALLED_LAYERNORM = frozenset({"T5LayerNorm", "Pix2StructLayerNorm"})
+
+
 def norm_spec(module: Any, scale_point: str) -> NormSpec:
     """A bridge's NormalizationBridge around an HF LayerNorm / RMSNorm, read as an affine map."""
     orig = module.original_component
@@ -116,8 +120,9 @@ def norm_spec(module: Any, scale_point: str) -> NormSpec:
         w = 1.0 + w  # Gemma's RMSNorm multiplies by (1 + weight)
     if not ("LayerNorm" in kind or "RMSNorm" in kind):
         raise NotImplementedError(f"Cannot freeze a {kind} norm")
-    return NormSpec(centre="LayerNorm" in kind, weight=None if w is None else w.detach(),
-                    bias=None if b is None else b.detach(), scale_point=scale_point)
+    return NormSpec(centre="LayerNorm" in kind and kind not in _RMS_CALLED_LAYERNORM,
+                    weight=None if w is None else w.detach(), bias=None if b is None else b.detach(),
+                    scale_point=scale_point)
 
 
 def qk_weights(model: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -431,6 +436,14 @@ def alibi_slopes(model: Any) -> tuple[tuple[float, ...], ...]:
     return tuple(out)
 
 
+def bucket_bias(model: Any, rel: torch.Tensor) -> torch.Tensor:
+    if not t5_decoder.bridged(model):
+        raise NotImplementedError(relative.unsupported(type(model.original_model).__name__))
+    table = t5_decoder.bias_table(model.original_model)
+    buckets = t5_decoder.bucket_ids(rel.to(table.device), hf.text_config(model.original_model))
+    return table[buckets].movedim(-1, -3)
+
+
 def _sinusoidal(model: Any) -> bool:
     # XGLM (and fairseq-style models) add a fixed sinusoidal table; TL's config calls it "standard".
     return sinusoidal.detect(model.original_model)
@@ -469,7 +482,7 @@ def positional_unsupported(model: Any) -> str | None:
                     "component), which posprobe cannot read or control yet")
         if not sinusoidal.known(hf_model):
             return sinusoidal.unsupported(arch)  # a known module still needs a proven model type (below)
-    if kind == families.RELATIVE:
+    if kind == families.RELATIVE and not t5_decoder.bridged(model):
         return relative.unsupported(arch)
     if kind == families.ROTARY and getattr(cfg, "num_kv_shared_layers", 0):
         return rotary.kv_shared(arch, cfg.num_kv_shared_layers)

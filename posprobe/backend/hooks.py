@@ -112,6 +112,13 @@ def kept_scores(model: Any, scores: torch.Tensor) -> torch.Tensor:
     return ops(model).kept_scores(model, scores)
 
 
+def bucket_bias(model: Any, rel: torch.Tensor) -> torch.Tensor:
+    """T5's learned bias at integer key-minus-query offsets `rel` `[..., query_pos, key_pos]`, as
+    `[..., head, query_pos, key_pos]` in score units (the model's dtype and device), looked up through the model's
+    own bucket function; NotImplementedError where the model carries no T5 buckets posprobe reads."""
+    return ops(model).bucket_bias(model, rel)
+
+
 def alibi_slopes(model: Any) -> tuple[tuple[float, ...], ...]:
     """Per layer and head, the ALiBi slope (score units per token of distance) the model applies, measured from its
     own scores; NotImplementedError where its bias is not ALiBi-linear or the backend cannot measure it."""

@@ -230,6 +230,10 @@ def attn_types(model: Any) -> tuple[str, ...]:
     return tuple(getattr(b.attn, "attn_type", "global") for b in model.blocks)
 
 
+def bucket_bias(model: Any, rel: torch.Tensor) -> torch.Tensor:
+    raise NotImplementedError("T5's relative position buckets need the TransformerBridge backend")
+
+
 def alibi_slopes(model: Any) -> tuple[tuple[float, ...], ...]:
     raise NotImplementedError("ALiBi position control needs the TransformerBridge backend")
 

@@ -14,10 +14,11 @@ from jaxtyping import Int
 
 from posprobe.backend.facts import WrongModelKind, model_facts, require_learned, require_rotary, require_supported
 from posprobe.backend.families import family
-from posprobe.backend.families.base import POSITION_IDS, QK_ROTATION, SCORE_BIAS
+from posprobe.backend.families.base import BUCKET_BIAS, POSITION_IDS, QK_ROTATION, SCORE_BIAS
 from posprobe.backend.hooks import (
     alibi_slopes,
     attention_scores,
+    bucket_bias,
     embedding_positions,
     hook_name,
     hooked,
@@ -428,6 +429,49 @@ def alibi_positions(model: Any, plan: PositionPlan) -> Iterator[PositionPlan]:
         yield plan
 
 
+@contextmanager
+def bucket_positions(model: Any, plan: PositionPlan) -> Iterator[PositionPlan]:
+    """Within the block, a T5-bias model scores query i against key j with the bias of offset k_pos[j] - q_pos[i]:
+    each layer's scores get the bias table's value at that offset's bucket minus its value at the real offset
+    j - i (the table read from the model, the buckets by its own function), so the identity plan changes nothing,
+    bit for bit. Positions must be whole tokens (buckets take integer offsets); key views and rotary overrides do
+    not apply (PositionError)."""
+    facts = model_facts(model)
+    if facts.family is None or facts.family.control != BUCKET_BIAS:
+        raise WrongModelKind(f"Bucket position control needs a T5-bias model, but {facts.name} uses "
+                             f"{facts.positional_kind} positions")
+    require_supported(facts, "T5 bucket position control")
+    if plan.views or plan.rotary:
+        raise PositionError("T5 bucket position control takes query and key positions only (no key views or rotary "
+                            "overrides)")
+    for name, p in (("q_pos", plan.q_pos), ("k_pos", plan.k_pos)):
+        if not torch.equal(p, p.round()):
+            raise PositionError(f"T5 buckets take whole-token offsets; {name} holds fractional positions")
+    layers = plan.layers if plan.layers is not None else range(n_layers(model))
+    on: dict[tuple[torch.device, int, int], torch.Tensor] = {}  # the delta per device and shape, not per layer
+
+    def delta(n_q: int, total: int, dev: torch.device) -> torch.Tensor:
+        key = (dev, n_q, total)
+        if key not in on:
+            q = plan.q_pos[..., total - n_q:total, None].to(torch.long)
+            k = plan.k_pos[..., None, :total].to(torch.long)
+            idx = torch.arange(total)
+            real = idx[None, :] - idx[total - n_q:, None]
+            d = bucket_bias(model, k - q) - bucket_bias(model, real)  # [(batch,) head, query, key]
+            on[key] = (d if d.dim() == 4 else d[None]).to(dev)
+        return on[key]
+
+    def hook(scores: torch.Tensor, hook: Any) -> torch.Tensor:
+        n_q, total = scores.shape[-2], scores.shape[-1]
+        if total > len(plan):
+            raise PositionError(f"The position plan covers {len(plan)} tokens but the sequence has {total}")
+        d = delta(n_q, total, scores.device)
+        return torch.where(kept_scores(model, scores), scores + d.to(scores.dtype), scores)
+
+    with hooked(model, [(hook_name("scores", l), hook) for l in layers]):
+        yield plan
+
+
 def shifted_plan(n: int, k: float, *, q_only: bool = False) -> PositionPlan:
     """Positions k..k+n-1 for queries and keys (or queries only): the shift test's RoPE plan."""
     base = torch.arange(n, dtype=torch.float64)
@@ -449,6 +493,8 @@ _CONTROLLERS: dict[str, Callable[[Any, torch.Tensor, str], Any]] = {
     SCORE_BIAS: lambda model, pos, label: alibi_positions(
         model, PositionPlan(pos.double(), pos.double().clone(), label=label)),
     QK_ROTATION: _by_rotation,
+    BUCKET_BIAS: lambda model, pos, label: bucket_positions(
+        model, PositionPlan(pos.double(), pos.double().clone(), label=label)),
 }
 
 
@@ -460,10 +506,10 @@ def token_positions(model: Any, pos: torch.Tensor, label: str = "positions") -> 
     try:
         fam = family(kind)
     except KeyError:
-        raise WrongModelKind(f"Positions can be set on learned, sinusoidal, rotary or ALiBi models; "
+        raise WrongModelKind(f"Positions can be set on learned, sinusoidal, rotary, ALiBi or T5-bias models; "
                              f"{model_name(model)} uses {kind}") from None
     controller = _CONTROLLERS.get(fam.control) if fam.control is not None else None
     if controller is not None:
         return controller(model, pos, label)
-    raise WrongModelKind(f"Positions can be set on learned, sinusoidal, rotary or ALiBi models; {model_name(model)} "
-                         f"uses {kind} positions ({fam.why_no_control})")
+    raise WrongModelKind(f"Positions can be set on learned, sinusoidal, rotary, ALiBi or T5-bias models; "
+                         f"{model_name(model)} uses {kind} positions ({fam.why_no_control})")

@@ -4,7 +4,8 @@ Two blocks carry the families, because no stock class carries all of them:
 - "gpt" (pre-LayerNorm, GELU MLP of 4 x width, biases, tied embeddings): learned absolute (GPT-2), fixed
   sinusoidal (XGLM), ALiBi (BLOOM), rotary and partial rotary (GPT-NeoX, sequential residual);
 - "llama" (pre-RMSNorm, SwiGLU MLP of 8/3 x width, no biases, tied embeddings): rotary, NoPE and the RoPE/NoPE
-  hybrid (SmolLM3's `no_rope_layers`), p-RoPE (Llama's "proportional" rope type).
+  hybrid (SmolLM3's `no_rope_layers`), p-RoPE (Llama's "proportional" rope type), T5's relative bias
+  (Pix2Struct's text decoder, its gate set to SiLU: the same block, with T5's conventions stated per member).
 Rotary exists in both blocks, so the block's own effect is measured (rope vs rope-llama) beside the seed spread.
 Remaining differences within a block, stated in `Member.differences`: BLOOM normalises the embedding (LayerNorm
 before block 0), XGLM scales token embeddings by sqrt(d_model) as sinusoidal models do (Vaswani et al.),
@@ -18,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from posprobe.backend.families import ALIBI, LEARNED, NOPE, ROTARY, SINUSOIDAL
+from posprobe.backend.families import ALIBI, LEARNED, NOPE, RELATIVE, ROTARY, SINUSOIDAL
 
 __all__ = ["Member", "MEMBERS", "Widths", "member", "member_names"]
 
@@ -44,6 +45,12 @@ class Member:
     model_type: str
     positions: str
     differences: str = ""
+    #: Whether the class's `labels` loss shifts the labels by one token itself (every HF *ForCausalLM does;
+    #: Pix2Struct's text decoder scores logits[t] against labels[t], so the zoo shifts them for it).
+    shifts_labels: bool = True
+    #: A parameter-name fragment of weights the decoder-only forward never uses (Pix2Struct's cross-attention):
+    #: they receive no gradient, stay at their initial values and are left out of the parameter count.
+    unused: str = ""
 
     def hf_config(self, w: Widths, *, pad_id: int, bos_id: int) -> Any:
         """The member's Hugging Face config at widths `w` (eager attention, no dropout, tied embeddings)."""
@@ -71,6 +78,13 @@ MEMBERS: dict[str, Member] = {m.name: m for m in (
     Member("hybrid", ROTARY, _LLAMA, "smollm3", "rotary, every 4th layer NoPE (SmolLM3's pattern)"),
     Member("p-rope", ROTARY, _LLAMA, "llama",
            "p-RoPE: rotary with the slowest 75% of frequencies removed (Llama's 'proportional' type)"),
+    Member("t5", RELATIVE, _LLAMA, "pix2struct_text_model",
+           "T5 relative bias: a learned bias per head and bucket of the key-query offset (32 causal buckets, "
+           "exact below 16, logarithmic to 128), computed once in layer 0 and added in every layer",
+           "scores are not scaled by 1/sqrt(d_head) (T5's convention, fixed in Pix2Struct's attention); the bias "
+           "table adds 32 x heads parameters; the class carries cross-attention weights a decoder-only forward "
+           "never uses (left out of the parameter count)",
+           shifts_labels=False, unused="encoder_decoder_attention"),
 )}
 
 
@@ -82,9 +96,7 @@ def member_names() -> tuple[str, ...]:
 def member(name: str) -> Member:
     """The member called `name`; ValueError naming the known members otherwise."""
     if name not in MEMBERS:
-        later = (" (a T5-bias member is not in the zoo yet: Hugging Face's decoder-only T5-bias class has no "
-                 "TransformerLens adapter)") if name.lower().startswith("t5") else ""
-        raise ValueError(f"unknown zoo member {name!r}{later}; known: {', '.join(MEMBERS)}")
+        raise ValueError(f"unknown zoo member {name!r}; known: {', '.join(MEMBERS)}")
     return MEMBERS[name]
 
 
@@ -159,7 +171,20 @@ def _p_rope(w: Widths, ids: dict) -> Any:
                                         "partial_rotary_factor": 0.25}, **ids)
 
 
+def _t5(w: Widths, ids: dict) -> Any:
+    from transformers import Pix2StructTextConfig
+
+    # T5's bucket defaults (Raffel et al.): 32 buckets, offsets beyond 128 share the last. dense_act_fn "silu"
+    # makes T5's gated MLP the llama block's SwiGLU; initializer_range is read by HF's init (posprobe's replaces it).
+    return Pix2StructTextConfig(vocab_size=w.vocab_size, hidden_size=w.d_model, d_kv=w.d_model // w.n_heads,
+                                d_ff=_swiglu_width(w), num_layers=w.n_layers, num_heads=w.n_heads,
+                                relative_attention_num_buckets=32, relative_attention_max_distance=128,
+                                dropout_rate=0.0, dense_act_fn="silu", is_decoder=True, initializer_range=0.02,
+                                decoder_start_token_id=ids["pad_token_id"], use_cache=False, **ids)
+
+
 _BUILDERS = {
     "learned": _gpt2, "sinusoidal": _xglm, "alibi": _bloom, "rope": _neox(1.0), "partial": _neox(0.25),
     "rope-llama": _smollm3(None), "nope": _smollm3(0), "hybrid": _smollm3(4), "p-rope": _p_rope,
+    "t5": _t5,
 }

@@ -72,8 +72,10 @@ def train_task_zoo(cfg: ZooConfig, tasks: TaskConfig, out: str | os.PathLike, *,
 def _measure(folder: Path, tasks: TaskConfig, device: str) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
+    from posprobe.backend import t5_decoder
     from posprobe.zoo.tasks import held_out_instances, task_accuracy
 
+    t5_decoder.register()
     model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").to(device).eval()
     rows = []
     for task in tasks.tasks:

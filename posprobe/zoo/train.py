@@ -21,7 +21,8 @@ import torch
 from posprobe.zoo.config import ZooConfig
 from posprobe.zoo.members import Member, Widths, member
 
-__all__ = ["batch_ids", "build_model", "init_weights", "train_member", "ZOO_FILE"]
+__all__ = ["batch_ids", "build_model", "init_weights", "next_token_labels", "train_member", "used_parameters",
+           "ZOO_FILE"]
 
 #: The file in every member folder that says what it is (family, block, seed, widths, training).
 ZOO_FILE = "zoo.json"
@@ -33,6 +34,9 @@ def build_model(m: Member, cfg: ZooConfig, tokenizer: Any, seed: int, widths: Wi
     attention, training mode)."""
     from transformers import AutoModelForCausalLM
 
+    from posprobe.backend import t5_decoder
+
+    t5_decoder.register()  # the T5-bias member's class has no causal-LM auto mapping of its own
     hf_cfg = m.hf_config(widths or cfg.widths, pad_id=tokenizer.pad_token_id, bos_id=tokenizer.bos_token_id)
     model = AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="eager", dtype=torch.float32)
     init_weights(model, seed)
@@ -141,7 +145,7 @@ def train_member(name: str, seed: int, cfg: ZooConfig, ids: torch.Tensor, tokeni
     with torch.enable_grad():
         for step in range(start, cfg.steps):
             x, labels = (t.to(device) for t in batches(step))
-            loss = model(input_ids=x, labels=labels).loss
+            loss = model(input_ids=x, labels=labels if m.shifts_labels else next_token_labels(labels)).loss
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             opt.step()
@@ -166,7 +170,18 @@ def train_member(name: str, seed: int, cfg: ZooConfig, ids: torch.Tensor, tokeni
     steps_run = cfg.steps - start
     return {"member": name, "seed": seed, "log": log, "seconds": seconds, "steps_run": steps_run,
             "tokens_per_s": steps_run * tokens_per_step / seconds if seconds > 0 else float("nan"),
-            "params": sum(p.numel() for p in model.parameters())}
+            "params": used_parameters(model, m)}
+
+
+def next_token_labels(labels: torch.Tensor) -> torch.Tensor:
+    """`labels` moved one token left, the last position ignored (-100): what a class whose loss does not shift
+    (Pix2Struct's text decoder) must be given to score token t + 1 from position t, as *ForCausalLM classes do."""
+    return torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), -100)], dim=1)
+
+
+def used_parameters(model: Any, m: Member) -> int:
+    """Parameters the member's forward uses (tied weights once; a class's unused cross-attention left out)."""
+    return sum(p.numel() for name, p in model.named_parameters() if not (m.unused and m.unused in name))
 
 
 def _save_folder(model: Any, tokenizer: Any, folder: Path, m: Member, seed: int, cfg: ZooConfig, log: list,

@@ -10,7 +10,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Mapping
 
 from posprobe.backend.families import alibi, learned, nope, relative, rotary, sinusoidal
-from posprobe.backend.families.base import CONTROLS, POSITION_IDS, POSITION_SECTIONS, QK_ROTATION, SCORE_BIAS, Family
+from posprobe.backend.families.base import (
+    BUCKET_BIAS,
+    CONTROLS,
+    POSITION_IDS,
+    POSITION_SECTIONS,
+    QK_ROTATION,
+    SCORE_BIAS,
+    Family,
+)
 
 if TYPE_CHECKING:  # torch-free at import: peek runs before torch loads
     from posprobe.rope import RotarySpec
@@ -113,7 +121,7 @@ def describe_layers(kinds: tuple[str, ...], rotary_specs: tuple[RotarySpec | Non
     return tuple(out)
 
 
-__all__ = ["ALIBI", "CONTROLS", "DETECTION_ORDER", "FAMILIES", "LEARNED", "NOPE", "POSITION_IDS", "POSITION_SECTIONS",
-           "QK_ROTATION", "RELATIVE", "ROTARY", "SCORE_BIAS", "SINUSOIDAL", "UNKNOWN", "Family", "alibi", "control",
-           "describe_layers", "family", "find", "from_gguf", "from_hf_config", "from_tl", "label", "learned", "nope",
-           "not_applicable", "relative", "rotary", "sinusoidal", "tl_name"]
+__all__ = ["ALIBI", "BUCKET_BIAS", "CONTROLS", "DETECTION_ORDER", "FAMILIES", "LEARNED", "NOPE", "POSITION_IDS",
+           "POSITION_SECTIONS", "QK_ROTATION", "RELATIVE", "ROTARY", "SCORE_BIAS", "SINUSOIDAL", "UNKNOWN", "Family",
+           "alibi", "control", "describe_layers", "family", "find", "from_gguf", "from_hf_config", "from_tl", "label",
+           "learned", "nope", "not_applicable", "relative", "rotary", "sinusoidal", "tl_name"]

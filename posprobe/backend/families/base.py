@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 #: How a position plan reaches each family's model (`Family.control`).
-CONTROLS = POSITION_IDS, QK_ROTATION, SCORE_BIAS = ("position ids", "q/k rotation", "score bias")
+CONTROLS = POSITION_IDS, QK_ROTATION, SCORE_BIAS, BUCKET_BIAS = ("position ids", "q/k rotation", "score bias",
+                                                                 "bucket bias")
 #: Atlas sections that exist for some positional families only (the rest read attention or hidden states alone).
 POSITION_SECTIONS = ("frequency", "geometry", "shift", "retrieval")
 

@@ -1,30 +1,45 @@
-"""T5-style relative position buckets: a learned bias per (head, bucket of the query-key offset), added to the
-scores (T5, mT5, UMT5, LongT5). TransformerLens bridges these as encoder-decoders; posprobe walks one stack of
-blocks and does not read or control the buckets yet, so every position analysis refuses them."""
+"""T5-style relative position buckets: a learned bias per (head, bucket of the key-query offset), added to the
+scores (T5, mT5, UMT5, LongT5; decoder-only: Pix2Struct's text decoder, the zoo's T5-bias member). Offsets below
+half the buckets get one bucket each, longer ones share logarithmic buckets up to a largest distance, beyond which
+all share the last; the bias is computed once in layer 0 and added in every layer.
+
+posprobe reads and controls the buckets on the decoder-only class (`backend.t5_decoder`): position control adds,
+per layer, the table's value at the planned offset's bucket minus its value at the real one, so the identity plan
+changes nothing, bit for bit. TransformerLens bridges T5 itself as an encoder-decoder, which posprobe refuses."""
 
 from __future__ import annotations
 
-from posprobe.backend.families.base import Family, listed
+from posprobe.backend.families.base import BUCKET_BIAS, Family, listed
 
-_NOT_YET = "posprobe has no adapter for T5-style relative position buckets yet"
+_KIND = "relative_bias"
+#: TransformerLens's `positional_embedding_type` for T5's buckets (its T5 adapters set this one of the two names).
+TL_NAME = "relative_positional_bias"
 
 FAMILY = Family(
-    kind="relative_bias",
+    kind=_KIND,
     label="T5 relative buckets",
-    tl_names=frozenset({"relative_positional_bias", "relative_bias"}),
+    score_term="relative_bias",
+    tl_names=frozenset({TL_NAME, "relative_bias"}),
     shift_invariant=True,
     hf_position_ids=False,
-    detect_hf=listed("relative_bias"),
-    phrase="relative position buckets (T5)",
-    control=None,
-    why_no_control=_NOT_YET,
-    not_applicable={s: _NOT_YET for s in ("frequency", "geometry", "shift", "retrieval")},
+    detect_hf=listed(_KIND),
+    phrase="T5 relative buckets (layer 0's bias table, shared by every layer)",
+    control=BUCKET_BIAS,
+    decompositions=("data-driven",),  # with the bucket bias as its own term ("relative_bias")
+    not_applicable={
+        "frequency": "per-frequency RoPE usage needs rotary positions; T5's buckets have no bands",
+        "geometry": "position geometry reads a learned position table added to the embedding; T5's bias has none",
+        "shift": "T5's bias depends on the key-query offset alone, so shifting every position changes nothing by "
+                 "construction",
+        "retrieval": "retrieval heads are read through the long-context engine, which rotates q and k",
+    },
 )
 
 
 def unsupported(arch: str) -> str:
-    """Refusal for a model with relative position buckets."""
-    return f"{arch} uses T5-style relative position buckets, which posprobe has no adapter for yet"
+    """Refusal for a model with relative position buckets in a class posprobe has no adapter for."""
+    return (f"{arch} uses T5-style relative position buckets, which posprobe reads only on Hugging Face's "
+            "decoder-only T5-bias class (Pix2StructTextModel) so far")
 
 
 def encoder_decoder(arch: str) -> str:

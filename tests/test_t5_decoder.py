@@ -1,0 +1,158 @@
+"""The decoder-only T5-bias class (Pix2StructTextModel) on posprobe's bridge adapter, against Hugging Face.
+
+The references are independent of posprobe: a separate HF model with the same weights (`tiny_family`), T5's bucket
+rule transcribed from Raffel et al. / Mesh TensorFlow in plain Python (`paper_rules.t5_bucket`), and HF's own
+forward with its layer-0 bias computed from planned offsets by that rule."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from families import tiny_family
+from paper_rules import t5_bucket
+
+from posprobe.backend import t5_decoder
+from posprobe.backend.facts import model_facts
+from posprobe.backend.hooks import hook_name, hooked
+from posprobe.core.positions import PositionError, PositionPlan, bucket_positions, token_positions
+
+N = 20
+
+
+@pytest.fixture(scope="module")
+def t5():
+    return tiny_family("pix2struct")
+
+
+def _ids(n: int = N, batch: int = 2, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 256, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _table(hf) -> torch.Tensor:
+    return hf.layer[0].self_attention.attention.relative_attention_bias.weight.detach()
+
+
+def _hf_with_offsets(hf, rel: torch.Tensor):
+    """HF's forward with the layer-0 bias of key-minus-query offsets `rel` [q, k], bucketed by the paper's rule."""
+    cfg, table = hf.config, _table(hf)
+    buckets = torch.tensor([[t5_bucket(int(r), cfg.relative_attention_num_buckets,
+                                       cfg.relative_attention_max_distance) for r in row] for row in rel.tolist()])
+    attn = hf.layer[0].self_attention.attention
+
+    def compute_bias(query_length, key_length, device=None, past_seen_tokens=0):
+        return table[buckets[:query_length, :key_length]].permute(2, 0, 1)[None]
+
+    attn.compute_bias = compute_bias
+    return attn
+
+
+def test_the_bridge_is_hugging_faces_forward_with_live_hooks(t5):
+    bridge, ref = t5
+    ids = _ids()
+    ref.set_attn_implementation("eager")  # HF returns attention weights from its eager path only
+    with torch.no_grad():
+        out = ref(input_ids=ids, output_attentions=True, output_hidden_states=True)
+        logits, cache = bridge.run_with_cache(ids)
+    assert torch.allclose(logits, out.logits, atol=1e-5)
+    table, n = _table(ref), ids.shape[1]
+    rel = torch.arange(n)[None, :] - torch.arange(n)[:, None]
+    cfg = ref.config
+    bias = table[torch.tensor([[t5_bucket(int(r), cfg.relative_attention_num_buckets,
+                                          cfg.relative_attention_max_distance) for r in row]
+                               for row in rel.tolist()])].permute(2, 0, 1)
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    for layer in range(cfg.num_layers):
+        assert torch.allclose(cache[f"blocks.{layer}.attn.hook_pattern"], out.attentions[layer], atol=1e-6)
+        block = ref.layer[layer]
+        with torch.no_grad():
+            x = block.self_attention.layer_norm(out.hidden_states[layer])
+        a = block.self_attention.attention
+        q = (x @ a.query.weight.T).view(2, n, 4, 8).transpose(1, 2)
+        k = (x @ a.key.weight.T).view(2, n, 4, 8).transpose(1, 2)
+        want = q @ k.transpose(2, 3) + bias  # T5: no 1/sqrt(d_head)
+        got = cache[f"blocks.{layer}.attn.hook_attn_scores"]
+        assert torch.allclose(got[..., causal], want[..., causal], atol=1e-4)
+        assert (got[..., ~causal] <= torch.finfo(got.dtype).min / 2).all()
+
+
+def test_score_edits_reach_the_output(t5):
+    bridge, _ = t5
+    ids = _ids()
+
+    def zero_last_key(scores, hook):
+        return scores.masked_fill(torch.arange(N) == 0, torch.finfo(scores.dtype).min)
+
+    with torch.no_grad():
+        plain = bridge(ids)
+        with hooked(bridge, [(hook_name("scores", 1), zero_last_key)]):
+            edited = bridge(ids)
+    assert not torch.allclose(plain[:, 1:], edited[:, 1:], atol=1e-3)
+
+
+def test_the_bucket_function_is_the_papers(t5):
+    _, ref = t5
+    for nb, md in ((32, 128), (8, 16), (16, 64)):
+        cfg = type("C", (), dict(relative_attention_num_buckets=nb, relative_attention_max_distance=md))
+        rel = -torch.arange(400)
+        got = t5_decoder.bucket_ids(rel, cfg)
+        assert got.tolist() == [t5_bucket(int(r), nb, md) for r in rel]
+    assert t5_decoder.bucket_ids(torch.tensor([3, 1]), ref.config).tolist() == [0, 0]  # future keys: bucket 0
+
+
+def test_facts_name_the_family_and_its_shared_table(t5):
+    facts = model_facts(t5[0])
+    assert facts.positional_kind == "relative_bias" and facts.unsupported is None
+    assert facts.attention_unsupported is None
+    assert all("T5 relative buckets" in p for p in facts.layer_positions)
+
+
+@pytest.mark.parametrize("plan_name", ["identity", "shift", "keys-doubled", "queries-only", "far"])
+def test_bucket_position_control_equals_hugging_face_with_those_offsets(t5, plan_name):
+    bridge, ref = t5
+    ids = _ids()
+    p = torch.arange(N, dtype=torch.float64)
+    q, k = {"identity": (p, p), "shift": (p + 7, p + 7), "keys-doubled": (2 * p, 2 * p),
+            "queries-only": (p + 5, p), "far": (p + 100, p)}[plan_name]
+    with torch.no_grad(), bucket_positions(bridge, PositionPlan(q, k.clone())):
+        got = bridge(ids)
+    attn = _hf_with_offsets(ref, (k[None, :] - q[:, None]).long())
+    try:
+        with torch.no_grad():
+            want = ref(input_ids=ids).logits
+    finally:
+        del attn.compute_bias
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+    with torch.no_grad():
+        plain = bridge(ids)
+    if plan_name in ("identity", "shift"):
+        assert torch.equal(got, plain)  # offsets unchanged: the delta is exactly zero
+    else:
+        assert not torch.allclose(got, plain, atol=1e-3)  # the control is not vacuous
+
+
+def test_batched_plans_and_token_positions_place_each_row(t5):
+    bridge, ref = t5
+    ids = _ids()
+    p = torch.arange(N, dtype=torch.float64)
+    rows = torch.stack([p, 3 * p])
+    with torch.no_grad(), token_positions(bridge, rows):
+        got = bridge(ids)
+    for r in range(2):
+        attn = _hf_with_offsets(ref, (rows[r][None, :] - rows[r][:, None]).long())
+        try:
+            with torch.no_grad():
+                want = ref(input_ids=ids[r:r + 1]).logits
+        finally:
+            del attn.compute_bias
+        assert torch.allclose(got[r:r + 1], want, atol=1e-5)
+
+
+def test_bucket_control_refuses_what_buckets_cannot_take(t5):
+    bridge, _ = t5
+    p = torch.arange(N, dtype=torch.float64)
+    with pytest.raises(PositionError, match="whole-token"):
+        with bucket_positions(bridge, PositionPlan(p + 0.5, p)):
+            pass
+    with pytest.raises(PositionError, match="covers 20 tokens"), torch.no_grad():
+        with bucket_positions(bridge, PositionPlan(p, p)):
+            bridge(_ids(N + 1))
