@@ -42,7 +42,7 @@ def main() -> None:
     from posprobe.zoo.config import ZooConfig
     from posprobe.zoo.members import member
     from posprobe.zoo.tokenizer import train_tokenizer
-    from posprobe.zoo.train import batch_ids, build_model, train_member
+    from posprobe.zoo.train import batch_ids, build_model, next_token_labels, train_member
 
     torch.set_num_threads(args.threads)
     cfg = ZooConfig(steps=args.steps, checkpoint_every=args.checkpoint_every, progress=False)
@@ -55,10 +55,12 @@ def main() -> None:
           file=sys.stderr)
 
     def bare(name: str) -> None:
-        model = build_model(member(name), cfg, tok, 0).train()
+        m = member(name)
+        model = build_model(m, cfg, tok, 0).train()
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
         for x in batches:
-            model(input_ids=x, labels=x).loss.backward()
+            # The same loss posprobe's loop computes (a class that does not shift its labels gets them shifted).
+            model(input_ids=x, labels=x if m.shifts_labels else next_token_labels(x)).loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
 

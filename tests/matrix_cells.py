@@ -99,24 +99,33 @@ def position_control(bridge: Any) -> None:
     assert (moved - want).abs().max() > 1e-3, "the comparison is vacuous: positions did not matter"
 
 
+def _identity_and_doubled(bridge: Any, control: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+    # A score-bias control's logits (ALiBi, T5 buckets) without a plan and with every position doubled; the identity
+    # plan must leave them bit-equal. A refusal comes at the first `control`, before any forward.
+    from posprobe.core.positions import PositionPlan
+
+    p = torch.arange(IDS.shape[1], dtype=torch.float64)
+    with torch.no_grad():
+        with control(bridge, PositionPlan(p, p.clone())):
+            identity = bridge(IDS)
+        own = bridge(IDS)
+        assert torch.equal(identity, own), "the identity plan must leave the model bit-equal"
+        with control(bridge, PositionPlan(2 * p, 2 * p)):
+            got = bridge(IDS)
+    return own, got
+
+
 def _alibi_control(bridge: Any, hf: Any) -> None:
     # HF's ALiBi takes no position ids; its bias is slope * key position (BLOOM) or slope * (key position - length +
     # 1) (MPT). The independent reference for a plan that doubles every distance: HF's own forward with every slope
     # doubled. MPT builds its bias in a method; BLOOM (transformers 5.x), when nothing is padded, builds it inline
     # from its module's `_get_alibi_slopes` (patching its `build_alibi_tensor` there changes nothing: that was the
     # "unexplained" BLOOM mismatch).
-    from posprobe.core.positions import PositionPlan, alibi_positions
+    from posprobe.core.positions import alibi_positions
 
-    n = IDS.shape[1]
-    p = torch.arange(n, dtype=torch.float64)
     base = hf.base_model
+    own, got = _identity_and_doubled(bridge, alibi_positions)
     with torch.no_grad():
-        with alibi_positions(bridge, PositionPlan(p, p.clone())):  # a refusal comes here, before any forward
-            identity = bridge(IDS)
-        own = bridge(IDS)
-        assert torch.equal(identity, own), "the identity plan must leave an ALiBi model bit-equal"
-        with alibi_positions(bridge, PositionPlan(2 * p, 2 * p)):
-            got = bridge(IDS)
         if hasattr(base, "build_mpt_alibi_tensor"):
             build = base.build_mpt_alibi_tensor
             base.build_mpt_alibi_tensor = lambda *a, **kw: 2 * build(*a, **kw)
@@ -141,18 +150,11 @@ def _bucket_control(bridge: Any, hf: Any) -> None:
     # HF's T5 bias takes no position ids; its layer-0 attention computes the bias of offsets j - i in
     # `compute_bias(query_length, key_length)`. The independent reference for a plan that doubles every offset: that
     # same HF function over 2n positions, every other row and column (positions 2i, 2j), patched in.
-    from posprobe.core.positions import PositionPlan, bucket_positions
+    from posprobe.core.positions import bucket_positions
 
-    n = IDS.shape[1]
-    p = torch.arange(n, dtype=torch.float64)
     attn = hf.get_submodule("layer.0.self_attention.attention")
+    own, got = _identity_and_doubled(bridge, bucket_positions)
     with torch.no_grad():
-        with bucket_positions(bridge, PositionPlan(p, p.clone())):  # a refusal comes here, before any forward
-            identity = bridge(IDS)
-        own = bridge(IDS)
-        assert torch.equal(identity, own), "the identity plan must leave a T5-bias model bit-equal"
-        with bucket_positions(bridge, PositionPlan(2 * p, 2 * p)):
-            got = bridge(IDS)
         compute = attn.compute_bias
         attn.compute_bias = lambda q_len, k_len, **kw: compute(2 * q_len, 2 * k_len, **kw)[..., ::2, ::2]
         try:

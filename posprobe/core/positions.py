@@ -387,20 +387,23 @@ def rope_positions(model: Any, plan: PositionPlan | None = None, *, q_pos: Seque
         yield plan
 
 
+def _check_bias_plan(model: Any, plan: PositionPlan, control: str, what: str, needs: str) -> None:
+    # The score-bias controls (ALiBi's distances, T5's buckets) move where queries and keys sit, nothing else.
+    facts = model_facts(model)
+    if facts.family is None or facts.family.control != control:
+        raise WrongModelKind(f"{what} needs {needs} model, but {facts.name} uses {facts.positional_kind} positions")
+    require_supported(facts, what)
+    if plan.views or plan.rotary:
+        raise PositionError(f"{what} takes query and key positions only (no key views or rotary overrides)")
+
+
 @contextmanager
 def alibi_positions(model: Any, plan: PositionPlan) -> Iterator[PositionPlan]:
     """Within the block, an ALiBi model (BLOOM, MPT) scores query i against key j at relative distance
     q_pos[i] - k_pos[j]: each head's score gets slope * ((k_pos[j] - j) - (q_pos[i] - i)) added to the bias the
     model already applied (slopes measured from the model itself), so the identity plan changes nothing, bit for
     bit. Key views and rotary overrides do not apply to ALiBi (PositionError)."""
-    facts = model_facts(model)
-    if facts.family is None or facts.family.control != SCORE_BIAS:
-        raise WrongModelKind(f"ALiBi position control needs an ALiBi model, but {facts.name} uses "
-                             f"{facts.positional_kind} positions")
-    require_supported(facts, "ALiBi position control")
-    if plan.views or plan.rotary:
-        raise PositionError("ALiBi position control takes query and key positions only (no key views or rotary "
-                            "overrides)")
+    _check_bias_plan(model, plan, SCORE_BIAS, "ALiBi position control", "an ALiBi")
     slopes = alibi_slopes(model)
     layers = plan.layers if plan.layers is not None else range(n_layers(model))
     # Plan offsets and slopes copied once per device, not per layer and forward (a host->device copy each).
@@ -436,14 +439,7 @@ def bucket_positions(model: Any, plan: PositionPlan) -> Iterator[PositionPlan]:
     j - i (the table read from the model, the buckets by its own function), so the identity plan changes nothing,
     bit for bit. Positions must be whole tokens (buckets take integer offsets); key views and rotary overrides do
     not apply (PositionError)."""
-    facts = model_facts(model)
-    if facts.family is None or facts.family.control != BUCKET_BIAS:
-        raise WrongModelKind(f"Bucket position control needs a T5-bias model, but {facts.name} uses "
-                             f"{facts.positional_kind} positions")
-    require_supported(facts, "T5 bucket position control")
-    if plan.views or plan.rotary:
-        raise PositionError("T5 bucket position control takes query and key positions only (no key views or rotary "
-                            "overrides)")
+    _check_bias_plan(model, plan, BUCKET_BIAS, "T5 bucket position control", "a T5-bias")
     for name, p in (("q_pos", plan.q_pos), ("k_pos", plan.k_pos)):
         if not torch.equal(p, p.round()):
             raise PositionError(f"T5 buckets take whole-token offsets; {name} holds fractional positions")
