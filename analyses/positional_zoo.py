@@ -52,12 +52,13 @@ training.figures()[0]
 
 # %% [markdown]
 # Every member folder loads with `AutoModelForCausalLM.from_pretrained` and with every posprobe command:
-# `posprobe info <zoo>/nope-s0` names its family.
+# `posprobe info <zoo>/nope-s0` names its family. (The t5 member's class, Pix2Struct's text decoder, has no causal-LM
+# auto class of its own: posprobe registers it when it loads one; `Pix2StructTextModel.from_pretrained` works anywhere.)
 
 # %%
 from posprobe import load_model, model_facts  # noqa: E402
 
-for name in ("learned", "alibi", "hybrid", "p-rope"):
+for name in ("learned", "alibi", "hybrid", "p-rope", "t5"):
     print(name, "|", " / ".join(model_facts(load_model(str(out / f"{name}-s0"))).layer_positions))
 
 # %%

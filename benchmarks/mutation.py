@@ -62,13 +62,16 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
               ["tests/test_sinks.py"]),
     "positions": (["posprobe/core/positions.py"],
                   ["tests/test_rope_positions.py", "tests/test_surgery.py", "tests/test_rope_types.py",
-                   "tests/test_families.py"]),  # GPT-J's pre-rotation control and ALiBi positions live there
+                   "tests/test_families.py", "tests/test_t5_decoder.py"]),  # GPT-J's pre-rotation control, ALiBi
+    # and T5 bucket positions live there
     "long_engine": (["posprobe/core/long_engine.py"],
                     ["tests/test_long_context.py", "tests/test_retrieval.py"]),
     "surgery": (["posprobe/core/surgery.py"],
                 ["tests/test_surgery.py", "tests/test_rope_types.py", "tests/test_presets.py"]),
     "decompose": (["posprobe/analyses/decompose.py"],
                   ["tests/test_decompose.py"]),
+    "t5_decoder": (["posprobe/backend/t5_decoder.py"],
+                   ["tests/test_t5_decoder.py"]),
 }
 
 #: Lines mutmut leaves alone in every module: message text only (an edited error message or log line changes no

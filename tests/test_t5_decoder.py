@@ -46,8 +46,8 @@ def _hf_with_offsets(hf, rel: torch.Tensor):
     return attn
 
 
-def test_the_bridge_is_hugging_faces_forward_with_live_hooks(t5):
-    bridge, ref = t5
+def test_the_bridge_is_hugging_faces_forward_with_live_hooks():
+    bridge, ref = tiny_family("pix2struct")  # booted here, not in a fixture: mutation testing attributes the boot
     ids = _ids()
     ref.set_attn_implementation("eager")  # HF returns attention weights from its eager path only
     with torch.no_grad():
@@ -73,6 +73,12 @@ def test_the_bridge_is_hugging_faces_forward_with_live_hooks(t5):
         got = cache[f"blocks.{layer}.attn.hook_attn_scores"]
         assert torch.allclose(got[..., causal], want[..., causal], atol=1e-4)
         assert (got[..., ~causal] <= torch.finfo(got.dtype).min / 2).all()
+        # The hooks the score decomposition reads: q per head, and the norm's scale as RMS (T5 does not centre).
+        assert torch.allclose(cache[f"blocks.{layer}.attn.hook_q"], q.transpose(1, 2), atol=1e-5)
+        h = out.hidden_states[layer]
+        rms = (h.pow(2).mean(-1, keepdim=True) + block.self_attention.layer_norm.variance_epsilon).sqrt()
+        assert torch.allclose(cache[f"blocks.{layer}.ln1.hook_scale"], rms, atol=1e-6)
+    assert torch.equal(cache["pos_embed.hook_out"], bias.permute(1, 2, 0))  # [query, key, head]: the table's rows
 
 
 def test_score_edits_reach_the_output(t5):
@@ -156,3 +162,76 @@ def test_bucket_control_refuses_what_buckets_cannot_take(t5):
     with pytest.raises(PositionError, match="covers 20 tokens"), torch.no_grad():
         with bucket_positions(bridge, PositionPlan(p, p)):
             bridge(_ids(N + 1))
+
+
+def test_the_mask_is_hugging_faces_in_every_form_it_arrives():
+    # Eager attention gets an additive float mask, SDPA a boolean one or None (plain causal): each gives the scores
+    # HF's eager recipe gives. Checked by hand on a 2-query x 3-key block (queries are the last two positions).
+    from posprobe.backend.t5_decoder import _masked
+
+    s = torch.arange(6, dtype=torch.float32).view(1, 1, 2, 3)
+    low = torch.finfo(torch.float32).min
+    causal = torch.tensor([[True, True, False], [True, True, True]])
+    want = torch.where(causal, s, torch.full_like(s, low))
+    assert torch.equal(_masked(s, None), want)
+    assert torch.equal(_masked(s, causal[None, None]), want)
+    additive = torch.where(causal, 0.0, low)[None, None]
+    wide = torch.cat([additive, torch.zeros(1, 1, 2, 2)], -1)  # HF may hand a wider mask: cut to the keys
+    assert torch.equal(_masked(s, wide), s + additive)
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+def test_the_bridge_follows_hf_whichever_attention_hf_was_loaded_with(implementation):
+    from hf_util import independent_hf
+    from transformer_lens.model_bridge import TransformerBridge
+
+    from posprobe.backend.tiny import byte_tokenizer
+
+    _, ref = tiny_family("pix2struct", seed=3)
+    hf = independent_hf(ref)
+    hf.set_attn_implementation(implementation)
+    t5_decoder.register()
+    bridge = TransformerBridge.boot_transformers("posprobe-tiny-t5", hf_model=hf, tokenizer=byte_tokenizer())
+    ids = _ids(seed=3)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding: HF builds a padding mask (boolean for SDPA, additive for eager)
+    with torch.no_grad():
+        got = bridge(ids, attention_mask=mask)
+        want = ref(input_ids=ids, attention_mask=mask).logits
+        unmasked = ref(input_ids=ids).logits
+    assert torch.allclose(got[0], want[0], atol=1e-5)
+    assert torch.allclose(got[1, 3:], want[1, 3:], atol=1e-5)  # padded queries are undefined in both
+    assert not torch.allclose(want[1, 3:], unmasked[1, 3:], atol=1e-3)  # the padding mask mattered
+
+
+@pytest.mark.parametrize("cell", ["facts", "position control", "shift-test", "decompose", "heads", "sinks", "probes"])
+def test_the_support_matrix_cells_hold_on_this_class(t5, cell):
+    # The same cells as docs/support-matrix.md's pix2struct row (each against HF), here so the adapter's own tests
+    # carry them (the mutation run of backend/t5_decoder.py selects this file).
+    from matrix_cells import run_cell
+
+    assert run_cell(t5[0], cell) == "ok"
+
+
+def test_the_adapter_names_every_component_as_transformerlens_does():
+    # TL's usual names for the MLP, final norm and unembedding reach HF's modules: their hooks fire with HF's values.
+    bridge, ref = tiny_family("pix2struct")
+    ids = _ids()
+    with torch.no_grad():
+        logits, cache = bridge.run_with_cache(ids)
+        out = ref(input_ids=ids, output_hidden_states=True)
+    for name in ("hook_embed", "blocks.0.mlp.gate.hook_out", "blocks.0.mlp.in.hook_out", "blocks.0.mlp.out.hook_in",
+                 "blocks.1.mlp.hook_out", "ln_final.hook_out", "unembed.hook_out"):
+        assert name in cache, name
+    mlp = ref.layer[1].mlp
+    with torch.no_grad():
+        mid = cache["blocks.1.hook_resid_mid"]
+        want = mlp.DenseReluDense(mlp.layer_norm(mid))
+    assert torch.allclose(cache["blocks.1.mlp.hook_out"], want, atol=1e-5)
+    assert torch.allclose(cache["ln_final.hook_out"], out.hidden_states[-1], atol=1e-5)
+    assert torch.allclose(cache["unembed.hook_out"], logits)
+
+
+def test_bridged_tells_the_t5_adapter_from_any_other_model(t5):
+    assert t5_decoder.bridged(t5[0])
+    assert not t5_decoder.bridged(tiny_family("llama")[0]) and not t5_decoder.bridged(object())

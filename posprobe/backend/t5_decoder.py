@@ -70,6 +70,34 @@ def bias_table(hf_model: Any) -> torch.Tensor:
 
 def _adapter_class() -> type:
     from transformer_lens.model_bridge.architecture_adapter import ArchitectureAdapter
+
+    attention = _attention_class()
+
+    class Pix2StructTextAdapter(ArchitectureAdapter):
+        """TransformerLens adapter for `Pix2StructTextModel` (posprobe's; see the module docstring)."""
+
+        def __init__(self, cfg: Any) -> None:
+            super().__init__(cfg)
+            self.supports_fold_ln = False  # T5's RMSNorm scale stays where HF keeps it: weights are used as loaded
+            self.weight_processing_conversions = {}
+            _configure(self.cfg)
+            self.component_mapping = _components(self.cfg, attention)
+
+    return Pix2StructTextAdapter
+
+
+def _configure(cfg: Any) -> None:
+    # What the adapter tells TransformerLens about the model (read at every boot, not once per process).
+    cfg.normalization_type = "RMS"
+    cfg.positional_embedding_type = relative.TL_NAME
+    cfg.final_rms = True
+    cfg.gated_mlp = True
+    cfg.attn_only = False
+    cfg.uses_rms_norm = True  # T5's norm is RMSNorm by another name: otherwise TL's hook_scale centres its input
+
+
+def _components(cfg: Any, attention: type) -> dict[str, Any]:
+    # Where each TransformerLens component sits in Pix2StructTextModel (module names relative to the model).
     from transformer_lens.model_bridge.generalized_components import (
         BlockBridge,
         EmbeddingBridge,
@@ -80,40 +108,21 @@ def _adapter_class() -> type:
         UnembeddingBridge,
     )
 
-    attention = _attention_class()
-
-    class Pix2StructTextAdapter(ArchitectureAdapter):
-        """TransformerLens adapter for `Pix2StructTextModel` (posprobe's; see the module docstring)."""
-
-        def __init__(self, cfg: Any) -> None:
-            super().__init__(cfg)
-            self.supports_fold_ln = False  # T5's RMSNorm scale stays where HF keeps it: weights are used as loaded
-            self.cfg.normalization_type = "RMS"
-            self.cfg.positional_embedding_type = relative.TL_NAME
-            self.cfg.final_rms = True
-            self.cfg.gated_mlp = True
-            self.cfg.attn_only = False
-            # T5's norm is RMSNorm by another name: without this, TL's hook_scale would centre its input first.
-            self.cfg.uses_rms_norm = True
-            self.weight_processing_conversions = {}
-            self.component_mapping = {
-                "embed": EmbeddingBridge(name="embed_tokens"),
-                "pos_embed": PosEmbedBridge(name=BIAS_MODULE),
-                "blocks": BlockBridge(name="layer", submodules={
-                    "ln1": RMSNormalizationBridge(name="self_attention.layer_norm", config=self.cfg),
-                    "attn": attention(name="self_attention.attention", config=self.cfg, submodules={
-                        "q": LinearBridge(name="query"), "k": LinearBridge(name="key"),
-                        "v": LinearBridge(name="value"), "o": LinearBridge(name="output")}),
-                    "ln2": RMSNormalizationBridge(name="mlp.layer_norm", config=self.cfg),
-                    "mlp": GatedMLPBridge(name="mlp.DenseReluDense", config=self.cfg, submodules={
-                        "gate": LinearBridge(name="wi_0"), "in": LinearBridge(name="wi_1"),
-                        "out": LinearBridge(name="wo")}),
-                }),
-                "ln_final": RMSNormalizationBridge(name="final_layer_norm", config=self.cfg),
-                "unembed": UnembeddingBridge(name="lm_head", config=self.cfg),
-            }
-
-    return Pix2StructTextAdapter
+    return {
+        "embed": EmbeddingBridge(name="embed_tokens"),
+        "pos_embed": PosEmbedBridge(name=BIAS_MODULE),
+        "blocks": BlockBridge(name="layer", submodules={
+            "ln1": RMSNormalizationBridge(name="self_attention.layer_norm", config=cfg),
+            "attn": attention(name="self_attention.attention", config=cfg, submodules={
+                "q": LinearBridge(name="query"), "k": LinearBridge(name="key"),
+                "v": LinearBridge(name="value"), "o": LinearBridge(name="output")}),
+            "ln2": RMSNormalizationBridge(name="mlp.layer_norm", config=cfg),
+            "mlp": GatedMLPBridge(name="mlp.DenseReluDense", config=cfg, submodules={
+                "gate": LinearBridge(name="wi_0"), "in": LinearBridge(name="wi_1"), "out": LinearBridge(name="wo")}),
+        }),
+        "ln_final": RMSNormalizationBridge(name="final_layer_norm", config=cfg),
+        "unembed": UnembeddingBridge(name="lm_head", config=cfg),
+    }
 
 
 def _attention_class() -> type:
@@ -125,40 +134,43 @@ def _attention_class() -> type:
         def forward(self, hidden_states: torch.Tensor, mask: torch.Tensor | None = None,
                     key_value_states: torch.Tensor | None = None, position_bias: torch.Tensor | None = None,
                     cache: Any = None, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            hf: Any = self.original_component
             if key_value_states is not None or cache is not None:
                 # A bridge recomputes the whole prefix each step (no cache); cross-attention has no encoder here.
                 raise NotImplementedError("posprobe's T5-bias attention bridge runs self-attention without a cache")
-            hidden_states = self.hook_in(hidden_states)
-            batch, n = hidden_states.shape[:2]
-            d = hf.key_value_proj_dim
-
-            def heads(x: torch.Tensor) -> torch.Tensor:
-                return x.view(batch, n, -1, d).transpose(1, 2)
-
-            q, k, v = heads(self.q(hidden_states)), heads(self.k(hidden_states)), heads(self.v(hidden_states))
-            if position_bias is None:
-                # Layer 0 owns the table; HF's compute_bias reads it through the bridged module (pos_embed hooks).
-                position_bias = (hf.compute_bias(n, n, device=q.device) if hf.has_relative_attention_bias
-                                 else torch.zeros((1, hf.n_heads, n, n), device=q.device, dtype=q.dtype))
-            scores = torch.matmul(q, k.transpose(2, 3)) * hf.scaling + position_bias
-            scores = _masked(scores, mask, causal=bool(getattr(hf, "is_causal", True)))
-            scores = self.hook_attn_scores(scores)
-            pattern = self.hook_pattern(torch.softmax(scores, dim=-1))
-            z = torch.matmul(pattern, v).transpose(1, 2).reshape(batch, n, -1)
-            out = self.hook_out(self.o(z))
-            return out, position_bias, pattern
+            return _attend(self, hidden_states, mask, position_bias)
 
     return T5BiasAttentionBridge
 
 
-def _masked(scores: torch.Tensor, mask: torch.Tensor | None, *, causal: bool) -> torch.Tensor:
+def _attend(component: Any, hidden_states: torch.Tensor, mask: torch.Tensor | None,
+            position_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # HF's eager recipe through the bridge's own q/k/v/o components and hook points: (output, the position bias
+    # every later layer reuses, the attention weights).
+    hf: Any = component.original_component
+    hidden_states = component.hook_in(hidden_states)
+    batch, n = hidden_states.shape[:2]
+    d = hf.key_value_proj_dim
+
+    def heads(x: torch.Tensor) -> torch.Tensor:
+        return x.view(batch, n, -1, d).transpose(1, 2)
+
+    q, k, v = (heads(proj(hidden_states)) for proj in (component.q, component.k, component.v))
+    if position_bias is None:
+        # Only layer 0 is handed none: it owns the table, and HF's compute_bias reads it through the bridged module
+        # (pos_embed hooks); every later layer gets layer 0's bias from HF's stack.
+        position_bias = hf.compute_bias(n, n, device=q.device)
+    scores = torch.matmul(q, k.transpose(2, 3)) * hf.scaling + position_bias
+    scores = component.hook_attn_scores(_masked(scores, mask))
+    pattern = component.hook_pattern(torch.softmax(scores, dim=-1))
+    z = torch.matmul(pattern, v).transpose(1, 2).reshape(batch, n, -1)
+    return component.hook_out(component.o(z)), position_bias, pattern
+
+
+def _masked(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     # HF hands eager attention an additive float mask (the dtype's minimum where a pair is dropped), SDPA a boolean
-    # one or None for plain causal attention: each reproduces the eager recipe here.
+    # one or None for plain causal attention (the text decoder is always causal): each reproduces the eager recipe.
     n_q, n_k = scores.shape[-2:]
     if mask is None:
-        if not causal:
-            return scores
         keep = torch.ones(n_q, n_k, dtype=torch.bool, device=scores.device).tril(n_k - n_q)
         return scores.masked_fill(~keep, torch.finfo(scores.dtype).min)
     mask = mask[:, :, :, :n_k]
