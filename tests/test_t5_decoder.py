@@ -235,3 +235,33 @@ def test_the_adapter_names_every_component_as_transformerlens_does():
 def test_bridged_tells_the_t5_adapter_from_any_other_model(t5):
     assert t5_decoder.bridged(t5[0])
     assert not t5_decoder.bridged(tiny_family("llama")[0]) and not t5_decoder.bridged(object())
+
+
+def test_a_config_with_hfs_cache_and_incremental_decoding_match_hf():
+    # With use_cache=True (as checkpoints may set it) HF's forward hands every layer a cache. The bridge's attention
+    # joins cached keys as HF does: a full forward and a prefill-then-one-token decode both equal HF's.
+    import transformers as T
+    from hf_util import independent_hf
+    from transformer_lens.model_bridge import TransformerBridge
+
+    from posprobe.backend.tiny import byte_tokenizer, randomize_
+
+    cfg = T.Pix2StructTextConfig(hidden_size=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, vocab_size=259,
+                                 relative_attention_num_buckets=8, relative_attention_max_distance=16,
+                                 dense_act_fn="silu", is_decoder=True, initializer_range=0.1, pad_token_id=258,
+                                 decoder_start_token_id=258, use_cache=True)
+    cfg.architectures = [t5_decoder.ARCHITECTURE]  # what a saved folder's config says; the bridge picks by it
+    hf = T.Pix2StructTextModel(cfg).eval()
+    randomize_(hf, 5)
+    ref = independent_hf(hf)
+    t5_decoder.register()
+    bridge = TransformerBridge.boot_transformers("posprobe-tiny-t5-cache", hf_model=hf, tokenizer=byte_tokenizer())
+    ids = _ids(seed=5)
+    with torch.no_grad():
+        want = ref(input_ids=ids).logits
+        assert torch.allclose(bridge(ids), want, atol=1e-5)
+        wired = bridge.original_model  # runs the bridge's components (TL rewires the HF model in place)
+        first = wired(input_ids=ids[:, :-1], use_cache=True)
+        assert first.cache.get_seq_length() == N - 1  # the prefix's keys were stored
+        last = wired(input_ids=ids[:, -1:], cache=first.cache, use_cache=True).logits
+    assert torch.allclose(last[:, -1], want[:, -1], atol=1e-5)

@@ -134,18 +134,19 @@ def _attention_class() -> type:
         def forward(self, hidden_states: torch.Tensor, mask: torch.Tensor | None = None,
                     key_value_states: torch.Tensor | None = None, position_bias: torch.Tensor | None = None,
                     cache: Any = None, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            if key_value_states is not None or cache is not None:
-                # A bridge recomputes the whole prefix each step (no cache); cross-attention has no encoder here.
-                raise NotImplementedError("posprobe's T5-bias attention bridge runs self-attention without a cache")
-            return _attend(self, hidden_states, mask, position_bias)
+            if key_value_states is not None:
+                # Cross-attention reads an encoder's states: a decoder-only model has none.
+                raise NotImplementedError("posprobe's T5-bias attention bridge runs self-attention only")
+            return _attend(self, hidden_states, mask, position_bias, cache)
 
     return T5BiasAttentionBridge
 
 
 def _attend(component: Any, hidden_states: torch.Tensor, mask: torch.Tensor | None,
-            position_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            position_bias: torch.Tensor | None, cache: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # HF's eager recipe through the bridge's own q/k/v/o components and hook points: (output, the position bias
-    # every later layer reuses, the attention weights).
+    # every later layer reuses, the attention weights). With HF's cache (the class's default use_cache=True) keys and
+    # values of earlier steps join as HF's own forward joins them; the new queries sit after them.
     hf: Any = component.original_component
     hidden_states = component.hook_in(hidden_states)
     batch, n = hidden_states.shape[:2]
@@ -155,10 +156,15 @@ def _attend(component: Any, hidden_states: torch.Tensor, mask: torch.Tensor | No
         return x.view(batch, n, -1, d).transpose(1, 2)
 
     q, k, v = (heads(proj(hidden_states)) for proj in (component.q, component.k, component.v))
+    past = 0
+    if cache is not None:
+        cache = getattr(cache, "self_attention_cache", cache)  # an encoder-decoder cache holds the decoder's inside
+        past = int(cache.get_seq_length(hf.layer_idx))
+        k, v = cache.update(k, v, hf.layer_idx)
     if position_bias is None:
         # Only layer 0 is handed none: it owns the table, and HF's compute_bias reads it through the bridged module
         # (pos_embed hooks); every later layer gets layer 0's bias from HF's stack.
-        position_bias = hf.compute_bias(n, n, device=q.device)
+        position_bias = hf.compute_bias(n, k.shape[-2], device=q.device, past_seen_tokens=past)
     scores = torch.matmul(q, k.transpose(2, 3)) * hf.scaling + position_bias
     scores = component.hook_attn_scores(_masked(scores, mask))
     pattern = component.hook_pattern(torch.softmax(scores, dim=-1))
