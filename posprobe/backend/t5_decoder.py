@@ -1,7 +1,8 @@
 """Hugging Face's decoder-only T5-bias language model (`Pix2StructTextModel`, model_type "pix2struct_text_model")
 on TransformerLens's bridge, which has no adapter for it in 3.9 or 4.x.
 
-`register()` (idempotent, called before any bridge boots) makes three additions:
+`register()` (idempotent, called before any bridge boots) makes three additions (`register_auto_class()` the first
+alone, for training and plain HF loading without TransformerLens's import):
 - `AutoModelForCausalLM` learns the class, since transformers maps it to no causal-LM auto class.
 - TransformerLens learns an adapter: embed, pos_embed (layer 0's bucket table, shared by every layer), blocks
   (ln1, attn, ln2, gated mlp), ln_final and unembed.
@@ -29,15 +30,22 @@ BIAS_MODULE = "layer.0.self_attention.attention.relative_attention_bias"
 _done: list[bool] = []
 
 
+def register_auto_class() -> None:
+    """Teach transformers' `AutoModelForCausalLM` the decoder-only T5-bias class (no TransformerLens import: what
+    training and plain HF loading need)."""
+    from transformers import AutoModelForCausalLM, Pix2StructTextConfig, Pix2StructTextModel
+
+    AutoModelForCausalLM.register(Pix2StructTextConfig, Pix2StructTextModel, exist_ok=True)
+
+
 def register() -> None:
     """Teach transformers' `AutoModelForCausalLM` and TransformerLens's bridge the decoder-only T5-bias class
     (once per process)."""
     if _done:
         return
     from transformer_lens.factories import architecture_adapter_factory as factory
-    from transformers import AutoModelForCausalLM, Pix2StructTextConfig, Pix2StructTextModel
 
-    AutoModelForCausalLM.register(Pix2StructTextConfig, Pix2StructTextModel, exist_ok=True)
+    register_auto_class()
     adapter = _adapter_class()
     # The bridge picks an architecture from SUPPORTED_ARCHITECTURES before it asks the factory's registry.
     factory.SUPPORTED_ARCHITECTURES[ARCHITECTURE] = adapter

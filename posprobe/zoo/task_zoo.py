@@ -75,7 +75,7 @@ def _measure(folder: Path, tasks: TaskConfig, device: str) -> list[dict]:
     from posprobe.backend import t5_decoder
     from posprobe.zoo.tasks import held_out_instances, task_accuracy
 
-    t5_decoder.register()
+    t5_decoder.register_auto_class()
     model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").to(device).eval()
     rows = []
     for task in tasks.tasks:

@@ -36,7 +36,7 @@ def build_model(m: Member, cfg: ZooConfig, tokenizer: Any, seed: int, widths: Wi
 
     from posprobe.backend import t5_decoder
 
-    t5_decoder.register()  # the T5-bias member's class has no causal-LM auto mapping of its own
+    t5_decoder.register_auto_class()  # the T5-bias member's class has no causal-LM auto mapping of its own
     hf_cfg = m.hf_config(widths or cfg.widths, pad_id=tokenizer.pad_token_id, bos_id=tokenizer.bos_token_id)
     model = AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="eager", dtype=torch.float32)
     init_weights(model, seed)
