@@ -23,7 +23,6 @@ import torch
 from posprobe.backend.families import relative
 
 ARCHITECTURE = "Pix2StructTextModel"
-MODEL_TYPE = "pix2struct_text_model"
 #: The bucket table's module inside the HF model (layer 0 computes the bias; later layers reuse it).
 BIAS_MODULE = "layer.0.self_attention.attention.relative_attention_bias"
 
