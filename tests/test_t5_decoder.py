@@ -265,3 +265,24 @@ def test_a_config_with_hfs_cache_and_incremental_decoding_match_hf():
         assert first.cache.get_seq_length() == N - 1  # the prefix's keys were stored
         last = wired(input_ids=ids[:, -1:], cache=first.cache, use_cache=True).logits
     assert torch.allclose(last[:, -1], want[:, -1], atol=1e-5)
+
+
+def test_the_class_run_as_an_encoder_is_refused_before_any_forward():
+    # is_decoder=False makes Pix2Struct's text model attend both ways: every analysis refuses it with one message.
+    import transformers as T
+    from transformer_lens.model_bridge import TransformerBridge
+
+    from posprobe.backend.tiny import byte_tokenizer
+
+    cfg = T.Pix2StructTextConfig(hidden_size=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, vocab_size=259,
+                                 dense_act_fn="silu", is_decoder=False, initializer_range=0.1, pad_token_id=258,
+                                 decoder_start_token_id=258)
+    cfg.architectures = [t5_decoder.ARCHITECTURE]
+    t5_decoder.register()
+    bridge = TransformerBridge.boot_transformers("posprobe-tiny-t5-enc", hf_model=T.Pix2StructTextModel(cfg).eval(),
+                                                 tokenizer=byte_tokenizer())
+    forwards = []
+    bridge.register_forward_pre_hook(lambda *a: forwards.append(1))
+    with pytest.raises(NotImplementedError, match="is_decoder=False"):
+        model_facts(bridge)
+    assert forwards == []
