@@ -16,7 +16,6 @@ where a GPU exists (benchmarks/gpu_check.py).
 
 from __future__ import annotations
 
-import os
 import sys
 from collections import Counter
 from contextlib import contextmanager
@@ -42,6 +41,16 @@ def _placeholder(name: str, t: torch.Tensor) -> Any:
                                                                      "__float__": 0.0, "__index__": 0}[name]
 
 
+def is_core_module(name: str) -> bool:
+    """Whether a module named `name` is posprobe's own code above the backend (core, analyses, ...).
+
+    Classified by the module's import name, never by its file's path: a checkout folder named `posprobe`
+    (git's default) holds the venv, so transformers' and torch's files also have `/posprobe/` in their
+    paths (README command 2 failed that way)."""
+    return (name == "posprobe" or name.startswith("posprobe.")) and not (
+        name == "posprobe.backend" or name.startswith("posprobe.backend."))
+
+
 class SyncCounter:
     """Counts host reads of non-CPU tensors while active (`counts`: per method, `total`) and, apart,
     host->device copies (`h2d`: `.to(device)` of a CPU tensor, `torch.tensor(..., device=...)`;
@@ -55,8 +64,7 @@ class SyncCounter:
 
     def copied(self, caller: Any) -> None:
         self.h2d += 1
-        path = caller.f_code.co_filename
-        if f"{os.sep}posprobe{os.sep}" in path and f"{os.sep}posprobe{os.sep}backend{os.sep}" not in path:
+        if is_core_module(caller.f_globals.get("__name__", "")):
             self.h2d_core += 1
 
     @property

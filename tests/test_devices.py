@@ -183,3 +183,21 @@ def test_every_analysis_runs_with_the_model_off_the_cpu(meta_rope, meta_ape, nam
         warnings.simplefilter("ignore")  # placeholder zeros make empty slices and 0/0 in the final tables
         _, c = count_syncs(_analyses(meta_rope, meta_ape)[name])
     assert c.total < 30, dict(c.counts)
+
+
+@pytest.mark.parametrize("checkout", ["posprobe", "pp-ci"])
+@pytest.mark.parametrize(("module", "core"), [("transformers.modeling_utils", False), ("torch.nn.modules.module", False),
+                                              ("posprobe.backend.bridge", False), ("posprobe.core.scoring", True),
+                                              ("posprobe.analyses.frequency", True)])
+def test_copies_are_classified_by_module_not_by_checkout_folder(tmp_path, checkout, module, core):
+    """A host->device copy counts as posprobe's core only when made by a posprobe module above the backend,
+    wherever the checkout lies. Catches: classifying by `/posprobe/` in the file path, which also matches
+    transformers' and torch's files in a venv inside a checkout named `posprobe` (README command 2 failed so)."""
+    top = module.split(".")[0]
+    folder = tmp_path / checkout / (".venv/lib/python3/site-packages" if top != "posprobe" else "")
+    filename = str(folder / (module.replace(".", "/") + ".py"))
+    code = compile("torch.tensor([1.0], device='meta')", filename, "exec")
+    c = SyncCounter()
+    with c.active():
+        exec(code, {"__name__": module, "torch": torch})
+    assert (c.h2d, c.h2d_core) == (1, int(core))
