@@ -219,6 +219,11 @@ def resolve_local(spec: str | os.PathLike[str], *, assemble: bool = True) -> Sou
         raise ModelLoadError(f"{path} is neither a .gguf file nor a Hugging Face model folder")
     if text.startswith((".", "/", "~")) or text.endswith(("/", ".safetensors", ".bin")):
         raise ModelLoadError(f"No such file or folder: {text}")
+    if len(path.parts) > 1 and path.parent.is_dir():
+        # 'reports/not-here' is shaped like a hub repo id, but its first part is a local folder: a mistyped path,
+        # which would otherwise fail later as a download.
+        raise ModelLoadError(f"No such file or folder: {text} (the folder {path.parent} exists here, so this names "
+                             "a local path, not a Hugging Face repo id)")
     snapshot = _cached_snapshot(official_name(text))  # the HF cache is keyed by repo id, not by TL alias
     if snapshot is not None:
         return Source("hf-dir", text, snapshot, origin=f"hf-cache:{text}")

@@ -8,6 +8,8 @@ which `peek` cannot see into); these only move the failure earlier.
 from __future__ import annotations
 
 import argparse
+import os
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -42,17 +44,26 @@ def given_flags(args: argparse.Namespace, config_cls: type, *names: str) -> list
 
 
 def check_out(out: str | None) -> None:
-    """--out must be a folder or not exist yet, inside a folder that exists (nothing is created here)."""
+    """--out must be a folder or not exist yet, inside a folder that exists, and both must be writable (nothing is
+    left behind here)."""
     if out is None:
         return
     p = Path(out).expanduser()
+    parent = p.absolute().parent
     if p.exists():
         if not p.is_dir():
             raise ValueError(f"--out {out} exists and is not a folder")
-        return
-    parent = p.absolute().parent
-    if not parent.is_dir():
+    elif not parent.is_dir():
         raise ValueError(f"--out {out}: its parent folder {parent} does not exist (create it first)")
+    # Results are written beside the folder first (OUT.work) and renamed into place, so both the parent and an
+    # existing OUT must take a new file; trying it costs a file created and removed, not a run that fails at the end.
+    for folder in (parent, p) if p.exists() else (parent,):
+        try:
+            fd, probe = tempfile.mkstemp(prefix=".posprobe-write-check-", dir=folder)
+        except OSError as e:
+            raise ValueError(f"--out {out}: cannot write in {folder} ({e.strerror or e})") from None
+        os.close(fd)
+        os.unlink(probe)
 
 
 def check_at_least(args: argparse.Namespace, minimum: int, *names: str) -> None:

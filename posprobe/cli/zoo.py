@@ -168,9 +168,21 @@ def _across_models(args: argparse.Namespace, config_cls: type, run: tuple[str, s
     fn, summary = (getattr(importlib.import_module(mod), name) for mod, name in (run, table))
     result = fn(args.models, config, text=text, source=args.text, device=args.device)
     print(summary(result).to_string(index=False))
+    for model, why in refused_models(result):
+        print(f"[zoo] refused {model}: {why}")
     paths = result.save(args.out, figure_formats=args.figures, csv=args.csv)
     print(f"wrote {paths['report']}")
     return 0
+
+
+def refused_models(result) -> list[tuple[str, str]]:
+    """(model, why) of every model given that could not be loaded or measured at all, in the order given."""
+    t = result.tables.get("models")
+    if t is None:  # zoo eval: a refused model is one perplexity row with its reason
+        t = result.tables["perplexity"]
+    bad = t[t["status"] == "refused"].drop_duplicates("model")
+    return [(str(m), str(w).splitlines()[0] if isinstance(w, str) and w else "no reason recorded")
+            for m, w in zip(bad["model"], bad["why"] if "why" in bad else [""] * len(bad))]
 
 
 def _tasks(args: argparse.Namespace) -> int:

@@ -51,6 +51,12 @@ def read_text(path: str | Path, detokenize: bool | None = None) -> str:
         raise DataError(f"cannot read {p} as UTF-8 text: {exc}") from exc
     if not text.strip():
         raise DataError(f"text file is empty: {p}")
+    if "\x00" in text:
+        # Valid UTF-8 but not text: a binary file (or NUL padding) would give a confident analysis of nothing.
+        raise DataError(f"{p} contains NUL bytes ({text.count(chr(0)):,} of {len(text):,} characters, the first at "
+                        f"character {text.index(chr(0)):,}): a binary file, not text")
+    if not any(c.isalnum() for c in text):
+        raise DataError(f"{p} has no letters or digits ({len(text):,} characters): not text to analyse")
     if detokenize is None:
         detokenize = looks_like_wikitext(text)
     return detokenize_wikitext(text) if detokenize else text

@@ -69,16 +69,27 @@ def figures(result: Any) -> list:
 
 
 def ratio_table(result: Any) -> pd.DataFrame:
-    """Wide ratio table: member x (protocol, factor) of ppl(xL) / ppl(L), "cannot run" where it cannot."""
+    """Wide ratio table: member x (protocol, factor) of ppl(xL) / ppl(L), "cannot run" where it cannot, "refused" for
+    every cell of a member that was not measured (every member given is a row)."""
     r = result.tables.get("ratios")
     if r is None:
         df = result.tables["perplexity"]
         r = df.assign(member=df["model"])
     r = r.copy()
-    r["cell"] = [("cannot run" if s == "cannot run" else f"{v:.2f}") for s, v in zip(r["status"], r["ppl_ratio"])]
-    wide = r.pivot_table(index="member", columns=["protocol", "factor"], values="cell", aggfunc="first", sort=False)
+    measured = r[r["status"].isin(["ok", "cannot run"])]
+    cells = [("cannot run" if s == "cannot run" else f"{v:.2f}") for s, v in zip(measured["status"],
+                                                                                measured["ppl_ratio"])]
+    wide = measured.assign(cell=cells).pivot_table(index="member", columns=["protocol", "factor"], values="cell",
+                                                   aggfunc="first", sort=False)
     wide.columns = [f"{p} {f:g}L" for p, f in wide.columns]
-    return wide.reset_index()
+    # Members with no measured row (refused, failed) keep a row, "refused" in every cell, in the members' order.
+    order = list(dict.fromkeys(r["member"]))
+    missing = [m for m in order if m not in wide.index]
+    wide = wide.reindex(order)
+    if not len(wide.columns):
+        wide["ratio"] = None
+    wide.loc[missing] = "refused"
+    return wide.rename_axis("member").reset_index()
 
 
 def sections(result: Any) -> list[Section]:

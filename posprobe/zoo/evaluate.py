@@ -24,7 +24,9 @@ MEMBER_COLUMNS = ("member", "family", "block", "seed")
 
 def zoo_models(paths: list[str]) -> list[tuple[str, dict | None]]:
     """(model spec, zoo record or None) for every model named: a zoo folder stands for its members (sorted), a
-    member folder or any other model spec for itself."""
+    member folder or any other model spec for itself. A spec that is none of these (a path that does not exist, a
+    folder that is neither a zoo nor a model, a name that cannot be had offline) raises ValueError naming it, before
+    any model loads."""
     out: list[tuple[str, dict | None]] = []
     for spec in paths:
         p = Path(spec)
@@ -34,10 +36,26 @@ def zoo_models(paths: list[str]) -> list[tuple[str, dict | None]]:
             out += [(str(c), json.loads((c / ZOO_FILE).read_text(encoding="utf-8")))
                     for c in sorted(p.iterdir()) if (c / ZOO_FILE).is_file()]
         else:
+            _check_spec(spec)
             out.append((spec, None))
     if not out:
         raise ValueError("no models to evaluate")
     return out
+
+
+def _check_spec(spec: str) -> None:
+    # What loading would refuse, asked without loading: posprobe's own resolver (local folders, packaged weights,
+    # tiny specs; a hub name only when it can be had).
+    from posprobe.backend.sources import ModelLoadError, resolve, resolve_local
+
+    if Path(spec).is_dir() and not (Path(spec) / "config.json").is_file():
+        raise ValueError(f"{spec} is not a zoo folder (no {ZOO_FILE} in it or its subfolders), a zoo member or a "
+                         "Hugging Face model folder (no config.json)")
+    try:
+        if resolve_local(spec, assemble=False) is None:
+            resolve(spec)
+    except ModelLoadError as e:
+        raise ValueError(f"{spec}: {e}") from None
 
 
 def default_text(paths: list[str]) -> tuple[str, str] | None:
@@ -104,13 +122,19 @@ def evaluate_zoo(paths: list[str], config: ExtrapolationConfig | None = None, *,
 
 def ratio_summary(table: pd.DataFrame) -> pd.DataFrame:
     """ppl(xL) / ppl(L) per member, protocol and factor: mean over seeds, min and max, seeds counted; rows that
-    cannot run keep their status."""
+    cannot run keep their status; a member none of whose models ran is one row with status "refused" and its why."""
     if "ppl_ratio" not in table:
-        return pd.DataFrame(columns=["member", "family", "block", "protocol", "factor", "ppl_ratio", "ratio_low",
-                                     "ratio_high", "n_seeds", "status"])
+        table = table.assign(ppl_ratio=float("nan"), protocol=None, factor=float("nan"))
     ok = table[table["status"].isin(["ok", "cannot run"])]
     keys = ["member", "family", "block", "protocol", "factor"]
     g = ok.groupby(keys, sort=False, dropna=False)
     out = g.agg(ppl_ratio=("ppl_ratio", "mean"), ratio_low=("ppl_ratio", "min"), ratio_high=("ppl_ratio", "max"),
                 n_seeds=("model", "nunique"), status=("status", "first")).reset_index()
+    # A member none of whose models ran stays a row (status refused, with the first reason), so every table that
+    # lists members lists it.
+    gone = table[~table["member"].isin(ok["member"])].drop_duplicates("member")
+    if len(gone):
+        why = gone["why"] if "why" in gone else ""
+        out = pd.concat([out, gone[["member", "family", "block"]].assign(status="refused", why=why)],
+                        ignore_index=True)
     return out
