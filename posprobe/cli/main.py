@@ -48,7 +48,41 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=mod.HELP, description=mod.HELP)
         mod.add_arguments(p)
         p.set_defaults(_run=mod.run)
+    for leaf in _leaf_parsers(parser):
+        leaf.add_argument("--threads", type=int, default=None, metavar="N",
+                          help="torch compute threads (default: torch's, one per core); on a machine other jobs "
+                               "keep busy, 1 runs several times faster (docs: README, 'Threads')")
     return parser
+
+
+def _leaf_parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    # The parsers that take a command's own flags (`zoo train`, not `zoo`), so --threads goes where the flags go.
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        return [parser]
+    return [leaf for a in subs for child in dict.fromkeys(a.choices.values()) for leaf in _leaf_parsers(child)]
+
+
+def set_threads(threads: int | None) -> None:
+    """Apply --threads (torch's intra-op threads), or, left unset, warn on stderr when other processes already keep
+    every core busy: torch's default of one thread per core then oversubscribes the CPU (measured 5-16x slower on
+    2 cores). Never changes the count by itself: a training run that resumes must compute as the run it resumes."""
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"--threads must be >= 1; got {threads}")
+        if "torch" in sys.modules:
+            sys.modules["torch"].set_num_threads(threads)
+        else:  # read once when torch starts; commands import it only after their input checks (fast refusals)
+            os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(threads)
+        return
+    cores = os.cpu_count() or 1
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    torch = sys.modules.get("torch")
+    one = os.environ.get("OMP_NUM_THREADS", "").strip() == "1" or (torch is not None and torch.get_num_threads() == 1)
+    if cores > 1 and load >= cores - 0.5 and not one:
+        print(f"posprobe: the machine is busy (1-minute load {load:.1f} on {cores} cores): torch's one thread per "
+              "core competes with the other jobs and can run several times slower; --threads 1 avoids it",
+              file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -63,6 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
             if "transformers" in sys.modules:
                 sys.modules["transformers"].utils.logging.disable_progress_bar()
+        set_threads(getattr(args, "threads", None))
         if getattr(args, "device", None) is not None:  # before any weights load: a device torch lacks, or a typo
             from posprobe.cli.args import resolve_device
 
