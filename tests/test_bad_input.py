@@ -5,7 +5,6 @@ cannot load is listed on stdout and as a row of every table that lists members, 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pandas as pd
 import pytest

@@ -186,9 +186,9 @@ def test_every_analysis_runs_with_the_model_off_the_cpu(meta_rope, meta_ape, nam
 
 
 @pytest.mark.parametrize("checkout", ["posprobe", "pp-ci"])
-@pytest.mark.parametrize(("module", "core"), [("transformers.modeling_utils", False), ("torch.nn.modules.module", False),
-                                              ("posprobe.backend.bridge", False), ("posprobe.core.scoring", True),
-                                              ("posprobe.analyses.frequency", True)])
+@pytest.mark.parametrize(("module", "core"), [
+    ("transformers.modeling_utils", False), ("torch.nn.modules.module", False), ("posprobe.backend.bridge", False),
+    ("posprobe.core.scoring", True), ("posprobe.analyses.frequency", True)])
 def test_copies_are_classified_by_module_not_by_checkout_folder(tmp_path, checkout, module, core):
     """A host->device copy counts as posprobe's core only when made by a posprobe module above the backend,
     wherever the checkout lies. Catches: classifying by `/posprobe/` in the file path, which also matches

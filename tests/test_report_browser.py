@@ -278,3 +278,25 @@ def test_missing_chromium_policy(monkeypatch, ci, expect):
     exc = pytest.skip.Exception if expect == "skip" else pytest.fail.Exception
     with pytest.raises(exc, match="apt-get install -y chromium"):
         require_chromium()
+
+
+@pytest.mark.browser
+def test_a_page_copied_out_of_its_folder_says_why_its_figures_are_blank(tmp_path):
+    """A report that loads plotly.js from its folder, opened without it (report.html copied elsewhere), shows one
+    sentence naming the missing file instead of empty figure boxes; beside plotly.min.js it shows no such line.
+    Catches: the check removed or inverted (a banner on every page, or blank figures and no word)."""
+    require_chromium()
+    from posprobe.report.html import PLOTLY_JS, Section, render_html, write_plotlyjs
+
+    page = render_html("copied", [Section("Figures", figures=_figures()[:1])], plotly_src=PLOTLY_JS)
+    probe = "(() => { const p = document.getElementById('pp-missing-plotly'); return p ? p.textContent : ''; })()"
+    alone, home = tmp_path / "alone", tmp_path / "home"
+    for folder in (alone, home):
+        folder.mkdir()
+        (folder / "report.html").write_text(page, encoding="utf-8")
+    write_plotlyjs(str(home / PLOTLY_JS))
+    rep = load_page(alone / "report.html", probe, until=bool, timeout=60)
+    assert rep.ok and "plotly.min.js" in rep.value and "copy the whole folder" in rep.value, rep.value
+    rep = load_page(home / "report.html", "(() => [!!window.Plotly, !!document.getElementById('pp-missing-plotly')])()",
+                    until=lambda v: bool(v) and v[0], timeout=60)
+    assert rep.ok and rep.value == [True, False] and rep.errors == [], (rep.value, rep.errors)

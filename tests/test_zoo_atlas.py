@@ -211,6 +211,36 @@ def test_report_has_a_paragraph_and_figure_per_section_and_a_headline(zoo_atlas,
     assert len(again.figures()) == len(result.figures()) >= 8
 
 
+def test_training_caption_names_the_training_text_and_sink_shares_keep_their_axis(zoo_atlas):
+    """Catches: the training-loss caption naming the text the atlas measured (eval.txt) instead of the zoo's training
+    text; the sinks chart drawn on plotly's empty -1..1 axis when every share is 0, with no word why."""
+    from posprobe.report.result import Result
+    from posprobe.report.zoo_atlas import sections
+
+    _, result = zoo_atlas
+    trained_on = result.meta["training_data"]["source"]
+    assert trained_on == "built-in corpus" and result.meta["data"]["source"] != trained_on
+
+    def figure(res, heading):
+        sec = next(s for s in sections(res) if s.heading == heading)
+        return sec.figures[0]
+
+    cap = _caption(figure(result, "Training"))
+    assert f"Data: {trained_on}" in cap and result.meta["data"]["source"] not in cap, cap
+    zero = result.tables["sink_overall"].assign(value=0.0)
+    for values, note in ((zero, True), (zero.assign(value=0.25), False)):
+        fig = figure(Result({**result.tables, "sink_overall": values}, result.meta),
+                     "Attention sinks and massive activations")
+        assert tuple(fig.layout.yaxis.range) == (0, 1)
+        assert any("no model has a sink" in (a.text or "") for a in fig.layout.annotations) == note
+
+
+def _caption(fig) -> str:
+    from posprobe.report.style import get_caption
+
+    return get_caption(fig)
+
+
 @pytest.mark.browser
 def test_zoo_atlas_report_draws_offline_in_chromium(zoo_atlas, tmp_path):
     from browser_util import load_page, require_chromium

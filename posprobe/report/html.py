@@ -236,6 +236,18 @@ def _footer_html(meta: dict | None) -> str:
 PLOTLY_JS = "plotly.min.js"
 
 
+#: Shown in place of blank figures when a page that loads plotly.js from its folder is opened without it (a
+#: report.html copied out of its folder): the page says what is missing instead of rendering empty boxes.
+_MISSING_PLOTLY_JS = (
+    '<script>document.addEventListener("DOMContentLoaded", function () {'
+    ' if (window.Plotly) return; var p = document.createElement("p"); p.id = "pp-missing-plotly";'
+    ' p.setAttribute("style", "background:#fff3cd;border:1px solid #e0c060;padding:8px");'
+    ' p.textContent = "The figures are not shown: this page loads plotly.js from SRC in its own folder, which is '
+    'not beside it here. Open the report inside the folder posprobe wrote (copy the whole folder, not report.html '
+    'alone).";'
+    ' var m = document.querySelector("main") || document.body; m.insertBefore(p, m.firstChild); });</script>')
+
+
 def write_plotlyjs(path: str) -> None:
     """Write the installed plotly.js (the same code the self-contained reports inline) to `path`."""
     from plotly.offline import get_plotlyjs
@@ -267,7 +279,8 @@ def render_html(title: str, sections: list[Section], meta: dict | None = None, *
         parts.append("<section>" + "\n".join(body) + "</section>")
 
     if plotly_src is not None:
-        script = f'<script type="text/javascript" src="{_esc(plotly_src)}" charset="utf-8"></script>'
+        script = (f'<script type="text/javascript" src="{_esc(plotly_src)}" charset="utf-8"></script>'
+                  + _MISSING_PLOTLY_JS.replace("SRC", _esc(plotly_src)))
     else:
         plotlyjs = get_plotlyjs()
         if "</script" in plotlyjs.lower():  # would terminate the inline script early

@@ -85,8 +85,9 @@ def _line_figure(df: pd.DataFrame, x: str, y: str, order: list[str], title: str,
     return style(fig, caption=cap)
 
 
-def _cap(result: Any, note: str, **options: Any) -> str:
-    return caption(result.meta, options, note=note + " Lines: mean over seeds; bars: lowest and highest seed.")
+def _cap(result: Any, note: str, *, meta: dict | None = None, **options: Any) -> str:
+    # `meta`: the record the caption names in place of the result's own (the training figure's training text).
+    return caption(meta or result.meta, options, note=note + " Lines: mean over seeds; bars: lowest and highest seed.")
 
 
 # --- sections ---------------------------------------------------------------------------------------------------
@@ -99,8 +100,10 @@ def _training(result: Any) -> Section | None:
     final = _by_member(members, "loss", _order(result)).sort_values()
     text = ("Final training loss (nats/token, mean of the last 10 steps, mean over seeds): "
             + ", ".join(f"{m} {v:.2f}" for m, v in final.items()) + ".")
+    # The caption names the training text, not the text the other sections were measured on.
+    trained = {**result.meta, "data": result.meta.get("training_data") or {"source": "the zoo's training text"}}
     fig = _line_figure(df, "tokens", "loss", _order(result), "Training loss", "training tokens",
-                       "training loss (nats/token)", _cap(result, "Read from the zoo's training folder."))
+                       "training loss (nats/token)", _cap(result, "Read from the zoo's training folder.", meta=trained))
     return Section(_TITLES["training"], html=f"<p>{text}</p>", figures=[fig])
 
 
@@ -269,6 +272,11 @@ def _sinks(result: Any) -> Section | None:
                  color="condition", barmode="group", category_orders={"member": order},
                  color_discrete_sequence=list(COLORS), labels={"value": "sink share"},
                  title="Attention sinks: share of (sequence, head) pairs with Sink_1^0.3 (Gu et al. 2025)")
+    # A share is a fraction: a fixed 0..1 axis, so a zoo without sinks shows bars at 0, not an empty -1..1 frame.
+    fig.update_yaxes(range=[0, 1], tickformat=".0%")
+    if not (share["value"] > 0).any():
+        fig.add_annotation(text="every share is 0: no model has a sink (Sink_1^0.3) on these inputs", showarrow=False,
+                           xref="paper", yref="paper", x=0.5, y=0.5)
     fig = style(fig, caption=_cap(result, "Random tokens and text windows."))
     by = share.pivot_table(index="member", columns="condition", values="value", aggfunc="mean")
     parts = [f"{m} {_pct(by.loc[m].get('random'))} / {_pct(by.loc[m].get('text'))}" for m in order if m in by.index]

@@ -95,6 +95,7 @@ def run_zoo_atlas(paths: list[str], config: ZooAtlasConfig | None = None, *, tex
     frames: dict[str, list[pd.DataFrame]] = {}
     refused: list[dict] = []
     headline: dict[str, dict] = {}
+    training_data = None
     timings: dict[str, float] = {}
 
     def add(name: str, df: pd.DataFrame, m: _Model) -> None:
@@ -105,7 +106,8 @@ def run_zoo_atlas(paths: list[str], config: ZooAtlasConfig | None = None, *, tex
     for section in wanted:
         t0 = time.perf_counter()
         if section == "training":
-            for tab, df in _training_tables(paths).items():
+            found, training_data = _training_tables(paths)
+            for tab, df in found.items():
                 frames.setdefault(tab, []).append(df)
         elif section == "similarity":
             say(f"zoo atlas: similarity of {sum(m.model is not None for m in models)} models' heads ...")
@@ -144,7 +146,7 @@ def run_zoo_atlas(paths: list[str], config: ZooAtlasConfig | None = None, *, tex
     meta = make_meta("zoo-atlas", model={"name": "zoo", "positional_kind": "several",
                                          "models": [m.spec for m in models]},
                      data=data_meta(source, n_items=len(text), unit="characters", sha256=text_sha256(text)),
-                     config=cfg, sections=wanted, seconds=timings, headline=headline,
+                     config=cfg, sections=wanted, seconds=timings, headline=headline, training_data=training_data,
                      extrapolation=dict(factors=list(cfg.factors), protocols=list(PROTOCOLS),
                                         max_tokens=cfg.extrapolation_tokens))
     return Result(tables, meta)
@@ -164,14 +166,15 @@ def _model_row(m: _Model) -> dict:
     return row
 
 
-def _training_tables(paths: list[str]) -> dict[str, pd.DataFrame]:
-    # The zoo's own training record, as `posprobe zoo train` saved it (first zoo folder that has one).
+def _training_tables(paths: list[str]) -> tuple[dict[str, pd.DataFrame], dict | None]:
+    # The zoo's own training record, as `posprobe zoo train` saved it (first zoo folder that has one), and the
+    # training text's data record (the training figure's caption names it, not the text the atlas measured).
     for spec in paths:
         folder = Path(spec) / "training"
         if (folder / "meta.json").is_file():
             got = Result.load(folder)
-            return {"training": got.tables["training"], "training_members": got.tables["members"]}
-    return {}
+            return {"training": got.tables["training"], "training_members": got.tables["members"]}, got.meta.get("data")
+    return {}, None
 
 
 def _skip(m: _Model, section: str) -> str | None:

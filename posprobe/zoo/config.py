@@ -119,7 +119,8 @@ class ZooAtlasConfig:
     max_pairs: int = option(10, "built-in minimal pairs per paradigm for the shift test")
     probe_tokens: int = option(2000, "tokens sampled for the position probes")
     similarity_windows: int = option(16, "text windows every model reads for the head similarity")
-    extrapolation_tokens: int = option(4096, "scored tokens per length of the extrapolation section")
+    # The same default as `zoo eval` (ExtrapolationConfig.max_tokens): "ppl at L" is one number in both commands.
+    extrapolation_tokens: int = option(8192, "scored tokens per length of the extrapolation section (as zoo eval)")
     factors: tuple[float, ...] = option((1, 2, 4, 8), "extrapolation lengths as multiples of L", flag="--factor")
     seed: int = option(0, "seed of every sampled piece")
     progress: bool = option(True, "", cli=False)
