@@ -253,6 +253,7 @@ def test_cli_tiny_and_bad_input(tmp_path, capsys):
                  "--top-heads", "2", "--no-progress"]) == 0
     names = {p.name for p in out.iterdir()}
     assert {"report.html", "meta.json", "bands.parquet", "profile.csv", "heads.parquet", "ablation.csv"} <= names
+    _check_printed_findings(capsys.readouterr().out, out)
     assert not [n for n in names if n.startswith(".")]  # no temp files left
     meta = json.loads((out / "meta.json").read_text())
     assert (
@@ -309,3 +310,25 @@ def test_notebook_executes(tmp_path):
                             resources={"metadata": {"path": str(tmp_path)}}).execute()
     text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
     assert "SmolLM2" in text and "q_norm, fastest 4 bands" in text
+
+
+def _check_printed_findings(stdout: str, out) -> None:
+    """freq-report prints the atlas's [frequency] sentence; its numbers recomputed here from the saved tables: per head
+    the |score| share summed over the fastest (slowest) quarter of bands, averaged over heads; heads counted by kind.
+    Catches: no findings on stdout, quarters swapped, a share averaged over bands instead of summed per head."""
+    import re
+
+    import pandas as pd
+
+    line = next(ln for ln in stdout.splitlines() if ln.startswith("[frequency] "))
+    b = pd.read_parquet(out / "bands.parquet")
+    share = b[(b.metric == "abs_share") & (b.band >= 0)]
+    n_bands = share.band.max() + 1
+    q = max(n_bands // 4, 1)
+    per_head = {name: share[keep].pivot_table(index=["layer", "head"], values="value", aggfunc="sum").value.mean()
+                for name, keep in (("fast", share.band < q), ("slow", share.band >= n_bands - q))}
+    fast, slow = (int(x) for x in re.search(r"draws (\d+)% .* fastest .* and (\d+)% from the slowest", line).groups())
+    assert (fast, slow) == (round(100 * per_head["fast"]), round(100 * per_head["slow"])), line
+    heads = pd.read_parquet(out / "heads.parquet")
+    for kind, count in heads.kind.value_counts().items():
+        assert f"{count} {kind}" in line, (kind, count, line)

@@ -171,6 +171,24 @@ def test_cli_malformed_blimp_line_names_file_and_line_and_writes_nothing(tmp_pat
     assert done.returncode == 2 and ">= 0" in done.stderr and not (tmp_path / "out").exists()
 
 
+def test_offline_gpt2_points_to_a_learned_position_model_that_can_be_made_here(tmp_path, capsys):
+    """`shift-test gpt2` offline (no GPT-2 weights on any registry) names the zoo's learned member, with commands that
+    parse as given. Catches: the generic hub message alone, or a hint whose commands have gone stale."""
+    import shlex
+
+    from posprobe.cli import main
+    from posprobe.cli.main import build_parser
+
+    assert main(["shift-test", "gpt2", "--k", "100"]) == 2
+    err = capsys.readouterr().err
+    assert "Cannot download 'gpt2'" in err and "posprobe zoo train --member learned" in err, err
+    commands = [c for c in err.split("`") if c.startswith("posprobe ")][-2:]
+    assert len(commands) == 2, err
+    parsed = [build_parser().parse_args(shlex.split(c)[1:]) for c in commands]
+    assert parsed[0].zoo_command == "train" and parsed[0].members == ["learned"]
+    assert parsed[1].command == "shift-test" and parsed[1].model == f"{parsed[0].out}/learned-s0"
+
+
 @pytest.mark.browser
 def test_cli_report_renders_offline_in_chromium(tmp_path):
     sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from posprobe.cli import main
-from posprobe.cli.main import SUBCOMMANDS, _leaf_parsers, build_parser, set_threads
+from posprobe.cli.main import SUBCOMMANDS, _leaf_parsers, build_parser
+from posprobe.cli.threads import set_threads, warn_if_busy
 
 
 def test_every_command_takes_threads():
@@ -37,7 +38,7 @@ def test_threads_sets_torch_and_is_checked(capsys):
 
 def test_threads_reaches_a_fresh_process_before_torch_starts():
     """In a new process the flag is applied before torch is imported (OMP_NUM_THREADS), so torch starts with it."""
-    code = ("import sys; from posprobe.cli.main import set_threads; set_threads(1); import torch; "
+    code = ("import sys; from posprobe.cli.threads import set_threads; set_threads(1); import torch; "
             "print(torch.get_num_threads())")
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
@@ -53,8 +54,25 @@ def test_a_busy_machine_is_named_on_stderr(monkeypatch, capsys, load, omp, warne
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        set_threads(None)
+        warn_if_busy()
     finally:
         torch.set_num_threads(before)
     err = capsys.readouterr().err
     assert ("machine is busy (1-minute load 1.9 on 2 cores)" in err) == warned, err
+
+
+def test_a_refusal_on_a_busy_machine_stays_one_line(monkeypatch, capsys):
+    """The busy line is printed where the heavy work starts, after the input checks. Catches: it printed before them,
+    so a refused input gives two lines instead of one sentence."""
+    from posprobe.cli import main
+
+    monkeypatch.setattr(os, "getloadavg", lambda: (5.0, 5.0, 5.0))
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setenv("OMP_NUM_THREADS", "")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert main(["heads", "tiny-rope", "--window", "0", "--out", "x"]) == 2
+    finally:
+        torch.set_num_threads(before)
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1

@@ -447,19 +447,9 @@ def _atlas_run(model: Any, r: AtlasRun) -> Result:
                                                          ablate=False, progress=r.config.progress), source=r.source)
 
 
-def _atlas_headlines(part: Result) -> list[tuple[str, float]]:
-    b = part.tables["bands"]
-    share = b[(b.metric == "abs_share") & (b.band >= 0)]
-    n_bands = int(share.band.max()) + 1
-    q = n_bands // 4 or 1
-    per_head = lambda rows: float(rows.groupby(["layer", "head"]).value.sum().mean())  # noqa: E731
-    return ([("abs_share_fastest_quarter", per_head(share[share.band < q])),
-             ("abs_share_slowest_quarter", per_head(share[share.band >= n_bands - q]))]
-            + [(f"n_{k}", float(v)) for k, v in part.tables["heads"].kind.value_counts().items()])
-
-
 ATLAS_SECTION = register(AtlasSection(
-    "frequency", "RoPE frequency usage", _atlas_run, _atlas_headlines, frequency_report.atlas_paragraph,
+    "frequency", "RoPE frequency usage", _atlas_run, frequency_report.headline_numbers,
+    frequency_report.atlas_paragraph,
     blocked=lambda facts, engine_runs: (facts.unsupported, facts.rotation_unhooked, facts.attention_unsupported),
     # the layers whose heads the section measured (rotary layers only)
     meta=lambda part: {"frequency_layers": sorted(int(l) for l in part.tables["heads"].layer.unique())}))

@@ -30,6 +30,10 @@ class ModelLoadError(RuntimeError):
     """A model spec could not be turned into a model; the message says what to do instead."""
 
 
+class HubUnreachableError(ModelLoadError):
+    """A hub name that cannot be had: the hub is unreachable and the model is not in the local cache."""
+
+
 class UnknownModelError(ModelLoadError):
     """A bare name that is no model TransformerLens, posprobe or a local path knows (a typo, not the network)."""
 
@@ -184,7 +188,7 @@ def resolve(spec: str | os.PathLike[str]) -> Source:
     if not known_model_name(text) and not looks_like_repo_id(text) and tl_model_names()[0]:
         raise _unknown_name_error(text)
     if hub_offline():
-        raise ModelLoadError(
+        raise HubUnreachableError(
             f"Cannot download '{text}': the Hugging Face hub is unreachable (offline) and the model "
             "is not in the local Hugging Face cache. Alternatives: pass a local Hugging Face model "
             "folder (config.json + weights), a .gguf file (converted once and cached under "

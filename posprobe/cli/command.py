@@ -114,6 +114,9 @@ class AnalysisCommand:
         return 0
 
     def _load(self, args: argparse.Namespace, extras: dict[str, Any]) -> Any:
+        from posprobe.cli.threads import warn_if_busy
+
+        warn_if_busy()  # inputs are checked: the heavy work starts here
         if self.loader == "hf":
             from posprobe.backend.loading import load_hf_model
 

@@ -19,8 +19,14 @@ def _checks(args: argparse.Namespace, config: Any, early: Any) -> int:
     return config.window
 
 
+def _summary(args: argparse.Namespace, result: Any) -> None:
+    from posprobe.report.frequency import summary_text
+
+    print(summary_text(result))  # the sentence the atlas prints for this section, from the same numbers
+
+
 COMMAND = AnalysisCommand("FrequencyConfig", "posprobe.analyses.frequency:run_frequency", resume=True,
-                          distributed=True, checks=_checks,
+                          distributed=True, checks=_checks, summary=_summary,
                           at_least=((0, ("queries",)), (1, ("window", "max_windows", "batch_size", "ablate_windows",
                                                             "top_heads"))))
 add_arguments, run = COMMAND.add_arguments, COMMAND.run

@@ -63,28 +63,6 @@ def _leaf_parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentPars
     return [leaf for a in subs for child in dict.fromkeys(a.choices.values()) for leaf in _leaf_parsers(child)]
 
 
-def set_threads(threads: int | None) -> None:
-    """Apply --threads (torch's intra-op threads), or, left unset, warn on stderr when other processes already keep
-    every core busy: torch's default of one thread per core then oversubscribes the CPU (measured 5-16x slower on
-    2 cores). Never changes the count by itself: a training run that resumes must compute as the run it resumes."""
-    if threads is not None:
-        if threads < 1:
-            raise ValueError(f"--threads must be >= 1; got {threads}")
-        if "torch" in sys.modules:
-            sys.modules["torch"].set_num_threads(threads)
-        else:  # read once when torch starts; commands import it only after their input checks (fast refusals)
-            os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(threads)
-        return
-    cores = os.cpu_count() or 1
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-    torch = sys.modules.get("torch")
-    one = os.environ.get("OMP_NUM_THREADS", "").strip() == "1" or (torch is not None and torch.get_num_threads() == 1)
-    if cores > 1 and load >= cores - 0.5 and not one:
-        print(f"posprobe: the machine is busy (1-minute load {load:.1f} on {cores} cores): torch's one thread per "
-              "core competes with the other jobs and can run several times slower; --threads 1 avoids it",
-              file=sys.stderr)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the process exit code (2 for user errors, with one clear message)."""
     parser = build_parser()
@@ -97,6 +75,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
             if "transformers" in sys.modules:
                 sys.modules["transformers"].utils.logging.disable_progress_bar()
+        from posprobe.cli.threads import set_threads
+
         set_threads(getattr(args, "threads", None))
         if getattr(args, "device", None) is not None:  # before any weights load: a device torch lacks, or a typo
             from posprobe.cli.args import resolve_device

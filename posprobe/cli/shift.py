@@ -82,6 +82,12 @@ def _check_model(facts: PeekedFacts | None, args: argparse.Namespace, cfg: Shift
                          f"{facts.positional_kind}): the largest allowed k is {rest}{hint}")
 
 
+#: Offline, no learned-position weights install from a registry (no GPT-2 anywhere): the zoo makes one.
+OFFLINE_LEARNED_HINT = ("A learned-position model to shift offline: train the zoo's learned member (a few minutes on "
+                        "2 cores) with `posprobe zoo train --member learned --out zoo`, then "
+                        "`posprobe shift-test zoo/learned-s0 --k 64`.")
+
+
 def run(args: argparse.Namespace) -> int:
     from posprobe.analyses.configs import ShiftConfig
     from posprobe.cli.args import config_from_args
@@ -103,15 +109,19 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("Nothing to score: --no-pairs needs --text")
 
     from posprobe.analyses.shift import run_shift_test
+    from posprobe.backend.sources import HubUnreachableError
     from posprobe.core import distributed
     from posprobe.report.checkpoint import discard_work_folder, work_folder_for
     from posprobe.report.shift import console_table
 
     # With --out, blocks of scored pairs and text windows are kept in <out>.work: a rerun resumes from there.
     work = work_folder_for(args.out) if args.out else None
-    result = run_shift_test(args.model, pairs, text=text, config=cfg, data_source=source, backend=args.backend,
-                            device=distributed.local_device(args.device), dtype=args.dtype, work=work,
-                            fresh=args.fresh)
+    try:
+        result = run_shift_test(args.model, pairs, text=text, config=cfg, data_source=source, backend=args.backend,
+                                device=distributed.local_device(args.device), dtype=args.dtype, work=work,
+                                fresh=args.fresh)
+    except HubUnreachableError as e:
+        raise HubUnreachableError(f"{e} {OFFLINE_LEARNED_HINT}") from None
     if not distributed.is_writer():  # under torchrun every rank holds the merged result; rank 0 writes it
         return 0
     model = result.meta["model"]

@@ -117,10 +117,12 @@ def _train(args: argparse.Namespace) -> int:
     eval_text = checks.read_text_early(args.eval_text)
     out = Path(args.out)
 
+    from posprobe.cli.threads import warn_if_busy
     from posprobe.data import builtin_corpus
     from posprobe.zoo.run import check_device, train_zoo
 
     check_device(cfg)
+    warn_if_busy()
     if text is None:
         print("zoo: training on posprobe's built-in corpus (~13,600 words): a smoke run; pass --text for a real "
               "corpus", file=sys.stderr)
@@ -166,6 +168,9 @@ def _across_models(args: argparse.Namespace, config_cls: type, run: tuple[str, s
     config = config_from_args(config_cls, args, progress=not args.no_progress)
     text = checks.read_text_early(args.text)
     fn, summary = (getattr(importlib.import_module(mod), name) for mod, name in (run, table))
+    from posprobe.cli.threads import warn_if_busy
+
+    warn_if_busy()
     result = fn(args.models, config, text=text, source=args.text, device=args.device)
     print(summary(result).to_string(index=False))
     for model, why in refused_models(result):
@@ -199,6 +204,9 @@ def _tasks(args: argparse.Namespace) -> int:
     from posprobe.zoo.task_zoo import train_task_zoo
 
     check_device(cfg)
+    from posprobe.cli.threads import warn_if_busy
+
+    warn_if_busy()
     result = train_task_zoo(cfg, tasks, args.out, fresh=args.fresh)
     print(accuracy_table(result).to_string(index=False))
     print(f"wrote {args.out} ({len(result.tables['members'])} members) and {args.out}/tasks/report.html")

@@ -209,13 +209,39 @@ def _frequency_scope(meta: dict, counted: int) -> str:
             f"{'s' if len(missing) > 1 else ''} {_layer_list(missing)} {'have' if len(missing) > 1 else 'has'} {why})")
 
 
+def headline_numbers(part: Any) -> list[tuple[str, float]]:
+    """(name, value) of a frequency result's headline: the mean per-head share of |score| from the fastest and the
+    slowest quarter of bands (fractions), and the number of heads of each kind (`n_<kind>`)."""
+    b = part.tables["bands"]
+    share = b[(b.metric == "abs_share") & (b.band >= 0)]
+    n_bands = int(share.band.max()) + 1
+    q = n_bands // 4 or 1
+    per_head = lambda rows: float(rows.groupby(["layer", "head"]).value.sum().mean())  # noqa: E731
+    return ([("abs_share_fastest_quarter", per_head(share[share.band < q])),
+             ("abs_share_slowest_quarter", per_head(share[share.band >= n_bands - q]))]
+            + [(f"n_{k}", float(v)) for k, v in part.tables["heads"].kind.value_counts().items()])
+
+
+def summary_text(result: Any) -> str:
+    """The line `freq-report` prints: the atlas's frequency sentence, from the same numbers."""
+    numbers = dict(headline_numbers(result))
+    kinds = {k[2:]: int(v) for k, v in numbers.items() if k.startswith("n_")}
+    layers = sorted(int(x) for x in result.tables["heads"].layer.unique())
+    meta = {**result.meta, "frequency_layers": result.meta.get("frequency_layers", layers)}
+    return "[frequency] " + _paragraph(numbers["abs_share_fastest_quarter"], numbers["abs_share_slowest_quarter"],
+                                       kinds, meta)
+
+
 def atlas_paragraph(result: Any, n: Any) -> str:
     """The atlas's frequency section in words: score magnitude from the fastest and slowest quarter of bands, and
     the heads by how much relative distance explains, with the heads they cover."""
-    fast, slow = n("abs_share_fastest_quarter"), n("abs_share_slowest_quarter")
     kinds = {r.metric[2:]: int(r.value) for r in result.tables["atlas"].itertuples()
              if r.section == "frequency" and r.metric.startswith("n_")}
+    return _paragraph(n("abs_share_fastest_quarter"), n("abs_share_slowest_quarter"), kinds, result.meta)
+
+
+def _paragraph(fast: float, slow: float, kinds: dict[str, int], meta: dict) -> str:
     return (f"On average a head draws {fast:.0%} of its score magnitude from the fastest quarter of rotary "
             f"bands and {slow:.0%} from the slowest quarter. By how much of the score's variance relative "
             f"distance explains: {', '.join(f'{v} {k}' for k, v in kinds.items())} heads"
-            f"{_frequency_scope(result.meta, sum(kinds.values()))}.")
+            f"{_frequency_scope(meta, sum(kinds.values()))}.")
