@@ -87,6 +87,26 @@ def _concrete(cmd: str, text: Path, out: Path) -> list[str]:
     return argv
 
 
+def _stand_in_zoos(argv: list[str], folder: Path) -> None:
+    # `zoo eval` / `zoo atlas` refuse a folder that is not a zoo before loading: the README's zoo (trained by its own
+    # command) is stood in for by one member folder with the record and config `zoo train` writes.
+    import json
+
+    from posprobe.zoo.train import ZOO_FILE
+
+    if argv[:1] != ["zoo"] or argv[1] not in ("eval", "atlas"):
+        return
+    for spec in argv[2:]:
+        if spec.startswith("-"):
+            break
+        if "/" in spec and not (folder / spec).exists():
+            member = folder / spec / "rope-s0"
+            member.mkdir(parents=True)
+            (member / ZOO_FILE).write_text(json.dumps({"member": "rope", "family": "rope", "block": "gpt", "seed": 0,
+                                                       "widths": {"length": 128}}))
+            (member / "config.json").write_text(json.dumps({"model_type": "gpt_neox"}))
+
+
 def test_readme_names_its_commands():
     cmds = readme_commands()
     assert len(cmds) >= 15
@@ -124,6 +144,7 @@ def test_readme_command_passes_every_check_before_loading(cmd, tmp_path, monkeyp
     monkeypatch.setattr(posprobe.zoo.task_zoo, "train_task_zoo", reached)
     monkeypatch.chdir(tmp_path)
     argv = _concrete(cmd, wiki, tmp_path / "out")
+    _stand_in_zoos(argv, tmp_path)
     with pytest.raises(_Reached):
         code = main(argv)
         pytest.fail(f"{cmd!r} ended with exit code {code} before loading: {capsys.readouterr().err[-800:]}")
