@@ -10,7 +10,6 @@ attention temperature and StreamingLLM's evicted keys (both read from `plan.meta
 
 from __future__ import annotations
 
-import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator
@@ -22,7 +21,8 @@ from posprobe.backend.facts import model_facts, require_rotary
 from posprobe.backend.hooks import hook_name, hooked, layer_rotary_spec, scaled_rotary_spec, score_edits_apply
 from posprobe.backend.model import model_name, n_layers
 from posprobe.core.positions import KeyView, PositionError, PositionPlan, rope_positions, shifted_plan
-from posprobe.rope import RotarySpec, wavelength
+from posprobe.rope import RotarySpec
+from posprobe.rope_theory import ntk_aware_base, yarn_gamma, yarn_temperature
 
 VARIANTS = ("cache", "global")
 
@@ -97,7 +97,7 @@ def _specs(model: Any) -> dict[int, RotarySpec]:
 
 def ntk_rotary(spec: RotarySpec, scale: float) -> RotarySpec:
     """NTK-aware base change of one layer's rotation: base' = base * s ** (d / (d - 2)), d = rotary_dim."""
-    return replace(spec, base=spec.base * scale ** (spec.rotary_dim / (spec.rotary_dim - 2)))
+    return replace(spec, base=ntk_aware_base(spec, scale))
 
 
 def ntk_aware(model: Any, n: int, scale: float) -> PositionPlan:
@@ -116,12 +116,8 @@ def yarn_factors(spec: RotarySpec, scale: float, original_ctx: int, beta_fast: f
     r_b = L / wavelength_b; ramp g = 0 if r < beta_slow, 1 if r > beta_fast, else linear between;
     new angular frequency theta_b' = ((1 - g) / s + g) * theta_b, so the multiplier is 1 / ((1 - g)/s + g).
     """
-    out = []
-    for lam in wavelength(replace(spec, freq_scale=None, removed=frozenset())):
-        r = original_ctx / lam
-        g = 0.0 if r < beta_slow else 1.0 if r > beta_fast else (r - beta_slow) / (beta_fast - beta_slow)
-        out.append(1.0 / ((1.0 - g) / scale + g))
-    return tuple(out)
+    gamma = yarn_gamma(spec, original_ctx, alpha=beta_slow, beta=beta_fast, ramp="turns")
+    return tuple(float(1.0 / ((1.0 - g) / scale + g)) for g in gamma)
 
 
 def yarn_rotary(spec: RotarySpec, scale: float, original_ctx: int, beta_fast: float = 32.0,
@@ -134,8 +130,7 @@ def yarn_rotary(spec: RotarySpec, scale: float, original_ctx: int, beta_fast: fl
 
 def yarn_score_scale(scale: float) -> float:
     """YaRN's multiplier of the pre-softmax scores, m**2 with m = sqrt(1/t) = 0.1 ln(s) + 1 (1 for s <= 1)."""
-    m = 0.1 * math.log(scale) + 1.0 if scale > 1 else 1.0
-    return m * m
+    return yarn_temperature(scale) ** 2
 
 
 def yarn(model: Any, n: int, scale: float, original_ctx: int, *, beta_fast: float = 32.0,

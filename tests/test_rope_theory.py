@@ -1,0 +1,150 @@
+"""RoPE theory (`posprobe.rope_theory`, `posprobe info --theory`) against the papers' own printed numbers, their
+formulas written out here in plain Python, and Hugging Face's rope tables: Liu's critical dimension, Xu's first
+negative rotation sum, Chen's B(s) and both bounds (checked as bounds on random h), and the scaling methods' per-band
+factors against `ROPE_INIT_FUNCTIONS`."""
+
+from __future__ import annotations
+
+import cmath
+import doctest
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import posprobe.rope_theory as T
+from posprobe.rope import RotarySpec
+
+
+def test_docstring_examples_run():
+    """The module's >>> examples (the papers' numbers) run and print what they say."""
+    failed, tried = doctest.testmod(T, verbose=False)
+    assert tried >= 4 and failed == 0
+
+
+@pytest.mark.parametrize(("d", "base", "length"), [(128, 1e4, 4096), (64, 1e5, 8192), (32, 1e4, 128), (256, 1e6, 32768),
+                                                   (128, 5e5, 2048), (16, 1e4, 256)])
+def test_critical_dimension_is_liu_et_al_closed_form(d, base, length):
+    """Liu et al. 2024: 2 ceil((d/2) log_b(L / 2pi)), and Llama-2 at 4,096 tokens: 92 of 128 (their printed number).
+    Catches: counting bands instead of dims (46 for 92)."""
+    liu = 2 * math.ceil(d / 2 * math.log(length / (2 * math.pi), base))
+    assert T.critical_dimension(RotarySpec(rotary_dim=d, base=base), length) == min(liu, d)
+    assert T.critical_dimension(RotarySpec(rotary_dim=128, base=1e4), 4096) == 92
+
+
+def _xu_loop(d: int, base: float, limit: int) -> int | None:
+    # Xu et al. 2024, written out: B_m = sum_{i<d/2} cos(m base^(-2i/d)); the first m with B_m < 0.
+    thetas = [base ** (-2 * i / d) for i in range(d // 2)]
+    for m in range(1, limit + 1):
+        if sum(math.cos(m * t) for t in thetas) < 0:
+            return m
+    return None
+
+
+@pytest.mark.parametrize(("d", "base", "expected"), [(64, 1e5, 3616), (32, 1e4, 474)])
+def test_first_negative_sum_is_xu_et_al_crossing(d, base, expected):
+    """SmolLM2 (d 64, base 1e5): near 3.6k as the issue quotes Xu's rule; the zoo's rotary members (d 32, base 1e4):
+    ~474. Catches: a sum over dims (each band twice, shifted) instead of bands."""
+    assert _xu_loop(d, base, 5000) == expected
+    spec = RotarySpec(rotary_dim=d, base=base)
+    assert T.first_negative_sum(spec, 5000) == expected
+    assert T.first_negative_sum(spec, expected - 1) is None
+    m = np.array([1, 17, expected - 1, expected])
+    ref = [sum(math.cos(k * base ** (-2 * i / d)) for i in range(d // 2)) for k in m]
+    assert np.allclose(T.rotation_sum(spec, m), ref, rtol=0, atol=1e-9)
+
+
+def _chen_B_loop(d: int, base: float, s: float) -> float:
+    # Chen et al. 2023, Thm 2.1: B(s) = sum_{k=0}^{d/2-1} |A_{k+1}(s)|, A_k(s) = sum_{j=0}^{k-1} e^{i s theta_j}.
+    thetas = [base ** (-2 * j / d) for j in range(d // 2)]
+    return sum(abs(sum(cmath.exp(1j * s * t) for t in thetas[:k + 1])) for k in range(d // 2))
+
+
+def test_chen_B_matches_the_paper():
+    """B(s)/d ~ 14-16 near s = 1 for d = 128, base 1e4, and >= 1 for every s <= 2,048 (Chen et al.: 'almost every');
+    the bound ratio is then >= 64 ln c (~590). Catches: |sum| for sum of |.|, a partial sum missing its own term."""
+    spec = RotarySpec(rotary_dim=128, base=1e4)
+    s = np.array([0.5, 1.0, 1.5, 7.0, 100.0, 2048.0])
+    assert np.allclose(T.chen_B(spec, s), [_chen_B_loop(128, 1e4, x) for x in s], rtol=1e-12)
+    assert 14 <= T.chen_B(spec, [1.0])[0] / 128 <= 16
+    ratio = T.chen_B(spec, np.arange(1, 2049)) / 128
+    assert ratio.min() >= 1
+    assert T.chen_bound_ratio(spec, [1.0])[0] == pytest.approx(64 * math.log(1e4) * T.chen_B(spec, [1.0])[0] / 128)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_chen_bounds_hold_for_random_h(seed):
+    """Both bounds are bounds: for random complex h_j, |a(s)| <= 2 max|h| B(s) at every s, and a(s) between two
+    integer positions stays within d max|h| / (32 ln c) of the straight line joining them. Catches: a factor of 2
+    or 32 lost, B(s) without its absolute values (then the bound fails for some h)."""
+    rng = np.random.default_rng(seed)
+    d, base = 32, 1e4
+    spec = RotarySpec(rotary_dim=d, base=base)
+    h = rng.normal(size=d // 2) + 1j * rng.normal(size=d // 2)
+    theta = base ** (-np.arange(0, d, 2) / d)
+
+    def a(s):
+        return np.real(np.exp(1j * np.outer(s, theta)) @ h)
+
+    s = np.arange(0, 4000, 0.37)
+    assert np.all(np.abs(a(s)) <= T.extrapolation_bound(spec, s, np.abs(h).max()) + 1e-9)
+    left = np.arange(0, 300)
+    frac = np.linspace(0, 1, 21)
+    inside = left[:, None] + frac[None, :]
+    line = a(left)[:, None] * (1 - frac) + a(left + 1)[:, None] * frac
+    err = np.abs(a(inside.ravel()).reshape(inside.shape) - line).max()
+    assert err <= T.interpolation_bound(spec, np.abs(h).max())
+
+
+def _hf_table(rope: dict, d: int, base: float, length: int, seq_len: int | None = None) -> tuple[np.ndarray, float]:
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    cfg = LlamaConfig(hidden_size=d * 2, num_attention_heads=2, head_dim=d, max_position_embeddings=length,
+                      rope_parameters={"rope_theta": base, **rope})
+    inv, factor = ROPE_INIT_FUNCTIONS[rope["rope_type"]](cfg, "cpu", seq_len=seq_len)
+    return inv.double().numpy(), float(factor)
+
+
+@pytest.mark.parametrize(("d", "base", "length", "scale"), [(64, 1e4, 2048, 4.0), (128, 5e5, 4096, 8.0),
+                                                             (32, 1e4, 128, 4.0), (64, 1e5, 8192, 2.0)])
+def test_scaling_factors_equal_hugging_face_rope_types(d, base, length, scale):
+    """PI = HF `linear`; NTK-aware base = HF `dynamic` (factor 1) at s L tokens; YaRN's band ramp and temperature =
+    HF `yarn` (truncated and not), <= 1e-6 relative on the frequencies; the paper's ramp (linear in turns) agrees with
+    it outside the ramp. Catches: d/(d-2) inverted, ramp ends swapped (alpha/beta), the temperature squared."""
+    spec = RotarySpec(rotary_dim=d, base=base)
+    theta = base ** (-np.arange(0, d, 2) / d)
+    hf_pi, _ = _hf_table({"rope_type": "linear", "factor": scale}, d, base, length)
+    assert np.allclose(theta * T.pi_factors(spec, scale), hf_pi, rtol=1e-6)
+    hf_ntk, _ = _hf_table({"rope_type": "dynamic", "factor": 1.0}, d, base, length, seq_len=int(scale * length))
+    ntk = T.ntk_aware_base(spec, scale) ** (-np.arange(0, d, 2) / d)
+    assert np.allclose(ntk, hf_ntk, rtol=1e-6)
+    for truncate in (True, False):
+        hf_yarn, hf_t = _hf_table({"rope_type": "yarn", "factor": scale, "original_max_position_embeddings": length,
+                                   "truncate": truncate}, d, base, length)
+        g = T.yarn_gamma(spec, length, ramp="band", truncate=truncate)
+        assert np.allclose(theta * ((1 - g) / scale + g), hf_yarn, rtol=1e-6), truncate
+        assert hf_t == pytest.approx(T.yarn_temperature(scale), rel=1e-9)
+    paper = T.yarn_gamma(spec, length, ramp="turns")
+    turns = length * theta / (2 * math.pi)
+    assert np.all(paper[turns > 32] == 1) and np.all(paper[turns < 1] == 0)
+    inside = (turns >= 1) & (turns <= 32)
+    assert np.allclose(paper[inside], (turns[inside] - 1) / 31)
+    hf = T.yarn_gamma(spec, length, ramp="band", truncate=False)
+    assert np.all(hf[turns > 32] == 1) and np.all(hf[turns < 1] == 0)
+
+
+def test_yarn_temperature_is_the_papers():
+    """Peng et al.: sqrt(1/t) = 0.1 ln s + 1, 1.208 at s = 8 (their printed value); 1 for s <= 1."""
+    assert round(T.yarn_temperature(8.0), 3) == 1.208 and T.yarn_temperature(1.0) == 1.0
+
+
+def test_a_rescaled_table_is_refused_for_projections():
+    """Catches: YaRN projected on a table its rope type already rescaled (scaled twice, silently)."""
+    T.check_plain(RotarySpec(rotary_dim=32, base=1e4), "YaRN")
+    with pytest.raises(ValueError, match="already rescaled"):
+        T.check_plain(RotarySpec(rotary_dim=32, base=1e4, freq_scale=(1.0,) * 16), "YaRN")
+    with pytest.raises(ValueError, match="already rescaled"):
+        T.check_plain(RotarySpec(rotary_dim=32, base=1e4, removed=frozenset({15})), "YaRN")
