@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import cmath
 import doctest
-import json
 import math
 
 import numpy as np
 import pytest
-import torch
 
 import posprobe.rope_theory as T
 from posprobe.rope import RotarySpec
