@@ -6,20 +6,21 @@ ordinary HF folders; bad input is refused before training."""
 from __future__ import annotations
 
 import os
-import random
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from zoo_util import spelled_instance, token_reads
 
 from posprobe.zoo.config import TaskConfig, ZooConfig
 from posprobe.zoo.tasks import (
     TASKS,
     encode_instance,
     held_out_instances,
-    instance,
     sequence_length,
     task_accuracy,
     task_batch,
@@ -30,21 +31,55 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(d_model=32, n_layers=2, n_heads=2, batch_size=16, warmup=5, checkpoint_every=50, progress=False)
 
 
+def _by_hand(task: str, inp: str) -> str:
+    # The tasks' definitions written out: plain Python arithmetic, slicing and a counting sort (duplicates kept).
+    if task == "addition":
+        a, b = inp.split("+")
+        return str(int(a) + int(b))
+    if task == "sorting":
+        counts = Counter(inp)
+        return "".join(c * counts[c] for c in sorted(counts))
+    return {"copy": inp, "reverse": inp[::-1]}[task]
+
+
 @pytest.mark.parametrize("task", TASKS)
-def held_out_instances_are_what_the_task_says(task):
-    rng = random.Random(0)
-    for n in (1, 2, 5, 17):
-        for _ in range(20):
-            inp, ans = instance(task, n, rng)
+def test_held_out_instances_are_what_the_task_says(task):
+    """The held-out instances (what accuracy is measured on) have length n and the right answer.
+
+    Catches: sorting dedups repeated symbols ("bab" -> "ab"); reverse answering the copy; addition with leading
+    zeros or operands of another length; instances one symbol short."""
+    repeats = 0
+    for n in (1, 2, 5, 17, 30):
+        pairs = held_out_instances(task, n, 20, seed=0)
+        assert len(pairs) == 20 and len(set(pairs)) > 1
+        for inp, ans in pairs:
             if task == "addition":
                 a, b = inp.split("+")
-                assert len(a) == len(b) == n and int(a) + int(b) == int(ans)
+                assert len(a) == len(b) == n and a.isdigit() and b.isdigit()
                 assert n == 1 or (a[0] != "0" and b[0] != "0")
             else:
                 assert len(inp) == n and inp.isalpha() and inp.islower()
-                assert ans == {"copy": inp, "reverse": inp[::-1], "sorting": "".join(sorted(inp))}[task]
+                repeats += len(set(inp)) < n
+            assert ans == _by_hand(task, inp), (task, inp, ans)
             ids, start = encode_instance(task, inp, ans)
             assert len(ids) <= sequence_length(task, n) and len(ids) - start == len(ans) + 1
+    # 30 letters out of 26 always repeat one: sorting is checked on repeated symbols
+    assert task == "addition" or repeats >= 20
+
+
+def test_training_rows_have_every_length_1_to_L_and_no_other():
+    """Training instances are drawn at lengths 1..L exactly, every task at every length (read back from the rows).
+
+    Catches: lengths drawn from 1..L-1 (L never trained) or 1..L+1 (the first test length leaks into training)."""
+    tok = task_tokenizer()
+    seen: dict[str, set[int]] = {t: set() for t in TASKS}
+    for step in range(40):
+        x, _ = task_batch(TASKS, 5, 32, step=step, seed=2)
+        for row in x.tolist():
+            task, n, inp, ans = spelled_instance(tok.convert_ids_to_tokens(row))
+            assert ans == _by_hand(task, inp)
+            seen[task].add(n)
+    assert seen == {t: set(range(1, 6)) for t in TASKS}
 
 
 def test_tokenizer_reads_the_sequences_the_trainer_writes():
@@ -79,13 +114,15 @@ def task_zoo(tmp_path_factory):
     cfg = ZooConfig(members=("nope", "learned"), seeds=(0,), steps=250, lr=3e-3, **TINY)
     tasks = TaskConfig(tasks=("copy", "sorting"), train_max=3, test_factor=2, test_count=24, steps=250,
                        batch_size=16)
-    return out, train_task_zoo(cfg, tasks, out)
+    with token_reads(len(task_tokenizer().get_vocab())) as reads:
+        result = train_task_zoo(cfg, tasks, out)
+    return out, result, reads
 
 
 def test_accuracy_equals_hugging_face_greedy_generation(task_zoo):
     from transformers import AutoModelForCausalLM
 
-    out, _ = task_zoo
+    out, _, _ = task_zoo
     model = AutoModelForCausalLM.from_pretrained(out / "nope-s0", attn_implementation="eager").eval()
     tok = task_tokenizer()
     verdicts = []
@@ -107,7 +144,7 @@ def test_task_zoo_folders_tables_and_report(task_zoo, tmp_path):
 
     from posprobe.report.zoo_tasks import accuracy_table, mean_reciprocal_rank
 
-    out, result = task_zoo
+    out, result, _ = task_zoo
     assert sorted(p.name for p in out.iterdir()) == ["learned-s0", "nope-s0", "tasks"]
     hf = AutoModelForCausalLM.from_pretrained(out / "learned-s0")
     assert hf.config.n_positions == sequence_length("copy", 6)  # the longest test sequence
@@ -124,6 +161,85 @@ def test_task_zoo_folders_tables_and_report(task_zoo, tmp_path):
     paths = type(result).load(out / "tasks").save(tmp_path / "rep")
     page = paths["report"].read_text()
     assert "Mean reciprocal rank" in page and "copy: accuracy vs instance length" in page
+
+
+def test_rows_read_in_training_and_in_measuring_have_the_documented_lengths(task_zoo):
+    """Read from the ids the models' embeddings actually received: training rows at lengths 1..L only, and for each
+    task and length n = 1..test_factor x L exactly test_count held-out instances of length n, labelled in_training
+    exactly when n <= L.
+
+    Catches: held-out instances measured at a length other than their row's n (e.g. clipped to L); test lengths
+    stopping at 2L - 1; in_training marking n <= L + 1; training rows longer than L."""
+    _, result, reads = task_zoo
+    tok = task_tokenizer()
+    trained, measured = set(), Counter()
+    for training, ids in reads:
+        for row in ids.tolist():
+            task, n, inp, ans = spelled_instance(tok.convert_ids_to_tokens(row))
+            assert ans == _by_hand(task, inp)
+            (trained.add((task, n)) if training else measured.update([(task, n)]))
+    assert trained == {(t, n) for t in ("copy", "sorting") for n in (1, 2, 3)}
+    # two members, 24 instances each per task and length 1..2L (L = 3)
+    assert measured == {(t, n): 2 * 24 for t in ("copy", "sorting") for n in range(1, 7)}
+    acc = result.tables["accuracy"]
+    assert sorted(set(acc.n)) == list(range(1, 7)) and (acc.in_training == (acc.n <= 3)).all()
+    assert TaskConfig().test_lengths == list(range(1, 25)) and TaskConfig().train_max == 8  # README: L = 8, to 3L
+
+
+class _Scripted(torch.nn.Module):
+    """A causal stand-in for a trained member that answers by rule from the prefix it has read (never a later
+    token): after "=" it writes `answer(task, input)` and then `closing`."""
+
+    def __init__(self, answer, closing: str):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1))  # task_accuracy reads the device from a parameter
+        self.answer, self.closing, self.tok = answer, closing, task_tokenizer()
+
+    def forward(self, input_ids):
+        vocab = self.tok.get_vocab()
+        logits = torch.zeros(*input_ids.shape, len(vocab))
+        for r, row in enumerate(input_ids.tolist()):
+            tokens = self.tok.convert_ids_to_tokens(row)
+            for t in range(len(row)):
+                prefix, nxt = tokens[:t + 1], "<pad>"
+                if "=" in prefix:
+                    eq = prefix.index("=")
+                    out = list(self.answer(prefix[1].strip("<>"), "".join(prefix[2:eq]))) + [self.closing]
+                    written = prefix[eq + 1:]
+                    nxt = out[len(written)] if len(written) < len(out) else "<pad>"
+                logits[r, t, vocab[nxt]] = 1.0
+        return SimpleNamespace(logits=logits)
+
+
+def _greedy_by_hand(model, task: str, inp: str, ans: str) -> bool:
+    # The rule written out: decode greedily from "<eot> <task> input =" for len(answer) + 1 tokens; correct when that
+    # is the answer followed by the end token.
+    ids, start = encode_instance(task, inp, ans)
+    prompt = ids[:start]
+    for _ in range(len(ids) - start):
+        prompt.append(int(model(torch.tensor([prompt])).logits[0, -1].argmax()))
+    return prompt[start:] == ids[start:]
+
+
+@pytest.mark.parametrize("closing", ["<|endoftext|>", "a"])
+def test_an_answer_counts_only_with_its_end_token(closing):
+    """An answer counts when greedy decoding writes it and then <eot> (README: "reproduces it" and its closing <eot>,
+    which training scores); right symbols without the end token do not count.
+
+    Catches: the closing <eot> left out of the comparison (a model that never stops would score 1.0)."""
+    for answer in (_by_hand, _third_symbol_wrong):
+        model = _Scripted(answer, closing)
+        for task in ("copy", "reverse", "sorting"):
+            pairs = held_out_instances(task, 4, 6, seed=0)
+            want = [_greedy_by_hand(model, task, inp, ans) for inp, ans in pairs]
+            assert task_accuracy(model, task, pairs, batch_size=4) == sum(want) / len(pairs)
+            # the stand-ins behave as built: the comparison above sees both verdicts across the cases
+            assert all(want) if (answer is _by_hand and closing == "<|endoftext|>") else not any(want)
+
+
+def _third_symbol_wrong(task: str, inp: str) -> str:
+    right = _by_hand(task, inp)
+    return right[:2] + ("b" if right[2] == "a" else "a") + right[3:]
 
 
 def test_same_seed_same_weights(tmp_path):
