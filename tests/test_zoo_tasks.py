@@ -6,12 +6,14 @@ ordinary HF folders; bad input is refused before training."""
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
 
+import pandas as pd
 import pytest
 import torch
 from zoo_util import spelled_instance, token_reads
@@ -142,7 +144,7 @@ def test_accuracy_equals_hugging_face_greedy_generation(task_zoo):
 def test_task_zoo_folders_tables_and_report(task_zoo, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from posprobe.report.zoo_tasks import accuracy_table, mean_reciprocal_rank
+    from posprobe.report.zoo_tasks import accuracy_table
 
     out, result, _ = task_zoo
     assert sorted(p.name for p in out.iterdir()) == ["learned-s0", "nope-s0", "tasks"]
@@ -155,12 +157,95 @@ def test_task_zoo_folders_tables_and_report(task_zoo, tmp_path):
     # trained: the copy task at n = 1 is answered far above chance (1 / 26)
     assert acc[(acc.task == "copy") & (acc.n == 1)].accuracy.max() > 0.5
     t = accuracy_table(result)
-    assert set(t.columns) >= {"member", "task", "in (n <= L)", "past L"}
-    mrr = mean_reciprocal_rank(result)
-    assert set(mrr.index) <= {"nope", "learned"} and ((mrr > 0) & (mrr <= 1)).all()
+    assert set(t.columns) >= {"member", "task", "in (n <= L)", "in seeds", "past L", "past L seeds"}
+    _assert_mrr_by_hand(result, L=3)
     paths = type(result).load(out / "tasks").save(tmp_path / "rep")
     page = paths["report"].read_text()
     assert "Mean reciprocal rank" in page and "copy: accuracy vs instance length" in page
+    assert "in seeds" in page and "past L seeds" in page  # the report's table is the printed one
+
+
+def _crafted_accuracy(L: int = 2) -> SimpleNamespace:
+    # An accuracy table with what the summaries must handle: two seeds that disagree (ALiBi's copy inside L: 0.35
+    # and 0.98 per seed), ties between members, a length past L where every member scores 0, and inside-L cells
+    # ordered unlike the past-L ones. Values are multiples of 1/20 drawn from a seeded generator.
+    rng = random.Random(5)
+    rows = []
+    for member in ("nope", "alibi", "rope", "t5"):
+        for seed in (0, 1):
+            for task in ("copy", "sorting"):
+                for n in range(1, 3 * L + 1):
+                    acc = rng.choice([0.0, 0.05, 0.25, 0.5, 0.5, 0.75, 1.0])
+                    if n == 3 * L:
+                        acc = 0.0
+                    if (member, task) == ("alibi", "copy") and n <= L:
+                        acc = 0.35 if seed == 0 else 0.98
+                    rows.append(dict(member=member, seed=seed, task=task, n=n, in_training=n <= L, accuracy=acc))
+    return SimpleNamespace(tables={"accuracy": pd.DataFrame(rows)})
+
+
+def _assert_mrr_by_hand(result, L: int) -> None:
+    # Kazemnejad et al.'s summary as documented: per (task, length past L) cell, each member's accuracy averaged over
+    # seeds, ranked among the members (1 = best; tied members share the mean of the ranks they span), cells where
+    # every member scores the same left out; a member's MRR is the mean of 1 / rank over the remaining cells.
+    from posprobe.report.zoo_tasks import mean_reciprocal_rank
+
+    cells: dict = {}
+    for r in result.tables["accuracy"].to_dict("records"):
+        if r["n"] > L:
+            cells.setdefault((r["task"], r["n"]), {}).setdefault(r["member"], []).append(r["accuracy"])
+    rr: dict[str, list[float]] = {}
+    for per_member in cells.values():
+        means = {m: sum(v) / len(v) for m, v in per_member.items()}
+        if max(means.values()) == min(means.values()):
+            continue
+        for m, mine in means.items():
+            better = sum(v > mine for v in means.values())
+            tied = sum(v == mine for v in means.values())  # itself included
+            rr.setdefault(m, []).append(1 / (better + (tied + 1) / 2))
+    want = {m: sum(v) / len(v) for m, v in rr.items()}
+    got = mean_reciprocal_rank(result).to_dict()
+    assert got.keys() == want.keys() and all(abs(got[m] - want[m]) < 1e-12 for m in want), (got, want)
+
+
+def test_mean_reciprocal_rank_equals_the_definition_by_hand():
+    """Catches: ranks ascending (worst = 1); ties ranked by "min" or "first" instead of sharing the mean rank; rank
+    per seed instead of on the seed mean; lengths inside L counted; cells where every member ties kept."""
+    result = _crafted_accuracy()
+    acc = result.tables["accuracy"]
+    past = acc[~acc.in_training].groupby(["task", "n", "member"]).accuracy.mean()
+    # the crafted table has the cases the definition decides: ties inside a cell and an all-equal cell
+    assert any(g.duplicated().any() and g.nunique() > 1 for _, g in past.groupby(level=[0, 1]))
+    assert any(g.nunique() == 1 for _, g in past.groupby(level=[0, 1]))
+    _assert_mrr_by_hand(result, L=2)
+
+
+def test_accuracy_table_shows_each_seeds_range_beside_the_mean():
+    """Each member and task: mean over seeds of the per-seed mean over lengths, and the lowest–highest of those per-seed
+    means, inside and past L (computed here from the per-seed rows).
+
+    Catches: the first seed only; the mean over seeds without its range (0.35 and 0.98 shown as 0.67 alone); the
+    range taken over single lengths instead of per-seed means; inside and past L swapped."""
+    from posprobe.report.zoo_tasks import accuracy_table
+
+    result = _crafted_accuracy(L=2)
+    per_seed: dict = {}
+    for r in result.tables["accuracy"].to_dict("records"):
+        key = (r["member"], r["task"], r["in_training"])
+        per_seed.setdefault(key, {}).setdefault(r["seed"], []).append(r["accuracy"])
+    table = accuracy_table(result).set_index(["member", "task"])
+    for (member, task, inside), seeds in per_seed.items():
+        means = [sum(v) / len(v) for v in seeds.values()]
+        mean, low, high = sum(means) / len(means), min(means), max(means)
+        row = table.loc[(member, task)]
+        label, seeds_label = ("in (n <= L)", "in seeds") if inside else ("past L", "past L seeds")
+        # printed to 3 and 2 decimals: equal to the rounding
+        shown = [float(v) for v in row[seeds_label].split("–")]
+        assert abs(row[label] - mean) <= 5e-4 + 1e-12, (member, task, inside)
+        assert abs(shown[0] - low) <= 5e-3 + 1e-12 and abs(shown[1] - high) <= 5e-3 + 1e-12, (member, task, inside)
+    assert table.loc[("alibi", "copy"), "in seeds"] == "0.35–0.98"
+    printed = accuracy_table(result).to_string(index=False)  # what `posprobe zoo tasks` prints
+    assert "0.35–0.98" in printed and "past L seeds" in printed
 
 
 def test_rows_read_in_training_and_in_measuring_have_the_documented_lengths(task_zoo):
