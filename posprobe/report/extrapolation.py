@@ -69,16 +69,26 @@ def figures(result: Any) -> list:
 
 
 def ratio_table(result: Any) -> pd.DataFrame:
-    """Wide ratio table: member x (protocol, factor) of ppl(xL) / ppl(L), "cannot run" where it cannot."""
+    """Wide ratio table: member x (protocol, factor) of ppl(xL) / ppl(L), "cannot run" where it cannot; a member of
+    several seeds shows the mean with the lowest and highest seed, "1.29 [1.26–1.32]"."""
     r = result.tables.get("ratios")
     if r is None:
         df = result.tables["perplexity"]
         r = df.assign(member=df["model"])
     r = r.copy()
-    r["cell"] = [("cannot run" if s == "cannot run" else f"{v:.2f}") for s, v in zip(r["status"], r["ppl_ratio"])]
+    r["cell"] = [_ratio_cell(row) for row in r.to_dict("records")]
     wide = r.pivot_table(index="member", columns=["protocol", "factor"], values="cell", aggfunc="first", sort=False)
     wide.columns = [f"{p} {f:g}L" for p, f in wide.columns]
     return wide.reset_index()
+
+
+def _ratio_cell(row: dict) -> str:
+    if row["status"] == "cannot run":
+        return "cannot run"
+    cell = f"{row['ppl_ratio']:.2f}"
+    if row.get("n_seeds", 1) > 1:  # a seed mean hides how far the seeds are apart
+        cell += f" [{row['ratio_low']:.2f}–{row['ratio_high']:.2f}]"
+    return cell
 
 
 def sections(result: Any) -> list[Section]:
