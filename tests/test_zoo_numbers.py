@@ -150,7 +150,7 @@ def test_seeds_draw_different_batches_and_a_seed_repeats_its_own(ids, tok, tmp_p
     """The token ids each training step feeds the model (observed at its embedding): windows of the text, the same
     for the same seed in two runs, different at every step for another seed; likewise for the task zoo's rows.
 
-    Catches: every seed sharing seed 0's batch order (text loop or task zoo); batches not a function of the seed."""
+    Catches: every seed sharing seed 0's batch order, in the text loop and (separately) in the task zoo."""
     from posprobe.zoo.config import TaskConfig
     from posprobe.zoo.task_zoo import train_task_zoo
     from posprobe.zoo.tasks import task_tokenizer
@@ -180,8 +180,8 @@ def test_every_table_and_matrix_starts_at_the_documented_init(name, tok):
     """Each matrix and table of every member, one by one (position table, T5's bucket-bias table, embeddings,
     projections): mean ~0 and std 0.02 within 4 standard errors of a sample of its size; biases 0; norm scales 1.
 
-    Catches: one member's table initialised at half the std (e.g. GPT-2's position table or T5's bias table);
-    HF's own init left in place for one class (GPT-2's shrunk residual projections)."""
+    Catches: one member's table initialised at half the std (GPT-2's position table; T5's bias table); HF's own
+    init left in place for GPT-2's residual projections (c_proj, shrunk by HF)."""
     from posprobe.zoo.train import build_model
 
     model = build_model(MEMBERS[name], ZooConfig(**TINY), tok, seed=0)
@@ -201,7 +201,7 @@ def test_the_sinusoidal_member_scales_its_token_embeddings_by_sqrt_d(tok):
     """What enters XGLM's first block equals sqrt(d_model) x the token embedding plus the sinusoid table written out
     (tensor2tensor's layout: sin of the first d/2 frequencies, then cos; positions start at 2, XGLM's offset).
 
-    Catches: the embedding scale off (scale_embedding=False, or a scale other than sqrt(d_model))."""
+    Catches: the embedding scale off (scale_embedding=False in the member's config)."""
     from posprobe.zoo.train import build_model
 
     cfg = ZooConfig(**TINY)
@@ -244,7 +244,7 @@ def test_a_members_ratio_is_the_mean_over_seeds_of_each_seeds_ratio(two_seed_eva
     from its own perplexity rows, with the lowest and highest seed — computed here from the per-seed nll rows —
     and the printed table shows that mean with the seeds' range.
 
-    Catches: the first seed only; the ratio of the seed-mean perplexities; min and max swapped or over members."""
+    Catches: the first seed only; the lowest and highest seed swapped."""
     from posprobe.report.extrapolation import ratio_table
 
     ppl, ratios = two_seed_eval.tables["perplexity"], two_seed_eval.tables["ratios"]

@@ -48,8 +48,8 @@ def _by_hand(task: str, inp: str) -> str:
 def test_held_out_instances_are_what_the_task_says(task):
     """The held-out instances (what accuracy is measured on) have length n and the right answer.
 
-    Catches: sorting dedups repeated symbols ("bab" -> "ab"); reverse answering the copy; addition with leading
-    zeros or operands of another length; instances one symbol short."""
+    Catches: sorting dedups repeated symbols ("bab" -> "ab"); reverse answering the copy; addition operands with
+    leading zeros; letter instances one symbol short."""
     repeats = 0
     for n in (1, 2, 5, 17, 30):
         pairs = held_out_instances(task, n, 20, seed=0)
@@ -209,8 +209,8 @@ def _assert_mrr_by_hand(result, L: int) -> None:
 
 
 def test_mean_reciprocal_rank_equals_the_definition_by_hand():
-    """Catches: ranks ascending (worst = 1); ties ranked by "min" or "first" instead of sharing the mean rank; rank
-    per seed instead of on the seed mean; lengths inside L counted; cells where every member ties kept."""
+    """Catches: ranks ascending (worst = 1); ties ranked by "min" instead of sharing the mean rank; rank per seed
+    instead of on the seed mean; lengths inside L counted; cells where every member ties kept."""
     result = _crafted_accuracy()
     acc = result.tables["accuracy"]
     past = acc[~acc.in_training].groupby(["task", "n", "member"]).accuracy.mean()
@@ -224,8 +224,8 @@ def test_accuracy_table_shows_each_seeds_range_beside_the_mean():
     """Each member and task: mean over seeds of the per-seed mean over lengths, and the lowest–highest of those per-seed
     means, inside and past L (computed here from the per-seed rows).
 
-    Catches: the first seed only; the mean over seeds without its range (0.35 and 0.98 shown as 0.67 alone); the
-    range taken over single lengths instead of per-seed means; inside and past L swapped."""
+    Catches: the first seed only; the range taken over single lengths instead of per-seed means; the inside-L
+    range read from the past-L rows (and the table before this change, which showed no inside-L range)."""
     from posprobe.report.zoo_tasks import accuracy_table
 
     result = _crafted_accuracy(L=2)
@@ -253,8 +253,8 @@ def test_rows_read_in_training_and_in_measuring_have_the_documented_lengths(task
     task and length n = 1..test_factor x L exactly test_count held-out instances of length n, labelled in_training
     exactly when n <= L.
 
-    Catches: held-out instances measured at a length other than their row's n (e.g. clipped to L); test lengths
-    stopping at 2L - 1; in_training marking n <= L + 1; training rows longer than L."""
+    Catches: held-out instances measured at a length other than their row's n (clipped to L); test lengths
+    stopping at test_factor x L - 1; in_training marking n <= L + 1."""
     _, result, reads = task_zoo
     tok = task_tokenizer()
     trained, measured = set(), Counter()
