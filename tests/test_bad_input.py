@@ -118,7 +118,7 @@ def test_a_refused_member_is_a_row_of_every_member_table_and_a_line_on_stdout():
     wide = ratio_table(Result({"perplexity": table, "ratios": ratios}, {}))
     assert wide["member"].tolist() == ["rope", "nope", "alibi"]
     assert wide.set_index("member").loc["alibi"].tolist() == ["refused", "refused"]
-    assert wide.set_index("member").loc["rope", "chunks 2L"] == "1.40"
+    assert wide.set_index("member").loc["rope", "chunks 2L"] == "1.40 [1.20–1.60]"
     assert refused_models(Result({"perplexity": table}, {})) == [("alibi-s0",
                                                                    "could not read model.safetensors: truncated")]
     # Every model refused: one row per member, no KeyError.

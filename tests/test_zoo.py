@@ -366,7 +366,9 @@ def test_zoo_eval_over_members_and_other_models(tiny_zoo, tmp_path):
     assert (df[df["member"] == "learned"].set_index(["protocol", "length"]).loc[("chunks", 2 * L), "status"]
             == "cannot run")
     ratios = result.tables["ratios"]
-    assert set(ratios["factor"]) == {1.0, 2.0}
+    assert set(ratios["factor"].dropna()) == {1.0, 2.0}
+    gone = ratios[ratios["member"] == "minilm"]  # the refused model stays a row of the ratio table, with its reason
+    assert list(gone["status"]) == ["refused"] and "LM head" in gone["why"].iloc[0]
     assert (ratios[ratios["factor"] == 1.0]["ppl_ratio"].dropna() == 1.0).all()
     paths = result.save(tmp_path / "ev")
     assert paths["report"].is_file() and "cannot run" in paths["report"].read_text()

@@ -9,17 +9,20 @@ import os
 import random
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
+import pandas as pd
 import pytest
 import torch
+from zoo_util import spelled_instance, token_reads
 
 from posprobe.zoo.config import TaskConfig, ZooConfig
 from posprobe.zoo.tasks import (
     TASKS,
     encode_instance,
     held_out_instances,
-    instance,
     sequence_length,
     task_accuracy,
     task_batch,
@@ -30,21 +33,55 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(d_model=32, n_layers=2, n_heads=2, batch_size=16, warmup=5, checkpoint_every=50, progress=False)
 
 
+def _by_hand(task: str, inp: str) -> str:
+    # The tasks' definitions written out: plain Python arithmetic, slicing and a counting sort (duplicates kept).
+    if task == "addition":
+        a, b = inp.split("+")
+        return str(int(a) + int(b))
+    if task == "sorting":
+        counts = Counter(inp)
+        return "".join(c * counts[c] for c in sorted(counts))
+    return {"copy": inp, "reverse": inp[::-1]}[task]
+
+
 @pytest.mark.parametrize("task", TASKS)
-def held_out_instances_are_what_the_task_says(task):
-    rng = random.Random(0)
-    for n in (1, 2, 5, 17):
-        for _ in range(20):
-            inp, ans = instance(task, n, rng)
+def test_held_out_instances_are_what_the_task_says(task):
+    """The held-out instances (what accuracy is measured on) have length n and the right answer.
+
+    Catches: sorting dedups repeated symbols ("bab" -> "ab"); reverse answering the copy; addition operands with
+    leading zeros; letter instances one symbol short."""
+    repeats = 0
+    for n in (1, 2, 5, 17, 30):
+        pairs = held_out_instances(task, n, 20, seed=0)
+        assert len(pairs) == 20 and len(set(pairs)) > 1
+        for inp, ans in pairs:
             if task == "addition":
                 a, b = inp.split("+")
-                assert len(a) == len(b) == n and int(a) + int(b) == int(ans)
+                assert len(a) == len(b) == n and a.isdigit() and b.isdigit()
                 assert n == 1 or (a[0] != "0" and b[0] != "0")
             else:
                 assert len(inp) == n and inp.isalpha() and inp.islower()
-                assert ans == {"copy": inp, "reverse": inp[::-1], "sorting": "".join(sorted(inp))}[task]
+                repeats += len(set(inp)) < n
+            assert ans == _by_hand(task, inp), (task, inp, ans)
             ids, start = encode_instance(task, inp, ans)
             assert len(ids) <= sequence_length(task, n) and len(ids) - start == len(ans) + 1
+    # 30 letters out of 26 always repeat one: sorting is checked on repeated symbols
+    assert task == "addition" or repeats >= 20
+
+
+def test_training_rows_have_every_length_1_to_L_and_no_other():
+    """Training instances are drawn at lengths 1..L exactly, every task at every length (read back from the rows).
+
+    Catches: lengths drawn from 1..L-1 (L never trained) or 1..L+1 (the first test length leaks into training)."""
+    tok = task_tokenizer()
+    seen: dict[str, set[int]] = {t: set() for t in TASKS}
+    for step in range(40):
+        x, _ = task_batch(TASKS, 5, 32, step=step, seed=2)
+        for row in x.tolist():
+            task, n, inp, ans = spelled_instance(tok.convert_ids_to_tokens(row))
+            assert ans == _by_hand(task, inp)
+            seen[task].add(n)
+    assert seen == {t: set(range(1, 6)) for t in TASKS}
 
 
 def test_tokenizer_reads_the_sequences_the_trainer_writes():
@@ -79,13 +116,15 @@ def task_zoo(tmp_path_factory):
     cfg = ZooConfig(members=("nope", "learned"), seeds=(0,), steps=250, lr=3e-3, **TINY)
     tasks = TaskConfig(tasks=("copy", "sorting"), train_max=3, test_factor=2, test_count=24, steps=250,
                        batch_size=16)
-    return out, train_task_zoo(cfg, tasks, out)
+    with token_reads(len(task_tokenizer().get_vocab())) as reads:
+        result = train_task_zoo(cfg, tasks, out)
+    return out, result, reads
 
 
 def test_accuracy_equals_hugging_face_greedy_generation(task_zoo):
     from transformers import AutoModelForCausalLM
 
-    out, _ = task_zoo
+    out, _, _ = task_zoo
     model = AutoModelForCausalLM.from_pretrained(out / "nope-s0", attn_implementation="eager").eval()
     tok = task_tokenizer()
     verdicts = []
@@ -105,9 +144,9 @@ def test_accuracy_equals_hugging_face_greedy_generation(task_zoo):
 def test_task_zoo_folders_tables_and_report(task_zoo, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from posprobe.report.zoo_tasks import accuracy_table, mean_reciprocal_rank
+    from posprobe.report.zoo_tasks import accuracy_table
 
-    out, result = task_zoo
+    out, result, _ = task_zoo
     assert sorted(p.name for p in out.iterdir()) == ["learned-s0", "nope-s0", "tasks"]
     hf = AutoModelForCausalLM.from_pretrained(out / "learned-s0")
     assert hf.config.n_positions == sequence_length("copy", 6)  # the longest test sequence
@@ -118,12 +157,174 @@ def test_task_zoo_folders_tables_and_report(task_zoo, tmp_path):
     # trained: the copy task at n = 1 is answered far above chance (1 / 26)
     assert acc[(acc.task == "copy") & (acc.n == 1)].accuracy.max() > 0.5
     t = accuracy_table(result)
-    assert set(t.columns) >= {"member", "task", "in (n <= L)", "past L"}
-    mrr = mean_reciprocal_rank(result)
-    assert set(mrr.index) <= {"nope", "learned"} and ((mrr > 0) & (mrr <= 1)).all()
+    assert set(t.columns) >= {"member", "task", "in (n <= L)", "in seeds", "past L", "past L seeds"}
+    _assert_mrr_by_hand(result, L=3)
     paths = type(result).load(out / "tasks").save(tmp_path / "rep")
     page = paths["report"].read_text()
     assert "Mean reciprocal rank" in page and "copy: accuracy vs instance length" in page
+    assert "in seeds" in page and "past L seeds" in page  # the report's table is the printed one
+
+
+def _crafted_accuracy(L: int = 2) -> SimpleNamespace:
+    # An accuracy table with what the summaries must handle: two seeds that disagree (ALiBi's copy inside L: 0.35
+    # and 0.98 per seed), ties between members, a length past L where every member scores 0, and inside-L cells
+    # ordered unlike the past-L ones. Values are multiples of 1/20 drawn from a seeded generator.
+    rng = random.Random(5)
+    rows = []
+    for member in ("nope", "alibi", "rope", "t5"):
+        for seed in (0, 1):
+            for task in ("copy", "sorting"):
+                for n in range(1, 3 * L + 1):
+                    acc = rng.choice([0.0, 0.05, 0.25, 0.5, 0.5, 0.75, 1.0])
+                    if n == 3 * L:
+                        acc = 0.0
+                    if (member, task) == ("alibi", "copy") and n <= L:
+                        acc = 0.35 if seed == 0 else 0.98
+                    rows.append(dict(member=member, seed=seed, task=task, n=n, in_training=n <= L, accuracy=acc))
+    return SimpleNamespace(tables={"accuracy": pd.DataFrame(rows)})
+
+
+def _assert_mrr_by_hand(result, L: int) -> None:
+    # Kazemnejad et al.'s summary as documented: per (task, length past L) cell, each member's accuracy averaged over
+    # seeds, ranked among the members (1 = best; tied members share the mean of the ranks they span), cells where
+    # every member scores the same left out; a member's MRR is the mean of 1 / rank over the remaining cells.
+    from posprobe.report.zoo_tasks import mean_reciprocal_rank
+
+    cells: dict = {}
+    for r in result.tables["accuracy"].to_dict("records"):
+        if r["n"] > L:
+            cells.setdefault((r["task"], r["n"]), {}).setdefault(r["member"], []).append(r["accuracy"])
+    rr: dict[str, list[float]] = {}
+    for per_member in cells.values():
+        means = {m: sum(v) / len(v) for m, v in per_member.items()}
+        if max(means.values()) == min(means.values()):
+            continue
+        for m, mine in means.items():
+            better = sum(v > mine for v in means.values())
+            tied = sum(v == mine for v in means.values())  # itself included
+            rr.setdefault(m, []).append(1 / (better + (tied + 1) / 2))
+    want = {m: sum(v) / len(v) for m, v in rr.items()}
+    got = mean_reciprocal_rank(result).to_dict()
+    assert got.keys() == want.keys() and all(abs(got[m] - want[m]) < 1e-12 for m in want), (got, want)
+
+
+def test_mean_reciprocal_rank_equals_the_definition_by_hand():
+    """Catches: ranks ascending (worst = 1); ties ranked by "min" instead of sharing the mean rank; rank per seed
+    instead of on the seed mean; lengths inside L counted; cells where every member ties kept."""
+    result = _crafted_accuracy()
+    acc = result.tables["accuracy"]
+    past = acc[~acc.in_training].groupby(["task", "n", "member"]).accuracy.mean()
+    # the crafted table has the cases the definition decides: ties inside a cell and an all-equal cell
+    assert any(g.duplicated().any() and g.nunique() > 1 for _, g in past.groupby(level=[0, 1]))
+    assert any(g.nunique() == 1 for _, g in past.groupby(level=[0, 1]))
+    _assert_mrr_by_hand(result, L=2)
+
+
+def test_accuracy_table_shows_each_seeds_range_beside_the_mean():
+    """Each member and task: mean over seeds of the per-seed mean over lengths, and the lowest–highest of those per-seed
+    means, inside and past L (computed here from the per-seed rows).
+
+    Catches: the first seed only; the range taken over single lengths instead of per-seed means; the inside-L
+    range read from the past-L rows (and the table before this change, which showed no inside-L range)."""
+    from posprobe.report.zoo_tasks import accuracy_table
+
+    result = _crafted_accuracy(L=2)
+    per_seed: dict = {}
+    for r in result.tables["accuracy"].to_dict("records"):
+        key = (r["member"], r["task"], r["in_training"])
+        per_seed.setdefault(key, {}).setdefault(r["seed"], []).append(r["accuracy"])
+    table = accuracy_table(result).set_index(["member", "task"])
+    for (member, task, inside), seeds in per_seed.items():
+        means = [sum(v) / len(v) for v in seeds.values()]
+        mean, low, high = sum(means) / len(means), min(means), max(means)
+        row = table.loc[(member, task)]
+        label, seeds_label = ("in (n <= L)", "in seeds") if inside else ("past L", "past L seeds")
+        # printed to 3 and 2 decimals: equal to the rounding
+        shown = [float(v) for v in row[seeds_label].split("–")]
+        assert abs(row[label] - mean) <= 5e-4 + 1e-12, (member, task, inside)
+        assert abs(shown[0] - low) <= 5e-3 + 1e-12 and abs(shown[1] - high) <= 5e-3 + 1e-12, (member, task, inside)
+    assert table.loc[("alibi", "copy"), "in seeds"] == "0.35–0.98"
+    printed = accuracy_table(result).to_string(index=False)  # what `posprobe zoo tasks` prints
+    assert "0.35–0.98" in printed and "past L seeds" in printed
+
+
+def test_rows_read_in_training_and_in_measuring_have_the_documented_lengths(task_zoo):
+    """Read from the ids the models' embeddings actually received: training rows at lengths 1..L only, and for each
+    task and length n = 1..test_factor x L exactly test_count held-out instances of length n, labelled in_training
+    exactly when n <= L.
+
+    Catches: held-out instances measured at a length other than their row's n (clipped to L); test lengths
+    stopping at test_factor x L - 1; in_training marking n <= L + 1."""
+    _, result, reads = task_zoo
+    tok = task_tokenizer()
+    trained, measured = set(), Counter()
+    for training, ids in reads:
+        for row in ids.tolist():
+            task, n, inp, ans = spelled_instance(tok.convert_ids_to_tokens(row))
+            assert ans == _by_hand(task, inp)
+            (trained.add((task, n)) if training else measured.update([(task, n)]))
+    assert trained == {(t, n) for t in ("copy", "sorting") for n in (1, 2, 3)}
+    # two members, 24 instances each per task and length 1..2L (L = 3)
+    assert measured == {(t, n): 2 * 24 for t in ("copy", "sorting") for n in range(1, 7)}
+    acc = result.tables["accuracy"]
+    assert sorted(set(acc.n)) == list(range(1, 7)) and (acc.in_training == (acc.n <= 3)).all()
+    assert TaskConfig().test_lengths == list(range(1, 25)) and TaskConfig().train_max == 8  # README: L = 8, to 3L
+
+
+class _Scripted(torch.nn.Module):
+    """A causal stand-in for a trained member that answers by rule from the prefix it has read (never a later
+    token): after "=" it writes `answer(task, input)` and then `closing`."""
+
+    def __init__(self, answer, closing: str):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1))  # task_accuracy reads the device from a parameter
+        self.answer, self.closing, self.tok = answer, closing, task_tokenizer()
+
+    def forward(self, input_ids):
+        vocab = self.tok.get_vocab()
+        logits = torch.zeros(*input_ids.shape, len(vocab))
+        for r, row in enumerate(input_ids.tolist()):
+            tokens = self.tok.convert_ids_to_tokens(row)
+            for t in range(len(row)):
+                prefix, nxt = tokens[:t + 1], "<pad>"
+                if "=" in prefix:
+                    eq = prefix.index("=")
+                    out = list(self.answer(prefix[1].strip("<>"), "".join(prefix[2:eq]))) + [self.closing]
+                    written = prefix[eq + 1:]
+                    nxt = out[len(written)] if len(written) < len(out) else "<pad>"
+                logits[r, t, vocab[nxt]] = 1.0
+        return SimpleNamespace(logits=logits)
+
+
+def _greedy_by_hand(model, task: str, inp: str, ans: str) -> bool:
+    # The rule written out: decode greedily from "<eot> <task> input =" for len(answer) + 1 tokens; correct when that
+    # is the answer followed by the end token.
+    ids, start = encode_instance(task, inp, ans)
+    prompt = ids[:start]
+    for _ in range(len(ids) - start):
+        prompt.append(int(model(torch.tensor([prompt])).logits[0, -1].argmax()))
+    return prompt[start:] == ids[start:]
+
+
+@pytest.mark.parametrize("closing", ["<|endoftext|>", "a"])
+def test_an_answer_counts_only_with_its_end_token(closing):
+    """An answer counts when greedy decoding writes it and then <eot> (README: "reproduces it" and its closing <eot>,
+    which training scores); right symbols without the end token do not count.
+
+    Catches: the closing <eot> left out of the comparison (a model that never stops would score 1.0)."""
+    for answer in (_by_hand, _third_symbol_wrong):
+        model = _Scripted(answer, closing)
+        for task in ("copy", "reverse", "sorting"):
+            pairs = held_out_instances(task, 4, 6, seed=0)
+            want = [_greedy_by_hand(model, task, inp, ans) for inp, ans in pairs]
+            assert task_accuracy(model, task, pairs, batch_size=4) == sum(want) / len(pairs)
+            # the stand-ins behave as built: the comparison above sees both verdicts across the cases
+            assert all(want) if (answer is _by_hand and closing == "<|endoftext|>") else not any(want)
+
+
+def _third_symbol_wrong(task: str, inp: str) -> str:
+    right = _by_hand(task, inp)
+    return right[:2] + ("b" if right[2] == "a" else "a") + right[3:]
 
 
 def test_same_seed_same_weights(tmp_path):

@@ -69,16 +69,16 @@ def figures(result: Any) -> list:
 
 
 def ratio_table(result: Any) -> pd.DataFrame:
-    """Wide ratio table: member x (protocol, factor) of ppl(xL) / ppl(L), "cannot run" where it cannot, "refused" for
-    every cell of a member that was not measured (every member given is a row)."""
+    """Wide ratio table: member x (protocol, factor) of ppl(xL) / ppl(L), "cannot run" where it cannot; a member of
+    several seeds shows the mean with the lowest and highest seed, "1.29 [1.26–1.32]"; "refused" for every cell of a
+    member that was not measured (every member given is a row)."""
     r = result.tables.get("ratios")
     if r is None:
         df = result.tables["perplexity"]
         r = df.assign(member=df["model"])
     r = r.copy()
     measured = r[r["status"].isin(["ok", "cannot run"])]
-    cells = [("cannot run" if s == "cannot run" else f"{v:.2f}") for s, v in zip(measured["status"],
-                                                                                measured["ppl_ratio"])]
+    cells = [_ratio_cell(row) for row in measured.to_dict("records")]
     wide = measured.assign(cell=cells).pivot_table(index="member", columns=["protocol", "factor"], values="cell",
                                                    aggfunc="first", sort=False)
     wide.columns = [f"{p} {f:g}L" for p, f in wide.columns]
@@ -90,6 +90,15 @@ def ratio_table(result: Any) -> pd.DataFrame:
         wide["ratio"] = None
     wide.loc[missing] = "refused"
     return wide.rename_axis("member").reset_index()
+
+
+def _ratio_cell(row: dict) -> str:
+    if row["status"] == "cannot run":
+        return "cannot run"
+    cell = f"{row['ppl_ratio']:.2f}"
+    if row.get("n_seeds", 1) > 1:  # a seed mean hides how far the seeds are apart
+        cell += f" [{row['ratio_low']:.2f}–{row['ratio_high']:.2f}]"
+    return cell
 
 
 def sections(result: Any) -> list[Section]:
