@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import cmath
 import doctest
+import json
 import math
 
 import numpy as np
@@ -146,3 +147,98 @@ def test_a_rescaled_table_is_refused_for_projections():
         T.check_plain(RotarySpec(rotary_dim=32, base=1e4, freq_scale=(1.0,) * 16), "YaRN")
     with pytest.raises(ValueError, match="already rescaled"):
         T.check_plain(RotarySpec(rotary_dim=32, base=1e4, removed=frozenset({15})), "YaRN")
+
+
+# ---- a model's own table: `rope_theory(model)` and `posprobe info --theory` ------------------------------------
+
+
+def _from_inv_freq(inv: np.ndarray, length: int) -> tuple[int, int | None]:
+    # Liu's count and Xu's first crossing by brute force over a Hugging Face model's own inv_freq buffer.
+    crit = 2 * sum(2 * math.pi / t <= length for t in inv)
+    sums = np.cos(np.outer(np.arange(1, 4 * length + 1), inv)).sum(axis=1)
+    neg = np.flatnonzero(sums < 0)
+    return crit, (int(neg[0]) + 1 if len(neg) else None)
+
+
+def test_each_layer_group_reads_its_own_frequencies():
+    """Gemma 3's sliding (base 1e4) and full (1e6) layers are two groups, each with the numbers of Hugging Face's
+    own per-layer-type inv_freq. Catches: one base for every layer (the bridge's config has one), groups merged."""
+    from families import tiny_family
+
+    from posprobe.analyses.theory import rope_theory
+
+    bridge, ref = tiny_family("gemma3")
+    table = rope_theory(bridge, context=128)
+    buffers = dict(ref.named_buffers())
+    groups = {"0-1": "sliding_attention", "2": "full_attention"}
+    assert set(table["layers"]) == set(groups)
+    for layers, kind in groups.items():
+        inv = buffers[f"model.rotary_emb.{kind}_inv_freq"].double().numpy()
+        rows = table[table["layers"] == layers].set_index("quantity")["value"]
+        crit, first = _from_inv_freq(inv, 128)
+        assert rows["critical dimension (Liu et al. 2024)"] == crit
+        got = rows["first m with sum cos(m theta) < 0 (Xu et al. 2024)"]
+        assert (math.isnan(got) and first is None) or got == first
+        assert table[table["layers"] == layers]["base"].iloc[0] == ref.config.rope_parameters[kind]["rope_theta"]
+
+
+@pytest.mark.real
+def test_smollm2_theory_from_its_config(smollm2, capsys):
+    """SmolLM2-135M: the numbers from its converted config (head dim 64, base 1e5, context 8,192) by the papers'
+    formulas: Liu 2 ceil(32 log_1e5(8192 / 2pi)) = 40 dims, Xu's crossing 3,616 tokens (inside its context: a
+    falsifiable prediction), and with --target 32768 the NTK base 1e5 4^(64/62)."""
+    from posprobe.analyses.theory import rope_theory
+    from posprobe.backend.sources import gguf_cache_path, resolve
+
+    # The config Hugging Face wrote when it converted the GGUF (the fixture loaded it), not posprobe's reading of it.
+    cfg = json.loads((gguf_cache_path(resolve("smollm2").path) / "config.json").read_text())
+    d = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    base = cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"]
+    length = cfg["max_position_embeddings"]
+    rows = rope_theory(smollm2, target=4 * length).set_index("quantity")["value"]
+    assert rows["critical dimension (Liu et al. 2024)"] == 2 * math.ceil(d / 2 * math.log(length / (2 * math.pi), base))
+    assert rows["first m with sum cos(m theta) < 0 (Xu et al. 2024)"] == _xu_loop(d, base, length) == 3616
+    assert rows["NTK-aware base"] == pytest.approx(base * 4 ** (d / (d - 2)))
+
+
+def test_info_theory_cli(capsys):
+    """`info --theory`: a table for a rotary model; for a learned-position model one sentence naming its positions
+    while the rest of `info` prints (exit 0); lengths refused before loading; --json carries the rows."""
+    from posprobe.cli import main
+
+    assert main(["info", "tiny-rope", "--theory", "--target", "1024", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rope_theory"]
+    by = {r["quantity"]: r for r in rows}
+    assert by["critical dimension (Liu et al. 2024)"]["unit"] == "dims" and by["target L'"]["value"] == 1024
+    assert main(["info", "tiny-ape", "--theory"]) == 0
+    out = capsys.readouterr().out
+    assert "rope_theory  not applicable" in out and "learned_absolute positions" in out and "n_ctx" in out
+    for argv, needle in ((["--theory", "--target", "256"], "must exceed the context L = 256"),
+                         (["--target", "512"], "go with --theory"), (["--theory", "--context", "1"], ">= 2")):
+        assert main(["info", "tiny-rope", *argv]) == 2
+        assert needle in capsys.readouterr().err
+
+
+def test_a_yarn_scaled_model_is_refused_a_scaling_projection():
+    """A model whose rope type already rescaled its table (HF yarn) gets its own numbers, but no projection on top.
+    Catches: YaRN projected onto a YaRN table (the factors applied twice, silently)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from posprobe.analyses.theory import rope_theory
+    from posprobe.backend.facts import hf_facts
+
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      max_position_embeddings=256, vocab_size=300,
+                      rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0,
+                                       "original_max_position_embeddings": 128})
+    model = hf_facts(LlamaForCausalLM(cfg))
+    assert len(rope_theory(model, context=128))
+    with pytest.raises(ValueError, match="already rescaled"):
+        rope_theory(model, context=128, target=512)
+
+
+def test_theory_docstring_example_runs():
+    import posprobe.analyses.theory as A
+
+    failed, tried = doctest.testmod(A, verbose=False)
+    assert tried >= 2 and failed == 0
