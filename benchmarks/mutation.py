@@ -72,6 +72,20 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
                   ["tests/test_decompose.py"]),
     "t5_decoder": (["posprobe/backend/t5_decoder.py"],
                    ["tests/test_t5_decoder.py"]),
+    # Brought in by issue 53 (numbers computed around the forward pass): the theory formulas, head similarity, the
+    # add-or-concatenate geometry, batched cached decoding, the squish study and the zoo's factory.
+    "rope_theory": (["posprobe/rope_theory.py", "posprobe/analyses/theory.py"],
+                    ["tests/test_rope_theory.py"]),
+    "head_similarity": (["posprobe/analyses/head_similarity.py"],
+                        ["tests/test_head_similarity.py"]),
+    "geometry": (["posprobe/analyses/geometry.py"],
+                 ["tests/test_probes.py", "tests/test_geometry.py"]),
+    "batch_decode": (["posprobe/core/batch_decode.py"],
+                     ["tests/test_batch_decode.py", "tests/test_squish_study.py"]),
+    "squish_study": (["posprobe/analyses/squish_study.py"],
+                     ["tests/test_squish_study.py"]),
+    "zoo": (["posprobe/zoo/*.py"],
+            ["tests/test_zoo.py", "tests/test_zoo_tasks.py", "tests/test_zoo_numbers.py", "tests/test_bad_input.py"]),
 }
 
 #: Lines mutmut leaves alone in every module: message text only (an edited error message or log line changes no
