@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 __all__ = ["Param", "Preset", "PRESETS", "register", "unregister", "parse", "parse_with", "help_text", "is_identity",
-           "preset_plan", "preset_pairs"]
+           "preset_plan", "preset_pairs", "SQUISH_VARIANTS", "RENAMED_VARIANT"]
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,16 @@ class Preset:
             text += "[" + ("," if need else ":") + ",".join(opt) + "]"
         return text
 
+
+#: Key-squish variants (`surgery.key_squish`), each named for what the squished span's own tokens do: "cache" (the
+#: span reads itself at its own positions, later tokens see its keys squished), "keys" (every query, the span's own
+#: included, sees its keys squished; its queries keep their positions), "qk" (its queries and keys both squished:
+#: Hugging Face position_ids). Kept here, torch-free, so the CLI's checks before a model loads can name them.
+SQUISH_VARIANTS = ("cache", "keys", "qk")
+#: Why the old variant name "global" is refused rather than kept: it read as "the span reads itself at position 0"
+#: (queries too), which it never did; refused, every old command has to say which of the two it meant.
+RENAMED_VARIANT = ("'global' was renamed: it moved only the span's keys (its queries kept their positions); say "
+                   "'keys' for that, or 'qk' for the span's queries and keys both at the squished positions")
 
 PRESETS: dict[str, Preset] = {}
 
