@@ -4,7 +4,8 @@ instruction and the question from the rendered text, and the two summary tables 
 `persistence`) from the per-answer rows with numpy.
 
 Each test names in its docstring the planted bug it was seen to catch. Tolerances: the study keeps first-token
-log-probs in float16 (KL to 5e-4 nats; measured up to 3.4e-4); losses in float32 to 1e-4; counts and fractions exactly (1e-12)."""
+log-probs in float16 (KL to 5e-4 nats; measured up to 3.4e-4); losses in float32 to 1e-4; counts and fractions
+exactly (1e-12)."""
 
 from __future__ import annotations
 
