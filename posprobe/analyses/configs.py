@@ -297,7 +297,7 @@ class SquishStudyConfig:
         flag="--placement")
     distances: tuple[int, ...] = option((0, 4), "filler conversation turns between the instruction and the "
                                         "question (repeatable)", flag="--distance")
-    conditions: tuple[str, ...] = option(("none", "normal", "squish:0", "moved:1000", "squish:0:keys", "squish:0:qk"),
+    conditions: tuple[str, ...] = option(("none", "normal", "squish:0", "moved:1000", "squish:0:keys"),
                                          "conditions (repeatable): " + "; ".join(
                                              f"{k} = {v}" for k, v in STUDY_CONDITIONS.items()), flag="--condition")
     max_new_tokens: int = option(32, "greedy answer tokens per prompt")
