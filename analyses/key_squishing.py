@@ -14,8 +14,10 @@
 # # Key squishing an instruction (SmolLM2-135M-Instruct)
 #
 # The instruction sits in the user turn of the chat template. We move its **key** positions to 0 and
-# compare two views: *global* (every query, the instruction's own tokens included, sees the squished
-# keys) and *cache* (the instruction reads itself normally; later tokens see its cached keys at 0).
+# compare two variants, each named for what it does: *keys* (every query, the instruction's own tokens
+# included, sees the squished keys; its queries keep their positions) and *cache* (the instruction reads
+# itself normally; later tokens see its cached keys at 0). A third, *qk*, puts the instruction's queries at 0
+# too (Hugging Face `position_ids` of 0 on its tokens).
 # "Effect kept" = (log p(ref | variant) - log p(ref | no instruction)) /
 # (log p(ref | instruction) - log p(ref | no instruction)), summed over the reference tokens.
 
@@ -34,7 +36,7 @@ model = load_model("smollm2")
 
 # %%
 result = squish_generate(model, "Always answer in French.", "What is the capital of Italy?", max_new_tokens=8,
-                    variant=("global", "cache"), to=0.0, reference="La capitale de l'Italie est Rome.")
+                    variant=("keys", "cache"), to=0.0, reference="La capitale de l'Italie est Rome.")
 df, meta = result.df, result.meta
 for run, text in meta["continuations"].items():
     print(f"{run:>9}: {text!r}")

@@ -8,7 +8,7 @@ tokens greedily:
   normal     `decode_batch(prefix, rows)`: the shared prefix through the long-context engine once, rows on the
              model's own KV cache (the study's normal condition)
   squished   the same under `key_squish(to=0, variant=cache)` (the study's squish:0 condition)
-  moved      keys at 0 and later queries moved out by 1000 positions, global variant (the prefix's plan needs the
+  moved      keys at 0 and later queries moved out by 1000 positions, keys variant (the prefix's plan needs the
              engine's per-pair views)
 Generated tokens per second (batch x new tokens / wall time) is the headline, CPU time beside it; ratios are paired
 within a round. Target: normal / generate >= 0.9 (tokens/s).
@@ -69,7 +69,7 @@ def main() -> None:
         mask[i, width - len(p.tokens):] = 1
     ids, mask = ids.to(args.device), mask.to(args.device)
     plans = {"squished": key_squish(c, span, to=0.0, variant="cache"),
-             "moved": key_squish(c, span, to=0.0, variant="global", query_start=span[1] + 1000.0)}
+             "moved": key_squish(c, span, to=0.0, variant="keys", query_start=span[1] + 1000.0)}
 
     def generate() -> None:
         with torch.no_grad():

@@ -66,7 +66,7 @@ def test_reference_logprobs_and_span_attention_equal_hf(tiny):
         assert got.span_attention[i] == pytest.approx(float(mass), abs=1e-4)
 
 
-@pytest.mark.parametrize("variant,moved", [("cache", 0.0), ("global", 0.0), ("cache", 40.0)])
+@pytest.mark.parametrize("variant,moved", [("cache", 0.0), ("keys", 0.0), ("qk", 0.0), ("cache", 40.0), ("qk", 40.0)])
 def test_squished_rows_equal_hook_path(tiny, variant, moved):
     bridge, hf = tiny
     prefix, rests = _rows(hf.config.vocab_size, seed=2)

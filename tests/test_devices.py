@@ -164,7 +164,7 @@ def _analyses(rope, ape):
         "surgery-eval": lambda: run_surgery_eval(rope, BUILTIN_TEXT, C.SurgeryEvalConfig(
             window=32, max_windows=2, presets=("none", "pi:scale=2"))),
         "squish": lambda: run_squish(rope, "Answer in French.", "What is the capital of Italy?",
-                                     C.SquishConfig(max_new_tokens=3, variant="global")),
+                                     C.SquishConfig(max_new_tokens=3, variant="keys")),
     }
 
 

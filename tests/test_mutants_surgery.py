@@ -90,35 +90,35 @@ def test_key_squish_cache_variant_by_hand():
                          "span-sees-itself")])
 
 
-def test_key_squish_global_variant_with_a_moved_query_start_by_hand():
-    plan = S.key_squish(7, (1, 3), to=-2.5, query_start=10.0, variant="global")
-    _assert_plan(plan, [0, 1, 2, 10, 11, 12, 13], [0, -2.5, -2.5, 10, 11, 12, 13], label="squish-global:to -2.5",
-                 meta={"preset": "key_squish", "variant": "global", "span": [1, 3], "squish": "to -2.5",
+def test_key_squish_keys_variant_with_a_moved_query_start_by_hand():
+    plan = S.key_squish(7, (1, 3), to=-2.5, query_start=10.0, variant="keys")
+    _assert_plan(plan, [0, 1, 2, 10, 11, 12, 13], [0, -2.5, -2.5, 10, 11, 12, 13], label="squish-keys:to -2.5",
+                 meta={"preset": "key_squish", "variant": "keys", "span": [1, 3], "squish": "to -2.5",
                        "query_start": 10.0})
 
 
 def test_key_squish_to_is_a_float64_position():
-    plan = S.key_squish(4, (1, 3), to=0.1, variant="global")  # 0.1 differs in float32
+    plan = S.key_squish(4, (1, 3), to=0.1, variant="keys")  # 0.1 differs in float32
     assert plan.k_pos.tolist() == [0.0, 0.1, 0.1, 3.0]
 
 
 def test_key_squish_range_is_linear_in_float64_and_wins_over_to():
     lo, hi = 0.1, 1000.3  # not exact in float32: a float32 ramp differs in the last bits
-    plan = S.key_squish(9, (2, 9), to=5.0, range_=(lo, hi), variant="global")
+    plan = S.key_squish(9, (2, 9), to=5.0, range_=(lo, hi), variant="keys")
     want = [float(lo + (j - 2) * (hi - lo) / 6) for j in range(2, 9)]
     assert plan.k_pos[2:].tolist() == pytest.approx(want, rel=0, abs=1e-12)
     assert plan.k_pos[:2].tolist() == [0.0, 1.0] and plan.q_pos.tolist() == list(map(float, range(9)))
-    assert plan.label == "squish-global:range[0.1,1000.3]" and plan.meta["squish"] == "range[0.1,1000.3]"
+    assert plan.label == "squish-keys:range[0.1,1000.3]" and plan.meta["squish"] == "range[0.1,1000.3]"
     # one span token: the ramp is its low end (no division by zero)
-    one = S.key_squish(3, (1, 2), range_=(7.0, 9.0), variant="global")
+    one = S.key_squish(3, (1, 2), range_=(7.0, 9.0), variant="keys")
     assert one.k_pos.tolist() == [0.0, 7.0, 2.0]
     # a span of two: its ends
-    two = S.key_squish(4, (1, 3), range_=(-1.0, 3.0), variant="global")
+    two = S.key_squish(4, (1, 3), range_=(-1.0, 3.0), variant="keys")
     assert two.k_pos.tolist() == [0.0, -1.0, 3.0, 3.0]
 
 
 def test_key_squish_spans_at_the_edges_and_refusals():
-    whole = S.key_squish(3, (0, 3), variant="global")  # the whole sequence, from token 0 to the end
+    whole = S.key_squish(3, (0, 3), variant="keys")  # the whole sequence, from token 0 to the end
     assert whole.k_pos.tolist() == [0.0, 0.0, 0.0] and whole.meta["query_start"] == 3.0
     for span in ((-1, 2), (2, 2), (3, 2), (0, 4)):
         with pytest.raises(PositionError, match=r"must satisfy 0 <= start < end <= 3"):

@@ -334,6 +334,26 @@ def test_position_token_overlap_equals_scipy_angles_and_projected_variance():
         assert got.loc[k, "random_share"] == k / d
 
 
+def test_position_token_overlap_default_k_list_and_variance_fractions():
+    """The add-or-concatenate table without `ks`: its rows are exactly the documented k = 1, 2, 4, ... up to
+    d_model / 2 (and at most rows - 1), and each row's own-variance fractions equal the top-k squared singular
+    values over the total, from numpy's SVD here. Catches: the default list changed (running up to d_model)."""
+    from posprobe.analyses.geometry import position_token_overlap
+
+    rng = np.random.default_rng(2)
+    for d, rows, want in ((32, 40, [1, 2, 4, 8, 16]), (24, 40, [1, 2, 4, 8]), (32, 6, [1, 2, 4])):
+        P = rng.normal(size=(rows, d)) * np.linspace(3, 0.2, d)
+        E = rng.normal(size=(300, d)) * np.linspace(0.3, 2, d)
+        got = position_token_overlap(P, E)
+        assert sorted(set(got.k)) == want, (d, rows)
+        assert (got.groupby("k").size() == 7).all()  # every metric once per k
+        table = got.pivot(index="k", columns="metric", values="value")
+        for X, metric in ((P, "pos_own_share"), (E, "token_own_share")):
+            sv = np.linalg.svd(X - X.mean(0), compute_uv=False) ** 2
+            for k in want:
+                assert table.loc[k, metric] == pytest.approx(sv[:k].sum() / sv.sum(), rel=1e-9)
+
+
 def test_position_token_overlap_on_planted_concatenation_and_sharing():
     from posprobe.analyses.geometry import position_token_overlap
 

@@ -45,7 +45,7 @@ QUESTIONS = [Question("Why is the sea salty?", "Rivers carry dissolved salts int
              Question("What do bees make?", "Honey."),
              Question("How many legs has a spider?", "Eight.")]
 SMALL = dict(instructions=("french",), questions=3, distances=(0, 1), max_new_tokens=4, progress=False,
-             conditions=("none", "normal", "squish:0", "moved:30:global"))
+             conditions=("none", "normal", "squish:0", "moved:30:keys"))
 
 
 def test_prompt_places_the_instruction(smollm2):
@@ -117,7 +117,7 @@ def test_resume_gives_the_same_tables(tiny_chat, tmp_path):
 
 def test_answers_equal_independent_generation(smollm2):
     """Normal positions: HF's own `generate` on a freshly loaded model, one prompt at a time. Squished keys (cache
-    and global variants, queries moved out): posprobe's TL-hook generation over the full prompt, one at a time."""
+    and keys variants, queries moved out): posprobe's TL-hook generation over the full prompt, one at a time."""
     from posprobe.backend.loading import load_hf_model
     from posprobe.core.generation import generate
     from posprobe.core.surgery import key_squish
@@ -138,7 +138,7 @@ def test_answers_equal_independent_generation(smollm2):
                               max_new_tokens=8, do_sample=False, eos_token_id=tok.eos_token_id,
                               pad_token_id=tok.eos_token_id)[0, ids.numel():]
         else:
-            variant = "global" if row.condition.endswith("global") else "cache"
+            variant = "keys" if row.condition.endswith(":keys") else "cache"
             moved = 30.0 if row.condition.startswith("moved") else 0.0
             plan = key_squish(ids.numel(), p.span, to=0.0, variant=variant, query_start=p.span[1] + moved)
             out = generate(smollm2, ids, max_new_tokens=8, plan=plan, stop_token=tok.eos_token_id).new_tokens[0]
@@ -194,16 +194,16 @@ def test_summary_names_placement_and_leak_of_each_significant_cell():
     rows = []
     for placement in ("system", "user"):
         for concerned in (True, False):
-            for cond, fol in (("normal", [1] * 8), ("squish:0:global", [0] * 8)):
+            for cond, fol in (("normal", [1] * 8), ("squish:0:keys", [0] * 8)):
                 rows += [dict(model="m", placement=placement, distance=0, instruction="x", concerned=concerned,
                               condition=cond, question=q, followed=bool(f), acknowledged=False, kl_first=0.0,
                               ref_nll=1.0, span_attention=0.5, distance_tokens=5.0)
                          for q, f in enumerate(fol, start=0 if concerned else 8)]  # a question is one or the other
     answers = pd.DataFrame(rows)
     r = Result({"squish_answers": answers, "squish_adherence": S._summary(answers)},
-               {"instructions": {"x": "X."}, "config": {"conditions": ["normal", "squish:0:global"]}})
+               {"instructions": {"x": "X."}, "config": {"conditions": ["normal", "squish:0:keys"]}})
     line = next(x for x in summary_text(r).split("\n") if x.startswith("differs"))
     p = "p = 0.008"  # 8 discordant pairs all one way: 2 * 0.5**8
     for tag in ("system", "system, leak", "user", "user, leak"):
-        assert f"x squish:0:global ({tag}) at 0 turns (0.00 vs 1.00 normal, {p})" in line
-    assert line.count("squish:0:global") == 4
+        assert f"x squish:0:keys ({tag}) at 0 turns (0.00 vs 1.00 normal, {p})" in line
+    assert line.count("squish:0:keys") == 4

@@ -91,7 +91,7 @@ def test_scale_one_is_identity(tiny_rope, make):
 def test_position_formulas_by_hand():
     assert S.shift(3, 5).q_pos.tolist() == [5, 6, 7]
     assert S.position_interpolation(5, 2.0).k_pos.tolist() == [0, 0.5, 1, 1.5, 2]
-    g = S.key_squish(8, (2, 6), to=0.0, variant="global")
+    g = S.key_squish(8, (2, 6), to=0.0, variant="keys")
     assert g.k_pos.tolist() == [0, 1, 0, 0, 0, 0, 6, 7] and g.q_pos.tolist() == list(range(8)) and not g.views
     r = S.key_squish(8, (2, 6), range_=(0, 3), query_start=4, variant="cache")
     assert r.k_pos.tolist() == [0, 1, 0, 1, 2, 3, 4, 5] and r.q_pos.tolist() == [0, 1, 2, 3, 4, 5, 4, 5]
@@ -182,7 +182,7 @@ def test_presets_reach_the_scores(tiny_rope64, case):
     assert _max_diff(got, want) <= 1e-6
 
 
-# ---------- views: cache vs global squish ----------
+# ---------- views: cache vs keys squish ----------
 
 def test_cache_squish_span_rows_unmodified_and_later_rows_squished(tiny_rope):
     m, n, span = tiny_rope, 14, (3, 8)
@@ -200,9 +200,9 @@ def test_cache_squish_span_rows_unmodified_and_later_rows_squished(tiny_rope):
         assert torch.equal(s[:, :, :8], plain[("scores", l)][:, :, :8])  # pre-span + span rows: bit-equal
         want = _scores(_rot(got[("q", l)], i, inv), _rot(got[("k", l)], kpos, inv), m.cfg.n_heads)
         assert _max_diff(s[:, :, 8:], want[:, :, 8:]) <= 1e-5
-    # Not vacuous: the later rows do differ from the plain model, and global squish changes span rows too.
+    # Not vacuous: the later rows do differ from the plain model, and keys squish changes span rows too.
     assert _max_diff(got[("scores", 0)][:, :, 8:, 3:8], plain[("scores", 0)][:, :, 8:, 3:8]) > 1e-3
-    with S.apply_plan(m, S.key_squish(n, span, range_=(0, 2), variant="global")):
+    with S.apply_plan(m, S.key_squish(n, span, range_=(0, 2), variant="keys")):
         glob = capture(m, toks, ["scores"], layers=[0])[("scores", 0)]
     assert _max_diff(glob[:, :, 4:8, 3:8], plain[("scores", 0)][:, :, 4:8, 3:8]) > 1e-3
 
@@ -257,12 +257,12 @@ def test_squish_and_surgery_eval_cli(tmp_path, capsys):
 
     out = tmp_path / "sq"
     rc = main(["squish", "tiny-rope", "--instruction", "Always answer in French.", "--prompt", "Hi?",
-               "--max-new-tokens", "3", "--variant", "global", "--reference", "Bonjour", "--out", str(out)])
+               "--max-new-tokens", "3", "--variant", "keys", "--reference", "Bonjour", "--out", str(out)])
     text = capsys.readouterr().out
-    assert rc == 0 and "variant: global" in text and "squished (global)" in text and "KL(baseline || global)" in text
+    assert rc == 0 and "variant: keys" in text and "squished (keys)" in text and "KL(baseline || keys)" in text
     meta = json.loads((out / "meta.json").read_text())
-    assert meta["variant"] == "global" and set(meta["continuations"]) == {"baseline", "global"}
-    assert "Key squishing (global)" in (out / "report.html").read_text()
+    assert meta["variant"] == "keys" and set(meta["continuations"]) == {"baseline", "keys"}
+    assert "Key squishing (keys)" in (out / "report.html").read_text()
 
     txt = tmp_path / "t.txt"
     txt.write_text("The quick brown fox jumps over the lazy dog. " * 12)
@@ -294,11 +294,11 @@ def test_smollm2_key_squishing_notebook_runs_and_records_outputs(tmp_path, monke
     run_in = tmp_path / "cwd"
     run_in.mkdir()
     outputs, _ = run_notebook("key_squishing", run_in)
-    assert "effect kept (cache)" in outputs and "effect kept (global)" in outputs
+    assert "effect kept (cache)" in outputs and "effect kept (keys)" in outputs
     assert not any(run_in.iterdir())
     meta = json.loads((tmp_path / "key_squishing" / "meta.json").read_text())
-    assert meta["variant"] == ["global", "cache"] and meta["max_new_tokens"] == 8
+    assert meta["variant"] == ["keys", "cache"] and meta["max_new_tokens"] == 8
     assert meta["span"][1] - meta["span"][0] >= 5
     page = (tmp_path / "key_squishing" / "report.html").read_text()
     assert all(html.escape(c[:15]) in page for c in meta["continuations"].values())
-    assert "Key squishing (global, cache)" in page
+    assert "Key squishing (keys, cache)" in page

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, fields
 from typing import ClassVar, Literal, Sequence, get_args, get_origin, get_type_hints
 
-from posprobe.core import presets
+from posprobe.core import presets, variants
 from posprobe.core.config import option
 from posprobe.data.needles import TASKS as NEEDLE_TASKS
 from posprobe.data.needles import task_names as needle_task_names
@@ -205,8 +205,10 @@ class SquishConfig:
     to: float | None = option(None, "put every span key at this position (default 0)", flag="--squish-to")
     range_: tuple[float, ...] | None = option(None, "spread the span keys linearly over LO HI", flag="--squish-range")
     query_start: float | None = option(None, "position of the first token after the span (default: unchanged)")
-    variant: Literal["cache", "global"] = option(
-        "cache", "cache: the span sees itself normally, later tokens see it squished; global: everyone does")
+    variant: Literal["cache", "keys", "qk"] = option(
+        "cache", "cache: the span reads itself at its own positions, later tokens see its keys squished; keys: every "
+        "query, the span's own included, sees its keys squished (its queries keep their positions); qk: the span's "
+        "queries and keys both squished (Hugging Face position_ids)")
     max_new_tokens: int = option(8, "tokens to generate")
     temperature: float = option(0.0, "sampling temperature; 0 = greedy")
     top_k: int | None = option(None, "sample from the k most likely tokens")
@@ -215,6 +217,8 @@ class SquishConfig:
     chat: bool | None = option(None, "use the tokenizer's chat template (default: when it has one)")
 
     def __post_init__(self) -> None:
+        if self.variant == "global":
+            raise ValueError(f"--variant: {variants.RENAMED_VARIANT}")
         _check_choices(self)
         if self.to is not None and self.range_ is not None:
             raise ValueError("give --squish-to or --squish-range, not both")
@@ -229,9 +233,13 @@ class SquishConfig:
 STUDY_CONDITIONS = {
     "none": "no instruction (the control every other condition is compared with for KL)",
     "normal": "the instruction at its own positions (the reference for the paired test)",
-    "squish:TO[:global]": "the instruction's keys all at position TO",
-    "range:LO:HI[:global]": "the instruction's keys spread linearly over positions LO..HI",
-    "moved:D[:global]": "keys at 0 and every later token moved out by D positions (the practitioner's recipe)",
+    "squish:TO": "the instruction encoded at its own positions, later tokens see its keys at position TO (cache)",
+    "squish:TO:keys": "the instruction's keys at TO for every query, its own included; its queries keep their "
+                      "positions",
+    "squish:TO:qk": "the instruction's queries and keys all at TO (Hugging Face position_ids = TO on its tokens)",
+    "range:LO:HI[:keys|:qk]": "the instruction's keys (with :qk also its queries) spread linearly over LO..HI",
+    "moved:D[:keys|:qk]": "the instruction's keys at 0 and every later token moved out by D positions (the "
+                          "practitioner's recipe)",
     "preset:SPEC": "a surgery preset on the whole prompt (one prompt at a time; see surgery-eval's presets)",
 }
 
@@ -239,7 +247,9 @@ STUDY_CONDITIONS = {
 def parse_condition(spec: str) -> dict:
     """One study condition as a dict: kind ("none", "normal", "squish", "preset"), and for squish `to` or `range_`,
     `moved` (positions added to every token after the span) and `variant` ("cache": the span is encoded normally and
-    later tokens see it squished; "global": the span's own tokens see it squished too). ValueError names the spec."""
+    later tokens see its keys squished; "keys": the span's own queries see its keys squished too, its queries stay;
+    "qk": the span's queries and keys both squished). ValueError names the spec; the old variant `:global` is
+    refused with the two names it could have meant."""
     s = spec.strip()
     if s in ("none", "normal"):
         return {"kind": s, "name": s}
@@ -248,8 +258,11 @@ def parse_condition(spec: str) -> dict:
         presets.parse(rest)
         return {"kind": "preset", "name": s, "preset": rest}
     parts = rest.split(":") if rest else []
+    if parts and parts[-1] == "global":
+        stem = ":".join([head, *parts[:-1]])
+        raise ValueError(f"study condition {spec!r}: {variants.RENAMED_VARIANT} ({stem}:keys or {stem}:qk)")
     variant = "cache"
-    if parts and parts[-1] in ("cache", "global"):
+    if parts and parts[-1] in variants.SQUISH_VARIANTS:
         variant = parts.pop()
     try:
         nums = [float(x) for x in parts]
@@ -284,7 +297,7 @@ class SquishStudyConfig:
         flag="--placement")
     distances: tuple[int, ...] = option((0, 4), "filler conversation turns between the instruction and the "
                                         "question (repeatable)", flag="--distance")
-    conditions: tuple[str, ...] = option(("none", "normal", "squish:0", "moved:1000", "squish:0:global"),
+    conditions: tuple[str, ...] = option(("none", "normal", "squish:0", "moved:1000", "squish:0:keys"),
                                          "conditions (repeatable): " + "; ".join(
                                              f"{k} = {v}" for k, v in STUDY_CONDITIONS.items()), flag="--condition")
     max_new_tokens: int = option(32, "greedy answer tokens per prompt")

@@ -1,6 +1,6 @@
 """Key squishing of an instruction span (baseline vs squished generation) and loss-vs-position under presets.
 
-Tidy outputs: columns model, variant (cache | global | baseline | no-instruction), metric, layer,
+Tidy outputs: columns model, variant (cache | keys | qk | baseline | no-instruction), metric, layer,
 query_pos, value. Attention mass is a fraction of attention (0..1, mean over heads), losses in nats
 per token, KL in nats.
 """
@@ -96,8 +96,8 @@ def squish_generate(model: Any, instruction: str, prompt: str, *, to: float | No
                ) -> Result:
     """Generate with and without key squishing of the instruction span; return a Result (`squish` table + meta).
 
-    `variant`: "cache", "global" or both (the baseline is computed once). Metrics: "attn_mass" per
-    layer (generated queries onto the span, each run on its own output); "kl" per query_pos:
+    `variant`: "cache", "keys", "qk" (see `key_squish`) or several (the baseline is computed once). Metrics:
+    "attn_mass" per layer (generated queries onto the span, each run on its own output); "kl" per query_pos:
     KL(baseline || squished) of next-token distributions, teacher-forced on the baseline's output;
     with `reference`: "ref_nll" (mean nats per token) for baseline, each variant and the prompt
     without the instruction, and "effect_kept" = (lp_variant - lp_none) / (lp_base - lp_none) on

@@ -304,18 +304,21 @@ def run_squish_study(model: Any, config: SquishStudyConfig | None = None, *, tok
 
 
 def adherence_table(result: Result) -> pd.DataFrame:
-    """Adherence (0..1) per instruction x condition at each distance, pooled over placements: the study's headline
-    table, rows instruction, columns (condition, distance)."""
+    """Adherence (0..1) per instruction x condition at each distance, the mean of the placements' cells, over the
+    questions each instruction concerns (a topic instruction's leak onto other questions is not adherence; see
+    the report's leak table): the study's headline table, rows instruction, columns (condition, distance)."""
     df = result.tables["squish_adherence"]
+    df = df[df.concerned]
     return df.pivot_table(index="instruction", columns=["condition", "distance"], values="adherence",
                           aggfunc="mean")
 
 
 def persistence(result: Result) -> pd.DataFrame:
-    """Adherence (0..1) vs distance (filler turns) per condition, pooled over instructions and placements, with
-    Wilson intervals over all pooled answers."""
+    """Adherence (0..1) vs distance (filler turns) per condition, pooled over instructions and placements, over the
+    questions each instruction concerns (leaks are not adherence), with Wilson intervals over all pooled answers;
+    `distance_tokens`: the mean count of tokens between the instruction's last token and the question's first."""
     df = result.tables["squish_answers"]
-    df = df[df.condition != "none"]
+    df = df[(df.condition != "none") & df.concerned]
     rows = []
     for (cond, dist), part in df.groupby(["condition", "distance"], sort=False):
         k = int(part.followed.sum())
@@ -323,4 +326,3 @@ def persistence(result: Result) -> pd.DataFrame:
         rows.append(dict(condition=cond, distance=dist, distance_tokens=float(np.nanmean(part.distance_tokens)),
                          n=len(part), adherence=k / len(part), ci_low=lo, ci_high=hi))
     return pd.DataFrame(rows)
-

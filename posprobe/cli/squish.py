@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import textwrap
 
-HELP = ("Squish the key positions of an instruction span (cache or global variant) and compare the "
+HELP = ("Squish the key positions of an instruction span (variant cache, keys or qk) and compare the "
         "continuation, attention onto the span, reference loss and next-token KL with the unmodified model.")
 
 

@@ -21,10 +21,10 @@ from posprobe.backend.facts import model_facts, require_rotary
 from posprobe.backend.hooks import hook_name, hooked, layer_rotary_spec, scaled_rotary_spec, score_edits_apply
 from posprobe.backend.model import model_name, n_layers
 from posprobe.core.positions import KeyView, PositionError, PositionPlan, rope_positions, shifted_plan
+from posprobe.core.variants import RENAMED_VARIANT
+from posprobe.core.variants import SQUISH_VARIANTS as VARIANTS
 from posprobe.rope import RotarySpec
 from posprobe.rope_theory import ntk_aware_base, yarn_gamma, yarn_temperature
-
-VARIANTS = ("cache", "global")
 
 
 def _arange(n: int) -> torch.Tensor:
@@ -46,14 +46,19 @@ def key_squish(n: int, span: tuple[int, int], *, to: float | None = 0.0, range_:
 
     Span key j gets `to` (all the same), or with `range_ = (lo, hi)` (which wins over `to`) the linear map
     `lo + (j - a) * (hi - lo) / (b - a - 1)`. Tokens before the span keep q = k = i. Tokens after it
-    get q = k = query_start + (i - b) (default query_start = b: unchanged). Span queries stay at i.
-    variant "global": every query, the span's own tokens included, sees the squished span keys.
-    variant "cache": span queries see every key at its normal position (a KeyView), so the span
-    reads itself unmodified, as if it had been encoded first and then its cached keys re-positioned.
+    get q = k = query_start + (i - b) (default query_start = b: unchanged). The variant says what the span's own
+    tokens do:
+    "cache": span queries see every key at its normal position (a KeyView), so the span reads itself unmodified,
+    as if it had been encoded first and then its cached keys re-positioned; later tokens see the squished keys.
+    "keys": every query, the span's own included, sees the squished span keys; span queries stay at i.
+    "qk": span queries AND keys at the squished positions (q = k, no view): what Hugging Face does with
+    `position_ids` set to the squished positions on the span's tokens.
     """
     a, b = span
     if not 0 <= a < b <= n:
         raise PositionError(f"span {span} must satisfy 0 <= start < end <= {n} (the plan length)")
+    if variant == "global":
+        raise ValueError(RENAMED_VARIANT)
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}; got {variant!r}")
     if range_ is None and to is None:
@@ -72,6 +77,8 @@ def key_squish(n: int, span: tuple[int, int], *, to: float | None = 0.0, range_:
     q[b:] = start + (pos[b:] - b)
     k = q.clone()
     k[a:b] = squished
+    if variant == "qk":
+        q[a:b] = squished
     views: tuple[KeyView, ...] = ()
     if variant == "cache":
         rows = torch.zeros(n, dtype=torch.bool)
