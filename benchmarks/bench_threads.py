@@ -6,7 +6,8 @@ torch's default thread count and once with `--threads 1` (order rotated per roun
 with `--load N` busy-loop processes started beside it (the "other jobs"). The headline is wall-clock tokens/s read
 from the command's own summary line; the ratio is --threads 1 over the default, paired within a round.
 
-    python benchmarks/bench_threads.py --rounds 2 --steps 60 --load 2
+    python benchmarks/bench_threads.py --rounds 2 --steps 60 --load 2                      # Python busy loops
+    python benchmarks/bench_threads.py --rounds 2 --steps 60 --load 1 --neighbour torch    # a torch job beside
 """
 
 from __future__ import annotations
@@ -30,6 +31,14 @@ def _spin() -> None:  # one busy core: what a neighbouring job does to the sched
         pass
 
 
+def _torch_job() -> None:  # a neighbouring torch job at torch's default threads (another analysis, a training run)
+    import torch
+
+    a = torch.randn(512, 512)
+    while True:
+        a = torch.tanh(a @ a)
+
+
 def _run(threads: int | None, steps: int, out: Path) -> float:
     """tokens/s of one `zoo train` run (its summary line), wall clock."""
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
@@ -46,12 +55,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--load", type=int, default=2, help="busy-loop processes for the loaded condition")
+    ap.add_argument("--load", type=int, default=2, help="neighbouring processes for the loaded condition")
+    ap.add_argument("--neighbour", choices=("spin", "torch"), default="spin",
+                    help="what each neighbour runs: a Python busy loop (one core) or a torch matmul loop at torch's "
+                         "default threads")
     args = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for condition in ("quiet", "loaded"):
-            spinners = [mp.Process(target=_spin, daemon=True) for _ in range(args.load if condition == "loaded" else 0)]
+            job = _spin if args.neighbour == "spin" else _torch_job
+            spinners = [mp.Process(target=job, daemon=True) for _ in range(args.load if condition == "loaded" else 0)]
             for p in spinners:
                 p.start()
             time.sleep(2 if spinners else 0)
@@ -66,7 +79,8 @@ def main() -> None:
             finally:
                 for p in spinners:
                     p.terminate()
-    print(f"cores {os.cpu_count()}; {args.steps} steps of the rope member per run; wall-clock tokens/s (median)")
+    print(f"cores {os.cpu_count()}; {args.steps} steps of the rope member per run; loaded = {args.load} x "
+          f"{args.neighbour} neighbour; wall-clock tokens/s (median)")
     print("condition  default  --threads 1  ratio (1 / default)")
     for condition in ("quiet", "loaded"):
         mine = [r for r in rows if r[0] == condition]
