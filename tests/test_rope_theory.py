@@ -149,7 +149,7 @@ def test_a_rescaled_table_is_refused_for_projections():
         T.check_plain(RotarySpec(rotary_dim=32, base=1e4, removed=frozenset({15})), "YaRN")
 
 
-# ---- a model's own table: `rope_theory(model)` and `posprobe info --theory` ------------------------------------
+# ---- a model's own table: `rope_theory_table(model)` and `posprobe info --theory` ------------------------------------
 
 
 def _from_inv_freq(inv: np.ndarray, length: int) -> tuple[int, int | None]:
@@ -165,10 +165,10 @@ def test_each_layer_group_reads_its_own_frequencies():
     own per-layer-type inv_freq. Catches: one base for every layer (the bridge's config has one), groups merged."""
     from families import tiny_family
 
-    from posprobe.analyses.theory import rope_theory
+    from posprobe.analyses.theory import rope_theory_table
 
     bridge, ref = tiny_family("gemma3")
-    table = rope_theory(bridge, context=128)
+    table = rope_theory_table(bridge, context=128)
     buffers = dict(ref.named_buffers())
     groups = {"0-1": "sliding_attention", "2": "full_attention"}
     assert set(table["layers"]) == set(groups)
@@ -187,7 +187,7 @@ def test_smollm2_theory_from_its_config(smollm2, capsys):
     """SmolLM2-135M: the numbers from its converted config (head dim 64, base 1e5, context 8,192) by the papers'
     formulas: Liu 2 ceil(32 log_1e5(8192 / 2pi)) = 40 dims, Xu's crossing 3,616 tokens (inside its context: a
     falsifiable prediction), and with --target 32768 the NTK base 1e5 4^(64/62)."""
-    from posprobe.analyses.theory import rope_theory
+    from posprobe.analyses.theory import rope_theory_table
     from posprobe.backend.sources import gguf_cache_path, resolve
 
     # The config Hugging Face wrote when it converted the GGUF (the fixture loaded it), not posprobe's reading of it.
@@ -195,7 +195,7 @@ def test_smollm2_theory_from_its_config(smollm2, capsys):
     d = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     base = cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"]
     length = cfg["max_position_embeddings"]
-    rows = rope_theory(smollm2, target=4 * length).set_index("quantity")["value"]
+    rows = rope_theory_table(smollm2, target=4 * length).set_index("quantity")["value"]
     assert rows["critical dimension (Liu et al. 2024)"] == 2 * math.ceil(d / 2 * math.log(length / (2 * math.pi), base))
     assert rows["first m with sum cos(m theta) < 0 (Xu et al. 2024)"] == _xu_loop(d, base, length) == 3616
     assert rows["NTK-aware base"] == pytest.approx(base * 4 ** (d / (d - 2)))
@@ -224,7 +224,7 @@ def test_a_yarn_scaled_model_is_refused_a_scaling_projection():
     Catches: YaRN projected onto a YaRN table (the factors applied twice, silently)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from posprobe.analyses.theory import rope_theory
+    from posprobe.analyses.theory import rope_theory_table
     from posprobe.backend.facts import hf_facts
 
     cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
@@ -232,9 +232,9 @@ def test_a_yarn_scaled_model_is_refused_a_scaling_projection():
                       rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0,
                                        "original_max_position_embeddings": 128})
     model = hf_facts(LlamaForCausalLM(cfg))
-    assert len(rope_theory(model, context=128))
+    assert len(rope_theory_table(model, context=128))
     with pytest.raises(ValueError, match="already rescaled"):
-        rope_theory(model, context=128, target=512)
+        rope_theory_table(model, context=128, target=512)
 
 
 def test_theory_docstring_example_runs():

@@ -3,7 +3,7 @@ negative rotation sum, Chen's B(s) and bound ratio, and, for a target length, ea
 (`posprobe.rope_theory` holds the formulas; this module reads the model's own frequencies and tabulates them).
 
 >>> from posprobe import load_model
->>> table = rope_theory(load_model("tiny-rope"), context=256, target=1024)
+>>> table = rope_theory_table(load_model("tiny-rope"), context=256, target=1024)
 >>> int(table.set_index("quantity").loc["critical dimension (Liu et al. 2024)", "value"])
 8
 """
@@ -20,7 +20,7 @@ from posprobe import rope_theory as T
 from posprobe.backend.facts import ModelFacts, WrongModelKind, model_facts
 from posprobe.rope import RotarySpec
 
-__all__ = ["rope_theory"]
+__all__ = ["rope_theory_table"]
 
 #: Distances up to this many times the context are searched for Xu et al.'s first negative rotation sum.
 XU_SEARCH = 4
@@ -41,7 +41,7 @@ def _layers(layers: list[int]) -> str:
     return ",".join(map(str, layers))
 
 
-def rope_theory(model: Any, *, context: int | None = None, target: int | None = None) -> pd.DataFrame:
+def rope_theory_table(model: Any, *, context: int | None = None, target: int | None = None) -> pd.DataFrame:
     """The RoPE theory table of `model` (a loaded model or its ModelFacts): one row per (layer group, quantity) with
     columns layers, rotary_dim, base, quantity, value, unit, note. `context` is the trained length L in tokens
     (default: the model's context); with `target` L' > L, rows for PI, NTK-aware and YaRN at s = L'/L are added.

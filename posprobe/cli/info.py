@@ -66,11 +66,11 @@ def _check_theory_flags(args: argparse.Namespace, early) -> None:
 
 def _theory(model, args: argparse.Namespace):
     """The theory table, or the sentence saying why a model has none (the rest of `info` still prints)."""
-    from posprobe.analyses.theory import rope_theory
+    from posprobe.analyses.theory import rope_theory_table
     from posprobe.backend.facts import WrongModelKind
 
     try:
-        return rope_theory(model, context=args.context, target=args.target)
+        return rope_theory_table(model, context=args.context, target=args.target)
     except WrongModelKind as e:
         return f"not applicable: {e}"
 
