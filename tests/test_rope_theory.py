@@ -108,7 +108,10 @@ def _hf_table(rope: dict, d: int, base: float, length: int, seq_len: int | None 
 
 
 @pytest.mark.parametrize(("d", "base", "length", "scale"), [(64, 1e4, 2048, 4.0), (128, 5e5, 4096, 8.0),
-                                                             (32, 1e4, 128, 4.0), (64, 1e5, 8192, 2.0)])
+                                                             (32, 1e4, 128, 4.0), (64, 1e5, 8192, 2.0),
+                                                             # the ramp's ends clipped to the bands / collapsed
+                                                             (16, 10.0, 4096, 4.0), (8, 1e4, 16, 2.0),
+                                                             (8, 1e6, 1 << 20, 3.0)])
 def test_scaling_factors_equal_hugging_face_rope_types(d, base, length, scale):
     """PI = HF `linear`; NTK-aware base = HF `dynamic` (factor 1) at s L tokens; YaRN's band ramp and temperature =
     HF `yarn` (truncated and not), <= 1e-6 relative on the frequencies; the paper's ramp (linear in turns) agrees with
@@ -242,3 +245,68 @@ def test_theory_docstring_example_runs():
 
     failed, tried = doctest.testmod(A, verbose=False)
     assert tried >= 2 and failed == 0
+
+
+def test_every_row_of_the_theory_table_written_out():
+    """Every row a user reads (quantity, value, unit, and the numbers in its note) for tiny-rope at L = 256, L2 = 1024,
+    recomputed here: loops for Liu, Xu and Chen, HF's `yarn` table for YaRN's kept / ramp / interpolated bands,
+    gamma and temperature. Catches: a row's label, unit or number changed, s = L/2 for L, the ramp counts swapped."""
+    from posprobe.analyses.theory import rope_theory_table
+    from posprobe.backend.loading import load_model
+
+    d, base, length, target = 16, 1e4, 256, 1024
+    s = target / length
+    theta = [base ** (-2 * j / d) for j in range(d // 2)]
+    periods = [2 * math.pi / t for t in theta]
+    inside = sum(p <= length for p in periods)
+    hf_yarn, hf_t = _hf_table({"rope_type": "yarn", "factor": s, "original_max_position_embeddings": length},
+                              d, base, length)
+    gamma = [(h / t - 1 / s) / (1 - 1 / s) for h, t in zip(hf_yarn, theta)]
+    kept = sum(abs(g - 1) < 1e-6 for g in gamma)
+    interp = sum(abs(g) < 1e-6 for g in gamma)
+    B = [_chen_B_loop(d, base, x) / d for x in range(1, length + 1)]
+    expected = [
+        ("context L", length, "tokens"), ("bands completing a period within L", inside, "bands"),
+        ("critical dimension (Liu et al. 2024)", 2 * inside, "dims"),
+        ("first m with sum cos(m theta) < 0 (Xu et al. 2024)", _xu_loop(d, base, 4 * length), "tokens"),
+        ("B(s)/d at s = 1 (Chen et al. 2023)", B[0], "ratio"),
+        (f"B(s)/d at s = {length // 2} (Chen et al. 2023)", B[length // 2 - 1], "ratio"),
+        (f"B(s)/d at s = {length} (Chen et al. 2023)", B[length - 1], "ratio"),
+        ("min B(s)/d over s = 1..L", min(B), "ratio"),
+        ("extrapolation / interpolation bound at s = L", 64 * math.log(base) * B[length - 1], "ratio"),
+        ("target L'", target, "tokens"), ("PI frequency factor, every band", 1 / s, "x theta"),
+        ("NTK-aware base", base * s ** (d / (d - 2)), "base"),
+        ("YaRN bands kept (gamma = 1)", kept, "bands"), ("YaRN bands interpolated (gamma = 0)", interp, "bands"),
+        ("YaRN bands on the ramp", d // 2 - kept - interp, "bands"), ("YaRN temperature sqrt(1/t)", hf_t, "x q and k"),
+        ("YaRN gamma per band", math.nan, "gamma")]
+    table = rope_theory_table(load_model("tiny-rope"), context=length, target=target)
+    assert [(q, u) for q, _, u in expected] == list(zip(table["quantity"], table["unit"]))
+    for (q, value, _), got in zip(expected, table["value"]):
+        assert (math.isnan(value) and math.isnan(got)) or got == pytest.approx(value, rel=1e-6), q
+    assert set(table["layers"]) == {"0-1"} and set(table["rotary_dim"]) == {d} and set(table["base"]) == {base}
+    notes = dict(zip(table["quantity"], table["note"]))
+    assert notes["bands completing a period within L"] == (f"of {d // 2}; the slowest has a period of "
+                                                           f"{max(periods):,.0f} tokens")
+    assert notes["critical dimension (Liu et al. 2024)"].startswith(f"of {d}; the other {d - 2 * inside} ")
+    assert notes["first m with sum cos(m theta) < 0 (Xu et al. 2024)"].startswith("inside L")
+    assert notes["target L'"] == "scale s = L'/L = 4"
+    assert notes["YaRN gamma per band"].endswith(" ".join(f"{abs(round(g, 6)):.2g}" for g in gamma))  # float32 HF table
+
+
+def test_layer_groups_are_named_as_runs_or_lists():
+    from posprobe.analyses.theory import _layers
+
+    assert (_layers([0, 1, 2]), _layers([3]), _layers([0, 1, 2, 4]), _layers([5, 11, 17])) == (
+        "0-2", "3", "0,1,2,4", "5,11,17")
+
+
+def test_first_negative_sum_past_one_search_block():
+    """Gemma 3's global layers (d 256, base 1e6) cross at 71,627 tokens, past the search's first block of 65,536
+    distances. Catches: the block loop searching only its first block, or restarting at 1."""
+    spec = RotarySpec(rotary_dim=256, base=1e6)
+    theta = 1e6 ** (-np.arange(0, 256, 2) / 256)
+    m = np.arange(60_000, 80_000)
+    ref = m[np.flatnonzero(np.cos(np.outer(m, theta)).sum(axis=1) < 0)[0]]
+    assert T.first_negative_sum(spec, 100_000) == ref == 71_627
+    with pytest.raises(ValueError, match=">= 1"):
+        T.first_negative_sum(spec, 0)
