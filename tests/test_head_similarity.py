@@ -108,3 +108,36 @@ def test_models_of_different_depth_or_vocabulary_are_refused_before_any_forward(
     b.tokenizer.add_tokens(["<posprobe-extra>"])
     with pytest.raises(ValueError, match="different vocabularies"):
         head_similarity(a, b, ids)
+
+
+def test_layer_subsets_labels_meta_and_every_pair():
+    """What the tables and meta say besides the divergences: only the layers asked for, each row labelled with both
+    models, the per-layer count of A's heads, the run's config and data in meta; pairwise sums default to every
+    ordered pair and do not depend on the batch size. Catches: layers ignored, names swapped, count of B's heads,
+    meta's length or batch size off, pairs (i, i) or only i < j, a batch's sums dropped or counted twice."""
+    from families import tiny_family
+
+    from posprobe.analyses.head_similarity import pairwise_jsd_sums
+    from posprobe.backend.facts import model_facts
+
+    a, _ = tiny_family("llama", seed=0)
+    b, _ = tiny_family("llama", seed=1)
+    ids = torch.randint(3, 250, (3, 9), generator=torch.Generator().manual_seed(7))
+    res = head_similarity(a, b, ids, layers=[1], batch_size=2)
+    heads, per_layer = res.tables["head_similarity"], res.tables["head_similarity_layer"]
+    na, nb = model_facts(a).name, model_facts(b).name
+    assert set(heads.layer) == {1} and list(per_layer.layer) == [1]
+    assert set(heads.model) == {na} and set(heads.other) == {nb} and list(per_layer.model) == [na]
+    assert list(heads["head"]) == list(range(model_facts(a).n_heads)) and per_layer["count"].item() == len(heads)
+    assert res.meta["config"] == {"layers": [1], "batch_size": 2, "length": 9}
+    assert res.meta["data"]["n_items"] == 3 and res.meta["data"]["unit"] == "sequences"
+    assert res.meta["analysis"] == "head-similarity" and "Jensen-Shannon" in res.meta["definition"]
+    c, _ = tiny_family("llama", seed=2)
+    every = pairwise_jsd_sums([a, b, c], ids, [0, 1], batch_size=1)
+    assert sorted(every) == [(0, 1), (0, 2), (1, 0), (1, 2), (2, 0), (2, 1)]
+    whole = pairwise_jsd_sums([a, b, c], ids, [0, 1], batch_size=3)
+    for pair, layers in every.items():
+        assert sorted(layers) == [0, 1]
+        for layer, total in layers.items():
+            assert torch.allclose(total, whole[pair][layer], atol=1e-9)
+            assert torch.allclose(total, every[pair[::-1]][layer].T, atol=1e-9)  # JSD is symmetric
