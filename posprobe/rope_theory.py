@@ -29,7 +29,7 @@ removed bands) and works in float64. Units: positions and lengths in tokens, fre
 from __future__ import annotations
 
 import math
-from typing import Literal, Sequence
+from typing import Callable, Literal, Sequence
 
 import numpy as np
 
@@ -57,16 +57,23 @@ def critical_dimension(spec: RotarySpec, length: int) -> int:
     return 2 * int(np.sum(band_periods(spec) <= length))
 
 
+def _in_blocks(distances: Sequence[float] | np.ndarray, per_block: Callable[[np.ndarray], np.ndarray],
+               block: int = 4096) -> np.ndarray:
+    # A sum over bands at each distance, evaluated `block` distances at a time: memory stays at block x bands
+    # however long the context (a 1M-token context at once would hold gigabytes of complex partial sums).
+    flat = np.asarray(distances, dtype=np.float64).reshape(-1)
+    out = np.empty(flat.size, dtype=np.float64)
+    for i in range(0, flat.size, block):
+        out[i:i + block] = per_block(flat[i:i + block])
+    return out
+
+
 def rotation_sum(spec: RotarySpec, distances: Sequence[int] | np.ndarray) -> np.ndarray:
     """Xu et al.'s B_m = sum_j cos(m theta_j) over the rotary bands at each distance m (tokens): the expected score
     of a query and key that agree in every band, up to their norms."""
-    m = np.asarray(distances, dtype=np.float64)
     theta = _theta(spec)
-    out = np.empty(m.shape, dtype=np.float64)
-    flat, res = m.reshape(-1), out.reshape(-1)
-    for i in range(0, flat.size, 4096):  # bounded memory: 4096 distances x bands at a time
-        res[i:i + 4096] = np.cos(np.outer(flat[i:i + 4096], theta)).sum(axis=1)
-    return out
+    sums = _in_blocks(distances, lambda m: np.cos(np.outer(m, theta)).sum(axis=1))
+    return sums.reshape(np.shape(distances))
 
 
 def first_negative_sum(spec: RotarySpec, limit: int) -> int | None:
@@ -85,10 +92,8 @@ def first_negative_sum(spec: RotarySpec, limit: int) -> int | None:
 def chen_B(spec: RotarySpec, distances: Sequence[float] | np.ndarray) -> np.ndarray:
     """Chen et al.'s B(s) = sum_{k=1}^{n_bands} |A_k(s)|, A_k(s) = sum_{j<k} e^{i s theta_j}, at each distance s
     (tokens): the factor by which max|h_j| can be amplified when extrapolating to s (dimensionless)."""
-    s = np.asarray(distances, dtype=np.float64).reshape(-1)
     theta = _theta(spec)
-    partial = np.cumsum(np.exp(1j * np.outer(s, theta)), axis=1)
-    return np.abs(partial).sum(axis=1)
+    return _in_blocks(distances, lambda s: np.abs(np.cumsum(np.exp(1j * np.outer(s, theta)), axis=1)).sum(axis=1))
 
 
 def interpolation_bound(spec: RotarySpec, h_max: float = 1.0) -> float:
