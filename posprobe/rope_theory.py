@@ -36,8 +36,8 @@ import numpy as np
 from posprobe.rope import RotarySpec, angular_frequency
 
 __all__ = ["band_periods", "chen_B", "chen_bound_ratio", "check_plain", "critical_dimension", "extrapolation_bound",
-           "first_negative_sum", "interpolation_bound", "ntk_aware_base", "pi_factors", "rotation_sum", "yarn_gamma",
-           "yarn_temperature"]
+           "first_negative_sum", "interpolation_bound", "ntk_aware_base", "pi_factors", "rotation_sum",
+           "score_by_distance", "score_range", "yarn_gamma", "yarn_temperature"]
 
 
 def _theta(spec: RotarySpec) -> np.ndarray:
@@ -87,6 +87,35 @@ def first_negative_sum(spec: RotarySpec, limit: int) -> int | None:
         if len(neg):
             return int(m[neg[0]])
     return None
+
+
+def score_by_distance(h: np.ndarray, theta: Sequence[float] | np.ndarray,
+                      distances: Sequence[float] | np.ndarray) -> np.ndarray:
+    """Chen et al.'s a(s) = Re sum_j h_j e^{i s theta_j} for each row of complex `h` [..., band] at each distance s
+    (tokens; theta in radians per token): the score of a query and key whose unrotated band pairs give the products
+    h_j = q_j conj(k_j), placed s apart. Returns [..., distance] in the units of h."""
+    h = np.asarray(h, dtype=np.complex128)
+    theta = np.asarray(theta, dtype=np.float64)
+    rows = h.reshape(-1, theta.size)
+    s = np.asarray(distances, dtype=np.float64).reshape(-1)
+    out = np.empty((rows.shape[0], s.size), dtype=np.float64)
+    for i in range(0, s.size, 4096):  # bands x 4,096 distances at a time, whatever the context
+        out[:, i:i + 4096] = (rows @ np.exp(1j * np.outer(theta, s[i:i + 4096]))).real
+    return out.reshape(h.shape[:-1] + np.shape(distances))
+
+
+def score_range(h: np.ndarray, theta: Sequence[float] | np.ndarray, start: int, stop: int) -> tuple[np.ndarray, ...]:
+    """(min, max) over the integer distances start..stop-1 of a(s) (`score_by_distance`) for each row of `h`, computed
+    4,096 distances at a time (a 1M-token range never holds more)."""
+    if stop <= start:
+        raise ValueError(f"empty distance range {start}..{stop - 1}")
+    h = np.asarray(h, dtype=np.complex128)
+    lo = np.full(h.shape[:-1], np.inf)
+    hi = np.full(h.shape[:-1], -np.inf)
+    for a in range(start, stop, 4096):
+        v = score_by_distance(h, theta, np.arange(a, min(a + 4096, stop)))
+        lo, hi = np.minimum(lo, v.min(-1)), np.maximum(hi, v.max(-1))
+    return lo, hi
 
 
 def chen_B(spec: RotarySpec, distances: Sequence[float] | np.ndarray) -> np.ndarray:

@@ -100,10 +100,18 @@ class FrequencyConfig:
     ablate_windows: int = option(2, "windows used for the ablations")
     top_heads: int = option(4, "heads given their own report section and ablations")
     layers: tuple[int, ...] | None = option(None, "layers to measure (default: all)")
+    theory_context: int | None = option(None, "trained length L in tokens for Chen et al.'s per-head bounds "
+                                              "(default: the model's context)")
+    theory_target: int | None = option(None, "a(s) beyond L is evaluated up to this length in tokens (default 4L)")
     progress: bool = option(True, "", cli=False)
 
     def __post_init__(self) -> None:
         _at_least(self, 1, "window", "max_windows", "batch_size", "ablate_windows", "top_heads")
+        _at_least(self, 2, "theory_context")
+        if self.theory_target is not None and self.theory_context is not None \
+                and self.theory_target <= self.theory_context:
+            raise ValueError(f"theory_target ({self.theory_target}) must exceed theory_context "
+                             f"({self.theory_context})")
         _at_least(self, 0, "queries")
         if self.queries == 0:  # "every query", as the flag documents
             object.__setattr__(self, "queries", None)

@@ -19,6 +19,7 @@ import torch
 
 from posprobe.analyses.configs import FrequencyConfig
 from posprobe.analyses.frequency_ablation import band_ablation, head_ablations, p_sweep
+from posprobe.analyses.frequency_theory import TOLERANCE, head_bounds
 from posprobe.analyses.sections import AtlasRun, AtlasSection, register
 from posprobe.backend.facts import (
     ModelFacts,
@@ -35,7 +36,14 @@ from posprobe.report import frequency as frequency_report
 from posprobe.report.checkpoint import stream_resume
 from posprobe.report.result import Result
 from posprobe.report.schema import data_meta, make_meta, text_sha256
-from posprobe.rope import RotarySpec, _grouped_band_products, angular_frequency, band_norms, wavelength
+from posprobe.rope import (
+    RotarySpec,
+    _grouped_band_products,
+    angular_frequency,
+    band_norms,
+    band_pairs,
+    wavelength,
+)
 
 #: Elements of one [head, band, query_pos, key_pos] block processed at once (bounds transient memory).
 CHUNK_ELEMENTS = 1 << 24
@@ -109,7 +117,8 @@ def run_frequency(model: Any, text: str | None = None, config: FrequencyConfig |
     rows = framed_windows(encode_text(model, body), cfg.window, pre=[bos] if bos is not None else [],
                           max_windows=cfg.max_windows)
     usage = frequency_usage(model, rows, batch_size=cfg.batch_size, layers=cfg.layers, queries=cfg.queries,
-                            progress=cfg.progress, work=work, fresh=fresh)
+                            progress=cfg.progress, work=work, fresh=fresh, context=cfg.theory_context,
+                            target=cfg.theory_target)
     top = top_heads(usage.heads, cfg.top_heads)
     tables = dict(usage.tables)
     if cfg.ablate:
@@ -133,6 +142,8 @@ class _Acc:
         self.bin_n = z(n_bins)
         self.s2 = z(n_heads)
         self.diag, self.prev, self.first, self.n_rows = z(n_heads), z(n_heads), z(n_heads), 0
+        # Sums of the unrotated band pairs (real, imaginary) over positions >= 1: Chen et al.'s h_j of the mean pair.
+        self.q_pair, self.k_pair, self.n_pair = z(n_heads, n_bands, 2), z(n_kv, n_bands, 2), 0
 
 
 def _pack(state: dict) -> dict:
@@ -175,6 +186,15 @@ def _grouped_dot(q: torch.Tensor, k: torch.Tensor, dims: slice, scale: float) ->
     return qg @ k[..., dims].permute(0, 2, 3, 1)
 
 
+def _unrotated_sum(x: torch.Tensor, spec: RotarySpec, turn: torch.Tensor) -> torch.Tensor:
+    # Rotated [batch, pos, head, d_head] -> float64 [head, band, 2]: each band pair turned back by its position's
+    # angle (turn = e^{-i p theta_j} for p = 1..n-1) and summed over positions >= 1 and the batch. Position 0 (BOS,
+    # often a sink with an atypical key) is left out of the mean pair.
+    pairs = band_pairs(x[:, 1:], spec).sum(0, dtype=torch.float64)  # [pos, head, band, 2]
+    c = torch.view_as_complex(pairs.contiguous())
+    return torch.view_as_real((c * turn[:, None, :]).sum(0))
+
+
 def _reducer(model: Any, facts: ModelFacts, layers: list[int], edges: list[int], queries: int | None) -> Reducer:
     H, kv, nb = facts.n_heads, facts.n_kv_heads, facts.first_rotary.n_bands
     g, rd = H // kv, facts.first_rotary.rotary_dim
@@ -183,6 +203,15 @@ def _reducer(model: Any, facts: ModelFacts, layers: list[int], edges: list[int],
     scratch = _Scratch()
     plans: dict[tuple, tuple[torch.Tensor, ...]] = {}
     counts: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+    turns: dict[tuple, torch.Tensor] = {}
+
+    def turn_back(n: int, spec: RotarySpec, device: torch.device) -> torch.Tensor:
+        # e^{-i p theta_j} for p = 1..n-1, complex128 [pos, band], built once per window length and rotation.
+        if (n, spec, device) not in turns:
+            angle = torch.outer(torch.arange(1, n, dtype=torch.float64), torch.tensor(angular_frequency(spec),
+                                                                                     dtype=torch.float64))
+            turns[n, spec, device] = torch.polar(torch.ones_like(angle), -angle).to(device)
+        return turns[n, spec, device]
 
     def plan(q0: int, m: int, device: torch.device) -> tuple[torch.Tensor, ...]:
         if (q0, m, device) not in plans:
@@ -250,6 +279,11 @@ def _reducer(model: Any, facts: ModelFacts, layers: list[int], edges: list[int],
         acc.q_norm += band_norms(q, spec).sum((0, 1), dtype=torch.float64)
         acc.k_norm += band_norms(k, spec).sum((0, 1), dtype=torch.float64)
         acc.n_tok += B * n
+        if n > 1:
+            tb = turn_back(n, spec, x.device)
+            acc.q_pair += _unrotated_sum(q, spec, tb)
+            acc.k_pair += _unrotated_sum(k, spec, tb)
+            acc.n_pair += B * (n - 1)
         # Score statistics use the last `queries` query positions (all their keys): they see every rel_pos.
         start = n - min(n, queries or n)
         acc.bin_n += bin_count(n, start, x.device) * B
@@ -281,6 +315,8 @@ def frequency_usage(
     progress: bool = True,
     work: str | Path | None = None,
     fresh: bool = False,
+    context: int | None = None,
+    target: int | None = None,
 ) -> FrequencyUsage:
     """Stream `token_rows` through a RoPE model once and measure per-band usage of every head.
 
@@ -289,7 +325,9 @@ def frequency_usage(
     k_norm is the kv head's, repeated on the query heads sharing it), mean_contrib, mean_abs_contrib
     (mean over causal entries of the band's partial score, in score units = logits before softmax)
     and abs_share (band's share of the sum of absolute contributions); band -1 is the unrotated
-    remainder (partial rotary). `.profile` gives mean_contrib / mean_abs_contrib per rel_pos bin
+    remainder (partial rotary). h_re, h_im: Chen et al.'s h_j = q_j conj(k_j) / scale of the head's mean pair (the
+    unrotated band pairs as complex numbers, averaged over positions >= 1); h_typical: mean |q_j| x mean |k_j| / scale
+    (score units). `.profile` gives mean_contrib / mean_abs_contrib per rel_pos bin
     (rel_pos = lower bin edge, rel_pos_hi inclusive upper edge). `.heads` has one row per head: pattern
     signatures (self_mass, prev_mass, first_mass: mean attention over queries 1..), eta2 (share of score
     variance explained by rel_pos bin), fast_share (abs share of bands with wavelength <= window) and kind.
@@ -297,6 +335,9 @@ def frequency_usage(
     `queries` limits the score statistics (contributions, shares, profile, eta2) to the last `queries`
     query positions of each window, with all their keys (every rel_pos still occurs): their cost grows
     with queries * window instead of window**2. None measures every causal entry exactly.
+
+    `.tables["theory"]` is Chen et al.'s Theorem 2.1 per head (`frequency_theory.head_bounds`) for the trained
+    length `context` (default: the model's context) and a(s) beyond it up to `target` (default 4x context).
 
     `work`: a folder where the pass keeps its sums as it goes (`posprobe.report.checkpoint.StreamResume`); the
     same call resumes from there to the same tables; another model, rows or settings there is refused, and
@@ -317,6 +358,10 @@ def frequency_usage(
     edges = rel_pos_edges(window)
     if queries is not None and queries < 1:
         raise ValueError(f"queries must be >= 1 or None, got {queries}")
+    length = int(context or facts.n_ctx)
+    if length < 2 or (target is not None and target <= length):
+        raise ValueError(f"the theory needs a context L >= 2 tokens and a target L' > L; got L = {length}, "
+                         f"L' = {target}")
     red = _reducer(model, facts, layers, edges, queries)
     # Under torchrun each process streams its share of the batches and the sums are added up over
     # processes (core.distributed); a single process takes every batch.
@@ -331,11 +376,13 @@ def frequency_usage(
     if distributed.active():
         accs = [state[l] for l in layers]
         distributed.all_reduce_sums([v for a in accs for v in vars(a).values() if isinstance(v, torch.Tensor)])
-        counts = distributed.all_reduce_ints([c for a in accs for c in (a.n_tok, a.n_rows)])
-        for a, n_tok, n_rows in zip(accs, counts[::2], counts[1::2]):
-            a.n_tok, a.n_rows = n_tok, n_rows
+        counts = distributed.all_reduce_ints([c for a in accs for c in (a.n_tok, a.n_rows, a.n_pair)])
+        for a, n_tok, n_rows, n_pair in zip(accs, counts[::3], counts[1::3], counts[2::3]):
+            a.n_tok, a.n_rows, a.n_pair = n_tok, n_rows, n_pair
     # Every layer's sums cross to the CPU in one copy (the tables are built with numpy).
-    band_df, prof_df, head_df = _tables(facts, to_cpu_once({l: state[l] for l in layers}), edges, window)
+    band_df, prof_df, head_df = _tables(facts, to_cpu_once({l: state[l] for l in layers}), edges, window,
+                                        {l: score_scale(model, l) for l in layers})
+    theory = head_bounds(band_df, facts, context=length, target=target)
     data = data_meta("token rows", n_items=int(rows.shape[0]), unit="windows")
     meta = {
         **make_meta("frequency", model=facts.summary(), data=data, config=config),
@@ -349,8 +396,13 @@ def frequency_usage(
         "band_order": "band 0 = highest frequency (shortest wavelength); band -1 = unrotated dims",
         "score_units": "pre-softmax attention score (q.k / attn_scale), before any soft-cap",
         "attn_scores_soft_cap": score_soft_cap(model),
+        "theory": {"context": length, "target": int(theory.target.iloc[0]) if len(theory) else None,
+                   "tolerance": TOLERANCE, "mean_pair": "mean unrotated query and key over positions >= 1",
+                   "rule": f"interpolation_safe: Chen's bound d max|h_j| / (32 ln b) <= {TOLERANCE:g} (typical "
+                           f"pair); extrapolation_leaves_range: a(s) of the mean pair beyond L leaves its range "
+                           f"inside L by more than {TOLERANCE:g}"},
     }
-    return FrequencyUsage({"bands": band_df, "profile": prof_df, "heads": head_df}, meta)
+    return FrequencyUsage({"bands": band_df, "profile": prof_df, "heads": head_df, "theory": theory}, meta)
 
 
 def _grid(**cols: Any) -> dict[str, np.ndarray]:
@@ -359,7 +411,8 @@ def _grid(**cols: Any) -> dict[str, np.ndarray]:
     return {n: m.ravel() for n, m in zip(names, np.meshgrid(*vals, indexing="ij"))}
 
 
-def _tables(facts: ModelFacts, accs: dict[int, _Acc], edges: list[int], window: int) -> tuple[pd.DataFrame, ...]:
+def _tables(facts: ModelFacts, accs: dict[int, _Acc], edges: list[int], window: int,
+            scales: dict[int, float]) -> tuple[pd.DataFrame, ...]:
     # All layers at once: one DataFrame per table built from flat arrays (per-layer frames and
     # per-row dict lookups cost ~0.7 s on SmolLM2, a fixed cost that showed at small token counts).
     H, nb = facts.n_heads, facts.first_rotary.n_bands
@@ -374,7 +427,7 @@ def _tables(facts: ModelFacts, accs: dict[int, _Acc], edges: list[int], window: 
     # Per layer and band (band -1 = unrotated remainder): frequency [rad/token] and wavelength [tokens].
     freq = np.array([angular_frequency(facts.rotary[l]) + [0.0] * (nbx - nb) for l in layers])
     wave = np.array([wavelength(facts.rotary[l]) + [math.inf] * (nbx - nb) for l in layers])
-    metrics = ["q_norm", "k_norm", "mean_contrib", "mean_abs_contrib", "abs_share"]
+    metrics = ["q_norm", "k_norm", "mean_contrib", "mean_abs_contrib", "abs_share", "h_re", "h_im", "h_typical"]
     vals, profile, bin_n, hparts = [], [], [], []
     for layer, a in accs.items():
         spec = facts.rotary[layer]
@@ -382,8 +435,14 @@ def _tables(facts: ModelFacts, accs: dict[int, _Acc], edges: list[int], window: 
         signed_tot, abs_tot = a.signed.sum(-1)[:, :nbx], a.abs.sum(-1)[:, :nbx]  # [head, band(+rest)]
         share = abs_tot / abs_tot.sum(-1, keepdim=True).clamp_min(1e-300)
         nan = torch.full((H, nbx - nb), math.nan, dtype=torch.float64)
+        # Chen et al.'s h_j for the mean unrotated query and key of the head: q_j conj(k_j) / scale (score units).
+        q_mean = torch.view_as_complex(a.q_pair.contiguous()) / max(a.n_pair, 1)
+        k_mean = torch.view_as_complex(a.k_pair.contiguous())[kv] / max(a.n_pair, 1)
+        h = q_mean * k_mean.conj() / scales[layer] if a.n_pair else torch.full_like(q_mean, complex(math.nan, math.nan))
         vals.append(torch.stack([torch.cat([a.q_norm / a.n_tok, nan], 1), torch.cat([a.k_norm[kv] / a.n_tok, nan], 1),
-                                 signed_tot / n_causal, abs_tot / n_causal, share]))
+                                 signed_tot / n_causal, abs_tot / n_causal, share,
+                                 torch.cat([h.real, nan], 1), torch.cat([h.imag, nan], 1),
+                                 torch.cat([a.q_norm * a.k_norm[kv] / (a.n_tok**2 * scales[layer]), nan], 1)]))
         profile.append(torch.stack([a.signed, a.abs])[:, :, :nbx] / a.bin_n.clamp_min(1))  # [metric, head, band, bin]
         bin_n.append(a.bin_n)
         s_bin = a.signed.sum(1)  # [head, bin]: total score summed per bin

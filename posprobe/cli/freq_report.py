@@ -28,5 +28,5 @@ def _summary(args: argparse.Namespace, result: Any) -> None:
 COMMAND = AnalysisCommand("FrequencyConfig", "posprobe.analyses.frequency:run_frequency", resume=True,
                           distributed=True, checks=_checks, summary=_summary,
                           at_least=((0, ("queries",)), (1, ("window", "max_windows", "batch_size", "ablate_windows",
-                                                            "top_heads"))))
+                                                            "top_heads")), (2, ("theory_context",))))
 add_arguments, run = COMMAND.add_arguments, COMMAND.run

@@ -83,6 +83,29 @@ def head_rel_pos_profile(profile: pd.DataFrame, layer: int, head: int, meta: dic
     return style(fig, caption=figure_caption(meta))
 
 
+def score_by_distance_figure(bands: pd.DataFrame, theory: pd.DataFrame, heads: list[tuple[int, int]],
+                             meta: dict | None = None) -> Any:
+    """a(s) of each listed head's mean pair against distance s = 0..L'-1 (tokens, log axis), a line at the context L:
+    Chen et al.'s score-by-distance, inside and beyond the trained context."""
+    import numpy as np
+    import plotly.graph_objects as go
+
+    from posprobe.rope_theory import score_by_distance
+
+    L, L2 = int(theory.context.iloc[0]), int(theory.target.iloc[0])
+    s = np.unique(np.round(np.geomspace(1, L2 - 1, 400)).astype(int))
+    fig = go.Figure()
+    for layer, head in heads:
+        d = bands[(bands.layer == layer) & (bands["head"] == head) & (bands.band >= 0)]
+        re, im = (d[d.metric == m].sort_values("band") for m in ("h_re", "h_im"))
+        a = score_by_distance(re.value.to_numpy() + 1j * im.value.to_numpy(), re.frequency.to_numpy(), s)
+        fig.add_trace(go.Scatter(x=s, y=a, mode="lines", name=f"L{layer}H{head}"))
+    fig.add_vline(x=L, line_dash="dash", annotation_text=f"context L = {L:,}")
+    fig.update_layout(title="Score of each head's mean query-key pair against distance (Chen et al.'s a(s))",
+                      xaxis=dict(type="log", title="distance s (tokens)"), yaxis_title="score (logits)", height=420)
+    return style(fig, caption=figure_caption(meta, {"a(s) up to": f"{L2:,} tokens"}))
+
+
 def sweep_figure(abl: pd.DataFrame, meta: dict | None = None) -> Any:
     """Loss change against fraction of bands kept rotating, drop-low (p-RoPE) vs drop-high."""
     import plotly.graph_objects as go
@@ -161,6 +184,19 @@ def sections(result: Any) -> list[Section]:
                 figures=[band_head_heatmap(df, layer, "abs_share", m), band_head_heatmap(df, layer, "q_norm", m)],
             )
         )
+    theory = result.tables.get("theory")
+    if theory is not None and len(theory):
+        worst = theory.sort_values("excess", ascending=False)
+        picks = [(int(r.layer), int(r["head"])) for _, r in worst.head(6).iterrows()]
+        t = m.get("theory", {})
+        secs.append(Section(
+            "Chen et al.'s bounds per head",
+            html=(f"<p>{html.escape(theory_sentence(dict(_theory_numbers(theory))).strip())}</p>"
+                  f"<p>h_j is each band's product of the head's mean unrotated query and key "
+                  f"({html.escape(str(t.get('mean_pair', '')))}); a(s) = Re &Sigma; h_j e<sup>i s &theta;_j</sup>. "
+                  f"Rule: {html.escape(str(t.get('rule', '')))}. The table lists the heads by excess.</p>"),
+            table=_fmt(worst.head(20).drop(columns=["model"])),
+            figures=[score_by_distance_figure(result.tables["bands"], theory, picks, m)]))
     if ablation is not None and len(ablation):
         secs.append(
             Section(
@@ -211,7 +247,9 @@ def _frequency_scope(meta: dict, counted: int) -> str:
 
 def headline_numbers(part: Any) -> list[tuple[str, float]]:
     """(name, value) of a frequency result's headline: the mean per-head share of |score| from the fastest and the
-    slowest quarter of bands (fractions), and the number of heads of each kind (`n_<kind>`)."""
+    slowest quarter of bands (fractions), the number of heads of each kind (`n_<kind>`) and, from Chen et al.'s
+    per-head theory, the largest interpolation bound and extrapolation excess (score units), the number of heads whose
+    mean-pair score leaves its in-context range beyond L, and L and L' (tokens)."""
     b = part.tables["bands"]
     share = b[(b.metric == "abs_share") & (b.band >= 0)]
     n_bands = int(share.band.max()) + 1
@@ -219,7 +257,29 @@ def headline_numbers(part: Any) -> list[tuple[str, float]]:
     per_head = lambda rows: float(rows.groupby(["layer", "head"]).value.sum().mean())  # noqa: E731
     return ([("abs_share_fastest_quarter", per_head(share[share.band < q])),
              ("abs_share_slowest_quarter", per_head(share[share.band >= n_bands - q]))]
-            + [(f"n_{k}", float(v)) for k, v in part.tables["heads"].kind.value_counts().items()])
+            + [(f"n_{k}", float(v)) for k, v in part.tables["heads"].kind.value_counts().items()]
+            + _theory_numbers(part.tables.get("theory")))
+
+
+def _theory_numbers(theory: pd.DataFrame | None) -> list[tuple[str, float]]:
+    if theory is None or not len(theory):
+        return []
+    return [("max_interpolation_bound", float(theory.interpolation_bound.max())),
+            ("max_extrapolation_excess", float(theory.excess.max())),
+            ("heads_leaving_range", float(theory.extrapolation_leaves_range.sum())),
+            ("theory_context", float(theory.context.iloc[0])), ("theory_target", float(theory.target.iloc[0]))]
+
+
+def theory_sentence(numbers: dict[str, Any]) -> str:
+    """Chen et al.'s per-head theory in one sentence (empty without its numbers): the largest interpolation bound,
+    and how many heads' mean-pair score leaves its in-context range beyond L."""
+    if numbers.get("max_interpolation_bound") is None:
+        return ""
+    L, L2 = int(numbers["theory_context"]), int(numbers["theory_target"])
+    return (f" Chen et al.'s bound: interpolating positions moves a typical query-key pair's score by at most "
+            f"{numbers['max_interpolation_bound']:.3g} logits in any head; beyond the context (s = {L:,}..{L2:,} "
+            f"tokens) the mean pair's score leaves its range inside L by more than 1 logit in "
+            f"{int(numbers['heads_leaving_range'])} heads (largest excess {numbers['max_extrapolation_excess']:.3g}).")
 
 
 def summary_text(result: Any) -> str:
@@ -229,7 +289,7 @@ def summary_text(result: Any) -> str:
     layers = sorted(int(x) for x in result.tables["heads"].layer.unique())
     meta = {**result.meta, "frequency_layers": result.meta.get("frequency_layers", layers)}
     return "[frequency] " + _paragraph(numbers["abs_share_fastest_quarter"], numbers["abs_share_slowest_quarter"],
-                                       kinds, meta)
+                                       kinds, meta) + theory_sentence(numbers)
 
 
 def atlas_paragraph(result: Any, n: Any) -> str:
@@ -237,7 +297,10 @@ def atlas_paragraph(result: Any, n: Any) -> str:
     the heads by how much relative distance explains, with the heads they cover."""
     kinds = {r.metric[2:]: int(r.value) for r in result.tables["atlas"].itertuples()
              if r.section == "frequency" and r.metric.startswith("n_")}
-    return _paragraph(n("abs_share_fastest_quarter"), n("abs_share_slowest_quarter"), kinds, result.meta)
+    theory = {k: n(k) for k in ("max_interpolation_bound", "max_extrapolation_excess", "heads_leaving_range",
+                                "theory_context", "theory_target")}
+    return (_paragraph(n("abs_share_fastest_quarter"), n("abs_share_slowest_quarter"), kinds, result.meta)
+            + theory_sentence(theory))
 
 
 def _paragraph(fast: float, slow: float, kinds: dict[str, int], meta: dict) -> str:
