@@ -213,3 +213,13 @@ def test_plans_by_hand():
     assert qk.q_pos.tolist() == later
     assert len(cache.views) == 1 and keys.views == () and qk.views == ()
     assert qk.label == "squish-qk:to 0" and keys.label == "squish-keys:to 0"
+
+
+def test_surgery_eval_names_a_whole_sequence_preset_for_what_it_moves():
+    """surgery-eval's variant column said "global" for presets that move every query and key, the squish variants'
+    old, refused name; it says "every-position" (planted back: fails)."""
+    from posprobe import load_model
+    from posprobe.analyses.squish import loss_by_position
+
+    t = loss_by_position(load_model("tiny-rope"), [list(range(3, 19))], ["none", "pi:scale=2"])
+    assert set(t.variant) == {"every-position"} and set(t.preset) == {"none", "pi:scale=2"}

@@ -169,7 +169,8 @@ def loss_by_position(model: Any, windows: Sequence[Sequence[int]], presets: Sequ
         plan = preset_plan(spec, model, ids.shape[1])
         nll = -token_logprobs(logits_under(model, ids, plan), ids)[0]
         for t, v in enumerate(nll.tolist()):
-            rows.append(dict(model=name, preset=spec, variant=plan.meta.get("variant", "global"), window=w,
+            # A squish plan names its variant (cache | keys | qk); any other preset moves every query and key alike.
+            rows.append(dict(model=name, preset=spec, variant=plan.meta.get("variant", "every-position"), window=w,
                              query_pos=t, metric="nll", value=v))
     return pd.DataFrame(rows)
 
