@@ -98,6 +98,14 @@ def test_head_bounds_equal_hf_brute_force(case):
         assert np.allclose(t.extrapolation_bound.to_numpy(), 2 * ref["typical"] * B, rtol=1e-5)
         assert (t.interpolation_safe == (interp <= TOLERANCE)).all()
         assert (t.extrapolation_leaves_range == (excess > TOLERANCE)).all()
+        # The report's a(s) figure draws the same curves (its x: distances up to L'-1, log-spaced)
+        from posprobe.report.frequency import score_by_distance_figure
+
+        fig = score_by_distance_figure(bands, theory, [(layer, 0), (layer, 1)])
+        for head, trace in enumerate(fig.data):
+            x = np.asarray(trace.x, dtype=int)
+            assert x.max() == TARGET - 1 and trace.name == f"L{layer}H{head}"
+            assert np.allclose(trace.y, every[head, x], atol=1e-5 * scale.max())
         # Chen's theorem itself, on the measured h: |a(s)| <= 2 max|h_j| B(s) at every s beyond L
         B_s = _chen_B(ref["inv_freq"], np.arange(CONTEXT, TARGET))
         assert (np.abs(every[:, CONTEXT:]) <= 2 * t.h_max.to_numpy()[:, None] * B_s + 1e-9).all()

@@ -100,7 +100,10 @@ def score_by_distance_figure(bands: pd.DataFrame, theory: pd.DataFrame, heads: l
         re, im = (d[d.metric == m].sort_values("band") for m in ("h_re", "h_im"))
         a = score_by_distance(re.value.to_numpy() + 1j * im.value.to_numpy(), re.frequency.to_numpy(), s)
         fig.add_trace(go.Scatter(x=s, y=a, mode="lines", name=f"L{layer}H{head}"))
-    fig.add_vline(x=L, line_dash="dash", annotation_text=f"context L = {L:,}")
+    fig.add_vline(x=L, line_dash="dash")
+    # On a log axis an annotation's x is given in log10 units (a shape's is not): add_vline's own label went off-page.
+    fig.add_annotation(x=float(np.log10(L)), y=1.0, yref="paper", text=f"context L = {L:,}", showarrow=False,
+                       xanchor="right", yanchor="bottom")
     fig.update_layout(title="Score of each head's mean query-key pair against distance (Chen et al.'s a(s))",
                       xaxis=dict(type="log", title="distance s (tokens)"), yaxis_title="score (logits)", height=420)
     return style(fig, caption=figure_caption(meta, {"a(s) up to": f"{L2:,} tokens"}))
