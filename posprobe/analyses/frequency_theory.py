@@ -39,10 +39,11 @@ BEYOND = 4
 
 def head_bounds(bands: pd.DataFrame, facts: ModelFacts, *, context: int | None = None,
                 target: int | None = None) -> pd.DataFrame:
-    """One row per measured head: h_max (max_j |h_j| of the mean pair) and h_max_typical (max_j of mean |q_j| times
-    mean |k_j| over scale), a(s)'s range over s = 0..L-1 (a_in_min, a_in_max) and over s = L..L'-1 (a_out_min,
-    a_out_max), excess (how far a(s) beyond L leaves its range inside L), Chen's interpolation bound and his
-    extrapolation bound at its largest over L..L'-1 (both with h_max_typical), and two verdicts: interpolation_safe
+    """One row per measured head: its layer's `attention` ("local" for a sliding-window layer, whose a(s) past its
+    window is never used, else "global"); h_max (max_j |h_j| of the mean pair) and h_max_typical (max_j of mean
+    |q_j| times mean |k_j| over scale); a(s)'s range over s = 0..L-1 (a_in_min, a_in_max) and over s = L..L'-1
+    (a_out_min, a_out_max); excess (how far a(s) beyond L leaves its range inside L); Chen's interpolation bound and
+    his extrapolation bound at its largest over L..L'-1 (both with h_max_typical); two verdicts: interpolation_safe
     (interpolation bound <= TOLERANCE) and extrapolation_leaves_range (excess > TOLERANCE). Score units (pre-softmax
     logits) throughout; L = `context` (default: the model's context), L' = `target` (default 4L), both in tokens.
     ValueError if the table's frequencies are not `facts`' rotation."""
@@ -67,9 +68,12 @@ def head_bounds(bands: pd.DataFrame, facts: ModelFacts, *, context: int | None =
         B = chen_B(spec, np.arange(length, stop)).max()
         excess = np.maximum(np.maximum(out_hi - in_hi, in_lo - out_lo), 0.0)
         interp = np.array([interpolation_bound(spec, t) for t in typical])
+        # A local (sliding-window) layer never attends past its window: its a(s) beyond it is moot, not a prediction.
+        attention = facts.attn_types[int(layer)] if facts.attn_types else "global"
         for i, (head, kv_head) in enumerate(wide.index):
             rows.append(dict(model=facts.name, layer=int(layer), head=int(head), kv_head=int(kv_head),
-                             h_max=h_max[i], h_max_typical=typical[i], a_in_min=in_lo[i], a_in_max=in_hi[i],
+                             attention=attention, h_max=h_max[i], h_max_typical=typical[i], a_in_min=in_lo[i],
+                             a_in_max=in_hi[i],
                              a_out_min=out_lo[i], a_out_max=out_hi[i], excess=excess[i],
                              interpolation_bound=interp[i], extrapolation_bound=2 * typical[i] * B,
                              interpolation_safe=bool(interp[i] <= TOLERANCE),
