@@ -462,6 +462,11 @@ def test_run_long_context_tables_summary_and_report(byte_llama, tmp_path):
     pk = res.tables["passkey"]
     assert len(pk) == 3 * 2 and pk.target.str.fullmatch(r"\d{5}").all()
     assert res.tables["passkey_accuracy"].value.between(0, 1).all()
+    for r in res.tables["passkey_accuracy"].itertuples():  # the 95% Wilson interval written out (z = 1.96)
+        n, p, z = r.count, r.value, 1.959963984540054
+        centre, half = (p + z * z / (2 * n)) / (1 + z * z / n), z / (1 + z * z / n) * math.sqrt(
+            p * (1 - p) / n + z * z / (4 * n * n))
+        assert (r.ci_low, r.ci_high) == (pytest.approx(centre - half), pytest.approx(centre + half))
     again = run_long_context(model, TEXT, cfg, tokenizer=tok, name="tiny-llama")
     assert again.tables["passkey"].target.tolist() == pk.target.tolist()  # seeded
     paths = res.save(tmp_path / "lc")

@@ -4,6 +4,7 @@ lengths from the model's own tokenizer, scored with RULER's string_match_all, th
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -132,6 +133,15 @@ def test_harness_tables_equal_hfs_own_generate_and_rescoring(tmp_path):
     assert "passkey" not in r.tables and len(needles) == 2 * 2 * 2 and len(acc) == 8
     assert set(needles.columns) <= set(COLUMNS) and set(acc.columns) <= set(COLUMNS)
     assert set(acc.metric) == {"string_match_all"} <= set(METRICS)
+    for a in acc.itertuples():  # a 95% Wilson interval where every trial scored 0 or 1, written out; else none
+        scores = needles[(needles.task == a.task) & (needles.preset == a.preset) & (needles.depth == a.depth)].score
+        n, p, z = len(scores), scores.mean(), 1.959963984540054
+        if not scores.isin([0.0, 1.0]).all():
+            assert math.isnan(a.ci_low) and math.isnan(a.ci_high)
+            continue
+        centre, half = (p + z * z / (2 * n)) / (1 + z * z / n), z / (1 + z * z / n) * math.sqrt(
+            p * (1 - p) / n + z * z / (4 * n * n))
+        assert (a.ci_low, a.ci_high) == (pytest.approx(centre - half), pytest.approx(centre + half))
     for row in needles.itertuples():
         targets = row.targets.split(" | ")
         # RULER's string_match_all written out: the fraction of the targets found in the answer, case-insensitive.

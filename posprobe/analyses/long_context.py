@@ -30,6 +30,7 @@ from posprobe.backend.kind import is_bridge
 from posprobe.backend.model import hf_model_name, model_name, tokenizer_of, weights_fingerprint
 from posprobe.core import long_engine as LA
 from posprobe.core.presets import preset_pairs
+from posprobe.core.stats import wilson_ci
 from posprobe.core.surgery import PairRule
 from posprobe.data.needles import TASKS as NEEDLE_TASKS
 from posprobe.data.needles import needle_prompt
@@ -269,7 +270,20 @@ def _passkey(
     acc = (trials.groupby(["model", "preset", "length", "depth"], sort=False)
            .agg(value=("exact_match", "mean"), count=("exact_match", "size")).reset_index())
     acc.insert(4, "metric", "accuracy")
-    return {"passkey": trials, "passkey_accuracy": acc}
+    return {"passkey": trials, "passkey_accuracy": _with_wilson(acc)}
+
+
+def _with_wilson(acc: pd.DataFrame) -> pd.DataFrame:
+    # A proportion of 0/1 answers gets its 95% Wilson interval over trials (ci_low, ci_high); a mean of fractional
+    # scores (multi-value needle tasks) is no proportion and gets NaN.
+    lo, hi = [], []
+    for v, n in zip(acc.value, acc["count"]):
+        k = v * n
+        ok = abs(k - round(k)) < 1e-9
+        a, b = wilson_ci(int(round(k)), int(n)) if ok else (float("nan"), float("nan"))
+        lo.append(a)
+        hi.append(b)
+    return acc.assign(ci_low=lo, ci_high=hi)
 
 
 def _needles(hf: Any, tok: Any, rules: dict[str, PairRule], cfg: LongContextConfig, name: str, ckpt: Checkpoint,
@@ -296,4 +310,8 @@ def _needles(hf: Any, tok: Any, rules: dict[str, PairRule], cfg: LongContextConf
     acc = (trials.groupby(["model", "task", "preset", "length", "depth"], sort=False)
            .agg(value=("score", "mean"), count=("score", "size")).reset_index())
     acc.insert(5, "metric", "string_match_all")
+    binary = trials.groupby(["model", "task", "preset", "length", "depth"], sort=False).score.agg(
+        lambda x: bool(x.isin([0.0, 1.0]).all())).to_numpy()
+    acc = _with_wilson(acc)
+    acc.loc[~binary, ["ci_low", "ci_high"]] = float("nan")
     return {"needles": trials, "needle_accuracy": acc}

@@ -30,15 +30,22 @@ def _summary(args: argparse.Namespace, result: Any) -> None:
     print(table.to_string(float_format=lambda v: f"{v:.4f}"))
     acc = result.tables.get("passkey_accuracy")
     if acc is not None:
-        print("passkey accuracy (exact match), rows preset x length, columns depth:")
-        grid = acc.pivot_table(index=["preset", "length"], columns="depth", values="value", sort=False, dropna=False)
-        print(grid.to_string(float_format=lambda v: f"{v:.2f}"))
+        print("passkey accuracy (exact match) [95% Wilson interval over trials], rows preset x length, columns depth:")
+        print(_grid(acc, ["preset", "length"]))
     acc = result.tables.get("needle_accuracy")
     if acc is not None:
-        print("needle accuracy (RULER string_match_all), rows task x preset x length, columns depth:")
-        grid = acc.pivot_table(index=["task", "preset", "length"], columns="depth", values="value", sort=False,
-                               dropna=False)
-        print(grid.to_string(float_format=lambda v: f"{v:.2f}"))
+        print("needle accuracy (RULER string_match_all) [95% Wilson interval where scores are 0/1], rows task x preset "
+              "x length, columns depth:")
+        print(_grid(acc, ["task", "preset", "length"]))
+
+
+def _grid(acc: Any, rows: list[str]) -> str:
+    # One cell per depth: "0.80 [0.49, 0.94]", the interval left out where it is undefined (fractional scores).
+    def cell(r: Any) -> str:
+        return f"{r.value:.2f}" + ("" if r.ci_low != r.ci_low else f" [{r.ci_low:.2f}, {r.ci_high:.2f}]")
+
+    shown = acc.assign(cell=[cell(r) for r in acc.itertuples()])
+    return shown.pivot_table(index=rows, columns="depth", values="cell", aggfunc="first", sort=False).to_string()
 
 
 def _refuse_unused(args: argparse.Namespace, config: Any) -> None:
