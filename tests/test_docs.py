@@ -56,16 +56,22 @@ def test_every_docs_page_is_in_the_nav():
     assert [p for p in pages if p not in nav] == []
 
 
-def test_site_builds_strict_and_offline(tmp_path):
-    """`mkdocs build --strict` (a broken link or anchor, a page outside the nav, an API name that does not resolve
-    fail it), in seconds; the HTML loads no script, stylesheet or font from the web (no CDN: works offline)."""
+@pytest.fixture(scope="module")
+def built_site(tmp_path_factory):
+    """The site as `mkdocs build --strict` writes it: (folder, return code, log)."""
     _need_mkdocs()
-    site = tmp_path / "site"
+    site = tmp_path_factory.mktemp("docs") / "site"
     env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
     done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(ROOT / "mkdocs.yml"),
                            "-d", str(site)], cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
-    log = done.stdout + done.stderr
-    assert done.returncode == 0, log[-4000:]
+    return site, done.returncode, done.stdout + done.stderr
+
+
+def test_site_builds_strict_and_offline(built_site):
+    """`mkdocs build --strict` (a broken link or anchor, a page outside the nav, an API name that does not resolve
+    fail it), in seconds; the HTML loads no script, stylesheet or font from the web (no CDN: works offline)."""
+    site, code, log = built_site
+    assert code == 0, log[-4000:]
     assert not re.search(r"^(WARNING|ERROR)", log, flags=re.M), log[-4000:]
     html = {p: p.read_text(encoding="utf-8") for p in site.rglob("*.html")}
     assert len(html) >= 25
@@ -85,6 +91,41 @@ def test_site_builds_strict_and_offline(tmp_path):
                  "posprobe.analyses.retrieval.run_retrieval", "posprobe.analyses.theory.rope_theory_table"):
         assert f'id="{path}"' in api, path
     assert "critical_dimension" in html[site / "api" / "rope-theory.html"]
+
+
+#: Material's JavaScript ran (it publishes its observables on window), and the page's own content is there.
+_PROBE = """({material: typeof document$ !== 'undefined' && typeof component$ !== 'undefined',
+  h1: (document.querySelector('article h1') || {}).textContent || '',
+  nav: document.querySelectorAll('nav.md-nav a').length,
+  tables: document.querySelectorAll('article table').length,
+  code: document.querySelectorAll('article pre code').length,
+  api: document.querySelectorAll('.doc-object').length,
+  font: getComputedStyle(document.body).fontFamily})"""
+
+
+@pytest.mark.browser
+@pytest.mark.parametrize("page", ["index.html", "api/analyses.html"])
+def test_site_renders_offline_in_chromium(built_site, page, tmp_path):
+    """The landing page and an API page, opened from disk in headless Chromium with the network off: no console
+    error, the theme's script ran, the navigation, tables, code and (API) rendered docstrings are on the page."""
+    from browser_util import load_page, require_chromium
+
+    require_chromium()
+    site, code, log = built_site
+    assert code == 0, log[-4000:]
+    rep = load_page(site / page, _PROBE, until=lambda v: bool(v and v["material"]), timeout=60,
+                    screenshot=tmp_path / "page.png")
+    # Chromium refuses the search index's web worker on file:// pages (a served site has search); nothing else.
+    errors = [e for e in rep.errors if "search" not in e.lower() and "worker" not in e.lower()]
+    assert errors == [], errors
+    assert rep.ok, rep.value
+    v = rep.value
+    assert v["nav"] >= 20 and v["code"] >= 1, v
+    if page == "index.html":
+        assert v["h1"].startswith("posprobe") and v["tables"] >= 2, v
+    else:
+        assert "Analyses" in v["h1"] and v["api"] >= 30, v
+    assert (tmp_path / "page.png").stat().st_size > 10_000
 
 
 def test_every_command_help_ends_with_its_docs_page():
