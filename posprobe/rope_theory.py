@@ -14,16 +14,17 @@ removed bands) and works in float64. Units: positions and lengths in tokens, fre
 - The scaling methods' per-band factors for a target length: PI (every frequency / s), NTK-aware (base b s^{d/(d-2)}),
   YaRN (per-band ramp between the bands that turn beta and alpha times within L, temperature 0.1 ln s + 1).
 
->>> from posprobe.rope import RotarySpec
->>> llama2 = RotarySpec(rotary_dim=128, base=10_000.0)
->>> critical_dimension(llama2, 4096)
-92
->>> round(float(chen_B(llama2, [1.0])[0]) / 128, 1)
-15.8
->>> first_negative_sum(RotarySpec(rotary_dim=64, base=100_000.0), 20_000)  # SmolLM2-135M
-3616
->>> round(yarn_temperature(8.0), 3)
-1.208
+Examples:
+    >>> from posprobe.rope import RotarySpec
+    >>> llama2 = RotarySpec(rotary_dim=128, base=10_000.0)
+    >>> critical_dimension(llama2, 4096)
+    92
+    >>> round(float(chen_B(llama2, [1.0])[0]) / 128, 1)
+    15.8
+    >>> first_negative_sum(RotarySpec(rotary_dim=64, base=100_000.0), 20_000)  # SmolLM2-135M
+    3616
+    >>> round(yarn_temperature(8.0), 3)
+    1.208
 """
 
 from __future__ import annotations

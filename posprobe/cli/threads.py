@@ -1,8 +1,8 @@
 """--threads: torch's compute threads for a command, and the one line that names a busy machine.
 
 On 2 cores that other jobs already keep busy, torch's default of one thread per core oversubscribes the CPU: measured
-5-16x slower (README, "Threads"). posprobe never changes the count by itself: a training run that resumes must
-compute as the run it resumes, and a thread count can change a float sum's order.
+5-16x slower (docs/getting-started.md, "Threads"). posprobe never changes the count by itself: a training run that
+resumes must compute as the run it resumes, and a thread count can change a float sum's order.
 """
 
 from __future__ import annotations

@@ -365,6 +365,16 @@ def rope_positions(model: Any, plan: PositionPlan | None = None, *, q_pos: Seque
 
     Give a PositionPlan, or `q_pos` and `k_pos` directly. Works with TL's KV cache (generation):
     the plan must cover the full length (see `PositionPlan.extended`). Yields the plan in force.
+
+    Examples:
+        >>> import torch, posprobe as pp
+        >>> model = pp.load_model("tiny-rope")
+        >>> toks = model.to_tokens("The capital of France is")
+        >>> n = toks.shape[1]
+        >>> with pp.rope_positions(model, pp.PositionPlan(q_pos=torch.arange(n) + 100, k_pos=torch.arange(n) + 100)):
+        ...     shifted = model(toks)
+        >>> bool((shifted - model(toks)).abs().max() < 1e-4)  # a common shift leaves relative positions unchanged
+        True
     """
     facts = model_facts(model)
     require_rotary(facts, "Query/key position control")
@@ -497,7 +507,18 @@ _CONTROLLERS: dict[str, Callable[[Any, torch.Tensor, str], Any]] = {
 def token_positions(model: Any, pos: torch.Tensor, label: str = "positions") -> Any:
     """A context in which token t's query and key sit at `pos[..., t]` (`[pos]` or `[batch, pos]`, CPU), whatever
     the model's positional kind: learned or sinusoidal ids, ALiBi distances or RoPE rotations (WrongModelKind for
-    others)."""
+    others).
+
+    Examples:
+        >>> import torch, posprobe as pp
+        >>> from posprobe.core.positions import token_positions
+        >>> model = pp.load_model("tiny-ape")  # learned absolute positions (GPT-2 layout)
+        >>> toks = model.to_tokens("The capital of France is")
+        >>> with token_positions(model, torch.arange(toks.shape[1]) + 100):  # token t at position 100 + t
+        ...     moved = model(toks)
+        >>> bool((moved - model(toks)).abs().max() > 0)  # absolute positions matter here
+        True
+    """
     kind = model_facts(model).positional_kind
     try:
         fam = family(kind)

@@ -99,6 +99,15 @@ class Result:
     Figures and the HTML report are rebuilt from the tables and meta alone, by the page module
     registered for `meta["analysis"]` (`posprobe.report.pages`). `save(dir)` is the one way results
     are written.
+
+    Examples:
+        >>> import pandas as pd
+        >>> from posprobe import Result
+        >>> result = Result({"scores": pd.DataFrame({"layer": [0, 1], "value": [0.5, 0.25]})}, {"analysis": "demo"})
+        >>> sorted(p.name for p in result.save("demo-out").values())
+        ['meta.json', 'report.html', 'scores.csv', 'scores.parquet']
+        >>> Result.load("demo-out").tables["scores"]["value"].tolist()
+        [0.5, 0.25]
     """
 
     tables: dict[str, pd.DataFrame]

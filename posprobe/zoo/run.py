@@ -57,7 +57,17 @@ def train_zoo(cfg: ZooConfig, text: str, out: str | os.PathLike, *, eval_text: s
     Interrupted runs keep their state in `<out>.work` and resume when the same call is repeated (`fresh` discards
     it). Returns the training Result (tables `members`: one row per trained member with parameters, seconds,
     tokens/s and final loss in nats/token; `training`: the loss curve every 10 steps), also saved in
-    `<out>/training/`."""
+    `<out>/training/`.
+
+    Examples:
+        >>> from posprobe import ZooConfig, train_zoo
+        >>> from posprobe.data import builtin_corpus
+        >>> cfg = ZooConfig(members=("rope", "nope"), d_model=16, n_layers=1, n_heads=2, length=16, vocab_size=280,
+        ...                 batch_size=2, steps=5, warmup=1, progress=False)  # seconds; the CPU tier is ZooConfig()
+        >>> result = train_zoo(cfg, builtin_corpus(), "zoo")
+        >>> result.tables["members"][["model", "family"]].values.tolist()
+        [['rope-s0', 'rotary'], ['nope-s0', 'nope']]
+    """
     import torch
 
     from posprobe.zoo.tokenizer import train_tokenizer
