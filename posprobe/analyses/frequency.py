@@ -396,7 +396,7 @@ def frequency_usage(
         "band_order": "band 0 = highest frequency (shortest wavelength); band -1 = unrotated dims",
         "score_units": "pre-softmax attention score (q.k / attn_scale), before any soft-cap",
         "attn_scores_soft_cap": score_soft_cap(model),
-        "theory": {"context": length, "target": int(theory.target.iloc[0]) if len(theory) else None,
+        "theory": {"context": length, "target": int(theory.theory_target.iloc[0]) if len(theory) else None,
                    "tolerance": TOLERANCE, "mean_pair": "mean unrotated query and key over positions >= 1",
                    "rule": f"interpolation_safe: Chen's bound d max|h_j| / (32 ln b) <= {TOLERANCE:g} (typical "
                            f"pair); extrapolation_leaves_range: a(s) of the mean pair beyond L leaves its range "

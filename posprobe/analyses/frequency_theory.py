@@ -78,6 +78,6 @@ def head_bounds(bands: pd.DataFrame, facts: ModelFacts, *, context: int | None =
                              interpolation_bound=interp[i], extrapolation_bound=2 * typical[i] * B,
                              interpolation_safe=bool(interp[i] <= TOLERANCE),
                              extrapolation_leaves_range=bool(excess[i] > TOLERANCE),
-                             context=length, target=stop))
+                             theory_context=length, theory_target=stop))
     return pd.DataFrame(rows)
 

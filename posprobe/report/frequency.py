@@ -92,7 +92,7 @@ def score_by_distance_figure(bands: pd.DataFrame, theory: pd.DataFrame, heads: l
 
     from posprobe.rope_theory import score_by_distance
 
-    L, L2 = int(theory.context.iloc[0]), int(theory.target.iloc[0])
+    L, L2 = int(theory.theory_context.iloc[0]), int(theory.theory_target.iloc[0])
     s = np.unique(np.round(np.geomspace(1, L2 - 1, 400)).astype(int))
     fig = go.Figure()
     for layer, head in heads:
@@ -270,7 +270,8 @@ def _theory_numbers(theory: pd.DataFrame | None) -> list[tuple[str, float]]:
     return [("max_interpolation_bound", float(theory.interpolation_bound.max())),
             ("max_extrapolation_excess", float(theory.excess.max())),
             ("heads_leaving_range", float(theory.extrapolation_leaves_range.sum())),
-            ("theory_context", float(theory.context.iloc[0])), ("theory_target", float(theory.target.iloc[0]))]
+            ("theory_context", float(theory.theory_context.iloc[0])),
+            ("theory_target", float(theory.theory_target.iloc[0]))]
 
 
 def theory_sentence(numbers: dict[str, Any]) -> str:
