@@ -191,7 +191,7 @@ def _unrotated_sum(x: torch.Tensor, spec: RotarySpec, turn: torch.Tensor) -> tor
     # angle (turn = e^{-i p theta_j} for p = 1..n-1) and summed over positions >= 1 and the batch. Position 0 (BOS,
     # often a sink with an atypical key) is left out of the mean pair.
     pairs = band_pairs(x[:, 1:], spec).sum(0, dtype=torch.float64)  # [pos, head, band, 2]
-    c = torch.view_as_complex(pairs.contiguous())
+    c = torch.complex(pairs[..., 0], pairs[..., 1])
     return torch.view_as_real((c * turn[:, None, :]).sum(0))
 
 
@@ -436,8 +436,10 @@ def _tables(facts: ModelFacts, accs: dict[int, _Acc], edges: list[int], window: 
         share = abs_tot / abs_tot.sum(-1, keepdim=True).clamp_min(1e-300)
         nan = torch.full((H, nbx - nb), math.nan, dtype=torch.float64)
         # Chen et al.'s h_j for the mean unrotated query and key of the head: q_j conj(k_j) / scale (score units).
-        q_mean = torch.view_as_complex(a.q_pair.contiguous()) / max(a.n_pair, 1)
-        k_mean = torch.view_as_complex(a.k_pair.contiguous())[kv] / max(a.n_pair, 1)
+        # torch.complex, not view_as_complex: after to_cpu_once the sums are views into one shared buffer, at
+        # offsets view_as_complex refuses (it needs an even storage offset).
+        q_mean = torch.complex(a.q_pair[..., 0], a.q_pair[..., 1]) / max(a.n_pair, 1)
+        k_mean = torch.complex(a.k_pair[..., 0], a.k_pair[..., 1])[kv] / max(a.n_pair, 1)
         h = q_mean * k_mean.conj() / scales[layer] if a.n_pair else torch.full_like(q_mean, complex(math.nan, math.nan))
         vals.append(torch.stack([torch.cat([a.q_norm / a.n_tok, nan], 1), torch.cat([a.k_norm[kv] / a.n_tok, nan], 1),
                                  signed_tot / n_causal, abs_tot / n_causal, share,
