@@ -435,3 +435,118 @@ def test_atlas_run_passes_the_atlas_window_text_and_source(ape64):
     assert res.meta["data"]["source"] == "atlas text" and res.meta["n_rows"] == 2 and res.meta["n_pos"] == 10
     assert res.meta["data"]["sha256"] == hashlib.sha256(text.encode()).hexdigest()
     assert set(res.tables) == {"geometry", "pos_token_subspace"}
+
+
+def test_float32_input_is_read_in_float64():
+    """A float32 table is analysed in float64 (the SVD of a float32 copy would be off by ~1e-7)."""
+    rng = np.random.default_rng(11)
+    X = (rng.normal(size=(40, 12)) * np.linspace(3, 0.5, 12)).astype(np.float32)
+    X64 = X.astype(np.float64)
+    ratio, scores, _ = pca(X, 3)
+    r_ratio, r_scores, _ = _ref_pca(X64, 3)
+    assert np.abs(ratio - r_ratio).max() < 1e-12 and np.abs(scores - r_scores).max() < 1e-10
+    assert np.abs(cosine_matrix(X) - cosine_matrix(X64)).max() < 1e-14
+    assert cosine_matrix(X).dtype == np.float64
+    df = matrix_geometry(X, n_components=2)
+    assert np.abs(df[df.metric == "explained_variance"].value.to_numpy() - r_ratio[:2]).max() < 1e-12
+    E = (rng.normal(size=(60, 12)) * np.linspace(0.5, 2, 12)).astype(np.float32)
+    got = position_token_overlap(X, E, ks=(2, 4))
+    ref = _ref_overlap(X64, E.astype(np.float64), [2, 4])
+    for _, row in got.iterrows():
+        assert abs(row.value - ref[row.k][row.metric]) < 1e-9, (row.k, row.metric)
+    t = np.arange(40.0)
+    y = np.cos(2 * np.pi * t / 9.0).astype(np.float32)
+    fit = fit_sinusoid(y, t.astype(np.float32))
+    _check_fit_at_its_period(fit, y.astype(np.float64), t)
+
+
+def test_pca_of_a_table_with_less_than_unit_variance():
+    rng = np.random.default_rng(12)
+    X = 0.01 * rng.normal(size=(20, 5)) * np.linspace(2, 0.5, 5)  # total variance far below 1
+    ratio, _, _ = pca(X, 2)
+    assert np.allclose(ratio, _ref_pca(X, 2)[0], atol=1e-12) and ratio[0] > 0.2
+
+
+def test_documented_defaults_and_tidy_index(ape64, capfd):
+    rng = np.random.default_rng(13)
+    X = rng.normal(size=(300, 4))
+    df = matrix_geometry(X)
+    assert (df.metric == "cosine").sum() == 256 ** 2  # the first 256 positions by default
+    assert (df.metric == "explained_variance").sum() == 4  # 6 components asked, 4 dims
+    assert list(df.index) == list(range(len(df)))
+    full = wpos_geometry(ape64)
+    assert full.meta["config"] == dict(n_components=6, max_pos=None, max_cos_pos=256)
+    assert (full.tables["geometry"].metric == "explained_variance").sum() == 6
+    rows = text_rows(ape64, BUILTIN_TEXT, 12, 2)
+    capfd.readouterr()
+    res = residual_geometry(ape64, rows, 0, progress=False)
+    assert res.meta["config"] == dict(point="resid_pre", layers=[0], skip_first=0, n_components=6, max_cos_pos=256,
+                                      batch_size=8)
+    assert res.meta["analysis"] == "geometry" and res.meta["data"]["source"] == "token rows"
+    assert list(res.tables["geometry"].index) == list(range(len(res.tables["geometry"])))
+    assert (res.tables["geometry"].metric == "explained_variance").sum() == 6
+    assert capfd.readouterr().err == ""  # progress=False: no progress bar
+    assert full.meta["analysis"] == "geometry" and list(full.tables) == ["geometry"]
+    assert full.meta["data"] == {"source": None, "sha256": None, "n_items": 256, "unit": "positions"}
+
+
+def test_residual_view_at_resid_post_against_the_twin(ape64):
+    from posprobe.backend.tiny import tiny_hf_model
+
+    rows = text_rows(ape64, BUILTIN_TEXT, 10, 3)
+    twin = tiny_hf_model("tiny-ape", seed=0, dtype=torch.float64)
+    with torch.no_grad():
+        hs = twin(torch.tensor(rows), output_hidden_states=True).hidden_states
+    res = residual_geometry(ape64, rows, [0], point="resid_post", n_components=2, progress=False)
+    nm = res.tables["geometry"][res.tables["geometry"].metric == "norm"]
+    assert np.allclose(nm.value, np.linalg.norm(hs[1].mean(0).numpy(), axis=1), atol=1e-9)
+    assert (res.tables["geometry"].source == "resid_post mean").all()
+
+
+def test_refusal_names_the_analysis_and_the_residual_view(tiny_rope):
+    from posprobe.backend.facts import WrongModelKind
+
+    with pytest.raises(WrongModelKind) as e:
+        wpos_geometry(tiny_rope)
+    msg = str(e.value)
+    assert msg.startswith("W_pos geometry needs learned absolute position embeddings")
+    assert msg.endswith("Use the residual-stream view instead: residual_geometry(model, token_rows, layer) or "
+                        "`posprobe geometry MODEL --text PATH`")
+
+
+def test_overlap_row_limits_and_shape_checks():
+    rng = np.random.default_rng(14)
+    P, E = rng.normal(size=(5, 16)), rng.normal(size=(50, 16))
+    assert list(position_token_overlap(P, E, ks=(4,)).k.unique()) == [4]  # at most rows - 1 = 4
+    with pytest.raises(ValueError, match="no k"):
+        position_token_overlap(P, E, ks=(5,))
+    with pytest.raises(ValueError, match="no k"):
+        position_token_overlap(rng.normal(size=(40, 16)), E, ks=(17,))  # at most d_model
+    with pytest.raises(ValueError, match="must be"):
+        position_token_overlap(rng.normal(size=(5, 16, 16)), E)
+
+
+def test_run_geometry_default_layers_components_and_tables(capfd):
+    """Default layers: first, middle and last of a six-layer model (0, 3, 5)."""
+    import transformers as T
+    from transformer_lens.model_bridge import TransformerBridge
+
+    from posprobe.backend.tiny import byte_tokenizer, tiny_hf_config
+
+    cfg = tiny_hf_config("tiny-ape")
+    cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.n_inner, cfg.n_positions = 6, 16, 2, 32, 32
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        hf = T.GPT2LMHeadModel(cfg).eval()
+    six = TransformerBridge.boot_transformers("six", hf_model=hf, tokenizer=byte_tokenizer())
+    six.cfg.model_name = "six"
+    capfd.readouterr()
+    res = run_geometry(six, BUILTIN_TEXT[:600], GeometryConfig(window=8, max_windows=2, components=2, progress=False))
+    assert capfd.readouterr().err == ""
+    g = res.tables["geometry"]
+    resid = g[g.source == "resid_post mean"]
+    assert sorted(resid.layer.unique()) == [0, 3, 5]
+    assert (resid.metric == "explained_variance").sum() == 3 * 2
+    assert list(g.index) == list(range(len(g)))
+    assert list(res.tables["pos_token_subspace"].columns) == ["model", "k", "metric", "value"]
+    assert res.meta["analysis"] == "geometry" and res.meta["data"]["unit"] == "windows"
