@@ -394,3 +394,17 @@ def test_persistence_and_adherence_keep_the_first_seen_order_and_mean_over_place
     # b: user 2/4, system 1/4 -> mean over placements 0.375 (the max would be 0.5); a: user 2/2, system 1/2 -> 0.75
     assert table.loc["b", ("normal", 0)] == pytest.approx((0.5 + 0.25) / 2)
     assert table.loc["a", ("squish:0:qk", 3)] == pytest.approx(0.75)
+
+
+def test_built_in_questions_by_default(tiny):  # noqa: F811
+    """Without `questions`, the first `config.questions` built-in questions, recorded as such."""
+    from posprobe.data.questions import BUILTIN_QUESTIONS
+
+    model, tok = tiny
+    res = S.run_squish_study(model, _config(placements=("user",), distances=(0,), conditions=("normal",),
+                                            max_new_tokens=1), tokenizer=tok, instructions=_instructions()[:1])
+    assert res.meta["data"]["source"] == "built-in questions" and res.meta["data"]["n_items"] == 2
+    texts = [_ref_prompt(tok, "user", 0, None, q.text)[0] for q in BUILTIN_QUESTIONS[:2]]
+    texts += [_ref_prompt(tok, "user", 0, _instructions()[0].text, q.text)[0] for q in BUILTIN_QUESTIONS[:2]]
+    assert res.meta["data"]["sha256"] == hashlib.sha256("\n".join(texts).encode()).hexdigest()
+    assert len(res.tables["squish_answers"]) == 2
