@@ -157,16 +157,19 @@ def reference(tiny):  # noqa: F811
     return pd.DataFrame(rows).drop(columns="_first"), texts
 
 
-@pytest.fixture(scope="module")
-def study(tiny, tmp_path_factory):  # noqa: F811
+def test_study_tables_and_meta_against_hugging_face(tiny, reference, tmp_path):  # noqa: F811
+    """One study run, checked three ways below. The study runs in this test's body: mutmut attributes a function to
+    the tests whose body calls it, so the checks must not read a module fixture's result."""
     model, tok = tiny
-    work = tmp_path_factory.mktemp("squish") / "work"
-    return S.run_squish_study(model, _config(), tokenizer=tok, instructions=_instructions(), questions=QUESTIONS,
-                              work=str(work)), work
+    work = tmp_path / "work"
+    res = S.run_squish_study(model, _config(), tokenizer=tok, instructions=_instructions(), questions=QUESTIONS,
+                             work=str(work))
+    _check_answers_table(res, reference)
+    _check_adherence_table(res, reference)
+    _check_meta(res, work, reference)
 
 
-def test_answers_table_every_column_against_hugging_face(study, reference):
-    res, _ = study
+def _check_answers_table(res, reference):
     want, _ = reference
     got = res.tables["squish_answers"]
     assert list(got.columns) == ["model", "placement", "distance", "distance_tokens", "instruction", "condition",
@@ -185,10 +188,9 @@ def test_answers_table_every_column_against_hugging_face(study, reference):
         assert got[got.condition != "none"][col].nunique() == 2, col
 
 
-def test_adherence_table_every_cell_against_scipy(study, reference):
+def _check_adherence_table(res, reference):
     from scipy.stats import binomtest
 
-    res, _ = study
     want, _ = reference
     insts = {i.name: i for i in _instructions()}
     # the no-instruction answers scored by each instruction's checker form that instruction's `none` cells
@@ -235,8 +237,7 @@ def test_adherence_table_every_cell_against_scipy(study, reference):
     assert (got[got.condition == "none"].span_attention.isna()).all()
 
 
-def test_meta_records_data_instructions_conditions_and_checkpoint(study, reference, tiny):  # noqa: F811
-    res, work = study
+def _check_meta(res, work, reference):
     _, texts = reference
     meta = res.meta
     assert meta["analysis"] == "squish-study"
