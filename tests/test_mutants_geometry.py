@@ -550,3 +550,14 @@ def test_run_geometry_default_layers_components_and_tables(capfd):
     assert list(g.index) == list(range(len(g)))
     assert list(res.tables["pos_token_subspace"].columns) == ["model", "k", "metric", "value"]
     assert res.meta["analysis"] == "geometry" and res.meta["data"]["unit"] == "windows"
+
+
+def test_fit_sinusoid_small_signals_and_offset_positions():
+    t = np.arange(16.0)
+    y = 0.01 * np.cos(2 * np.pi * t / 5.0)  # total variance far below 1: R^2 is still defined
+    fit = fit_sinusoid(y)
+    assert fit["r2"] == pytest.approx(1.0, abs=1e-9) and fit["period"] == pytest.approx(5.0, rel=1e-6)
+    # the default longest period is 4 x the span of the positions given (20 positions from 10: span 20)
+    t = np.arange(10.0, 30.0)
+    fit = fit_sinusoid(0.5 * t, t)
+    assert fit["period"] == pytest.approx(4 * 20, rel=1e-4)
