@@ -330,3 +330,10 @@ def test_whole_zoo_plan_leaves_out_what_hf_cannot_carry_and_runs_the_controls(ti
     j = next(j for j in jobs if j.member == "rope")
     # Same tokens per step as pre-training (8 x 16 = 2 x 64); a tenth of the pre-training lr; 10% warmup here.
     assert (j.batch_size, j.lr, j.warmup) == (2, pytest.approx(2e-4), 20)
+
+
+def test_ppl_at_L_is_zoo_evals_number_by_default():
+    """'ppl at L' of the unextended member is printed by `zoo eval` and `zoo extend`: the same tokens by default."""
+    from posprobe.analyses.configs import ExtrapolationConfig
+
+    assert ExtendConfig().eval_tokens == ExtrapolationConfig().max_tokens

@@ -82,8 +82,8 @@ class ExtendConfig:
     abf_base: float | None = option(None, "abf: the new rope base (default: Xiong et al.'s x50 for an 8x extension "
                                           "kept per doubling, b x 50^(log s / log 8): 1.36e5 from 1e4 for s = 4)")
     rope_parameters: dict | None = option(None, "", cli=False)
-    eval_tokens: int = option(4096, "scored tokens per length and protocol at each checkpoint (zoo eval scores "
-                                    "8,192: the checkpoints multiply the cost)")
+    eval_tokens: int = option(8192, "scored tokens per length and protocol at each checkpoint (as zoo eval, so "
+                                    "'ppl at L' is one number in both; 4,096 halves the scoring time)")
     sliding: Literal["last", "every", "never"] = option(
         "last", "Press et al.'s sliding protocol (each block of L/2 targets scored at the end of its own window, ~8x "
                 "the cost of chunks): on the unextended member and at the last checkpoint, at every checkpoint, or "
