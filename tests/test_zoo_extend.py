@@ -4,13 +4,16 @@ formula (written out here) gives; the fine-tuning starts from the unextended wei
 uninterrupted weights; the perplexity curve equals a plain HF forward; steps-to-threshold by hand; refusals before any
 training.
 
-Planted bugs seen failing (each by editing posprobe/zoo/extend.py, then reverted):
-- PI factor inverted (`factor = 1 / s`): test_each_method_carries_the_papers_table fails for pi (cos off by ~1).
-- YaRN's original length wrong (`original_max_position_embeddings = target`): fails for yarn (ramp moves, 4e-1).
-- NTK exponent over the head instead of the rotated dims for partial rotary (`d = head_dim`): fails for partial ntk.
-- ABF default multiplier per 8x applied once (`b * 50`): fails for abf.
-- step 0 looked at after the first optimiser step (checkpoint(0) moved into the loop): the step-0 weights test fails.
-- the checkpoint looks not kept in the training state (`evals = []` on resume): the resume test fails (looked twice).
+Planted bugs seen failing (each by editing posprobe/zoo/, running the test, then reverting):
+- PI factor inverted (`factor = 1 / s`): test_each_method_carries_the_papers_table fails for pi on all 5 members.
+- YaRN's original length L' instead of L: fails for yarn on 3 of 4 members (the partial member's 2 bands get the same
+  ramp either way at this size); test_yarn_gamma_reported_is_hfs_ramp reads the field itself.
+- NTK's exponent over the whole head instead of the rotated dims (`d = head_dim`): fails for partial (the other
+  members rotate the whole head, p-RoPE's exponent runs over it by design).
+- ABF's default multiplier applied once per extension (`b * 50`): fails for abf on all 5 members.
+- No look at step 0 before the first optimiser step: test_step_zero_is_the_unextended_member fails.
+- The checkpoint scores not restored on resume, or the running loss sum not kept in the state (a resumed run then
+  logs another mean at the next logged step): test_killed_extension_resumes_to_the_uninterrupted_weights fails.
 """
 
 from __future__ import annotations
@@ -229,14 +232,38 @@ def test_killed_extension_resumes_to_the_uninterrupted_weights(tiny_zoo, ids_and
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_curves_equal_a_plain_hugging_face_forward(tiny_zoo, tmp_path):
+def test_curves_equal_a_plain_hugging_face_forward_after_a_resume(tiny_zoo, tmp_path, monkeypatch):
+    """A run killed right after its step-0 scores were saved, then repeated, scores nothing twice and gives the
+    numbers of a plain HF forward."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from posprobe.analyses.zoo_extend import extend_zoo
+    import posprobe.analyses.zoo_extend as zx
 
     cfg = ExtendConfig(members=("rope",), methods=("pi",), steps=2, checkpoints=(0,), eval_tokens=256,
                        sliding="never", progress=False)
-    result = extend_zoo(tiny_zoo, cfg, tmp_path / "out")
+    real_extend, real_rows, scored = zx.extend_member, zx._Scorer.folder_rows, []
+
+    class Died(Exception):
+        pass
+
+    def dying(job, config, ids, tok, folder, io, **kw):
+        def save_then_die(state):
+            io[1](state)
+            raise Died
+        return real_extend(job, config, ids, tok, folder, (io[0], save_then_die), **kw)
+
+    def counted(self, folder, label, protocols):
+        scored.append(label)
+        return real_rows(self, folder, label, protocols)
+
+    monkeypatch.setattr(zx._Scorer, "folder_rows", counted)
+    monkeypatch.setattr(zx, "extend_member", dying)
+    with pytest.raises(Died):
+        zx.extend_zoo(tiny_zoo, cfg, tmp_path / "out")
+    assert scored == ["rope-s0", "rope-s0-pi"] and not (tmp_path / "out").exists()
+    monkeypatch.setattr(zx, "extend_member", real_extend)
+    result = zx.extend_zoo(tiny_zoo, cfg, tmp_path / "out")
+    assert scored == ["rope-s0", "rope-s0-pi", "rope-s0-pi"]  # only step 2 scored by the rerun
     assert (tmp_path / "out" / "rope-s0-pi" / "zoo.json").is_file() and (tmp_path / "out" / "extend").is_dir()
     assert not (tmp_path / "out.work").exists()
     curves = result.tables["curves"]
@@ -337,3 +364,12 @@ def test_ppl_at_L_is_zoo_evals_number_by_default():
     from posprobe.analyses.configs import ExtrapolationConfig
 
     assert ExtendConfig().eval_tokens == ExtrapolationConfig().max_tokens
+
+
+def test_zoo_eval_keeps_extended_methods_apart():
+    """An extended zoo read by `zoo eval` / `zoo atlas`: each method is its own member, not a seed of the member."""
+    from posprobe.zoo.evaluate import member_info
+
+    rec = {"member": "rope", "family": "rotary", "block": "gpt", "seed": 1}
+    assert member_info("rope-s1", rec)["member"] == "rope"
+    assert member_info("rope-s1-pi", {**rec, "method": "pi"})["member"] == "rope+pi"

@@ -411,7 +411,8 @@ def extend_member(job: ExtendJob, cfg: ExtendConfig, ids: Any, tokenizer: Any, f
                  "steps": cfg.steps, "batch_size": job.batch_size, "lr": job.lr, "warmup": job.warmup}
     return train_member(job.member, job.seed, job.train_config(cfg), ids, tokenizer, folder, state_io,
                         later_steps=later_steps, start=lambda: load_start(job), checkpoints=cfg.checkpoints,
-                        on_checkpoint=on_checkpoint, record={"extension": extension, "method": job.method})
+                        on_checkpoint=on_checkpoint, record={"extension": extension, "method": job.method},
+                        label=f"extend {job.member} seed {job.seed} {job.method} {job.length}->{job.target}")
 
 
 def steps_to_threshold(curve: list[tuple[int, float]], threshold: float) -> int | None:

@@ -115,7 +115,8 @@ def train_member(name: str, seed: int, cfg: ZooConfig, ids: torch.Tensor, tokeni
                  later_steps: int = 0, log_every: int = 10,
                  batches: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None,
                  widths: Widths | None = None, record: dict | None = None, start: Callable[[], Any] | None = None,
-                 checkpoints: tuple[int, ...] = (), on_checkpoint: Callable[[int, Any], Any] | None = None) -> dict:
+                 checkpoints: tuple[int, ...] = (), on_checkpoint: Callable[[int, Any], Any] | None = None,
+                 label: str | None = None) -> dict:
     """Train member `name` with `seed` on token ids `ids` and save it as a Hugging Face folder at `folder`
     (written beside it and renamed into place). `state_io` = (load, save) of the training state: a saved state is
     resumed from, and one is saved every `cfg.checkpoint_every` steps. `batches(step) -> (input ids, labels)`
@@ -123,7 +124,7 @@ def train_member(name: str, seed: int, cfg: ZooConfig, ids: torch.Tensor, tokeni
     `start()` builds the model to train instead of a fresh one (a saved member with a modified config: continued
     training); `on_checkpoint(step, model)` is called after each step in `checkpoints` (0 = before the first) with
     the model in eval mode, and what it returns is kept in the training state, so a resumed run does not call it
-    again for a step it has passed.
+    again for a step it has passed. `label` names the run on the progress line (default: member and seed).
     Returns the member's training record: losses every `log_every` steps (nats per scored token), wall seconds of
     this call's training, tokens/s (padding included), `checkpoints`: [(step, value of on_checkpoint)] and
     `checkpoint_seconds` (wall seconds in on_checkpoint, not in `seconds`)."""
@@ -162,7 +163,7 @@ def train_member(name: str, seed: int, cfg: ZooConfig, ids: torch.Tensor, tokeni
     if batches is None:
         batches = lambda step: (lambda x: (x, x))(batch_ids(ids, step, cfg, seed))  # noqa: E731
     tokens_per_step = int(batches(0)[0].numel())
-    progress = _Progress(f"{name} seed {seed}", cfg.steps, begin, tokens_per_step, later_steps, cfg.progress)
+    progress = _Progress(label or f"{name} seed {seed}", cfg.steps, begin, tokens_per_step, later_steps, cfg.progress)
     # The loss summed since the last logged step: part of the state, so a run resumed between two logged steps logs
     # the same mean as an uninterrupted one.
     running = torch.zeros((), device=device) if state is None or "running" not in state else \
