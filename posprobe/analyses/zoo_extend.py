@@ -130,7 +130,7 @@ def extend_zoo(zoo: str | os.PathLike, config: ExtendConfig, out: str | os.PathL
     `vs_unextended_L` = ppl / the unextended member's ppl at L), `summary` (per member, seed, method, protocol: ppl
     at L, L', 2L' at step 0 and at the last step, in-window cost, steps-to-threshold), `plan` (each run's HF
     rope_parameters and settings, and what was left out and why), `yarn_bands` (gamma per band), `training` (loss
-    every 10 steps) and `runs` (seconds, tokens/s)."""
+    every 10 steps) and `runs` (training seconds and tokens/s; scoring seconds at the checkpoints, apart)."""
     import torch
     from transformers import AutoTokenizer
 
@@ -222,7 +222,8 @@ def _result(config: ExtendConfig, jobs: list[ExtendJob], left_out: list[dict], b
                        for s, loss, lr in rec["log"]]
         runs.append({**tag(j, j.method), "steps": config.steps, "batch_size": j.batch_size,
                      "tokens_per_step": tokens_per_step, "seconds": rec["seconds"],
-                     "tokens_per_s": rec["tokens_per_s"], "final_loss": rec["log"][-1][1]})
+                     "tokens_per_s": rec["tokens_per_s"], "scoring_seconds": rec.get("checkpoint_seconds"),
+                     "final_loss": rec["log"][-1][1]})
         plan.append({"member": j.member, "seed": j.seed, "method": j.method, "status": "ok", "why": "",
                      "rope_parameters": json.dumps(j.rope_parameters) if j.rope_parameters is not None else "",
                      "batch_size": j.batch_size, "lr": j.lr, "warmup": j.warmup, "notes": json.dumps(j.notes)})
