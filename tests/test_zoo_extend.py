@@ -157,7 +157,7 @@ def test_each_method_carries_the_papers_table(extended, name, method):
 
 
 def test_yarn_gamma_reported_is_hfs_ramp(extended):
-    from posprobe.analyses.zoo_extend import yarn_bands
+    from posprobe.cli.zoo_extend import yarn_bands
 
     folder, job = extended[("rope", "yarn")]
     got = yarn_bands(job)
@@ -237,7 +237,7 @@ def test_curves_equal_a_plain_hugging_face_forward_after_a_resume(tiny_zoo, tmp_
     numbers of a plain HF forward."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    import posprobe.analyses.zoo_extend as zx
+    import posprobe.cli.zoo_extend as zx
 
     cfg = ExtendConfig(members=("rope",), methods=("pi",), steps=2, checkpoints=(0,), eval_tokens=256,
                        sliding="never", progress=False)
@@ -307,7 +307,7 @@ def test_steps_to_threshold_by_hand():
 def test_summary_table_by_hand():
     import pandas as pd
 
-    from posprobe.analyses.zoo_extend import summary_table
+    from posprobe.cli.zoo_extend import summary_table
 
     rows = [("unextended", 0, 16, 20.0), ("unextended", 0, 64, 40.0), ("unextended", 0, 128, 80.0)]
     rows += [("pi", 0, 16, 25.0), ("pi", 0, 64, 30.0), ("pi", 0, 128, 60.0),

@@ -261,8 +261,8 @@ def _extend(args: argparse.Namespace) -> int:
     eval_text = checks.read_text_early(args.eval_text)
     plan_extension(args.zoo, cfg)  # every refusal before anything heavy is imported or trained
 
-    from posprobe.analyses.zoo_extend import extend_zoo
     from posprobe.cli.threads import warn_if_busy
+    from posprobe.cli.zoo_extend import extend_zoo
 
     warn_if_busy()
     result = extend_zoo(args.zoo, cfg, args.out, text=text, source=args.text, eval_text=eval_text, fresh=args.fresh)

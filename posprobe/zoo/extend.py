@@ -15,7 +15,7 @@ Non-rotary members (sinusoidal, ALiBi, NoPE, T5) are the controls: fine-tuned at
 
 This module plans (every refusal raised before any training) and trains through the zoo's loop
 (`train.train_member` started from the saved member); evaluation at the checkpoints is a callback given by the
-caller (`posprobe.analyses.zoo_extend`), so the zoo stays a model factory. Torch-free at import."""
+caller (`posprobe.cli.zoo_extend`), so the zoo stays a model factory. Torch-free at import."""
 
 from __future__ import annotations
 

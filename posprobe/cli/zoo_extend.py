@@ -1,8 +1,12 @@
 """`posprobe zoo extend`: context extension by fine-tuning, measured (issue #49, first step). The zoo's loop
 (`posprobe.zoo.extend`) continues every chosen member from L to L' under each method; at each checkpoint the model
 is scored by the length-extrapolation analysis (`run_extrapolation`, both of Press et al.'s protocols) at L, L' and
-2L', beside the unextended member at the same lengths. Lives above the zoo (it runs an analysis on what the zoo
-trains), so the zoo stays a model factory.
+2L', beside the unextended member at the same lengths.
+
+Why in cli/: it combines the zoo (which trains) with an analysis (which scores), and the house's layer order
+(tests/test_layers.py) has the zoo above the analyses today while the zoo itself must not import the analyses
+(#50: the zoo becomes a pure model factory). The CLI sits above both. When #50 puts the zoo below the analyses, this
+module belongs in analyses/; its public names (`extend_zoo`, `summary_table`, `yarn_bands`) stay the same.
 
 Numbers: ppl = exp(mean next-token loss in nats); in-window cost = ppl at L / the unextended member's ppl at L (same
 protocol); steps-to-threshold = the first checkpoint whose ppl at L' is <= the unextended member's ppl at L."""
