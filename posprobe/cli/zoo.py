@@ -65,8 +65,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     k.add_argument("--out", metavar="DIR", required=True, help="new folder for the task zoo (its parent must exist)")
     k.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     add_resume_arguments(k)
-    x = sub.add_parser("extend", help="continue every rotary member from L to L' under PI, NTK, YaRN, base change "
-                                      "(Chen et al., bloc97, Peng et al., Xiong et al.); perplexity curves",
+    from posprobe.cli.main import docs_epilog
+
+    x = sub.add_parser("extend", epilog=docs_epilog("docs/zoo-extend.md"),
+                       help="continue every rotary member from L to L' under PI, NTK, YaRN, base change (Chen et al., "
+                            "bloc97, Peng et al., Xiong et al.); perplexity curves",
                        description="Context extension by fine-tuning: every rotary member x seed of a zoo continued "
                                    "from its training length L to L' under each method (its config.json carries the "
                                    "method as HF's own rope_parameters), the non-rotary members fine-tuned directly "
