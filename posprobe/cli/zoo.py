@@ -1,6 +1,6 @@
 """`posprobe zoo`: train matched small causal LMs that differ only in their positions (`zoo train`), compare how
 they extrapolate past the training length (`zoo eval`), run every positional analysis across them side by side
-(`zoo atlas`), list the members (`zoo list`)."""
+(`zoo atlas`), extend their context by fine-tuning (`zoo extend`), list the members (`zoo list`)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from posprobe.analyses.configs import ExtrapolationConfig
     from posprobe.cli.args import add_config_arguments, add_output_arguments, add_resume_arguments
     from posprobe.zoo.config import TaskConfig, ZooAtlasConfig, ZooConfig
+    from posprobe.zoo.extend import ExtendConfig
 
     sub = p.add_subparsers(dest="zoo_command", metavar="ZOO_COMMAND")
     t = sub.add_parser("train", help="train the zoo's members (each an ordinary Hugging Face folder)",
@@ -64,6 +65,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     k.add_argument("--out", metavar="DIR", required=True, help="new folder for the task zoo (its parent must exist)")
     k.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     add_resume_arguments(k)
+    from posprobe.cli.main import docs_epilog
+
+    x = sub.add_parser("extend", epilog=docs_epilog("docs/zoo-extend.md"),
+                       help="continue every rotary member from L to L' under PI, NTK, YaRN, base change (Chen et al., "
+                            "bloc97, Peng et al., Xiong et al.); perplexity curves",
+                       description="Context extension by fine-tuning: every rotary member x seed of a zoo continued "
+                                   "from its training length L to L' under each method (its config.json carries the "
+                                   "method as HF's own rope_parameters), the non-rotary members fine-tuned directly "
+                                   "as controls; perplexity at L, L' and 2L' at each checkpoint. A killed run "
+                                   "resumes when the same command is repeated.")
+    x.add_argument("zoo", metavar="ZOO", help="a zoo folder written by posprobe zoo train")
+    x.add_argument("--text", metavar="PATH", default=None,
+                   help="fine-tuning text (default: the zoo's own training text where it can be had again: posprobe's "
+                        "built-in corpus)")
+    x.add_argument("--eval-text", metavar="PATH", default=None, help="evaluation text (default: the zoo's eval.txt)")
+    x.add_argument("--rope-parameters", metavar="JSON", default=None,
+                   help="method custom: a JSON object of HF rope_parameters laid over each rotary member's own, e.g. "
+                        "'{\"rope_type\": \"linear\", \"factor\": 2}' (a yarn or llama3 type without "
+                        "original_max_position_embeddings gets L)")
+    x.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps (default: cpu)")
+    add_config_arguments(x, ExtendConfig)
+    x.add_argument("--out", metavar="DIR", required=True,
+                   help="new folder for the extended members and the result (its parent must exist)")
+    x.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
+    add_resume_arguments(x)
     sub.add_parser("list", help="the members, their families and blocks", description="The zoo's members.")
 
 
@@ -79,7 +105,9 @@ def run(args: argparse.Namespace) -> int:
         return _atlas(args)
     if command == "tasks":
         return _tasks(args)
-    raise ValueError("choose a zoo command: train, eval, atlas, tasks or list (posprobe zoo --help)")
+    if command == "extend":
+        return _extend(args)
+    raise ValueError("choose a zoo command: train, eval, atlas, tasks, extend or list (posprobe zoo --help)")
 
 
 def _list() -> int:
@@ -211,3 +239,63 @@ def _tasks(args: argparse.Namespace) -> int:
     print(accuracy_table(result).to_string(index=False))
     print(f"wrote {args.out} ({len(result.tables['members'])} members) and {args.out}/tasks/report.html")
     return 0
+
+
+def _extend(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from posprobe.cli import checks
+    from posprobe.cli.args import config_from_args, resolve_device
+    from posprobe.zoo.extend import ExtendConfig, plan_extension
+
+    checks.check_out(args.out)
+    rope = None
+    if args.rope_parameters is not None:
+        try:
+            rope = json.loads(args.rope_parameters)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--rope-parameters is not valid JSON ({e})") from None
+        if not isinstance(rope, dict):
+            raise ValueError("--rope-parameters must be a JSON object of HF rope_parameters fields")
+    cfg = config_from_args(ExtendConfig, args, rope_parameters=rope, device=resolve_device(args.device),
+                           progress=not args.no_progress)
+    text = checks.read_text_early(args.text)
+    eval_text = checks.read_text_early(args.eval_text)
+    plan_extension(args.zoo, cfg)  # every refusal before anything heavy is imported or trained
+
+    from posprobe.cli.threads import warn_if_busy
+    from posprobe.cli.zoo_extend import extend_zoo
+
+    warn_if_busy()
+    result = extend_zoo(args.zoo, cfg, args.out, text=text, source=args.text, eval_text=eval_text, fresh=args.fresh)
+    print(extend_summary(result).to_string(index=False))
+    for name, gammas in result.meta.get("yarn_gamma", {}).items():
+        print(f"[zoo] yarn gamma per band of {name} (1 = kept, 0 = interpolated by 1/s; HF's ramp): "
+              + " ".join(f"{g:.2f}" for g in gammas))
+    for r in result.meta.get("left_out", []):
+        print(f"[zoo] left out {r['member']} {r['method']}: {r['why']}")
+    print(f"wrote {args.out} ({len(result.tables['runs'])} extended members) and "
+          f"{Path(args.out) / 'extend' / 'report.html'}")
+    return 0
+
+
+def extend_summary(result):
+    """Per member, method and protocol, mean over seeds [lowest, highest]: ppl at L' at step 0 and at the last step,
+    ppl at 2L', in-window cost at L, steps-to-threshold per seed."""
+    import pandas as pd
+
+    s = result.tables["summary"]
+    rows = []
+    for (m, method, protocol), g in s.groupby(["member", "method", "protocol"], sort=False):
+        def spread(col: str) -> str:
+            v = g[col].dropna()
+            if v.empty:
+                return "-"
+            return f"{v.mean():.2f}" + (f" [{v.min():.2f}-{v.max():.2f}]" if len(v) > 1 else "")
+        rows.append({"member": m, "method": method, "protocol": protocol, "ppl L unext": spread("ppl_L_unextended"),
+                     "ppl L' step 0": spread("ppl_Lp_step0"), "ppl L'": spread("ppl_Lp"), "ppl 2L'": spread("ppl_2Lp"),
+                     "cost at L": spread("in_window_cost"),
+                     "steps to threshold": ",".join("never" if pd.isna(x) else str(int(x))
+                                                    for x in g["steps_to_threshold"])})
+    return pd.DataFrame(rows)

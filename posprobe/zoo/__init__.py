@@ -10,6 +10,7 @@ from typing import Any
 
 _EXPORTS = {
     "ZooConfig": "posprobe.zoo.config",
+    "ExtendConfig": "posprobe.zoo.extend",
     "ZooAtlasConfig": "posprobe.zoo.config",
     "TaskConfig": "posprobe.zoo.config",
     "run_zoo_atlas": "posprobe.zoo.atlas",

@@ -68,10 +68,13 @@ def default_text(paths: list[str]) -> tuple[str, str] | None:
 
 
 def member_info(label: str, record: dict | None) -> dict:
-    """A model's member, family, block and seed from its zoo record (None outside a zoo; member = its label)."""
+    """A model's member, family, block and seed from its zoo record (None outside a zoo; member = its label). A member
+    extended by `zoo extend` is `<member>+<method>`, so the methods are not averaged together as seeds."""
     info = {k: (record or {}).get(k) for k in MEMBER_COLUMNS}
     if info["member"] is None:
         info["member"] = label
+    elif (record or {}).get("method"):
+        info["member"] = f"{info['member']}+{record['method']}"
     return info
 
 

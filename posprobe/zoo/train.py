@@ -114,36 +114,66 @@ def train_member(name: str, seed: int, cfg: ZooConfig, ids: torch.Tensor, tokeni
                  state_io: tuple[Callable[[], dict | None], Callable[[dict], None]], *,
                  later_steps: int = 0, log_every: int = 10,
                  batches: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None,
-                 widths: Widths | None = None, record: dict | None = None) -> dict:
+                 widths: Widths | None = None, record: dict | None = None, start: Callable[[], Any] | None = None,
+                 checkpoints: tuple[int, ...] = (), on_checkpoint: Callable[[int, Any], Any] | None = None,
+                 label: str | None = None) -> dict:
     """Train member `name` with `seed` on token ids `ids` and save it as a Hugging Face folder at `folder`
     (written beside it and renamed into place). `state_io` = (load, save) of the training state: a saved state is
     resumed from, and one is saved every `cfg.checkpoint_every` steps. `batches(step) -> (input ids, labels)`
     replaces the text windows (the synthetic tasks), `widths` the config's shape, `record` adds fields to zoo.json.
+    `start()` builds the model to train instead of a fresh one (a saved member with a modified config: continued
+    training); `on_checkpoint(step, model)` is called after each step in `checkpoints` (0 = before the first) with
+    the model in eval mode, and what it returns is kept in the training state, so a resumed run does not call it
+    again for a step it has passed. `label` names the run on the progress line (default: member and seed).
     Returns the member's training record: losses every `log_every` steps (nats per scored token), wall seconds of
-    this call, tokens/s (padding included)."""
+    this call's training, tokens/s (padding included), `checkpoints`: [(step, value of on_checkpoint)] and
+    `checkpoint_seconds` (wall seconds in on_checkpoint, not in `seconds`)."""
     m = member(name)
     device = torch.device(cfg.device)
     widths = widths or cfg.widths
-    model = build_model(m, cfg, tokenizer, seed, widths).to(device)
+    model = (start() if start is not None else build_model(m, cfg, tokenizer, seed, widths)).to(device)
     opt, sched = _optimizer(model, cfg)
     load_state, save_state = state_io
     state = load_state()
-    start, log = 0, []
+    begin, log, evals, looking = 0, [], [], [0.0]
     if state is not None:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
-        start, log = int(state["step"]), list(state["log"])
+        begin, log, evals = int(state["step"]), list(state["log"]), list(state.get("checkpoints", []))
     model.train()
+
+    def state_at(step: int) -> dict:
+        return {"step": step, "log": log, "model": model.state_dict(), "optimizer": opt.state_dict(),
+                "scheduler": sched.state_dict(), "checkpoints": evals, "running": running.detach().cpu().clone()}
+
+    def checkpoint(step: int) -> bool:
+        # The caller's look at the model after `step` steps (no gradients, no dropout in the zoo: the training that
+        # follows is the same with or without it).
+        if on_checkpoint is None or step not in checkpoints or any(s == step for s, _ in evals):
+            return False
+        t = time.perf_counter()
+        model.eval()
+        with torch.no_grad():
+            evals.append((step, on_checkpoint(step, model)))
+        model.train()
+        looking[0] += time.perf_counter() - t
+        return True
+
     if batches is None:
         batches = lambda step: (lambda x: (x, x))(batch_ids(ids, step, cfg, seed))  # noqa: E731
     tokens_per_step = int(batches(0)[0].numel())
-    progress = _Progress(f"{name} seed {seed}", cfg.steps, start, tokens_per_step, later_steps, cfg.progress)
+    progress = _Progress(label or f"{name} seed {seed}", cfg.steps, begin, tokens_per_step, later_steps, cfg.progress)
+    # The loss summed since the last logged step: part of the state, so a run resumed between two logged steps logs
+    # the same mean as an uninterrupted one.
+    running = torch.zeros((), device=device) if state is None or "running" not in state else \
+        state["running"].to(device)
     t0 = time.perf_counter()
-    running = torch.zeros((), device=device)
+    if begin == 0 and checkpoint(0):
+        save_state(state_at(0))
     # Grad on explicitly: loading a model for analysis elsewhere in the process may have turned it off globally.
     with torch.enable_grad():
-        for step in range(start, cfg.steps):
+        for step in range(begin, cfg.steps):
             x, labels = (t.to(device) for t in batches(step))
             loss = model(input_ids=x, labels=labels if m.shifts_labels else next_token_labels(labels)).loss
             loss.backward()
@@ -158,19 +188,19 @@ def train_member(name: str, seed: int, cfg: ZooConfig, ids: torch.Tensor, tokeni
                 running.zero_()
                 log.append((step + 1, mean, float(sched.get_last_lr()[0])))
                 progress.update(step + 1, mean)
-            if (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
-                save_state({"step": step + 1, "log": log, "model": model.state_dict(), "optimizer": opt.state_dict(),
-                            "scheduler": sched.state_dict()})
-    seconds = time.perf_counter() - t0
+            looked = checkpoint(step + 1)
+            if ((step + 1) % cfg.checkpoint_every == 0 or looked) and step + 1 < cfg.steps:
+                save_state(state_at(step + 1))
+    seconds = time.perf_counter() - t0 - looking[0]  # training alone: the checkpoints' looks are counted apart
     progress.update(cfg.steps, log[-1][1] if log else None, force=True)
     progress.close()
     if not math.isfinite(log[-1][1]):
         raise RuntimeError(f"zoo member {name} (seed {seed}) diverged: loss {log[-1][1]}; lower --lr")
     _save_folder(model.to("cpu").eval(), tokenizer, folder, m, seed, cfg, log, widths, record or {})
-    steps_run = cfg.steps - start
+    steps_run = cfg.steps - begin
     return {"member": name, "seed": seed, "log": log, "seconds": seconds, "steps_run": steps_run,
             "tokens_per_s": steps_run * tokens_per_step / seconds if seconds > 0 else float("nan"),
-            "params": used_parameters(model, m)}
+            "params": used_parameters(model, m), "checkpoints": evals, "checkpoint_seconds": looking[0]}
 
 
 def next_token_labels(labels: torch.Tensor) -> torch.Tensor:

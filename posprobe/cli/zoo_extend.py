@@ -1,0 +1,282 @@
+"""`posprobe zoo extend`: context extension by fine-tuning, measured (issue #49, first step). The zoo's loop
+(`posprobe.zoo.extend`) continues every chosen member from L to L' under each method; at each checkpoint the model
+is scored by the length-extrapolation analysis (`run_extrapolation`, both of Press et al.'s protocols) at L, L' and
+2L', beside the unextended member at the same lengths.
+
+Why in cli/: it combines the zoo (which trains) with an analysis (which scores), and the house's layer order
+(tests/test_layers.py) has the zoo above the analyses today while the zoo itself must not import the analyses
+(#50: the zoo becomes a pure model factory). The CLI sits above both. When #50 puts the zoo below the analyses, this
+module belongs in analyses/; its public names (`extend_zoo`, `summary_table`, `yarn_bands`) stay the same.
+
+Numbers: ppl = exp(mean next-token loss in nats); in-window cost = ppl at L / the unextended member's ppl at L (same
+protocol); steps-to-threshold = the first checkpoint whose ppl at L' is <= the unextended member's ppl at L."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from contextlib import contextmanager
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any, Iterator
+
+import pandas as pd
+
+from posprobe.analyses.configs import ExtrapolationConfig
+from posprobe.report.checkpoint import Checkpoint, discard_work_folder, run_key, work_folder_for
+from posprobe.report.result import Result
+from posprobe.report.schema import data_meta, make_meta, text_sha256
+from posprobe.zoo.extend import ExtendConfig, ExtendJob, extend_member, plan_extension, steps_to_threshold
+from posprobe.zoo.members import member
+from posprobe.zoo.run import check_out_folder, commit_zoo, split_text
+
+__all__ = ["extend_zoo", "summary_table", "training_text", "yarn_bands"]
+
+#: The table rows of the unextended members (checkpoint 0, no method).
+UNEXTENDED = "unextended"
+
+
+def training_text(zoo: str | os.PathLike, text: str | None, source: str | None) -> tuple[str, str]:
+    """(fine-tuning text, its source): `text` as given, else the zoo's own training text where it can be had again
+    (posprobe's built-in corpus, recognised by the sha256 in `<zoo>/training/meta.json`); ValueError otherwise."""
+    if text is not None:
+        if not text.strip():
+            raise ValueError("the fine-tuning text is empty")
+        return text, source or "text"
+    meta_file = Path(zoo) / "training" / "meta.json"
+    meta = json.loads(meta_file.read_text(encoding="utf-8")) if meta_file.is_file() else {}
+    data = meta.get("data") or {}
+    if data.get("source") == "built-in corpus":
+        from posprobe.data import builtin_corpus
+
+        corpus = builtin_corpus()
+        frac = float((meta.get("config") or {}).get("eval_fraction", 0.1))
+        for candidate in (split_text(corpus, None, frac)[0], corpus):
+            if text_sha256(candidate) == data.get("sha256"):
+                return candidate, "built-in corpus"
+    raise ValueError(f"pass --text: the fine-tuning text (the zoo was trained on {data.get('source') or 'a text'} "
+                     "that cannot be found again here)")
+
+
+def yarn_bands(job: ExtendJob) -> pd.DataFrame:
+    """Per rotary band of a yarn run: its period (tokens), turns within L, HF's gamma (ramp by band index, what the
+    member gets) and the paper's (ramp by turns), and the factor on its frequency ((1 - gamma)/s + gamma)."""
+    import numpy as np
+
+    from posprobe.rope import RotarySpec
+    from posprobe.rope_theory import band_periods, yarn_gamma
+
+    rp = job.rope_parameters or {}
+    spec = RotarySpec(rotary_dim=int(job.notes["rotary_dims"]), base=float(rp["rope_theta"]))
+    gamma = yarn_gamma(spec, job.length, alpha=float(rp.get("beta_slow") or 1),
+                       beta=float(rp.get("beta_fast") or 32), ramp="band")
+    paper = yarn_gamma(spec, job.length, ramp="turns")
+    period = band_periods(spec)
+    s = job.scale
+    return pd.DataFrame({"member": job.member, "band": np.arange(spec.n_bands), "period": period,
+                         "turns_in_L": job.length / period, "gamma": gamma, "gamma_paper": paper,
+                         "freq_factor": (1 - gamma) / s + gamma})
+
+
+@contextmanager
+def _no_hf_bars() -> Iterator[None]:
+    from transformers.utils import logging as hf_logging
+
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
+
+
+class _Scorer:
+    """Perplexity of a model at L, L' and 2L' on the evaluation text: the model is written as an HF folder and read
+    back by posprobe's loader, so the numbers are `zoo eval`'s for the same folder."""
+
+    def __init__(self, work: Path, tokenizer: Any, text: str, config: ExtrapolationConfig, device: str) -> None:
+        self.folder, self.tokenizer, self.text, self.config = work / "scoring", tokenizer, text, config
+        self.device = device
+
+    def folder_rows(self, folder: Path, label: str, protocols: tuple[str, ...]) -> list[dict]:
+        from posprobe.analyses.extrapolation import run_extrapolation
+        from posprobe.backend.loading import load_model
+
+        with _no_hf_bars():  # its "Loading weights" bar would break the training's progress line
+            model = load_model(str(folder), device=self.device)
+        cfg = replace(self.config, protocols=protocols)
+        df = run_extrapolation(model, self.text, cfg, label=label).tables["perplexity"]
+        keep = ["protocol", "length", "factor", "nll", "ppl", "count", "status"]
+        return [{k: (v.item() if hasattr(v, "item") else v) for k, v in r.items()} for r in df[keep].to_dict("records")]
+
+    def model_rows(self, model: Any, label: str, protocols: tuple[str, ...]) -> list[dict]:
+        shutil.rmtree(self.folder, ignore_errors=True)
+        with _no_hf_bars():
+            model.save_pretrained(self.folder)
+        self.tokenizer.save_pretrained(self.folder)
+        try:
+            return self.folder_rows(self.folder, label, protocols)
+        finally:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def extend_zoo(zoo: str | os.PathLike, config: ExtendConfig, out: str | os.PathLike, *, text: str | None = None,
+               source: str | None = None, eval_text: str | None = None, fresh: bool = False) -> Result:
+    """Extend the members of the zoo folder `zoo` under `config` and write the extended members to `out` (new or
+    empty): `<out>/<member>-s<seed>-<method>/` (HF folders) and `<out>/extend/` (the Result). Every refusal is
+    raised before any training. `text`: the fine-tuning text (default: the zoo's own when it can be found again);
+    `eval_text`: default the zoo's held-out eval.txt. Interrupted runs resume from `<out>.work` (`fresh` discards it).
+
+    Returns a Result with tables `curves` (member x seed x method x checkpoint x protocol x length: ppl, nll,
+    `vs_unextended_L` = ppl / the unextended member's ppl at L), `summary` (per member, seed, method, protocol: ppl
+    at L, L', 2L' at step 0 and at the last step, in-window cost, steps-to-threshold), `plan` (each run's HF
+    rope_parameters and settings, and what was left out and why), `yarn_bands` (gamma per band), `training` (loss
+    every 10 steps) and `runs` (training seconds and tokens/s; scoring seconds at the checkpoints, apart)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from posprobe.zoo.evaluate import resolve_text
+
+    jobs, left_out = plan_extension(zoo, config)
+    out = Path(out)
+    check_out_folder(out)
+    L, target = jobs[0].length, jobs[0].target
+    ex_cfg = ExtrapolationConfig(train_length=L, factors=(1.0, target / L, 2 * target / L),
+                                 max_tokens=config.eval_tokens, progress=False)
+    eval_text, eval_source = resolve_text([str(zoo)], eval_text, None if eval_text is None else "eval text")
+    text, source = training_text(zoo, text, source)
+    tokenizer = AutoTokenizer.from_pretrained(jobs[0].source)
+    tok_file = (jobs[0].source / "tokenizer.json").read_bytes()
+    odd = [j.source.name for j in jobs if (j.source / "tokenizer.json").read_bytes() != tok_file]
+    if odd:
+        raise ValueError(f"the members {odd} have another tokenizer than {jobs[0].source.name}: not one zoo")
+    ids = torch.tensor(tokenizer(text)["input_ids"], dtype=torch.long)
+    if len(ids) < target:
+        raise ValueError(f"the fine-tuning text has {len(ids)} tokens, too short for one window of L' = {target}")
+    need = 2 * target + max(1, L // 2)
+    n_eval = len(tokenizer(eval_text)["input_ids"])
+    if n_eval < need:
+        raise ValueError(f"the evaluation text has {n_eval} tokens; scoring at 2L' = {2 * target} needs at least "
+                         f"{need}: give a longer --eval-text or a shorter --length")
+    sources = sorted({j.source.name for j in jobs})
+    key = run_key("zoo-extend", model={"zoo": str(Path(zoo).resolve()), "members": sources},
+                  data={"train_sha256": text_sha256(text), "eval_sha256": text_sha256(eval_text)}, config=config)
+    work = work_folder_for(out)
+    ckpt = Checkpoint(work, key, fresh=fresh)
+    staging = work / "members"
+    staging.mkdir(exist_ok=True)
+    scorer = _Scorer(work, tokenizer, eval_text, ex_cfg, config.device)
+    say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if config.progress else (lambda msg: None)
+    for r in left_out:
+        say(f"zoo extend: left out {r['member']} {r['method']}: {r['why']}")
+
+    base: dict[tuple[str, int], list[dict]] = {}
+    for j in jobs:
+        if (j.member, j.seed) not in base:
+            say(f"zoo extend: scoring unextended {j.source.name} at {L}, {target}, {2 * target} tokens")
+            base[(j.member, j.seed)] = ckpt.compute(f"{j.member}/{j.seed}/unextended",
+                                                    lambda j=j: scorer.folder_rows(j.source, j.source.name,
+                                                                                          config.protocols_at(None)))
+    records = []
+    for i, j in enumerate(jobs):
+        unit = f"{j.member}/{j.seed}/{j.method}"
+        folder = staging / j.folder_name
+        if ckpt.has(unit + "/done") and folder.is_dir():
+            records.append(ckpt.get(unit + "/done"))
+            continue
+        io = (lambda u=unit: ckpt.get(u + "/state") if ckpt.has(u + "/state") else None,
+              lambda s, u=unit: ckpt.put(u + "/state", s))
+        later = config.steps * (len(jobs) - i - 1)
+        rec = extend_member(j, config, ids, tokenizer, folder, io, later_steps=later,
+                            on_checkpoint=lambda step, model, j=j: scorer.model_rows(
+                                model, j.folder_name, config.protocols_at(step)))
+        rec.update(method=j.method)
+        records.append(ckpt.put(unit + "/done", rec))
+    result = _result(config, jobs, left_out, base, records, source, text, eval_source, eval_text)
+    commit_zoo(out, staging, {}, {"extend": result})
+    discard_work_folder(work)
+    return result
+
+
+def _result(config: ExtendConfig, jobs: list[ExtendJob], left_out: list[dict], base: dict, records: list[dict],
+            source: str, text: str, eval_source: str | None, eval_text: str) -> Result:
+    L, target = jobs[0].length, jobs[0].target
+    curves, train_rows, runs, plan = [], [], [], []
+
+    def tag(j: ExtendJob, method: str) -> dict:
+        m = member(j.member)
+        return {"model": j.folder_name if method != UNEXTENDED else f"{j.member}-s{j.seed}", "member": j.member,
+                "family": m.family, "block": m.block, "seed": j.seed, "method": method}
+
+    done_base = set()
+    for j, rec in zip(jobs, records):
+        ref = {r["protocol"]: r["ppl"] for r in base[(j.member, j.seed)] if r["length"] == L}
+        if (j.member, j.seed) not in done_base:
+            done_base.add((j.member, j.seed))
+            curves += [{**tag(j, UNEXTENDED), "step": 0, "tokens": 0, **r,
+                        "vs_unextended_L": r["ppl"] / ref[r["protocol"]]} for r in base[(j.member, j.seed)]]
+        tokens_per_step = j.batch_size * target
+        for step, rows in rec["checkpoints"]:
+            curves += [{**tag(j, j.method), "step": step, "tokens": step * tokens_per_step, **r,
+                        "vs_unextended_L": r["ppl"] / ref[r["protocol"]]} for r in rows]
+        train_rows += [{**tag(j, j.method), "step": s, "tokens": s * tokens_per_step, "loss": loss, "lr": lr}
+                       for s, loss, lr in rec["log"]]
+        runs.append({**tag(j, j.method), "steps": config.steps, "batch_size": j.batch_size,
+                     "tokens_per_step": tokens_per_step, "seconds": rec["seconds"],
+                     "tokens_per_s": rec["tokens_per_s"], "scoring_seconds": rec.get("checkpoint_seconds"),
+                     "final_loss": rec["log"][-1][1]})
+        plan.append({"member": j.member, "seed": j.seed, "method": j.method, "status": "ok", "why": "",
+                     "rope_parameters": json.dumps(j.rope_parameters) if j.rope_parameters is not None else "",
+                     "batch_size": j.batch_size, "lr": j.lr, "warmup": j.warmup, "notes": json.dumps(j.notes)})
+    plan += [{"member": r["member"], "seed": None, "method": r["method"], "status": "left out", "why": r["why"],
+              "rope_parameters": "", "batch_size": None, "lr": None, "warmup": None, "notes": ""} for r in left_out]
+    curves_df = pd.DataFrame(curves)
+    summary = summary_table(curves_df, L, target)
+    yarn = [yarn_bands(j) for j in {(j.member): j for j in jobs if j.method == "yarn"}.values()]
+    yarn_df = pd.concat(yarn, ignore_index=True) if yarn else pd.DataFrame(
+        columns=["member", "band", "period", "turns_in_L", "gamma", "gamma_paper", "freq_factor"])
+    gammas = {m: [round(float(g), 4) for g in yarn_df[yarn_df["member"] == m]["gamma"]]
+              for m in dict.fromkeys(yarn_df["member"])}
+    meta = make_meta("zoo-extend", model={"name": "zoo", "positional_kind": "several",
+                                          "members": sorted({j.member for j in jobs})},
+                     data=data_meta(source, n_items=len(text), unit="characters", sha256=text_sha256(text)),
+                     config={**asdict(config), "rope_parameters": config.rope_parameters},
+                     train_length=L, target_length=target, scale=target / L,
+                     eval_source=eval_source, eval_sha256=text_sha256(eval_text),
+                     lengths=sorted({L, target, 2 * target}), yarn_gamma=gammas,
+                     left_out=left_out, title=f"Context extension from {L} to {target} tokens")
+    return Result({"summary": summary, "curves": curves_df, "plan": pd.DataFrame(plan), "yarn_bands": yarn_df,
+                   "training": pd.DataFrame(train_rows), "runs": pd.DataFrame(runs)}, meta)
+
+
+def summary_table(curves: pd.DataFrame, L: int, target: int) -> pd.DataFrame:
+    """One row per member, seed, method and protocol from the `curves` table: the unextended member's ppl at L and
+    L', ppl at L, L' and 2L' at step 0 and at the last checkpoint (NaN where the protocol was not scored there), the
+    in-window cost at L (last / unextended) and steps-to-threshold (the first checkpoint whose ppl at L' <= the
+    unextended ppl at L, among the `n_checkpoints` scored with this protocol; None if none)."""
+    rows = []
+    ok = curves[curves["status"] == "ok"]
+    unext = ok[ok["method"] == UNEXTENDED]
+    for (name, seed, method, protocol), g in ok[ok["method"] != UNEXTENDED].groupby(
+            ["member", "seed", "method", "protocol"], sort=False):
+        u = unext[(unext["member"] == name) & (unext["seed"] == seed) & (unext["protocol"] == protocol)]
+        ppl = {(int(r.step), int(r.length)): float(r.ppl) for r in g.itertuples()}
+        ref = {n: float(u[u["length"] == n]["ppl"].iloc[0]) if (u["length"] == n).any() else float("nan")
+               for n in (L, target)}
+        steps = sorted({s for s, _ in ppl})
+        last = steps[-1]
+        rows.append({"member": name, "seed": seed, "method": method, "protocol": protocol,
+                     "ppl_L_unextended": ref[L], "ppl_Lp_unextended": ref[target],
+                     **{f"ppl_{k}_step0": ppl.get((0, n), float("nan"))
+                        for k, n in (("L", L), ("Lp", target), ("2Lp", 2 * target))},
+                     "step": last,
+                     **{f"ppl_{k}": ppl.get((last, n), float("nan"))
+                        for k, n in (("L", L), ("Lp", target), ("2Lp", 2 * target))},
+                     "in_window_cost": ppl.get((last, L), float("nan")) / ref[L],
+                     "steps_to_threshold": steps_to_threshold([(s, ppl[(s, target)]) for s in steps
+                                                               if (s, target) in ppl], ref[L]),
+                     "n_checkpoints": len(steps)})
+    return pd.DataFrame(rows)

@@ -1,0 +1,424 @@
+"""Context extension by fine-tuning (issue #49, first step): the zoo's members continued from their training length L
+to L' under a positional method, each saved as an ordinary Hugging Face folder whose `config.json` carries the
+method in HF's own `rope_parameters`, so `AutoModelForCausalLM.from_pretrained` gives the extended model anywhere.
+
+Methods (s = L'/L, b the member's base, d the dims its frequency exponent runs over):
+- `direct`: fine-tune at L' with the positions as they are (Chen et al.'s baseline);
+- `pi`: Position Interpolation, every frequency theta_j / s (HF `rope_type="linear"`, `factor` s; p-RoPE's
+  `proportional` type takes the same `factor`);
+- `ntk`: NTK-aware base b' = b s^{d/(d-2)} (bloc97; `rope_theta`);
+- `yarn`: YaRN (HF `rope_type="yarn"`, `factor` s, `original_max_position_embeddings` L: HF's ramp by band index
+  between the bands that turn beta_fast = 32 and beta_slow = 1 times within L, cos/sin times 0.1 ln s + 1);
+- `abf`: base change (Xiong et al. 2023; `rope_theta` -> `abf_base`);
+- `custom`: a user's own `rope_parameters` dict, laid over the member's.
+Non-rotary members (sinusoidal, ALiBi, NoPE, T5) are the controls: fine-tuned at L' with the same budget (`direct`).
+
+This module plans (every refusal raised before any training) and trains through the zoo's loop
+(`train.train_member` started from the saved member); evaluation at the checkpoints is a callback given by the
+caller (`posprobe.cli.zoo_extend`), so the zoo stays a model factory. Torch-free at import."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+from posprobe.backend.families import LEARNED, ROTARY
+from posprobe.core.config import option
+from posprobe.zoo.config import ZooConfig
+from posprobe.zoo.members import member
+
+__all__ = ["ABF_REFERENCE", "DEFAULT_METHODS", "METHODS", "ExtendConfig", "ExtendJob", "abf_default_base",
+           "extend_member", "extended_folder_name", "method_rope_parameters", "plan_extension", "read_zoo",
+           "steps_to_threshold"]
+
+METHODS = ("direct", "pi", "ntk", "yarn", "abf", "custom")
+DEFAULT_METHODS = ("direct", "pi", "ntk", "yarn", "abf")
+#: The method the non-rotary controls are fine-tuned with.
+CONTROL_METHOD = "direct"
+#: Xiong et al. 2023 (ABF): base 1e4 -> 5e5 for Llama 2 from 4,096 to 32,768 tokens (s = 8), a x50 base.
+ABF_REFERENCE = (50.0, 8.0)
+_ZOO_FILE = "zoo.json"  # train.ZOO_FILE, repeated so that planning imports no torch
+Method = Literal["direct", "pi", "ntk", "yarn", "abf", "custom"]
+
+
+def abf_default_base(base: float, scale: float) -> float:
+    """The default ABF base for an extension by `scale`: Xiong et al.'s x50 for s = 8 kept per doubling of the
+    context, b * 50^(log s / log 8) (x13.6 for s = 4: 1e4 -> 1.36e5). Scaling the base by the slowest wavelength
+    over L' (the other reading of "scaled for this L") changes nothing here: at L = 128 the zoo's base 1e4 already
+    has its slowest band turn ~276x more slowly than L, against Llama 2's ~13x at 4,096."""
+    mult, ref_s = ABF_REFERENCE
+    return float(base * mult ** (math.log(scale) / math.log(ref_s)))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExtendConfig:
+    """What `posprobe zoo extend` does: every chosen member x seed of a zoo continued from its length L to L' under
+    each method, for `steps` optimiser steps through the zoo's loop (AdamW, cosine schedule with warmup, bit-exact
+    resume), evaluated at `checkpoints` (0 = the method at inference only). Fields left None are derived per member
+    from its zoo.json."""
+
+    length: int | None = option(None, "target length L' in tokens (default: 4 x the members' training length L)")
+    methods: tuple[Method, ...] = option(DEFAULT_METHODS, "methods for the rotary members (repeatable): direct, pi, "
+                                                          "ntk, yarn, abf (custom is added by --rope-parameters)",
+                                         flag="--method")
+    members: tuple[str, ...] | None = option(None, "members to extend (repeatable; default: every member of the zoo, "
+                                                   "the non-rotary ones fine-tuned directly as controls)",
+                                             flag="--member")
+    seeds: tuple[int, ...] | None = option(None, "seeds to extend (repeatable; default: every seed in the zoo)",
+                                           flag="--seed")
+    steps: int = option(200, "fine-tuning steps per member and method (Chen et al.: PI recovers within 200)")
+    checkpoints: tuple[int, ...] = option((0, 25, 50, 100, 200), "steps at which each run is evaluated (0 = the "
+                                                                 "method at inference only; the last step always)")
+    batch_size: int | None = option(None, "sequences of L' tokens per step (default: the member's pre-training batch "
+                                          "x L / L', the same tokens per step)")
+    lr: float | None = option(None, "peak AdamW learning rate (default: a tenth of the member's pre-training lr, "
+                                    "continued training as Chen et al.'s 2e-5 after LLaMA's 3e-4)")
+    warmup: int | None = option(None, "linear warmup steps (default: 20 as Chen et al., at most a tenth of the steps)")
+    weight_decay: float = option(0.0, "AdamW weight decay on matrices (Chen et al. fine-tune with none)")
+    grad_clip: float = option(1.0, "gradient norm clip")
+    abf_base: float | None = option(None, "abf: the new rope base (default: Xiong et al.'s x50 for an 8x extension "
+                                          "kept per doubling, b x 50^(log s / log 8): 1.36e5 from 1e4 for s = 4)")
+    rope_parameters: dict | None = option(None, "", cli=False)
+    eval_tokens: int = option(8192, "scored tokens per length and protocol at each checkpoint (as zoo eval, so "
+                                    "'ppl at L' is one number in both; 4,096 halves the scoring time)")
+    sliding: Literal["last", "every", "never"] = option(
+        "last", "Press et al.'s sliding protocol (each block of L/2 targets scored at the end of its own window, ~8x "
+                "the cost of chunks): on the unextended member and at the last checkpoint, at every checkpoint, or "
+                "never; chunks (non-overlapping sequences) are scored at every checkpoint")
+    checkpoint_every: int = option(25, "steps between saved training states (a killed run resumes from the last)")
+    device: str = option("cpu", "", cli=False)
+    progress: bool = option(True, "", cli=False)
+
+    def __post_init__(self) -> None:
+        methods = tuple(dict.fromkeys(self.methods))
+        if self.rope_parameters is not None:
+            if not isinstance(self.rope_parameters, dict) or not self.rope_parameters:
+                raise ValueError("rope_parameters must be a non-empty JSON object of HF rope_parameters fields")
+            methods = tuple(dict.fromkeys((*methods, "custom")))
+        elif "custom" in methods:
+            raise ValueError("method custom needs --rope-parameters JSON (a dict of HF rope_parameters fields)")
+        bad = [m for m in methods if m not in METHODS]
+        if bad or not methods:
+            raise ValueError(f"unknown methods {bad}; choose from {', '.join(METHODS)}")
+        object.__setattr__(self, "methods", methods)
+        if self.members is not None:
+            object.__setattr__(self, "members", tuple(dict.fromkeys(self.members)))
+            for name in self.members:
+                member(name)  # an unknown name fails here, naming the known ones
+        if self.seeds is not None:
+            object.__setattr__(self, "seeds", tuple(dict.fromkeys(int(s) for s in self.seeds)))
+        if self.length is not None and self.length < 2:
+            raise ValueError(f"length must be >= 2 tokens, got {self.length}")
+        for name in ("steps", "checkpoint_every", "eval_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("batch_size", "warmup"):
+            v = getattr(self, name)
+            if v is not None and v < (1 if name == "batch_size" else 0):
+                raise ValueError(f"{name} must be >= {1 if name == 'batch_size' else 0}, got {v}")
+        if self.warmup is not None and self.warmup >= self.steps:
+            raise ValueError(f"warmup must be < steps; got {self.warmup} with {self.steps} steps")
+        cps = tuple(sorted({int(c) for c in self.checkpoints} | {self.steps}))
+        if any(c < 0 or c > self.steps for c in cps):
+            raise ValueError(f"checkpoints must lie in 0..steps ({self.steps}); got {self.checkpoints}")
+        object.__setattr__(self, "checkpoints", cps)
+        if (self.lr is not None and self.lr <= 0) or self.weight_decay < 0 or self.grad_clip <= 0:
+            raise ValueError("lr and grad_clip must be > 0 and weight_decay >= 0")
+        if self.sliding not in ("last", "every", "never"):
+            raise ValueError(f"sliding must be last, every or never; got {self.sliding!r}")
+        if self.abf_base is not None and self.abf_base <= 1:
+            raise ValueError(f"abf_base must be > 1, got {self.abf_base}")
+
+    def protocols_at(self, step: int | None) -> tuple[str, ...]:
+        """Press et al.'s protocols scored at checkpoint `step` (None: the unextended member)."""
+        sliding = self.sliding == "every" or (self.sliding == "last" and step in (None, self.steps))
+        return ("chunks", "sliding") if sliding else ("chunks",)
+
+    @property
+    def default_warmup(self) -> int:
+        """The warmup used when none is given: 20 steps (Chen et al.), at most a tenth of the steps."""
+        return self.warmup if self.warmup is not None else min(20, self.steps // 10)
+
+
+@dataclass(frozen=True)
+class ExtendJob:
+    """One fine-tuning run: a member folder of a zoo, the method, L -> L', and the run's derived settings."""
+
+    member: str
+    seed: int
+    method: str
+    source: Path
+    record: dict
+    length: int  # L (tokens)
+    target: int  # L' (tokens)
+    rope_parameters: dict | None  # the HF rope_parameters the extended member carries (None: non-rotary, unchanged)
+    batch_size: int
+    lr: float
+    warmup: int
+    notes: dict = field(default_factory=dict)
+
+    @property
+    def scale(self) -> float:
+        """s = L'/L."""
+        return self.target / self.length
+
+    @property
+    def folder_name(self) -> str:
+        """`<member>-s<seed>-<method>`: the extended member's folder inside the output."""
+        return extended_folder_name(self.member, self.seed, self.method)
+
+    def train_config(self, cfg: ExtendConfig) -> ZooConfig:
+        """The zoo loop's config for this run: the member's widths at length L', the fine-tuning schedule."""
+        w = self.record["widths"]
+        return ZooConfig(members=(self.member,), seeds=(self.seed,), d_model=w["d_model"], n_layers=w["n_layers"],
+                         n_heads=w["n_heads"], length=self.target, vocab_size=w["vocab_size"],
+                         batch_size=self.batch_size, steps=cfg.steps, lr=self.lr, warmup=self.warmup,
+                         weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip,
+                         checkpoint_every=cfg.checkpoint_every, device=cfg.device, progress=cfg.progress)
+
+
+def extended_folder_name(name: str, seed: int, method: str) -> str:
+    """The folder of member `name`, seed `seed`, extended with `method`: `<name>-s<seed>-<method>`."""
+    return f"{name}-s{seed}-{method}"
+
+
+def read_zoo(path: str | Path) -> list[tuple[Path, dict]]:
+    """(member folder, its zoo.json record) for every member of the zoo folder `path` (or `path` itself when it is
+    one member folder), sorted; ValueError when `path` is not a zoo."""
+    p = Path(path)
+    if (p / _ZOO_FILE).is_file():
+        folders = [p]
+    elif p.is_dir():
+        folders = sorted(c for c in p.iterdir() if c.is_dir() and (c / _ZOO_FILE).is_file())
+    else:
+        raise ValueError(f"{path}: no such folder (expected a zoo folder written by posprobe zoo train)")
+    if not folders:
+        raise ValueError(f"{path} is not a zoo folder (no {_ZOO_FILE} in it or its subfolders): train one with "
+                         "posprobe zoo train")
+    out = []
+    for f in folders:
+        rec = json.loads((f / _ZOO_FILE).read_text(encoding="utf-8"))
+        if not (f / "config.json").is_file() or "widths" not in rec or "member" not in rec:
+            raise ValueError(f"{f} has a {_ZOO_FILE} but is not a zoo member folder (no config.json or no widths)")
+        if rec.get("extension"):
+            raise ValueError(f"{f} is already an extended member ({rec['extension'].get('method')}); extend the "
+                             "zoo it came from")
+        out.append((f, rec))
+    return out
+
+
+def _rope_of(folder: Path) -> tuple[dict, int]:
+    """(the member's HF rope_parameters, its head dim) from config.json."""
+    c = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    rope = dict(c.get("rope_parameters") or {})
+    if "rope_theta" not in rope and "rope_theta" in c:
+        rope["rope_theta"] = c["rope_theta"]
+    heads = c.get("num_attention_heads")
+    head_dim = c.get("head_dim") or c["hidden_size"] // heads
+    return rope, int(head_dim)
+
+
+def method_rope_parameters(method: str, rope: dict, head_dim: int, length: int, target: int, *,
+                           abf_base: float | None = None, custom: dict | None = None) -> tuple[dict, dict]:
+    """(the HF `rope_parameters` of a member whose own are `rope` extended by `method` from `length` to `target`
+    tokens, notes: the numbers chosen). ValueError with one sentence where HF's config cannot carry the method for
+    this rope type (p-RoPE's `proportional` type has no YaRN), or for a type whose table changes with the input."""
+    s = target / length
+    kind = rope.get("rope_type", "default")
+    base = float(rope["rope_theta"])
+    prf = float(rope.get("partial_rotary_factor", 1.0))
+    if kind not in ("default", "proportional"):
+        raise ValueError(f"the member's rope type {kind!r} is neither default nor proportional: this step extends "
+                         "plain and p-RoPE members only")
+    # The dims the frequency exponent 2j/d runs over: the rotated dims for default (partial rotary included), the
+    # whole head for proportional (its removed bands keep their place in the exponent).
+    d = head_dim if kind == "proportional" else int(head_dim * prf)
+    out = dict(rope)
+    notes: dict[str, Any] = {"scale": s}
+    if method == "direct":
+        pass
+    elif method == "pi":
+        if kind == "default":
+            out["rope_type"] = "linear"
+        out["factor"] = s
+    elif method == "ntk":
+        out["rope_theta"] = base * s ** (d / (d - 2))
+        notes.update(ntk_base=out["rope_theta"], exponent_dims=d)
+    elif method == "yarn":
+        if kind == "proportional":
+            raise ValueError("HF's proportional rope type (p-RoPE) takes a PI factor but has no YaRN ramp, and its "
+                             "yarn type would rotate only a quarter-width table without p-RoPE's removed bands: "
+                             "yarn cannot be carried for this member (use pi, ntk or abf)")
+        out.update(rope_type="yarn", factor=s, original_max_position_embeddings=length)
+        notes.update(temperature=0.1 * math.log(s) + 1, rotary_dims=d)
+    elif method == "abf":
+        out["rope_theta"] = float(abf_base) if abf_base is not None else abf_default_base(base, s)
+        notes.update(abf_base=out["rope_theta"])
+    elif method == "custom":
+        out.update(custom or {})
+        new = out.get("rope_type", "default")
+        if new in ("yarn", "llama3"):
+            # HF would take it from max_position_embeddings, which the extended config sets to L'.
+            out.setdefault("original_max_position_embeddings", length)
+        if new in ("dynamic", "longrope"):
+            raise ValueError(f"rope type {new!r} rebuilds its table from each input's length, so one checkpoint's "
+                             "perplexity would depend on the lengths scored before it: not a fixed extension")
+        if kind == "proportional" and new != "proportional":
+            raise ValueError(f"p-RoPE's rope type is 'proportional'; rope_type {new!r} would drop its removed bands")
+    else:
+        raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+    return out, notes
+
+
+def _check_hf_carries(folder: Path, rope: dict, target: int) -> None:
+    """ValueError unless the member's HF config class accepts `rope` and its rope init builds a table of the member's
+    width from it (checked on the config alone, no weights)."""
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from posprobe.backend import t5_decoder
+
+    t5_decoder.register_auto_class()
+    try:
+        old = AutoConfig.from_pretrained(folder)
+        new = AutoConfig.from_pretrained(folder, rope_parameters=dict(rope), max_position_embeddings=target)
+        before, after = (_inv_freq(c, ROPE_INIT_FUNCTIONS) for c in (old, new))
+    except Exception as e:  # noqa: BLE001 - HF raises KeyError/ValueError/TypeError for fields a type lacks
+        raise ValueError(f"HF's config cannot carry rope_parameters {rope}: {type(e).__name__}: {e}") from None
+    if before.shape != after.shape:
+        raise ValueError(f"rope_parameters {rope} give {after.shape[0]} rotary bands where the member has "
+                         f"{before.shape[0]}")
+
+
+def _inv_freq(config: Any, init: dict) -> Any:
+    params = config.rope_parameters
+    kind = params.get("rope_type", "default")
+    if kind == "default":
+        import torch
+
+        prf = float(params.get("partial_rotary_factor", 1.0))
+        hd = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return torch.zeros(int(hd * prf) // 2)
+    return init[kind](config, "cpu")[0]
+
+
+def plan_extension(zoo: str | Path, cfg: ExtendConfig) -> tuple[list[ExtendJob], list[dict]]:
+    """(the runs, the combinations left out with their reason) for extending the zoo folder `zoo` under `cfg`.
+    Members named in `cfg.members` must be runnable with every method asked; otherwise a ValueError says which and
+    why, before any training. Without `cfg.members`, every rotary member gets every method HF can carry for it,
+    non-rotary members are fine-tuned directly (the controls), and what cannot run is returned as left out."""
+    found = read_zoo(zoo)
+    named = cfg.members is not None
+    seeds = sorted({int(r["seed"]) for _, r in found}) if cfg.seeds is None else list(cfg.seeds)
+    names = list(dict.fromkeys(r["member"] for _, r in found)) if not named else list(cfg.members)
+    by_key = {(r["member"], int(r["seed"])): (f, r) for f, r in found}
+    missing = [f"{n}-s{s}" for n in names for s in seeds if (n, s) not in by_key]
+    if missing and (named or cfg.seeds is not None):
+        raise ValueError(f"{zoo} has no member folder {', '.join(missing)}")
+    lengths = {int(r["widths"]["length"]) for _, r in found}
+    if len(lengths) > 1:
+        raise ValueError(f"{zoo} holds members of different training lengths {sorted(lengths)}; extend one at a time")
+    L = lengths.pop()
+    target = cfg.length if cfg.length is not None else 4 * L
+    if target <= L:
+        raise ValueError(f"the target length L' = {target} must be longer than the members' training length L = {L}")
+    jobs, left_out = [], []
+    for name in names:
+        m = member(name)
+        rotary = m.family == ROTARY
+        if not rotary:
+            asked = [x for x in cfg.methods if x != CONTROL_METHOD]
+            if named and asked:
+                raise ValueError(f"{name} has no rotary positions ({m.family} family), so {', '.join(asked)} "
+                                 "cannot apply to it: a non-rotary member is a control, extended with --method "
+                                 f"{CONTROL_METHOD} only")
+            if m.family == LEARNED:
+                why = (f"{name}: its learned table has L = {L} rows, so it cannot be fine-tuned at L' = {target} "
+                       "without new rows, which this step does not add")
+                if named:
+                    raise ValueError(why)
+                left_out.append({"member": name, "method": CONTROL_METHOD, "why": why})
+                continue
+        methods = list(cfg.methods) if rotary else [CONTROL_METHOD]
+        for method in methods:
+            for seed in seeds:
+                if (name, seed) not in by_key:
+                    continue
+                folder, rec = by_key[(name, seed)]
+                rope, notes = None, {}
+                if rotary:
+                    own, head_dim = _rope_of(folder)
+                    try:
+                        rope, notes = method_rope_parameters(method, own, head_dim, L, target, abf_base=cfg.abf_base,
+                                                             custom=cfg.rope_parameters)
+                        _check_hf_carries(folder, rope, target)
+                    except ValueError as e:
+                        why = f"{name} with {method}: {e}"
+                        if named:
+                            raise ValueError(why) from None
+                        left_out.append({"member": name, "method": method, "why": why})
+                        break
+                batch = cfg.batch_size or max(1, round(int(rec["batch_size"]) * L / target))
+                lr = cfg.lr if cfg.lr is not None else float(rec["lr"]) / 10
+                jobs.append(ExtendJob(name, seed, method, folder, rec, L, target, rope, batch, lr,
+                                      cfg.default_warmup, notes))
+    if not jobs:
+        raise ValueError(f"nothing to extend in {zoo}: " + "; ".join(r["why"] for r in left_out))
+    return jobs, left_out
+
+
+def load_start(job: ExtendJob) -> Any:
+    """The member of `job` loaded from its folder with the method's config (float32, eager attention, training
+    mode): the starting point of the fine-tuning, weights unchanged."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from posprobe.backend import t5_decoder
+
+    t5_decoder.register_auto_class()
+    if job.rope_parameters is None:
+        config = AutoConfig.from_pretrained(job.source)
+    else:
+        config = AutoConfig.from_pretrained(job.source, rope_parameters=dict(job.rope_parameters),
+                                            max_position_embeddings=job.target)
+    from transformers.utils import logging as hf_logging
+
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # its "Loading weights" bar would break the zoo's progress line
+    try:
+        model = AutoModelForCausalLM.from_pretrained(job.source, config=config, attn_implementation="eager",
+                                                     dtype=torch.float32)
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
+    return model.train()
+
+
+def extend_member(job: ExtendJob, cfg: ExtendConfig, ids: Any, tokenizer: Any, folder: Path,
+                  state_io: tuple[Callable[[], dict | None], Callable[[dict], None]], *,
+                  on_checkpoint: Callable[[int, Any], Any] | None = None, later_steps: int = 0) -> dict:
+    """Fine-tune `job`'s member on token ids `ids` at L' through the zoo's loop and save it at `folder` (an HF
+    folder whose zoo.json says `extension`: method, L, L', rope_parameters). `on_checkpoint(step, model)` is called
+    at `cfg.checkpoints` (model in eval mode) and its values kept in the training state. Returns the loop's record
+    (losses in nats/token, seconds, tokens/s, `checkpoints`: [(step, value)])."""
+    from posprobe.zoo.train import train_member
+
+    extension = {"method": job.method, "from_length": job.length, "length": job.target, "scale": job.scale,
+                 "source": job.source.name, "rope_parameters": job.rope_parameters, "notes": job.notes,
+                 "steps": cfg.steps, "batch_size": job.batch_size, "lr": job.lr, "warmup": job.warmup}
+    return train_member(job.member, job.seed, job.train_config(cfg), ids, tokenizer, folder, state_io,
+                        later_steps=later_steps, start=lambda: load_start(job), checkpoints=cfg.checkpoints,
+                        on_checkpoint=on_checkpoint, record={"extension": extension, "method": job.method},
+                        label=f"extend {job.member} seed {job.seed} {job.method} {job.length}->{job.target}")
+
+
+def steps_to_threshold(curve: list[tuple[int, float]], threshold: float) -> int | None:
+    """The first checkpoint step (ascending) whose value is <= `threshold` (e.g. ppl at L' against the unextended
+    member's ppl at L); None if none is."""
+    for step, value in sorted(curve):
+        if value <= threshold:
+            return int(step)
+    return None
