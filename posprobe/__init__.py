@@ -82,6 +82,8 @@ _EXPORTS = {
     "ZooAtlasConfig": "posprobe.zoo.config",
     "train_task_zoo": "posprobe.zoo.task_zoo",
     "TaskConfig": "posprobe.zoo.config",
+    "ExtendConfig": "posprobe.zoo.extend",
+    "extend_zoo": "posprobe.cli.zoo_extend",  # the runner sits in cli/ until the zoo stands below the analyses (#50)
     # analysis building blocks
     "frequency_usage": "posprobe.analyses.frequency",
     "FrequencyUsage": "posprobe.analyses.frequency",

@@ -198,7 +198,7 @@ def sections(result: Any) -> list[Section]:
                   f"<p>h_j is each band's product of the head's mean unrotated query and key "
                   f"({html.escape(str(t.get('mean_pair', '')))}); a(s) = Re &Sigma; h_j e<sup>i s &theta;_j</sup>. "
                   f"Rule: {html.escape(str(t.get('rule', '')))}. The table lists the heads by excess.</p>"),
-            table=_fmt(worst.head(20).drop(columns=["model"])),
+            table=_fmt(worst.head(20)[_theory_columns(worst)]),
             figures=[score_by_distance_figure(result.tables["bands"], theory, picks, m)]))
     if ablation is not None and len(ablation):
         secs.append(
@@ -272,6 +272,14 @@ def _theory_numbers(theory: pd.DataFrame | None) -> list[tuple[str, float]]:
             ("heads_leaving_range", float(theory.extrapolation_leaves_range.sum())),
             ("theory_context", float(theory.theory_context.iloc[0])),
             ("theory_target", float(theory.theory_target.iloc[0]))]
+
+
+def _theory_columns(theory: pd.DataFrame) -> list[str]:
+    # The columns that fit the page (all 19 are in the theory table and its CSV); `attention` only where a layer is
+    # local, the bounds' L and L' are in the section's text.
+    cols = ["layer", "head", "h_max", "a_in_min", "a_in_max", "a_out_min", "a_out_max", "excess",
+            "interpolation_bound"]
+    return cols[:2] + ["attention"] + cols[2:] if (theory.attention == "local").any() else cols
 
 
 def theory_sentence(numbers: dict[str, Any]) -> str:
