@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from zoo_util import Died, dying_state_io
 
 from posprobe.zoo.config import ZooConfig, load_config_file
 from posprobe.zoo.members import MEMBERS
@@ -172,19 +173,7 @@ def test_interrupted_training_resumes_to_the_same_weights(tmp_path):
     ids = torch.tensor(tok(_text()[:20000])["input_ids"])
     for name in ("alibi", "p-rope"):
         train_member(name, 0, cfg, ids, tok, tmp_path / f"{name}-whole", (lambda: None, lambda s: None))
-        ckpt = Checkpoint(tmp_path / f"{name}.work", {"k": name})
-        saved = []
-
-        class Died(Exception):
-            pass
-
-        def save_then_die(state):
-            ckpt.put("state", state)
-            saved.append(state["step"])
-            if len(saved) == 2:
-                raise Died
-
-        io = (lambda: ckpt.get("state") if ckpt.has("state") else None, save_then_die)
+        io, saved = dying_state_io(Checkpoint(tmp_path / f"{name}.work", {"k": name}), after=2)
         with pytest.raises(Died):
             train_member(name, 0, cfg, ids, tok, tmp_path / f"{name}-resumed", io)
         assert saved == [3, 6] and not (tmp_path / f"{name}-resumed").exists()

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from zoo_util import Died, dying_state_io
 
 from posprobe.zoo.config import ZooConfig
 from posprobe.zoo.extend import ExtendConfig, extend_member, plan_extension, steps_to_threshold
@@ -209,19 +210,7 @@ def test_killed_extension_resumes_to_the_uninterrupted_weights(tiny_zoo, ids_and
     whole = extend_member(job, cfg, ids, tok, tmp_path / "whole", (lambda: None, lambda s: None), on_checkpoint=look)
     assert calls == [0, 3, 6]
     calls.clear()
-    ckpt = Checkpoint(tmp_path / "work", {"k": 1})
-    saved = []
-
-    class Died(Exception):
-        pass
-
-    def save_then_die(state):
-        ckpt.put("state", state)
-        saved.append(state["step"])
-        if len(saved) == 3:
-            raise Died
-
-    io = (lambda: ckpt.get("state") if ckpt.has("state") else None, save_then_die)
+    io, saved = dying_state_io(Checkpoint(tmp_path / "work", {"k": 1}), after=3)
     with pytest.raises(Died):
         extend_member(job, cfg, ids, tok, tmp_path / "resumed", io, on_checkpoint=look)
     assert saved == [0, 2, 3] and calls == [0, 3]

@@ -38,3 +38,21 @@ def spelled_instance(tokens: list[str]) -> tuple[str, int, str, str]:
     answer = "".join(tokens[eq + 1:tokens.index("<|endoftext|>", eq)])
     n = len(inp.split("+")[0]) if task == "addition" else len(inp)
     return task, n, inp, answer
+
+
+class Died(Exception):
+    """Raised by `dying_state_io` to stand in for a process killed after a checkpoint."""
+
+
+def dying_state_io(ckpt, after: int) -> tuple[tuple, list[int]]:
+    """(load, save) state I/O over checkpoint `ckpt` whose save raises Died at its `after`-th call (the state is
+    written first, as a kill right after a checkpoint), and the list of the steps it saved."""
+    saved: list[int] = []
+
+    def save_then_die(state: dict) -> None:
+        ckpt.put("state", state)
+        saved.append(state["step"])
+        if len(saved) == after:
+            raise Died
+
+    return (lambda: ckpt.get("state") if ckpt.has("state") else None, save_then_die), saved
