@@ -87,15 +87,15 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
                       "tests/test_squish_variants.py"]),
     # The zoo's factory, split so that each part runs only the tests that reach it (the training tests train ten
     # tiny members per module fixture): the synthetic tasks; the members, their training loop and the zoo folder;
-    # evaluation across a zoo; the zoo atlas.
+    # the zoo folder format (read by evaluation across a zoo); the atlas over many models.
     "zoo_tasks": (["posprobe/zoo/tasks.py", "posprobe/zoo/task_zoo.py"],
                   ["tests/test_zoo_tasks.py"]),
     "zoo_train": (["posprobe/zoo/members.py", "posprobe/zoo/train.py", "posprobe/zoo/config.py",
                    "posprobe/zoo/tokenizer.py", "posprobe/zoo/run.py", "posprobe/zoo/__init__.py"],
                   ["tests/test_zoo.py", "tests/test_zoo_numbers.py"]),
-    "zoo_eval": (["posprobe/zoo/evaluate.py"],
+    "zoo_eval": (["posprobe/zoo/folder.py"],
                  ["tests/test_zoo_numbers.py", "tests/test_bad_input.py", "tests/test_zoo.py"]),
-    "zoo_atlas": (["posprobe/zoo/atlas.py"],
+    "zoo_atlas": (["posprobe/analyses/atlas_many.py"],
                   ["tests/test_zoo_atlas.py"]),
 }
 

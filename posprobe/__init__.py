@@ -77,13 +77,13 @@ _EXPORTS = {
     # the positional zoo: matched models per positional family
     "ZooConfig": "posprobe.zoo.config",
     "train_zoo": "posprobe.zoo.run",
-    "evaluate_zoo": "posprobe.zoo.evaluate",
-    "run_zoo_atlas": "posprobe.zoo.atlas",
-    "ZooAtlasConfig": "posprobe.zoo.config",
+    "evaluate_zoo": "posprobe.analyses.atlas_many",
+    "run_zoo_atlas": "posprobe.analyses.atlas_many",
+    "ZooAtlasConfig": "posprobe.analyses.configs",
     "train_task_zoo": "posprobe.zoo.task_zoo",
     "TaskConfig": "posprobe.zoo.config",
     "ExtendConfig": "posprobe.zoo.extend",
-    "extend_zoo": "posprobe.cli.zoo_extend",  # the runner sits in cli/ until the zoo stands below the analyses (#50)
+    "extend_zoo": "posprobe.analyses.context_extension",
     # analysis building blocks
     "frequency_usage": "posprobe.analyses.frequency",
     "FrequencyUsage": "posprobe.analyses.frequency",

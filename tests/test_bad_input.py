@@ -102,10 +102,10 @@ def _perplexity_rows() -> pd.DataFrame:
 
 def test_a_refused_member_is_a_row_of_every_member_table_and_a_line_on_stdout():
     """Catches: the ratios table and the printed summary silently listing two members of three."""
+    from posprobe.analyses.atlas_many import ratio_summary
     from posprobe.cli.zoo import refused_models
     from posprobe.report.extrapolation import ratio_table
     from posprobe.report.result import Result
-    from posprobe.zoo.evaluate import ratio_summary
 
     table = _perplexity_rows()
     ratios = ratio_summary(table)

@@ -76,8 +76,7 @@ def test_a_tuple_of_choices_takes_each_choice_and_refuses_others(capsys):
 def test_zoo_atlas_and_zoo_eval_score_the_same_tokens_by_default():
     """'ppl at L' is printed by `zoo eval` and `zoo atlas`: by default both score the same number of tokens per length.
     Catches: the atlas's own default (4,096 tokens) giving another number under the same name (8,192 in zoo eval)."""
-    from posprobe.analyses.configs import ExtrapolationConfig
-    from posprobe.zoo.config import ZooAtlasConfig
+    from posprobe.analyses.configs import ExtrapolationConfig, ZooAtlasConfig
 
     assert ZooAtlasConfig().extrapolation_tokens == ExtrapolationConfig().max_tokens == 8192
     assert ZooAtlasConfig().factors == ExtrapolationConfig().factors

@@ -5,8 +5,8 @@ Layers, low to high. A module may import its own package or any lower layer:
   1  backend              the only package that touches TransformerLens or Hugging Face internals
   2  core, data           position control, capture, scoring, the long-context engine; data sets
   3  report               Result, schema, pages, figures (from tables and meta only)
-  4  analyses             Config -> run(model, data, config) -> Result
-  4.5 zoo                 training matched models per positional family, and running analyses across them
+  3.5 zoo                 a model factory: matched models per positional family, trained and extended (no analysis)
+  4  analyses             Config -> run(model, data, config) -> Result; across many models too (atlas_many)
   5  cli                  flags and commands over the analyses
 posprobe/__init__.py and __main__.py are the public face (lazy re-exports) and sit outside the order.
 Imports inside functions count the same as top-level ones: a lazy import up the layers is still one.
@@ -18,7 +18,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "posprobe"
-LAYERS = {"backend": 1, "core": 2, "data": 2, "report": 3, "analyses": 4, "zoo": 4.5, "cli": 5}
+LAYERS = {"backend": 1, "core": 2, "data": 2, "report": 3, "zoo": 3.5, "analyses": 4, "cli": 5}
 FACE = {"posprobe", "posprobe.__main__"}
 
 
@@ -141,6 +141,16 @@ def test_no_forbidden_import():
     assert not found, "imports the house forbids:\n" + "\n".join(found)
     planted = {"posprobe.analyses.shift": {"posprobe.backend.hf"}, "posprobe.data.x": {"posprobe.backend"}}
     assert len(forbidden(planted)) == 2
+
+
+def test_the_zoo_imports_no_analysis():
+    # The zoo makes models; comparing them is the analyses' work (#50). The layer order says so (zoo 3.5 < analyses
+    # 4): the check above sees a planted zoo -> analyses edge as upward, and no real one exists.
+    graph = import_graph()
+    found = sorted(f"{a} -> {b}" for a, targets in graph.items() if a.startswith("posprobe.zoo")
+                   for b in targets if b.startswith("posprobe.analyses"))
+    assert not found, "the zoo imports analyses:\n" + "\n".join(found)
+    assert layer_of("posprobe.analyses.shift") > layer_of("posprobe.zoo.train") > layer_of("posprobe.report.result")
 
 
 def test_no_import_cycles():

@@ -113,7 +113,7 @@ def _stand_in_zoos(argv: list[str], folder: Path) -> None:
     # command) is stood in for by one member folder with the record and config `zoo train` writes.
     import json
 
-    from posprobe.zoo.train import ZOO_FILE
+    from posprobe.zoo.folder import ZOO_FILE
 
     if argv[:1] != ["zoo"] or argv[1] not in ("eval", "atlas"):
         return

@@ -342,8 +342,8 @@ def test_extrapolation_refuses_a_rope_table_that_changes_with_length(tiny_zoo, t
 def test_zoo_eval_over_members_and_other_models(tiny_zoo, tmp_path):
     # A zoo folder stands for its members; a model outside the zoo is evaluated too; one the analysis refuses is
     # a row with the reason, not dropped.
+    from posprobe.analyses.atlas_many import evaluate_zoo
     from posprobe.analyses.configs import ExtrapolationConfig
-    from posprobe.zoo.evaluate import evaluate_zoo
 
     out, _ = tiny_zoo
     cfg = ExtrapolationConfig(factors=(1, 2), max_tokens=4 * L, stride=8, progress=False)

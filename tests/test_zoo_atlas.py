@@ -17,7 +17,8 @@ import pandas as pd
 import pytest
 import torch
 
-from posprobe.zoo.config import ZOO_ATLAS_SECTIONS, ZooAtlasConfig, ZooConfig
+from posprobe.analyses.configs import ZOO_ATLAS_SECTIONS, ZooAtlasConfig
+from posprobe.zoo.config import ZooConfig
 
 TINY = dict(d_model=32, n_layers=2, n_heads=2, length=64, vocab_size=300, batch_size=4, steps=40, warmup=4,
             checkpoint_every=20, progress=False, members=("learned", "rope", "nope", "alibi"), seeds=(0, 1))
@@ -29,8 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def zoo_atlas(tmp_path_factory):
+    from posprobe.analyses.atlas_many import run_zoo_atlas
     from posprobe.data import builtin_corpus
-    from posprobe.zoo.atlas import run_zoo_atlas
     from posprobe.zoo.run import train_zoo
 
     out = tmp_path_factory.mktemp("zatlas") / "zoo"
@@ -180,7 +181,7 @@ def test_per_model_sections_equal_the_standalone_analyses(zoo_atlas):
 
 
 def test_attention_window_on_planted_offsets():
-    from posprobe.zoo.atlas import attention_window
+    from posprobe.analyses.atlas_many import attention_window
 
     row = lambda head, d, v: dict(model="m", layer=0, head=head, rel_pos=d, value=v)  # noqa: E731
     offsets = pd.DataFrame([row(0, d, v) for d, v in enumerate([.5, .3, .15, .05])]

@@ -158,7 +158,7 @@ def test_each_method_carries_the_papers_table(extended, name, method):
 
 
 def test_yarn_gamma_reported_is_hfs_ramp(extended):
-    from posprobe.cli.zoo_extend import yarn_bands
+    from posprobe.analyses.context_extension import yarn_bands
 
     folder, job = extended[("rope", "yarn")]
     got = yarn_bands(job)
@@ -226,7 +226,7 @@ def test_curves_equal_a_plain_hugging_face_forward_after_a_resume(tiny_zoo, tmp_
     numbers of a plain HF forward."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    import posprobe.cli.zoo_extend as zx
+    import posprobe.analyses.context_extension as zx
 
     cfg = ExtendConfig(members=("rope",), methods=("pi",), steps=2, checkpoints=(0,), eval_tokens=256,
                        sliding="never", progress=False)
@@ -296,7 +296,7 @@ def test_steps_to_threshold_by_hand():
 def test_summary_table_by_hand():
     import pandas as pd
 
-    from posprobe.cli.zoo_extend import summary_table
+    from posprobe.analyses.context_extension import summary_table
 
     rows = [("unextended", 0, 16, 20.0), ("unextended", 0, 64, 40.0), ("unextended", 0, 128, 80.0)]
     rows += [("pi", 0, 16, 25.0), ("pi", 0, 64, 30.0), ("pi", 0, 128, 60.0),
@@ -357,7 +357,7 @@ def test_ppl_at_L_is_zoo_evals_number_by_default():
 
 def test_zoo_eval_keeps_extended_methods_apart():
     """An extended zoo read by `zoo eval` / `zoo atlas`: each method is its own member, not a seed of the member."""
-    from posprobe.zoo.evaluate import member_info
+    from posprobe.zoo.folder import member_info
 
     rec = {"member": "rope", "family": "rotary", "block": "gpt", "seed": 1}
     assert member_info("rope-s1", rec)["member"] == "rope"

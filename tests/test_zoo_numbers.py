@@ -228,8 +228,8 @@ def test_the_sinusoidal_member_scales_its_token_embeddings_by_sqrt_d(tok):
 
 @pytest.fixture(scope="module")
 def two_seed_eval(text, tmp_path_factory):
+    from posprobe.analyses.atlas_many import evaluate_zoo
     from posprobe.analyses.configs import ExtrapolationConfig
-    from posprobe.zoo.evaluate import evaluate_zoo
     from posprobe.zoo.run import train_zoo
 
     out = tmp_path_factory.mktemp("zoo2") / "zoo"

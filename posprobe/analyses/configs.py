@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 from typing import ClassVar, Literal, Sequence, get_args, get_origin, get_type_hints
 
 from posprobe.core import presets, variants
-from posprobe.core.config import option
+from posprobe.core.config import at_least, option
 from posprobe.data.needles import TASKS as NEEDLE_TASKS
 from posprobe.data.needles import task_names as needle_task_names
 
@@ -45,13 +45,6 @@ def _check_choices(cfg: object) -> None:
             raise ValueError(f"{f.name} must be one of {get_args(hints[f.name])}, got {getattr(cfg, f.name)!r}")
 
 
-def _at_least(cfg: object, minimum: int, *names: str) -> None:
-    for name in names:
-        v = getattr(cfg, name)
-        if v is not None and v < minimum:
-            raise ValueError(f"{name} must be >= {minimum}, got {v}")
-
-
 def _preset_help() -> str:
     return f"surgery presets to compare (repeatable): {presets.help_text()}"
 
@@ -76,8 +69,8 @@ class ShiftConfig:
 
     def __post_init__(self) -> None:
         _check_choices(self)
-        _at_least(self, 1, "batch_size", "n_bootstrap", "max_windows")
-        _at_least(self, 2, "window")
+        at_least(self, 1, "batch_size", "n_bootstrap", "max_windows")
+        at_least(self, 2, "window")
 
     def all_ks(self) -> list[int]:
         """Sorted distinct k values including the baseline 0."""
@@ -106,13 +99,13 @@ class FrequencyConfig:
     progress: bool = option(True, "", cli=False)
 
     def __post_init__(self) -> None:
-        _at_least(self, 1, "window", "max_windows", "batch_size", "ablate_windows", "top_heads")
-        _at_least(self, 2, "theory_context")
+        at_least(self, 1, "window", "max_windows", "batch_size", "ablate_windows", "top_heads")
+        at_least(self, 2, "theory_context")
         if self.theory_target is not None and self.theory_context is not None \
                 and self.theory_target <= self.theory_context:
             raise ValueError(f"theory_target ({self.theory_target}) must exceed theory_context "
                              f"({self.theory_context})")
-        _at_least(self, 0, "queries")
+        at_least(self, 0, "queries")
         if self.queries == 0:  # "every query", as the flag documents
             object.__setattr__(self, "queries", None)
 
@@ -133,8 +126,8 @@ class DecomposeConfig:
 
     def __post_init__(self) -> None:
         _check_choices(self)
-        _at_least(self, 0, "layer", "head")
-        _at_least(self, 1, "max_windows")
+        at_least(self, 0, "layer", "head")
+        at_least(self, 1, "max_windows")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -180,9 +173,9 @@ class ProbeConfig:
             raise ValueError(
                 "Need n_splits >= 2, inner_splits >= 2, max_tokens >= n_splits, alphas > 0, batch_size >= 1"
             )
-        _at_least(self, 0, "skip_first")
-        _at_least(self, 2, "window")
-        _at_least(self, 1, "max_windows")
+        at_least(self, 0, "skip_first")
+        at_least(self, 2, "window")
+        at_least(self, 1, "max_windows")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -201,9 +194,9 @@ class GeometryConfig:
 
     def __post_init__(self) -> None:
         _check_choices(self)
-        _at_least(self, 0, "skip_first")
-        _at_least(self, 1, "components", "max_pos", "max_windows")
-        _at_least(self, 2, "window")
+        at_least(self, 0, "skip_first")
+        at_least(self, 1, "components", "max_pos", "max_windows")
+        at_least(self, 2, "window")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -232,7 +225,7 @@ class SquishConfig:
             raise ValueError("give --squish-to or --squish-range, not both")
         if self.range_ is not None and len(self.range_) != 2:
             raise ValueError(f"--squish-range takes two positions LO HI, got {len(self.range_)}")
-        _at_least(self, 1, "max_new_tokens", "top_k")
+        at_least(self, 1, "max_new_tokens", "top_k")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0; got {self.temperature}")
 
@@ -314,7 +307,7 @@ class SquishStudyConfig:
 
     def __post_init__(self) -> None:
         _check_choices(self)
-        _at_least(self, 1, "questions", "max_new_tokens", "batch_size")
+        at_least(self, 1, "questions", "max_new_tokens", "batch_size")
         if not self.conditions or not self.placements or not self.distances:
             raise ValueError("give at least one condition, placement and distance")
         if any(d < 0 for d in self.distances):
@@ -336,8 +329,8 @@ class SurgeryEvalConfig:
     max_windows: int = option(4, "windows cut from the text")
 
     def __post_init__(self) -> None:
-        _at_least(self, 2, "window")
-        _at_least(self, 1, "max_windows")
+        at_least(self, 2, "window")
+        at_least(self, 1, "max_windows")
         if not self.presets:
             raise ValueError("give at least one preset")
         for spec in self.presets:
@@ -366,9 +359,9 @@ class HeadsConfig:
     progress: bool = option(True, "", cli=False)
 
     def __post_init__(self) -> None:
-        _at_least(self, 2, "window")
-        _at_least(self, 1, "max_windows", "batch_size", "first_k", "max_offset", "induction_batch")
-        _at_least(self, 0, "induction_len")
+        at_least(self, 2, "window")
+        at_least(self, 1, "max_windows", "batch_size", "first_k", "max_offset", "induction_batch")
+        at_least(self, 0, "induction_len")
         for name in ("sink_threshold", "prev_threshold", "self_threshold", "offset_threshold",
                      "induction_threshold", "relative_r2"):
             if not 0 <= getattr(self, name) <= 1:
@@ -408,15 +401,15 @@ class SinksConfig:
 
     def __post_init__(self) -> None:
         _check_choices(self)
-        _at_least(self, 0, "massive_top", "ablate_heads")
+        at_least(self, 0, "massive_top", "ablate_heads")
         if not 0 <= self.ablate_attention <= 1 or self.ablate_delta < 0:
             raise ValueError("ablate_attention must be within [0, 1] and ablate_delta >= 0")
         if self.massive_ratio <= 1 or not self.massive_abs >= 0:
             raise ValueError(f"massive_ratio must be > 1 and massive_abs >= 0, got {self.massive_ratio} and "
                              f"{self.massive_abs}")
-        _at_least(self, 2, "length")
-        _at_least(self, 1, "batch_size")
-        _at_least(self, 0, "random_samples", "max_windows")
+        at_least(self, 2, "length")
+        at_least(self, 1, "batch_size")
+        at_least(self, 0, "random_samples", "max_windows")
         if not 0 <= self.epsilon <= 1:
             raise ValueError(f"epsilon must be within [0, 1], got {self.epsilon}")
         if self.random_samples == 0 and self.max_windows == 0:
@@ -453,9 +446,9 @@ class AtlasConfig:
     progress: bool = option(True, "", cli=False)
 
     def __post_init__(self) -> None:
-        _at_least(self, 2, "window")
-        _at_least(self, 1, "max_windows", "max_pairs", "probe_tokens")
-        _at_least(self, 0, "induction_len", "ablate_heads")
+        at_least(self, 2, "window")
+        at_least(self, 1, "max_windows", "max_pairs", "probe_tokens")
+        at_least(self, 0, "induction_len", "ablate_heads")
         bad = sorted(set(self.sections or ()) - set(ATLAS_SECTIONS))
         if bad:
             raise ValueError(f"unknown atlas sections {bad}; choose from {sorted(ATLAS_SECTIONS)}")
@@ -501,9 +494,9 @@ class LongContextConfig:
     progress: bool = option(True, "", cli=False)
 
     def __post_init__(self) -> None:
-        _at_least(self, 2, "bin_size")
-        _at_least(self, 1, "max_windows", "trials", "new_tokens", "chunk", "trained_ctx", "break_span", "needle_tokens")
-        _at_least(self, 0, "warmup")
+        at_least(self, 2, "bin_size")
+        at_least(self, 1, "max_windows", "trials", "new_tokens", "chunk", "trained_ctx", "break_span", "needle_tokens")
+        at_least(self, 0, "warmup")
         if not self.presets:
             raise ValueError("give at least one preset")
         for spec in self.presets:
@@ -555,7 +548,7 @@ class RetrievalConfig:
     progress: bool = option(True, "", cli=False)
 
     def __post_init__(self) -> None:
-        _at_least(self, 1, "trials", "random_draws", "bootstrap", "chunk", "needle_tokens")
+        at_least(self, 1, "trials", "random_draws", "bootstrap", "chunk", "needle_tokens")
         if not self.presets or not self.tasks or not self.lengths or not self.depths:
             raise ValueError("give at least one preset, task, length and depth")
         for spec in self.presets:
@@ -726,3 +719,43 @@ class BrittlenessConfig:
             raise ValueError("give at least one bucket (near:K or far:D)")
         buckets = [parse_bucket(s) for s in specs]
         object.__setattr__(self, "buckets", tuple(dict.fromkeys(b.spec for b in buckets)))
+
+
+ZOO_ATLAS_SECTIONS = ("training", "extrapolation", "shift", "probes", "heads", "similarity", "sinks", "geometry",
+                      "decomposition", "frequency")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZooAtlasConfig:
+    """`posprobe zoo atlas`: the atlas's analyses on every member of a zoo, with the same data and bounds (about
+    5 minutes for the CPU tier's 18 members on a 2-core CPU)."""
+
+    sections: tuple[str, ...] | None = option(None, f"run only these sections ({', '.join(ZOO_ATLAS_SECTIONS)}; "
+                                                    "default: all)", flag="--section")
+    window: int = option(64, "tokens per text window of the heads, similarity, sinks, geometry, probe, decomposition "
+                             "and frequency sections (at most each model's context)")
+    max_windows: int = option(8, "text windows per section")
+    ks: tuple[int, ...] = option((0, 16, 32, 64), "shift-test start positions (those that do not fit a model's "
+                                                  "context with the shift window are left out for it)", flag="--k")
+    shift_window: int = option(32, "tokens per text window of the shift test")
+    max_pairs: int = option(10, "built-in minimal pairs per paradigm for the shift test")
+    probe_tokens: int = option(2000, "tokens sampled for the position probes")
+    similarity_windows: int = option(16, "text windows every model reads for the head similarity")
+    # The same default as `zoo eval` (ExtrapolationConfig.max_tokens): "ppl at L" is one number in both commands.
+    extrapolation_tokens: int = option(8192, "scored tokens per length of the extrapolation section (as zoo eval)")
+    factors: tuple[float, ...] = option((1, 2, 4, 8), "extrapolation lengths as multiples of L", flag="--factor")
+    seed: int = option(0, "seed of every sampled piece")
+    progress: bool = option(True, "", cli=False)
+
+    def __post_init__(self) -> None:
+        at_least(self, 2, "window", "shift_window")
+        at_least(self, 1, "max_windows", "max_pairs", "probe_tokens", "similarity_windows", "extrapolation_tokens")
+        bad = sorted(set(self.sections or ()) - set(ZOO_ATLAS_SECTIONS))
+        if bad:
+            raise ValueError(f"unknown zoo atlas sections {bad}; choose from {list(ZOO_ATLAS_SECTIONS)}")
+        if any(int(k) != k or k < 0 for k in self.ks):
+            raise ValueError(f"k must be a whole number >= 0; got {self.ks}")
+
+    def wanted(self) -> list[str]:
+        """The sections to run, in report order."""
+        return [s for s in ZOO_ATLAS_SECTIONS if self.sections is None or s in self.sections]

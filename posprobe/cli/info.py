@@ -94,7 +94,7 @@ def _zoo_record(spec: str) -> dict:
     """A posprobe zoo member's own record (member, block, seed, what differs beyond positions), or nothing."""
     from pathlib import Path
 
-    from posprobe.zoo.train import ZOO_FILE
+    from posprobe.zoo.folder import ZOO_FILE
 
     path = Path(spec) / ZOO_FILE
     if not path.is_file():

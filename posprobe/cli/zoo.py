@@ -13,9 +13,9 @@ HELP = ("The positional zoo: small causal LMs that differ only in positions (lea
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from dataclasses import fields
 
-    from posprobe.analyses.configs import ExtrapolationConfig
+    from posprobe.analyses.configs import ExtrapolationConfig, ZooAtlasConfig
     from posprobe.cli.args import add_config_arguments, add_output_arguments, add_resume_arguments
-    from posprobe.zoo.config import TaskConfig, ZooAtlasConfig, ZooConfig
+    from posprobe.zoo.config import TaskConfig, ZooConfig
     from posprobe.zoo.extend import ExtendConfig
 
     sub = p.add_subparsers(dest="zoo_command", metavar="ZOO_COMMAND")
@@ -173,14 +173,14 @@ def summary_text(result) -> str:
 def _eval(args: argparse.Namespace) -> int:
     from posprobe.analyses.configs import ExtrapolationConfig
 
-    return _across_models(args, ExtrapolationConfig, ("posprobe.zoo.evaluate", "evaluate_zoo"),
+    return _across_models(args, ExtrapolationConfig, ("posprobe.analyses.atlas_many", "evaluate_zoo"),
                           ("posprobe.report.extrapolation", "ratio_table"))
 
 
 def _atlas(args: argparse.Namespace) -> int:
-    from posprobe.zoo.config import ZooAtlasConfig
+    from posprobe.analyses.configs import ZooAtlasConfig
 
-    return _across_models(args, ZooAtlasConfig, ("posprobe.zoo.atlas", "run_zoo_atlas"),
+    return _across_models(args, ZooAtlasConfig, ("posprobe.analyses.atlas_many", "run_zoo_atlas"),
                           ("posprobe.report.zoo_atlas", "headline_table"))
 
 
@@ -264,8 +264,8 @@ def _extend(args: argparse.Namespace) -> int:
     eval_text = checks.read_text_early(args.eval_text)
     plan_extension(args.zoo, cfg)  # every refusal before anything heavy is imported or trained
 
+    from posprobe.analyses.context_extension import extend_zoo
     from posprobe.cli.threads import warn_if_busy
-    from posprobe.cli.zoo_extend import extend_zoo
 
     warn_if_busy()
     result = extend_zoo(args.zoo, cfg, args.out, text=text, source=args.text, eval_text=eval_text, fresh=args.fresh)

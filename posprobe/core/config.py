@@ -33,3 +33,12 @@ def option_help(f: Field) -> str:
     """The help text of a Config field made with `option` ("" where it has none)."""
     h = f.metadata.get("help", "")
     return h() if callable(h) else h
+
+
+def at_least(cfg: object, minimum: int, *names: str) -> None:
+    """Raise ValueError naming the first of the fields `names` of `cfg` that is below `minimum` (None is allowed: a
+    value derived later)."""
+    for name in names:
+        v = getattr(cfg, name)
+        if v is not None and v < minimum:
+            raise ValueError(f"{name} must be >= {minimum}, got {v}")

@@ -1,7 +1,8 @@
-"""The positional zoo: small causal LMs that differ only in their positions, trained by posprobe as ordinary
-Hugging Face folders (`train_zoo`; on synthetic tasks `train_task_zoo`), and analyses run across them side by side
-(`evaluate_zoo`, `run_zoo_atlas`). Sits above the
-analyses (it runs them) and below the CLI. Imports are lazy: `import posprobe.zoo` loads no torch."""
+"""The positional zoo, a model factory: small causal LMs that differ only in their positions, trained by posprobe as
+ordinary Hugging Face folders (`train_zoo`; on synthetic tasks `train_task_zoo`; continued to a longer context by
+`zoo.extend`). It stands below the analyses and imports none of them (tests/test_layers.py): comparing the models is
+the analyses' work (`posprobe.analyses.atlas_many`: `evaluate_zoo`, `run_zoo_atlas`). The zoo folder format is
+`zoo.folder`'s alone. Imports are lazy: `import posprobe.zoo` loads no torch."""
 
 from __future__ import annotations
 
@@ -11,16 +12,13 @@ from typing import Any
 _EXPORTS = {
     "ZooConfig": "posprobe.zoo.config",
     "ExtendConfig": "posprobe.zoo.extend",
-    "ZooAtlasConfig": "posprobe.zoo.config",
     "TaskConfig": "posprobe.zoo.config",
-    "run_zoo_atlas": "posprobe.zoo.atlas",
     "train_task_zoo": "posprobe.zoo.task_zoo",
     "TIERS": "posprobe.zoo.config",
     "load_config_file": "posprobe.zoo.config",
     "MEMBERS": "posprobe.zoo.members",
     "Member": "posprobe.zoo.members",
     "train_zoo": "posprobe.zoo.run",
-    "evaluate_zoo": "posprobe.zoo.evaluate",
     "train_tokenizer": "posprobe.zoo.tokenizer",
 }
 

@@ -8,11 +8,10 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal
 
-from posprobe.analyses.configs import _at_least
-from posprobe.core.config import option
+from posprobe.core.config import at_least, option
 from posprobe.zoo.members import Widths, member, member_names
 
-__all__ = ["TIERS", "TaskConfig", "ZooAtlasConfig", "ZooConfig", "load_config_file"]
+__all__ = ["TIERS", "TaskConfig", "ZooConfig", "load_config_file"]
 
 #: Sizes and schedules per tier. cpu: every member in about a minute on 2 cores (~25k tokens/s each);
 #: gpu: minutes per member on one GPU (same code path, wider and longer).
@@ -99,46 +98,6 @@ class ZooConfig:
         return self.batch_size * self.length
 
 
-ZOO_ATLAS_SECTIONS = ("training", "extrapolation", "shift", "probes", "heads", "similarity", "sinks", "geometry",
-                      "decomposition", "frequency")
-
-
-@dataclass(frozen=True, kw_only=True)
-class ZooAtlasConfig:
-    """`posprobe zoo atlas`: the atlas's analyses on every member of a zoo, with the same data and bounds (about
-    5 minutes for the CPU tier's 18 members on a 2-core CPU)."""
-
-    sections: tuple[str, ...] | None = option(None, f"run only these sections ({', '.join(ZOO_ATLAS_SECTIONS)}; "
-                                                    "default: all)", flag="--section")
-    window: int = option(64, "tokens per text window of the heads, similarity, sinks, geometry, probe, decomposition "
-                             "and frequency sections (at most each model's context)")
-    max_windows: int = option(8, "text windows per section")
-    ks: tuple[int, ...] = option((0, 16, 32, 64), "shift-test start positions (those that do not fit a model's "
-                                                  "context with the shift window are left out for it)", flag="--k")
-    shift_window: int = option(32, "tokens per text window of the shift test")
-    max_pairs: int = option(10, "built-in minimal pairs per paradigm for the shift test")
-    probe_tokens: int = option(2000, "tokens sampled for the position probes")
-    similarity_windows: int = option(16, "text windows every model reads for the head similarity")
-    # The same default as `zoo eval` (ExtrapolationConfig.max_tokens): "ppl at L" is one number in both commands.
-    extrapolation_tokens: int = option(8192, "scored tokens per length of the extrapolation section (as zoo eval)")
-    factors: tuple[float, ...] = option((1, 2, 4, 8), "extrapolation lengths as multiples of L", flag="--factor")
-    seed: int = option(0, "seed of every sampled piece")
-    progress: bool = option(True, "", cli=False)
-
-    def __post_init__(self) -> None:
-        _at_least(self, 2, "window", "shift_window")
-        _at_least(self, 1, "max_windows", "max_pairs", "probe_tokens", "similarity_windows", "extrapolation_tokens")
-        bad = sorted(set(self.sections or ()) - set(ZOO_ATLAS_SECTIONS))
-        if bad:
-            raise ValueError(f"unknown zoo atlas sections {bad}; choose from {list(ZOO_ATLAS_SECTIONS)}")
-        if any(int(k) != k or k < 0 for k in self.ks):
-            raise ValueError(f"k must be a whole number >= 0; got {self.ks}")
-
-    def wanted(self) -> list[str]:
-        """The sections to run, in report order."""
-        return [s for s in ZOO_ATLAS_SECTIONS if self.sections is None or s in self.sections]
-
-
 #: The synthetic tasks (`posprobe.zoo.tasks`), repeated here so that flags are built without importing it.
 TASK_NAMES = ("copy", "reverse", "addition", "sorting")
 
@@ -161,7 +120,7 @@ class TaskConfig:
         if bad or not self.tasks:
             raise ValueError(f"unknown tasks {bad}; choose from {', '.join(TASK_NAMES)}")
         object.__setattr__(self, "tasks", tuple(dict.fromkeys(self.tasks)))
-        _at_least(self, 1, "train_max", "test_count", "steps", "batch_size")
+        at_least(self, 1, "train_max", "test_count", "steps", "batch_size")
         if self.test_factor < 1:
             raise ValueError(f"test_factor must be >= 1, got {self.test_factor}")
 

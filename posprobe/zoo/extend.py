@@ -15,7 +15,7 @@ Non-rotary members (sinusoidal, ALiBi, NoPE, T5) are the controls: fine-tuned at
 
 This module plans (every refusal raised before any training) and trains through the zoo's loop
 (`train.train_member` started from the saved member); evaluation at the checkpoints is a callback given by the
-caller (`posprobe.cli.zoo_extend`), so the zoo stays a model factory. Torch-free at import."""
+caller (`posprobe.analyses.context_extension`), so the zoo stays a model factory. Torch-free at import."""
 
 from __future__ import annotations
 
@@ -28,10 +28,11 @@ from typing import Any, Callable, Literal
 from posprobe.backend.families import LEARNED, ROTARY
 from posprobe.core.config import option
 from posprobe.zoo.config import ZooConfig
+from posprobe.zoo.folder import extended_folder_name, read_zoo
 from posprobe.zoo.members import member
 
 __all__ = ["ABF_REFERENCE", "DEFAULT_METHODS", "METHODS", "ExtendConfig", "ExtendJob", "abf_default_base",
-           "extend_member", "extended_folder_name", "method_rope_parameters", "plan_extension", "read_zoo",
+           "extend_member", "method_rope_parameters", "plan_extension",
            "steps_to_threshold"]
 
 METHODS = ("direct", "pi", "ntk", "yarn", "abf", "custom")
@@ -40,7 +41,6 @@ DEFAULT_METHODS = ("direct", "pi", "ntk", "yarn", "abf")
 CONTROL_METHOD = "direct"
 #: Xiong et al. 2023 (ABF): base 1e4 -> 5e5 for Llama 2 from 4,096 to 32,768 tokens (s = 8), a x50 base.
 ABF_REFERENCE = (50.0, 8.0)
-_ZOO_FILE = "zoo.json"  # train.ZOO_FILE, repeated so that planning imports no torch
 Method = Literal["direct", "pi", "ntk", "yarn", "abf", "custom"]
 
 
@@ -178,36 +178,6 @@ class ExtendJob:
                          batch_size=self.batch_size, steps=cfg.steps, lr=self.lr, warmup=self.warmup,
                          weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip,
                          checkpoint_every=cfg.checkpoint_every, device=cfg.device, progress=cfg.progress)
-
-
-def extended_folder_name(name: str, seed: int, method: str) -> str:
-    """The folder of member `name`, seed `seed`, extended with `method`: `<name>-s<seed>-<method>`."""
-    return f"{name}-s{seed}-{method}"
-
-
-def read_zoo(path: str | Path) -> list[tuple[Path, dict]]:
-    """(member folder, its zoo.json record) for every member of the zoo folder `path` (or `path` itself when it is
-    one member folder), sorted; ValueError when `path` is not a zoo."""
-    p = Path(path)
-    if (p / _ZOO_FILE).is_file():
-        folders = [p]
-    elif p.is_dir():
-        folders = sorted(c for c in p.iterdir() if c.is_dir() and (c / _ZOO_FILE).is_file())
-    else:
-        raise ValueError(f"{path}: no such folder (expected a zoo folder written by posprobe zoo train)")
-    if not folders:
-        raise ValueError(f"{path} is not a zoo folder (no {_ZOO_FILE} in it or its subfolders): train one with "
-                         "posprobe zoo train")
-    out = []
-    for f in folders:
-        rec = json.loads((f / _ZOO_FILE).read_text(encoding="utf-8"))
-        if not (f / "config.json").is_file() or "widths" not in rec or "member" not in rec:
-            raise ValueError(f"{f} has a {_ZOO_FILE} but is not a zoo member folder (no config.json or no widths)")
-        if rec.get("extension"):
-            raise ValueError(f"{f} is already an extended member ({rec['extension'].get('method')}); extend the "
-                             "zoo it came from")
-        out.append((f, rec))
-    return out
 
 
 def _rope_of(folder: Path) -> tuple[dict, int]:

@@ -15,19 +15,11 @@ from posprobe.report.checkpoint import Checkpoint, discard_work_folder, run_key,
 from posprobe.report.result import Result
 from posprobe.report.schema import data_meta, make_meta, text_sha256
 from posprobe.zoo.config import ZooConfig
+from posprobe.zoo.folder import EVAL_FILE, TRAINING_FOLDER, member_folder_name
 from posprobe.zoo.members import member
 
-__all__ = ["EVAL_FILE", "check_device", "check_out_folder", "commit_zoo", "member_folder_name", "split_text",
+__all__ = ["check_device", "check_out_folder", "commit_zoo", "split_text",
            "train_jobs", "train_zoo"]
-
-#: The held-out evaluation text every zoo keeps beside its members (what `posprobe zoo eval` reads by default).
-EVAL_FILE = "eval.txt"
-
-
-def member_folder_name(name: str, seed: int) -> str:
-    """The folder of member `name` trained with `seed` inside a zoo: `<name>-s<seed>`."""
-    return f"{name}-s{seed}"
-
 
 def split_text(text: str, eval_text: str | None, fraction: float) -> tuple[str, str]:
     """(training text, evaluation text): `eval_text` when given, else the last `fraction` of `text` cut at a line
@@ -92,7 +84,7 @@ def train_zoo(cfg: ZooConfig, text: str, out: str | os.PathLike, *, eval_text: s
 
     records, staging, work = train_jobs(cfg, out, key, train_one, fresh=fresh)
     result = _result(cfg, records, source, train_text, held_out, len(ids))
-    commit_zoo(out, staging, {EVAL_FILE: held_out}, {"training": result})
+    commit_zoo(out, staging, {EVAL_FILE: held_out}, {TRAINING_FOLDER: result})
     discard_work_folder(work)
     return result
 

@@ -16,13 +16,11 @@ from posprobe.report.checkpoint import discard_work_folder, run_key
 from posprobe.report.result import Result
 from posprobe.report.schema import make_meta
 from posprobe.zoo.config import TaskConfig, ZooConfig
+from posprobe.zoo.folder import TASKS_FOLDER, member_folder_name
 from posprobe.zoo.members import Widths, member
-from posprobe.zoo.run import check_device, check_out_folder, commit_zoo, member_folder_name, train_jobs
+from posprobe.zoo.run import check_device, check_out_folder, commit_zoo, train_jobs
 
 __all__ = ["task_context", "train_task_zoo"]
-
-#: Subfolder of a task zoo holding the accuracy Result.
-TASKS_FOLDER = "tasks"
 
 
 def task_context(tasks: TaskConfig) -> int:

@@ -19,13 +19,11 @@ from typing import Any, Callable
 import torch
 
 from posprobe.zoo.config import ZooConfig
+from posprobe.zoo.folder import ZOO_FILE
 from posprobe.zoo.members import Member, Widths, member
 
-__all__ = ["batch_ids", "build_model", "init_weights", "next_token_labels", "train_member", "used_parameters",
-           "ZOO_FILE"]
+__all__ = ["batch_ids", "build_model", "init_weights", "next_token_labels", "train_member", "used_parameters"]
 
-#: The file in every member folder that says what it is (family, block, seed, widths, training).
-ZOO_FILE = "zoo.json"
 _INIT_STD = 0.02
 
 

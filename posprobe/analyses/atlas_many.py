@@ -1,4 +1,5 @@
-"""The zoo atlas: every positional analysis run on every member of a zoo (and any other models named), side by side.
+"""The atlas over many models (`posprobe zoo atlas`, `posprobe zoo eval`): every positional analysis run on every
+member of a zoo (and any other models named), side by side.
 
 Each section is an existing analysis with the same data and bounds on every model; its tables are concatenated with
 the member's family, block and seed, so one figure compares the families. A model an analysis refuses (a family it
@@ -24,19 +25,19 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
 import pandas as pd
 
-from posprobe.analyses.configs import PROTOCOLS
+from posprobe.analyses.configs import PROTOCOLS, ZOO_ATLAS_SECTIONS, ExtrapolationConfig, ZooAtlasConfig
 from posprobe.report.result import Result
 from posprobe.report.schema import data_meta, make_meta, text_sha256
-from posprobe.zoo.config import ZOO_ATLAS_SECTIONS, ZooAtlasConfig
-from posprobe.zoo.evaluate import MEMBER_COLUMNS, member_info, ratio_summary, resolve_text, zoo_models
+from posprobe.zoo.folder import MEMBER_COLUMNS, member_info, resolve_text, training_tables, zoo_models
 
-__all__ = ["ZOO_ATLAS_SECTIONS", "ZooAtlasConfig", "run_zoo_atlas", "attention_window"]
+__all__ = ["ZOO_ATLAS_SECTIONS", "ZooAtlasConfig", "attention_window", "evaluate_zoo", "ratio_summary",
+           "run_zoo_atlas"]
 
 #: Share of a head's attention (mean over queries) that its attention window holds.
 WINDOW_MASS = 0.9
@@ -106,7 +107,7 @@ def run_zoo_atlas(paths: list[str], config: ZooAtlasConfig | None = None, *, tex
     for section in wanted:
         t0 = time.perf_counter()
         if section == "training":
-            found, training_data = _training_tables(paths)
+            found, training_data = training_tables(paths)
             for tab, df in found.items():
                 frames.setdefault(tab, []).append(df)
         elif section == "similarity":
@@ -166,17 +167,6 @@ def _model_row(m: _Model) -> dict:
     return row
 
 
-def _training_tables(paths: list[str]) -> tuple[dict[str, pd.DataFrame], dict | None]:
-    # The zoo's own training record, as `posprobe zoo train` saved it (first zoo folder that has one), and the
-    # training text's data record (the training figure's caption names it, not the text the atlas measured).
-    for spec in paths:
-        folder = Path(spec) / "training"
-        if (folder / "meta.json").is_file():
-            got = Result.load(folder)
-            return {"training": got.tables["training"], "training_members": got.tables["members"]}, got.meta.get("data")
-    return {}, None
-
-
 def _skip(m: _Model, section: str) -> str | None:
     from posprobe.analyses.atlas import skip_reasons
 
@@ -190,7 +180,6 @@ def _rows(m: _Model, text: str, window: int, n: int) -> list[list[int]]:
 
 
 def _run_extrapolation(m: _Model, text: str, cfg: ZooAtlasConfig) -> Any:
-    from posprobe.analyses.configs import ExtrapolationConfig
     from posprobe.analyses.extrapolation import run_extrapolation
 
     length = int(m.record["widths"]["length"]) if m.record is not None else None
@@ -378,3 +367,55 @@ _RUNS: dict[str, Callable[[_Model, str, ZooAtlasConfig], Any]] = {
     "frequency": _run_frequency,
 }
 
+
+def evaluate_zoo(paths: list[str], config: ExtrapolationConfig | None = None, *, text: str | None = None,
+                 source: str | None = None, device: str = "cpu") -> Result:
+    """Perplexity vs evaluation length for every model in `paths` (zoo folders, member folders, other model
+    specs) on `text` (default: the zoo's held-out eval.txt). Each zoo member is evaluated at its own training
+    length L. Returns a Result with tables `perplexity` (every model x protocol x length, with the member's family,
+    block and seed) and `ratios` (ppl(xL) / ppl(L) per member, protocol and factor: mean, min and max over seeds)."""
+    from posprobe.analyses.extrapolation import run_extrapolation
+    from posprobe.backend.loading import load_model
+    from posprobe.backend.sources import ModelLoadError
+
+    config = config or ExtrapolationConfig()
+    models = zoo_models(paths)
+    text, source = resolve_text(paths, text, source)
+    frames = []
+    for spec, rec in models:
+        label = Path(spec).name if rec is not None else spec
+        cfg = config
+        if rec is not None and config.train_length is None:
+            cfg = replace(config, train_length=int(rec["widths"]["length"]))
+        info = member_info(label, rec)
+        try:
+            model = load_model(spec, device=device)
+            df = run_extrapolation(model, text, cfg, source=source, label=label).tables["perplexity"]
+        except (ValueError, NotImplementedError, ModelLoadError) as e:
+            df = pd.DataFrame([{"model": label, "status": "refused", "why": str(e)}])
+        frames.append(df.assign(**info))
+    table = pd.concat(frames, ignore_index=True)
+    meta = make_meta("zoo-eval", model={"name": "zoo", "positional_kind": "several", "models": [s for s, _ in models]},
+                     data=data_meta(source, n_items=len(text), unit="characters", sha256=text_sha256(text)),
+                     config=config)
+    return Result({"perplexity": table, "ratios": ratio_summary(table)}, meta)
+
+
+def ratio_summary(table: pd.DataFrame) -> pd.DataFrame:
+    """ppl(xL) / ppl(L) per member, protocol and factor: mean over seeds, min and max, seeds counted; rows that
+    cannot run keep their status; a member none of whose models ran is one row with status "refused" and its why."""
+    if "ppl_ratio" not in table:
+        table = table.assign(ppl_ratio=float("nan"), protocol=None, factor=float("nan"))
+    ok = table[table["status"].isin(["ok", "cannot run"])]
+    keys = ["member", "family", "block", "protocol", "factor"]
+    g = ok.groupby(keys, sort=False, dropna=False)
+    out = g.agg(ppl_ratio=("ppl_ratio", "mean"), ratio_low=("ppl_ratio", "min"), ratio_high=("ppl_ratio", "max"),
+                n_seeds=("model", "nunique"), status=("status", "first")).reset_index()
+    # A member none of whose models ran stays a row (status refused, with the first reason), so every table that
+    # lists members lists it.
+    gone = table[~table["member"].isin(ok["member"])].drop_duplicates("member")
+    if len(gone):
+        why = gone["why"] if "why" in gone else ""
+        out = pd.concat([out, gone[["member", "family", "block"]].assign(status="refused", why=why)],
+                        ignore_index=True)
+    return out

@@ -1,12 +1,10 @@
-"""`posprobe zoo extend`: context extension by fine-tuning, measured (issue #49, first step). The zoo's loop
+"""`posprobe zoo extend`: context extension by fine-tuning, measured. The zoo's loop
 (`posprobe.zoo.extend`) continues every chosen member from L to L' under each method; at each checkpoint the model
 is scored by the length-extrapolation analysis (`run_extrapolation`, both of Press et al.'s protocols) at L, L' and
 2L', beside the unextended member at the same lengths.
 
-Why in cli/: it combines the zoo (which trains) with an analysis (which scores), and the house's layer order
-(tests/test_layers.py) has the zoo above the analyses today while the zoo itself must not import the analyses
-(#50: the zoo becomes a pure model factory). The CLI sits above both. When #50 puts the zoo below the analyses, this
-module belongs in analyses/; its public names (`extend_zoo`, `summary_table`, `yarn_bands`) stay the same.
+It lives in analyses/ because it combines the zoo (which trains: the zoo is a model factory below the analyses)
+with an analysis (which scores).
 
 Numbers: ppl = exp(mean next-token loss in nats); in-window cost = ppl at L / the unextended member's ppl at L (same
 protocol); steps-to-threshold = the first checkpoint whose ppl at L' is <= the unextended member's ppl at L."""
@@ -29,6 +27,7 @@ from posprobe.report.checkpoint import Checkpoint, discard_work_folder, run_key,
 from posprobe.report.result import Result
 from posprobe.report.schema import data_meta, make_meta, text_sha256
 from posprobe.zoo.extend import ExtendConfig, ExtendJob, extend_member, plan_extension, steps_to_threshold
+from posprobe.zoo.folder import TRAINING_FOLDER, resolve_text
 from posprobe.zoo.members import member
 from posprobe.zoo.run import check_out_folder, commit_zoo, split_text
 
@@ -45,7 +44,7 @@ def training_text(zoo: str | os.PathLike, text: str | None, source: str | None) 
         if not text.strip():
             raise ValueError("the fine-tuning text is empty")
         return text, source or "text"
-    meta_file = Path(zoo) / "training" / "meta.json"
+    meta_file = Path(zoo) / TRAINING_FOLDER / "meta.json"
     meta = json.loads(meta_file.read_text(encoding="utf-8")) if meta_file.is_file() else {}
     data = meta.get("data") or {}
     if data.get("source") == "built-in corpus":
@@ -137,8 +136,6 @@ def extend_zoo(zoo: str | os.PathLike, config: ExtendConfig, out: str | os.PathL
     every 10 steps) and `runs` (training seconds and tokens/s; scoring seconds at the checkpoints, apart)."""
     import torch
     from transformers import AutoTokenizer
-
-    from posprobe.zoo.evaluate import resolve_text
 
     jobs, left_out = plan_extension(zoo, config)
     out = Path(out)
