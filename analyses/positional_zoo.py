@@ -29,10 +29,11 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import posprobe  # noqa: F401
+from posprobe import evaluate_zoo
 from posprobe.analyses.configs import ExtrapolationConfig
 from posprobe.data import builtin_corpus
 from posprobe.report.extrapolation import ratio_table
-from posprobe.zoo import MEMBERS, ZooConfig, evaluate_zoo, train_zoo
+from posprobe.zoo import MEMBERS, ZooConfig, train_zoo
 
 for m in MEMBERS.values():
     print(f"{m.name:11s} {m.family:17s} {m.block:6s} {m.positions}")
@@ -77,8 +78,8 @@ result.figures()[0]
 # sections, bounded for the smoke zoo.
 
 # %%
+from posprobe import ZooAtlasConfig, run_zoo_atlas  # noqa: E402
 from posprobe.report.zoo_atlas import headline_table, similarity_matrix  # noqa: E402
-from posprobe.zoo import ZooAtlasConfig, run_zoo_atlas  # noqa: E402
 
 atlas = run_zoo_atlas([str(out)], ZooAtlasConfig(sections=("shift", "probes", "similarity", "sinks"), window=48,
                                                  ks=(0, 8, 16), max_windows=4, probe_tokens=600, progress=False))
