@@ -137,3 +137,25 @@ def test_the_support_matrix_agrees_with_the_table():
                 assert level in levels, (cell["family"], mt, column)
                 checked += 1
     assert checked >= 40
+
+
+def test_pix2struct_class_facts_live_on_its_row():
+    # What Pix2Struct's text decoder class does (loss without a label shift, cross-attention a decoder-only forward
+    # never uses, a whole LM named like a backbone, causal only with is_decoder) is its architecture row's, read by
+    # the zoo's loop and the backend alike; the zoo's member rows do not restate it.
+    from dataclasses import fields
+
+    from posprobe.zoo.members import MEMBERS, Member
+
+    row = A.lookup("pix2struct_text_model")
+    assert (row.shifts_labels, row.unused_weights, row.whole_lm, row.causal_flag) == (
+        False, "encoder_decoder_attention", True, "is_decoder")
+    others = [a for a in A.ARCHITECTURES.values() if a is not row]
+    assert all(a.shifts_labels and a.unused_weights is None and not a.whole_lm and a.causal_flag is None
+               for a in others)
+    assert MEMBERS["t5"].architecture is row
+    assert not {f.name for f in fields(Member)} & {"shifts_labels", "unused", "unused_weights", "whole_lm"}
+    cfg = type("C", (), {"is_decoder": False})()
+    assert "is_decoder=False" in row.not_causal("Pix2StructTextModel", cfg)
+    assert row.not_causal("Pix2StructTextModel", type("C", (), {"is_decoder": True})()) is None
+    assert A.lookup("llama").not_causal("LlamaForCausalLM", cfg) is None

@@ -460,8 +460,6 @@ def test_alibi_models_split_into_content_terms_and_hfs_distance_bias(name, monke
     # summed terms must equal. With the slopes read wrong (doubled) the run-time identity check refuses the result.
     from families import tiny_family
 
-    import posprobe.analyses.decompose as D
-
     bridge, hf = tiny_family(name)
     ids = torch.randint(3, 256, (2, 12), generator=torch.Generator().manual_seed(0))
     mean = positional_mean(bridge, ids, [1], progress=False)[1]
@@ -489,7 +487,36 @@ def test_alibi_models_split_into_content_terms_and_hfs_distance_bias(name, monke
     summary = head_summary(dec)
     share = summary[(summary.metric == "var_share") & (summary.term != "positional")].groupby("head").value.sum()
     assert (share - 1).abs().max() <= 1e-9
-    doubled = [tuple(2 * s for s in layer) for layer in D.alibi_slopes(bridge)]
-    monkeypatch.setattr(D, "alibi_slopes", lambda model: doubled)
+    # The family computes its term from what the backend reads (`hooks.score_bias`): read the slopes doubled there.
+    from posprobe.backend.dispatch import ops
+    from posprobe.backend.hooks import alibi_slopes
+
+    doubled = [tuple(2 * s for s in layer) for layer in alibi_slopes(bridge)]
+    monkeypatch.setattr(ops(bridge), "alibi_slopes", lambda model: doubled)
     with pytest.raises(RuntimeError, match="terms differ from the model's layer-1 scores"):
         decompose_layer(bridge, ids, 1, mean)
+
+
+def test_a_new_biased_family_needs_no_edit_of_the_decomposition(monkeypatch):
+    # A family that biases scores brings its own term (`Family.score_bias`): here a made-up one ("posprobe-dummy",
+    # ALiBi's maths under another name) on a tiny BLOOM reaches the split, its name and the sum check untouched.
+    import dataclasses
+
+    from families import tiny_family
+
+    from posprobe.backend.families import FAMILIES, alibi
+
+    bridge, _ = tiny_family("bloom")
+    calls = []
+
+    def term(read, model, layer, scores, qk):
+        calls.append(layer)
+        return alibi.score_bias(read.alibi_slopes(model)[layer], scores, qk)
+
+    # The registry's ALiBi entry swapped for the made-up family: the model's facts name it from here on.
+    monkeypatch.setitem(FAMILIES, alibi.FAMILY.kind,
+                        dataclasses.replace(alibi.FAMILY, score_term="posprobe-dummy", score_bias=term))
+    ids = torch.randint(3, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    mean = positional_mean(bridge, ids, [1], progress=False)[1]
+    dec = decompose_layer(bridge, ids, 1, mean)
+    assert calls == [1] and dec.term_names()[-1] == "posprobe-dummy" and dec.max_error() <= 1e-5

@@ -29,6 +29,8 @@ def test_every_family_module_registers_one_family():
         assert fam.control in F.CONTROLS or (fam.control is None and fam.why_no_control), fam.kind
         assert set(fam.not_applicable) <= set(SECTIONS), fam.kind
         assert set(fam.decompositions) <= {"exact-layer0", "data-driven"}, fam.kind
+        # A family that names a score term computes it (the decomposition asks the family, never branches on it).
+        assert bool(fam.score_term) == (fam.score_bias is not None), fam.kind
     assert F.family("none") is F.FAMILIES["nope"]
     with pytest.raises(KeyError, match="known: rotary"):
         F.family("shortformer")

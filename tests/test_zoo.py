@@ -457,4 +457,5 @@ def test_the_t5_member_is_trained_on_the_next_token(tmp_path):
         logits = model(input_ids=x).logits
     want = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
     assert torch.allclose(got, want, atol=1e-6)
-    assert not MEMBERS["t5"].shifts_labels and all(m.shifts_labels for n, m in MEMBERS.items() if n != "t5")
+    assert not MEMBERS["t5"].architecture.shifts_labels
+    assert all(m.architecture.shifts_labels for n, m in MEMBERS.items() if n != "t5")

@@ -37,6 +37,9 @@ within-row difference.
 T5-bias models (data-driven): q.k of the parts (unscaled, T5's convention) plus "relative_bias", the learned bias of
 each pair's offset bucket read from the model's own table (backend.t5_decoder), the same pseudo-part "a"; it needs no
 row constant, so the check proves the table explains the scores exactly.
+Each family computes its own term (`Family.score_bias`, in `backend.families`, reached through
+`backend.hooks.score_bias`): a new family that biases scores sets `score_term` and `score_bias` on its `FAMILY` and
+changes nothing here.
 
 Model internals (weights, norms, hook points) are read only through `posprobe.backend`.
 """
@@ -56,13 +59,12 @@ from posprobe.analyses.configs import DecomposeConfig
 from posprobe.backend.facts import WrongModelKind, model_facts, require_supported
 from posprobe.backend.families import alibi, find, relative
 from posprobe.backend.hooks import (
-    alibi_slopes,
     attention_scores,
-    bucket_bias,
     kept_pairs,
     kept_scores,
     layer_rotary_spec,
     rotate_at,
+    score_bias,
     scores_hook_is_pattern,
 )
 from posprobe.backend.model import (
@@ -375,32 +377,12 @@ def decompose_layer(
     part_names, pairs = _pair_scores(model, layer, parts, layer in facts.rotary_layers)
     meta: dict[str, Any] = {"corpus_positions": int(mu.shape[0])}
     if facts.family is not None and facts.family.score_term:
-        bias = (_bucket_term(model, got["scores"]) if facts.family.score_term == BUCKET_TERM
-                else _alibi_term(model, layer, pairs, got["scores"]))
+        # The family's own score term (ALiBi's distance bias, T5's bucket bias): the family computes it.
+        bias = score_bias(model, facts.family, layer, got["scores"], pairs.sum((0, 1)))
         part_names, pairs = _with_bias(part_names, pairs, bias)
         meta["bias_term"] = facts.family.score_term
     return _checked(Decomposition(facts.name, layer, "data-driven", part_names, pairs, got["scores"],
                                   tokens.cpu(), meta))
-
-
-def _alibi_term(model: Any, layer: int, pairs: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-    # The distance penalty from the measured slopes, plus the per-query-row constant the model adds (the row mean,
-    # over kept keys, of what q.k and the penalty leave). Only a constant per row is taken from the scores;
-    # `_checked` then fails unless the penalty explains the rest.
-    n_q, n_k = scores.shape[-2:]
-    bias = alibi.distance_bias(alibi_slopes(model)[layer], n_q, n_k).expand_as(pairs[0, 0])
-    ok = torch.isfinite(scores)
-    rest = torch.where(ok, scores.to(torch.float64) - pairs.sum((0, 1)) - bias, 0.0)
-    return bias + rest.sum(-1, keepdim=True) / ok.sum(-1, keepdim=True).clamp_min(1)
-
-
-def _bucket_term(model: Any, scores: torch.Tensor) -> torch.Tensor:
-    # T5's bias of each (query, key) pair's offset bucket, from the model's own table: nothing is taken from the
-    # scores, so `_checked` proves the table and q.k explain them exactly.
-    n_q, n_k = scores.shape[-2:]
-    idx = torch.arange(n_k)
-    rel = idx[None, :] - idx[n_k - n_q:, None]
-    return _f64(bucket_bias(model, rel)).expand(scores.shape[0], -1, -1, -1)
 
 
 def _with_bias(names: tuple[str, ...], pairs: torch.Tensor, bias: torch.Tensor,

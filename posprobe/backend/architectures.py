@@ -3,9 +3,23 @@
 A row says which positional family the architecture belongs to where its config does not name it, how far posprobe
 has proven it against Hugging Face (position handling, attention pattern, the long-context engine), how its rotary
 code pairs dims, what its forward does after the LM head or to its scores that the config alone does not say,
-which layers carry no rotation, whether it is an encoder, and the TransformerLens defects measured on it. Every
-list the backend consults (proven types, adjacent pairing, encoders, the long-context engine's types) is read
-from here; adding an architecture is one row (`register`).
+which layers carry no rotation, whether it is an encoder, the TransformerLens defects measured on it, and what its
+HF class does that a caller must know (a loss that does not shift labels, weights a decoder-only forward never
+uses, a whole LM named like a backbone, a config flag that makes it causal). Every list the backend consults
+(proven types, adjacent pairing, encoders, the long-context engine's types) is read from here, and so does the
+zoo's training loop (`Member.architecture`: label shifting, the parameter count).
+
+Adding an architecture, counted honestly (issue #50):
+- where TransformerLens's bridge has an adapter for the class and its family is known: one row in `_ROWS` (or
+  `register(row)` at run time). Tests: `tests/test_architectures.py` (a row reaches peek, the facts and `posprobe
+  info`; the class facts of Pix2Struct's row), and to claim a proof level, a tiny model of it in
+  `tests/families.py` with the support matrix regenerated (`tests/test_support_matrix.py::
+  test_the_generated_matrix_is_the_committed_one`);
+- where the bridge has none (Pix2Struct's text decoder): the row plus an adapter module like `backend.t5_decoder`,
+  whose `register()` `bridge.boot` calls (one line there; `register_auto_class()` where the zoo builds or loads
+  such a model). A second T5-style decoder today also touches `bridge_ops._RMS_CALLED_LAYERNORM` if its norm is
+  an RMSNorm called LayerNorm, and `t5_decoder`'s bucket readers (`bias_table`, `bucket_ids`, `bridged`), which
+  know Pix2Struct's module paths. Tests: `tests/test_t5_decoder.py` holds the bridge to an independent HF copy.
 
 Torch-free: `peek` reads it before any model loads.
 """
@@ -65,6 +79,27 @@ class Architecture:
     unscaled_scores: bool = False
     encoder: bool = False
     defects: tuple[Defect, ...] = ()
+    #: Its HF class is a whole language model (LM head included) though its name ends in "Model", as bare
+    #: backbones' names do (Pix2Struct's text decoder, `Pix2StructTextModel`).
+    whole_lm: bool = False
+    #: The config flag that makes its attention causal (Pix2Struct's `is_decoder`); a model whose config sets it
+    #: false attends both ways and is refused (`not_causal`). None: the class is causal or an `encoder` as it is.
+    causal_flag: str | None = None
+    #: Whether its `labels` loss shifts the labels one token itself (every HF *ForCausalLM does). Pix2Struct's text
+    #: decoder scores logits[t] against labels[t], so a training loop gives it labels already shifted.
+    shifts_labels: bool = True
+    #: A parameter-name fragment of weights its decoder-only forward never uses (Pix2Struct's cross-attention,
+    #: "encoder_decoder_attention"): they receive no gradient, stay at their initial values and are left out of
+    #: parameter counts. None: every weight is used.
+    unused_weights: str | None = None
+
+    def not_causal(self, arch: str, cfg: Any) -> str | None:
+        """Refusal for HF class `arch` with config `cfg` where its `causal_flag` is set false (bidirectional
+        attention, which posprobe's causal readings — perplexity, masks, position control — would misreport)."""
+        if self.causal_flag is None or getattr(cfg, self.causal_flag, True):
+            return None
+        return (f"{arch} is configured with {self.causal_flag}=False (bidirectional attention); posprobe reads "
+                f"{arch} only as a causal decoder")
 
 
 _ALL = frozenset(LEVELS)
@@ -109,8 +144,10 @@ _ROWS: tuple[Architecture, ...] = (
         "logits 0.1-0.9 apart on tiny random models), so no hook value can be trusted", config_flag="alibi"),)),
     _row("xglm", family=sinusoidal.FAMILY, proven=_BRIDGE),
     *(_row(mt, family=relative.FAMILY) for mt in ("t5", "mt5", "umt5", "longt5")),
-    # Decoder-only T5 bias (the zoo's member), through posprobe's own bridge adapter (backend.t5_decoder).
-    _row("pix2struct_text_model", family=relative.FAMILY, proven=_BRIDGE),
+    # Decoder-only T5 bias (the zoo's member), through posprobe's own bridge adapter (backend.t5_decoder). The class
+    # carries a cross-attention its decoder-only forward never calls, and its loss does not shift labels.
+    _row("pix2struct_text_model", family=relative.FAMILY, proven=_BRIDGE, whole_lm=True, causal_flag="is_decoder",
+         shifts_labels=False, unused_weights="encoder_decoder_attention"),
 )
 
 #: Every architecture posprobe knows, by HF `model_type`, in the order above.

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from posprobe.backend import hf
+from posprobe.backend.architectures import of_config
 from posprobe.backend.kind import hf_attention
 from posprobe.rope import RotarySpec
 
@@ -40,10 +41,10 @@ def boot(source: Any, folder: Any, *, device: str = "cpu", dtype: torch.dtype = 
             model = TransformerBridge.boot_transformers(str(folder), tokenizer=_tokenizer_with_bos(folder), **kwargs)
         except Exception as e:  # noqa: BLE001 - the bridge raises many types for unsupported architectures
             raise ModelLoadError(f"TransformerBridge could not boot {folder} ({arch or 'no architecture'}): {e}") from e
-        # A bare model folder (BertModel, GPT2Model) gets a randomly initialised head from the bridge; Pix2Struct's
-        # text decoder is a whole LM despite its name.
-        model.has_lm_head = arch == t5_decoder.ARCHITECTURE or not (arch.endswith("Model")
-                                                                   and not arch.endswith("LMHeadModel"))
+        # A bare model folder (BertModel, GPT2Model) gets a randomly initialised head from the bridge; an
+        # architecture row says where a class so named is a whole LM (Pix2Struct's text decoder).
+        model.has_lm_head = of_config(hf.text_config(model.original_model)).whole_lm or not (
+            arch.endswith("Model") and not arch.endswith("LMHeadModel"))
     else:
         try:
             model = TransformerBridge.boot_transformers(official_name(source.name), **kwargs)

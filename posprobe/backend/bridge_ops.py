@@ -374,9 +374,11 @@ def forward_unsupported(model: Any) -> str | None:
     if not hasattr(model, "blocks"):
         return relative.encoder_decoder(type(model.original_model).__name__)
     arch = type(model.original_model).__name__
-    if arch == t5_decoder.ARCHITECTURE and not getattr(cfg, "is_decoder", True):
-        return t5_decoder.not_causal(arch)
-    defect = next((d for d in of_config(cfg).defects if d.holds(_tl_major(), cfg)), None)
+    row = of_config(cfg)
+    why = row.not_causal(arch, cfg)
+    if why is not None:
+        return why
+    defect = next((d for d in row.defects if d.holds(_tl_major(), cfg)), None)
     return None if defect is None else defect.why.format(tl=_tl_version(), arch=arch)
 
 

@@ -125,6 +125,16 @@ def alibi_slopes(model: Any) -> tuple[tuple[float, ...], ...]:
     return ops(model).alibi_slopes(model)
 
 
+def score_bias(model: Any, family: Any, layer: int, scores: torch.Tensor, qk: torch.Tensor) -> torch.Tensor | None:
+    """The score term positional `family` (a `families.Family`, or None) adds to q.k in `layer` (its `score_term`:
+    ALiBi's distance bias, T5's bucket bias), float64 `[batch, head_index, query_pos, key_pos]` on the CPU, given
+    the layer's captured `hook_attn_scores` and the q.k part of them already explained (float64, same shape); None
+    where the family adds no term. The family computes it from what the backend reads off the model."""
+    if family is None or family.score_bias is None:
+        return None
+    return family.score_bias(ops(model), model, layer, scores, qk)
+
+
 def score_scale(model: Any, layer: int) -> float:
     """The divisor of q.k in the layer's pre-softmax score (sqrt(d_head) unless the model sets another)."""
     return ops(model).score_scale(model, layer)

@@ -52,13 +52,6 @@ def register() -> None:
     _done.append(True)
 
 
-def not_causal(arch: str) -> str:
-    """Refusal for the class run as an encoder (`is_decoder=False`): its attention is then bidirectional, which
-    posprobe's causal readings (perplexity, masks, position control) would report as if it were not."""
-    return (f"{arch} is configured with is_decoder=False (bidirectional attention); posprobe reads Pix2Struct's text "
-            "model only as a causal decoder")
-
-
 def bridged(model: Any) -> bool:
     """True where `model` is a bridge whose attention is posprobe's T5-bias component (live score hooks)."""
     blocks = getattr(model, "blocks", None)

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from posprobe.backend.architectures import Architecture, lookup
 from posprobe.backend.families import ALIBI, LEARNED, NOPE, RELATIVE, ROTARY, SINUSOIDAL
 
 __all__ = ["Member", "MEMBERS", "Widths", "member", "member_names"]
@@ -45,12 +46,12 @@ class Member:
     model_type: str
     positions: str
     differences: str = ""
-    #: Whether the class's `labels` loss shifts the labels by one token itself (every HF *ForCausalLM does;
-    #: Pix2Struct's text decoder scores logits[t] against labels[t], so the zoo shifts them for it).
-    shifts_labels: bool = True
-    #: A parameter-name fragment of weights the decoder-only forward never uses (Pix2Struct's cross-attention):
-    #: they receive no gradient, stay at their initial values and are left out of the parameter count.
-    unused: str = ""
+
+    @property
+    def architecture(self) -> Architecture:
+        """The row of its HF model type (`backend.architectures`): what the class itself does that the loop must
+        know (whether its loss shifts the labels, which of its weights a decoder-only forward never uses)."""
+        return lookup(self.model_type)
 
     def hf_config(self, w: Widths, *, pad_id: int, bos_id: int) -> Any:
         """The member's Hugging Face config at widths `w` (eager attention, no dropout, tied embeddings)."""
@@ -83,8 +84,7 @@ MEMBERS: dict[str, Member] = {m.name: m for m in (
            "exact below 16, logarithmic to 128), computed once in layer 0 and added in every layer",
            "scores are not scaled by 1/sqrt(d_head) (T5's convention, fixed in Pix2Struct's attention); the bias "
            "table adds 32 x heads parameters; the class carries cross-attention weights a decoder-only forward "
-           "never uses (left out of the parameter count)",
-           shifts_labels=False, unused="encoder_decoder_attention"),
+           "never uses (left out of the parameter count)"),
 )}
 
 

@@ -169,11 +169,12 @@ def train_member(name: str, seed: int, cfg: ZooConfig, ids: torch.Tensor, tokeni
     t0 = time.perf_counter()
     if begin == 0 and checkpoint(0):
         save_state(state_at(0))
+    shifts_labels = m.architecture.shifts_labels  # a fact of the HF class (its architecture row), not the member's
     # Grad on explicitly: loading a model for analysis elsewhere in the process may have turned it off globally.
     with torch.enable_grad():
         for step in range(begin, cfg.steps):
             x, labels = (t.to(device) for t in batches(step))
-            loss = model(input_ids=x, labels=labels if m.shifts_labels else next_token_labels(labels)).loss
+            loss = model(input_ids=x, labels=labels if shifts_labels else next_token_labels(labels)).loss
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             opt.step()
@@ -208,8 +209,10 @@ def next_token_labels(labels: torch.Tensor) -> torch.Tensor:
 
 
 def used_parameters(model: Any, m: Member) -> int:
-    """Parameters the member's forward uses (tied weights once; a class's unused cross-attention left out)."""
-    return sum(p.numel() for name, p in model.named_parameters() if not (m.unused and m.unused in name))
+    """Parameters the member's forward uses (tied weights once; weights its architecture row names unused, such as
+    Pix2Struct's cross-attention, left out)."""
+    unused = m.architecture.unused_weights
+    return sum(p.numel() for name, p in model.named_parameters() if not (unused and unused in name))
 
 
 def _save_folder(model: Any, tokenizer: Any, folder: Path, m: Member, seed: int, cfg: ZooConfig, log: list,

@@ -1,7 +1,23 @@
 """One adapter per positional mechanism: rotary, learned absolute, ALiBi, T5 relative buckets, fixed sinusoidal,
 none (NoPE). Each module holds its family's `FAMILY` (how positions enter a layer, how a plan is honoured, which
 score terms exist, which analyses apply and why not) and the family's quirks (OPT's table offset, ALiBi's measured
-slopes, the sinusoidal module, T5's refusal). Adding a family is one module here plus its tests.
+slopes, the sinusoidal module, T5's refusal).
+
+Adding a family, counted honestly (issue #50):
+- its module here, with `FAMILY` (detection, phrase, control, `not_applicable`; a family that adds a term to the
+  scores, such as FIRE or Kerple, sets `score_term` and `score_bias`, and the score decomposition uses it with no
+  edit: it asks the family through `backend.hooks.score_bias`);
+- three lines in this file: the import, the `FAMILIES` tuple, its place in `DETECTION_ORDER`;
+- its position control, if it needs a new one: a function and an entry of the control table in `core/positions.py`
+  (and its name in `base.CONTROLS`);
+- a reader in the backend (`bridge_ops`, `legacy_ops`, the `hooks` façade) only where it needs something of the
+  model that no reader gives yet (ALiBi's `alibi_slopes`, T5's `bucket_bias`), since this package reads no model;
+- tests: `tests/test_family_adapters.py::test_every_family_module_registers_one_family` counts the modules (raise
+  its count) and checks each answer's vocabulary (a `score_term` without `score_bias` fails there);
+  `tests/test_architectures.py::test_no_positional_kind_literal_outside_the_families` keeps its name in here; a tiny
+  model in `tests/families.py` puts it in the support matrix (`tests/test_support_matrix.py`), and a biased family's
+  term meets the decomposition's sum check (`tests/test_decompose.py`, as the ALiBi and T5 cases there do).
+So: one module and three lines here, plus a control and a reader where it has a new one.
 
 Torch-free at import: `peek` reads the families' config vocabularies before any model loads."""
 

@@ -21,6 +21,7 @@ FAMILY = Family(
     kind=_KIND,
     label="ALiBi",
     score_term="alibi",
+    score_bias=lambda read, model, layer, scores, qk: score_bias(read.alibi_slopes(model)[layer], scores, qk),
     tl_names=frozenset({"alibi"}),
     shift_invariant=True,
     hf_position_ids=False,
@@ -78,3 +79,17 @@ def distance_bias(slopes: tuple[float, ...], n_q: int, n_k: int) -> Any:
     i = torch.arange(n_k - n_q, n_k, dtype=torch.float64)[:, None]
     j = torch.arange(n_k, dtype=torch.float64)[None, :]
     return -torch.tensor(slopes, dtype=torch.float64)[:, None, None] * (i - j)
+
+
+def score_bias(slopes: tuple[float, ...], scores: Any, qk: Any) -> Any:
+    """ALiBi's score term on one layer with measured `slopes`: the distance penalty (`distance_bias`) plus the
+    per-query-row constant the model adds, float64 `[batch, head_index, query_pos, key_pos]`. The constant is the
+    row mean, over kept keys, of what q.k (`qk`) and the penalty leave of `scores`; only a constant per row is taken
+    from the scores, so the decomposition's sum check fails unless the penalty explains the rest."""
+    import torch
+
+    n_q, n_k = scores.shape[-2:]
+    bias = distance_bias(slopes, n_q, n_k).expand_as(qk)
+    ok = torch.isfinite(scores)
+    rest = torch.where(ok, scores.to(torch.float64) - qk - bias, 0.0)
+    return bias + rest.sum(-1, keepdim=True) / ok.sum(-1, keepdim=True).clamp_min(1)

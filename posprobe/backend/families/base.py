@@ -37,6 +37,13 @@ class Family:
     bounded_by_table: bool = False
     #: The score term this family adds to q.k (ALiBi's distance bias, "alibi"), "" where it adds none.
     score_term: str = ""
+    #: That term's value on one layer, set exactly where `score_term` is: called as
+    #: `score_bias(read, model, layer, scores, qk)` by `backend.hooks.score_bias` (the only caller), with `read` the
+    #: backend's model reader for `model` (`dispatch.ops(model)`: `alibi_slopes`, `bucket_bias`, ...; passed in, so
+    #: this package imports nothing above it), the layer's captured `hook_attn_scores` `[batch, head_index,
+    #: query_pos, key_pos]` and the q.k part of them already explained (float64, same shape). Returns the term,
+    #: float64 on the CPU, same shape; the score decomposition adds it as pseudo-part "a" and checks the sum.
+    score_bias: Callable[[Any, Any, int, Any, Any], Any] | None = None
     #: A short name for sentences ("RoPE", "ALiBi", ...).
     label: str = ""
     #: TransformerLens's `positional_embedding_type` values for this family ("standard" is learned absolute; TL also

@@ -9,6 +9,8 @@ changes nothing, bit for bit. TransformerLens bridges T5 itself as an encoder-de
 
 from __future__ import annotations
 
+from typing import Any
+
 from posprobe.backend.families.base import BUCKET_BIAS, Family, listed
 
 _KIND = "relative_bias"
@@ -19,6 +21,7 @@ FAMILY = Family(
     kind=_KIND,
     label="T5 relative buckets",
     score_term="relative_bias",
+    score_bias=lambda read, model, layer, scores, qk: score_bias(read.bucket_bias, model, scores),
     tl_names=frozenset({TL_NAME, "relative_bias"}),
     shift_invariant=True,
     hf_position_ids=False,
@@ -34,6 +37,19 @@ FAMILY = Family(
         "retrieval": "retrieval heads are read through the long-context engine, which rotates q and k",
     },
 )
+
+
+def score_bias(bucket_bias: Any, model: Any, scores: Any) -> Any:
+    """T5's score term: the learned bias of each (query, key) pair's offset bucket, float64 `[batch, head_index,
+    query_pos, key_pos]` on the CPU, from the model's own table (`bucket_bias(model, rel)`, the backend's reader).
+    Nothing is taken from the scores (the same in every layer: layer 0's table), so the decomposition's sum check
+    proves the table and q.k explain them exactly."""
+    import torch
+
+    n_q, n_k = scores.shape[-2:]
+    idx = torch.arange(n_k)
+    rel = idx[None, :] - idx[n_k - n_q:, None]
+    return bucket_bias(model, rel).detach().to("cpu", torch.float64).expand(scores.shape[0], -1, -1, -1)
 
 
 def unsupported(arch: str) -> str:
