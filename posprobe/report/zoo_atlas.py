@@ -383,6 +383,15 @@ _SECTIONS = {"training": _training, "extrapolation": _extrapolation, "shift": _s
              "decomposition": _decomposition, "frequency": _frequency}
 
 
+def _page(ref: str) -> Any:
+    # A section's side-by-side page function, "module:function" as its AtlasSection declares it (meta "pages"; a
+    # result saved before sections named their pages falls back to this module's own).
+    import importlib
+
+    module, _, name = ref.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
 def figures(result: Any) -> list:
     """Every figure of the report, in section order."""
     return [f for s in sections(result) for f in (s.figures or [])]
@@ -396,8 +405,9 @@ def sections(result: Any) -> list[Section]:
              "and bounds on each. Members are averaged over their seeds. Seconds per section: "
              + ", ".join(f"{k} {v:.0f}" for k, v in (m.get("seconds") or {}).items()) + ".</p>")
     out = [Section("Models", html=intro, table=models.drop(columns=["spec"], errors="ignore"))]
+    pages = m.get("pages") or {}
     for name in m.get("sections") or []:
-        sec = _SECTIONS[name](result)
+        sec = _page(pages.get(name))(result) if pages.get(name) else _SECTIONS[name](result)
         if sec is not None:
             out.append(sec)
     refused = _t(result, "refused")
