@@ -299,7 +299,7 @@ def test_a_section_declared_in_one_place_runs_and_reaches_the_page_and_meta(tiny
         headlines=lambda part: [("window", float(part.tables["d"].window.iloc[0]))],
         paragraph=lambda result, n: f"The dummy saw windows of {n('window'):.0f} tokens.",
         compare=lambda m, run: ({"dummy": pd.DataFrame({"n_ctx": [m.facts.n_ctx]})}, None),
-        compare_page=f"{__name__}:dummy_page"))
+        compare_page=dummy_page))
     assert "dummy" in configs.ATLAS_SECTIONS and "dummy" in configs.ZOO_ATLAS_SECTIONS
     r = run_atlas(tiny_rope, None, AtlasConfig(**SMALL, sections=("facts", "dummy")))
     assert r.meta["sections"] == ["facts", "dummy"] and r.meta["titles"]["dummy"] == "Dummy section"

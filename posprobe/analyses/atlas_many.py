@@ -34,6 +34,7 @@ import pandas as pd
 
 from posprobe.analyses.configs import PROTOCOLS, ZOO_ATLAS_SECTIONS, ExtrapolationConfig, ZooAtlasConfig
 from posprobe.analyses.sections import AtlasSection, CompareRun, ModelEntry, register, section
+from posprobe.report import zoo_training as zoo_training_report
 from posprobe.report.result import Result
 from posprobe.report.schema import data_meta, make_meta, text_sha256
 from posprobe.zoo.folder import member_info, resolve_text, training_tables, zoo_models
@@ -53,7 +54,7 @@ def training_data(paths: list[str]) -> dict | None:
 
 
 register(AtlasSection("training", "Training", None, None, None, across=_training,
-                      compare_page="posprobe.report.zoo_atlas:_training"))
+                      compare_page=zoo_training_report.compare_section))
 
 
 def run_zoo_atlas(paths: list[str], config: ZooAtlasConfig | None = None, *, text: str | None = None,
@@ -130,10 +131,16 @@ def run_zoo_atlas(paths: list[str], config: ZooAtlasConfig | None = None, *, tex
                      data=data_meta(source, n_items=len(text), unit="characters", sha256=text_sha256(text)),
                      config=cfg, sections=wanted, seconds=timings, headline=headline,
                      training_data=training_data(paths) if "training" in declared else None,
-                     pages={n: sec.compare_page for n, sec in declared.items()},
+                     pages={n: _page_ref(sec) for n, sec in declared.items()},
                      extrapolation=dict(factors=list(cfg.factors), protocols=list(PROTOCOLS),
                                         max_tokens=cfg.extrapolation_tokens))
     return Result(tables, meta)
+
+
+def _page_ref(sec: AtlasSection) -> str | None:
+    # The section's page function as "module:function", so that a saved result renders without the analyses.
+    fn = sec.compare_page
+    return None if fn is None else f"{fn.__module__}:{fn.__name__}"
 
 
 def _tag(df: pd.DataFrame, m: ModelEntry) -> pd.DataFrame:

@@ -81,6 +81,7 @@ from posprobe.backend.model import (
 )
 from posprobe.core.capture import batches, capture, mean_by_position, stream
 from posprobe.data import BUILTIN_TEXT, framed_windows
+from posprobe.report import decompose as decompose_report
 from posprobe.report.decompose import summary_table
 from posprobe.report.result import Result
 from posprobe.report.schema import data_meta, make_meta, text_sha256
@@ -588,4 +589,4 @@ def _compare(m: ModelEntry, run: CompareRun) -> Any:
 
 
 ATLAS_SECTION = register(AtlasSection("decomposition", "Layer-0 score decomposition", None, None, None,
-                                      compare=_compare, compare_page="posprobe.report.zoo_atlas:_decomposition"))
+                                      compare=_compare, compare_page=decompose_report.compare_section))

@@ -24,6 +24,7 @@ from posprobe.analyses.sections import AtlasSection, CompareRun, ModelEntry, reg
 from posprobe.backend.facts import model_facts, require_fixed_table
 from posprobe.backend.families import find as find_family
 from posprobe.backend.model import context_length, device_of, encode_text, has_lm_head, model_name, token_losses
+from posprobe.report import extrapolation as extrapolation_report
 from posprobe.report.result import Result
 from posprobe.report.schema import data_meta, make_meta, text_sha256
 
@@ -119,4 +120,4 @@ def _compare(m: ModelEntry, run: CompareRun) -> Any:
 
 
 ATLAS_SECTION = register(AtlasSection("extrapolation", "Perplexity past the training length", None, None, None,
-                                      compare=_compare, compare_page="posprobe.report.zoo_atlas:_extrapolation"))
+                                      compare=_compare, compare_page=extrapolation_report.compare_section))

@@ -525,4 +525,4 @@ ATLAS_SECTION = register(AtlasSection(
     blocked=lambda facts, engine_runs: (facts.unsupported, facts.rotation_unhooked, facts.attention_unsupported),
     # the layers whose heads the section measured (rotary layers only)
     meta=lambda part: {"frequency_layers": sorted(int(l) for l in part.tables["heads"].layer.unique())},
-    compare=_compare, compare_page="posprobe.report.zoo_atlas:_frequency"))
+    compare=_compare, compare_page=frequency_report.compare_section))

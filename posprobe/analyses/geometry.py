@@ -304,4 +304,4 @@ ATLAS_SECTION = register(AtlasSection(
     "geometry", "Learned-position geometry", _atlas_run, _atlas_headlines, geometry_report.atlas_paragraph,
     blocked=lambda facts, engine_runs: (facts.unsupported,
                                         None if facts.has_w_pos else "the model exposes no position table"),
-    compare=_compare, compare_page="posprobe.report.zoo_atlas:_geometry"))
+    compare=_compare, compare_page=geometry_report.compare_section))

@@ -20,6 +20,7 @@ import torch
 from posprobe.analyses.sections import AtlasSection, CompareRun, ModelEntry, register
 from posprobe.backend.facts import model_facts, require_attention_supported
 from posprobe.core.capture import capture, check_rows
+from posprobe.report import heads as heads_report
 from posprobe.report.result import Result
 from posprobe.report.schema import data_meta, make_meta
 
@@ -163,4 +164,4 @@ def _across(models: list[ModelEntry], run: CompareRun) -> tuple[dict[str, pd.Dat
 
 
 ATLAS_SECTION = register(AtlasSection("similarity", "Head similarity across members", None, None, None, across=_across,
-                                      compare_page="posprobe.report.zoo_atlas:_similarity"))
+                                      compare_page=heads_report.similarity_section))

@@ -322,4 +322,4 @@ def _compare(m: ModelEntry, run: CompareRun) -> Any:
 ATLAS_SECTION = register(AtlasSection(
     "heads", "Head signatures", _atlas_run, _atlas_headlines, heads_report.atlas_paragraph,
     blocked=lambda facts, engine_runs: (facts.attention_unsupported,), key_figures=2,
-    compare=_compare, compare_page="posprobe.report.zoo_atlas:_heads"))
+    compare=_compare, compare_page=heads_report.compare_section))

@@ -325,4 +325,4 @@ def _compare(m: ModelEntry, run: CompareRun) -> Any:
 
 ATLAS_SECTION = register(AtlasSection("probes", "Position probes", _atlas_run, _atlas_headlines,
                                       probes_report.atlas_paragraph,
-    compare=_compare, compare_page="posprobe.report.zoo_atlas:_probes"))
+    compare=_compare, compare_page=probes_report.compare_section))

@@ -87,9 +87,10 @@ class AtlasSection:
     #: Many models at once (a cross-model section: similarity, training): (the entries, CompareRun) -> (tables,
     #: {model label: why it was left out}). A section has `compare` or `across`, not both.
     across: Callable[[list[ModelEntry], CompareRun], tuple[dict[str, Any], dict[str, str]]] | None = None
-    #: The report function that draws this section's models side by side, "module:function" in posprobe.report
-    #: (it reads the result's tables and meta only; a report module cannot import an analysis).
-    compare_page: str | None = None
+    #: The report function that draws this section's models side by side: (the result) -> a page Section or None.
+    #: It reads the result's tables and meta only; the result names it in meta "pages" as "module:function", so a
+    #: saved result renders again without the analyses.
+    compare_page: Callable[[Any], Any] | None = None
 
 
 _REGISTRY: dict[str, AtlasSection] = {}

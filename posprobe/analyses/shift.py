@@ -545,4 +545,4 @@ def _compare(m: ModelEntry, run: CompareRun) -> Any:
 ATLAS_SECTION = register(AtlasSection("shift", "Shift test", _atlas_run, _atlas_headlines,
                                       shift_report.atlas_paragraph,
                                       blocked=lambda facts, engine_runs: (facts.unsupported,),
-    compare=_compare, compare_page="posprobe.report.zoo_atlas:_shift"))
+    compare=_compare, compare_page=shift_report.compare_section))

@@ -351,4 +351,4 @@ ATLAS_SECTION = register(AtlasSection(
     "sinks", "Attention sinks", _atlas_run, _atlas_headlines, sinks_report.atlas_paragraph,
     blocked=lambda facts, engine_runs: (facts.attention_unsupported, facts.rotation_unhooked,
                                         facts.unsupported if facts.is_rotary else None),
-    compare=_compare, compare_page="posprobe.report.zoo_atlas:_sinks"))
+    compare=_compare, compare_page=sinks_report.compare_section))
