@@ -4,6 +4,7 @@ paragraphs state the numbers of the atlas table, and real weights end to end wit
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -270,21 +271,36 @@ def test_low_effect_heads_that_are_retrieval_heads_are_flagged(tiny_rope, monkey
 
 
 def test_a_section_declared_in_one_place_runs_and_reaches_the_page_and_meta(tiny_rope, monkeypatch, tmp_path):
-    # Adding a section: its ATLAS_SECTIONS entry and its AtlasSection (run, headlines, paragraph). The atlas runs it,
-    # writes its headline rows, titles it on the page and in meta, and its paragraph survives a save and a load.
+    # Adding a section to both atlases: its SECTIONS line (configs.py), its AtlasSection (run, headlines, paragraph;
+    # compare and compare_page for many models) beside its analysis, and its page function in a report module: 3
+    # places. The one-model atlas runs it, writes its headline rows, titles it on the page and in meta, and its
+    # paragraph survives a save and a load; the atlas over many models runs it on each model, tags its rows with
+    # the model, and its page function draws it on the compare page.
     import pandas as pd
 
     from posprobe.analyses import configs
     from posprobe.analyses import sections as S
+    from posprobe.analyses.atlas_many import run_zoo_atlas
+    from posprobe.backend.loading import load_model
     from posprobe.report.atlas import paragraph
+    from posprobe.report.html import Section
     from posprobe.report.result import Result
 
-    monkeypatch.setitem(configs.ATLAS_SECTIONS, "dummy", ("tests", "a dummy section"))
+    def dummy_page(result):
+        d = result.tables["dummy"]
+        return Section("Dummy across models", html="<p>" + ", ".join(f"{m}: {w}" for m, w in zip(d.model, d.n_ctx))
+                       + "</p>")
+
+    monkeypatch.setitem(configs.SECTIONS, "dummy", configs.SectionEntry("tests", "a dummy section", many=True))
+    monkeypatch.setattr(sys.modules[__name__], "dummy_page", dummy_page, raising=False)
     monkeypatch.setitem(S._REGISTRY, "dummy", S.AtlasSection(
         "dummy", "Dummy section",
         run=lambda model, r: Result({"d": pd.DataFrame({"window": [r.window]})}, {"analysis": "dummy"}),
         headlines=lambda part: [("window", float(part.tables["d"].window.iloc[0]))],
-        paragraph=lambda result, n: f"The dummy saw windows of {n('window'):.0f} tokens."))
+        paragraph=lambda result, n: f"The dummy saw windows of {n('window'):.0f} tokens.",
+        compare=lambda m, run: ({"dummy": pd.DataFrame({"n_ctx": [m.facts.n_ctx]})}, None),
+        compare_page=dummy_page))
+    assert "dummy" in configs.ATLAS_SECTIONS and "dummy" in configs.ZOO_ATLAS_SECTIONS
     r = run_atlas(tiny_rope, None, AtlasConfig(**SMALL, sections=("facts", "dummy")))
     assert r.meta["sections"] == ["facts", "dummy"] and r.meta["titles"]["dummy"] == "Dummy section"
     t = r.tables["atlas"]
@@ -295,5 +311,13 @@ def test_a_section_declared_in_one_place_runs_and_reaches_the_page_and_meta(tiny
     assert "Dummy section" in page and "The dummy saw windows of 32 tokens." in page
     assert json.loads((tmp_path / "a" / "meta.json").read_text())["paragraphs"]["dummy"] == paragraph(r, "dummy")
     assert paragraph(Result.load(tmp_path / "a"), "dummy") == paragraph(r, "dummy")
+    many = run_zoo_atlas(["tiny-rope", "tiny-ape"], configs.ZooAtlasConfig(sections=("dummy",), progress=False),
+                         text="one two three four five six seven eight nine ten")
+    assert many.meta["sections"] == ["dummy"]
+    ape_ctx = load_model("tiny-ape").cfg.n_ctx
+    assert many.tables["dummy"][["model", "n_ctx"]].values.tolist() == [["tiny-rope", tiny_rope.cfg.n_ctx],
+                                                                        ["tiny-ape", ape_ctx]]
+    many_page = many.save(tmp_path / "m")["report"].read_text()
+    assert f"tiny-rope: {tiny_rope.cfg.n_ctx}, tiny-ape: {ape_ctx}" in many_page
     with pytest.raises(ValueError, match="unknown atlas sections"):
         AtlasConfig(sections=("nonesuch",))

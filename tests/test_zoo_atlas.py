@@ -181,7 +181,7 @@ def test_per_model_sections_equal_the_standalone_analyses(zoo_atlas):
 
 
 def test_attention_window_on_planted_offsets():
-    from posprobe.analyses.atlas_many import attention_window
+    from posprobe.analyses.heads import attention_window
 
     row = lambda head, d, v: dict(model="m", layer=0, head=head, rel_pos=d, value=v)  # noqa: E731
     offsets = pd.DataFrame([row(0, d, v) for d, v in enumerate([.5, .3, .15, .05])]

@@ -21,11 +21,10 @@ import pandas as pd
 
 from posprobe.analyses.configs import ATLAS_SECTIONS, AtlasConfig
 from posprobe.analyses.retrieval import RETRIEVAL_MIN_CTX  # noqa: F401 - the atlas's bounds, read here by users
-from posprobe.analyses.sections import AtlasRun, AtlasSection, register, section
+from posprobe.analyses.sections import AtlasRun, AtlasSection, register, section, why_not
 from posprobe.analyses.sinks import SINK_LENGTH
 from posprobe.backend.facts import ModelFacts, hf_attention_modules, model_facts
 from posprobe.backend.families import nope as nope_family
-from posprobe.backend.families import not_applicable
 from posprobe.data import BUILTIN_CORPUS_SOURCE, builtin_corpus
 from posprobe.report.atlas import facts_paragraph
 from posprobe.report.result import Result
@@ -103,13 +102,8 @@ def skip_reasons(facts: ModelFacts, engine_runs: bool = False) -> dict[str, str]
     analyses: `facts.unsupported`; patterns: `facts.attention_unsupported`; rotated q/k the model rotates where no
     hook fires), then retrieval's needs (the long-context engine runs the model, context >= RETRIEVAL_MIN_CTX): each
     section's own `blocked` answers after its family's."""
-    why: dict[str, str] = {}
-    for s in ATLAS_SECTIONS:
-        reasons = (not_applicable(facts.positional_kind, s), *section(s).blocked(facts, engine_runs))
-        first = next((r for r in reasons if r is not None), None)
-        if first is not None:
-            why[s] = first
-    return why
+    why = {s: why_not(s, facts, engine_runs) for s in ATLAS_SECTIONS}
+    return {s: w for s, w in why.items() if w is not None}
 
 
 def run_atlas(model: Any, text: str | None = None, config: AtlasConfig | None = None, *,

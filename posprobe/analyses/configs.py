@@ -9,25 +9,71 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, fields
-from typing import ClassVar, Literal, Sequence, get_args, get_origin, get_type_hints
+from typing import ClassVar, Iterator, Literal, Mapping, NamedTuple, Sequence, get_args, get_origin, get_type_hints
 
 from posprobe.core import presets, variants
 from posprobe.core.config import at_least, option
 from posprobe.data.needles import TASKS as NEEDLE_TASKS
 from posprobe.data.needles import task_names as needle_task_names
 
-#: The atlas's sections in report order: name -> (the module that declares it, what it measures for --help). The
-#: module declares the rest (`analyses.sections.AtlasSection`); analyses.atlas runs those that apply to a model.
-ATLAS_SECTIONS: dict[str, tuple[str, str]] = {
-    "facts": ("posprobe.analyses.atlas", "positional facts"),
-    "heads": ("posprobe.analyses.heads", "head signatures (sink, previous-token, induction...)"),
-    "sinks": ("posprobe.analyses.sinks", "attention sinks (share, position-vs-token control, massive activations)"),
-    "frequency": ("posprobe.analyses.frequency", "RoPE frequency usage"),
-    "geometry": ("posprobe.analyses.geometry", "learned-position geometry"),
-    "probes": ("posprobe.analyses.probes", "position probes"),
-    "shift": ("posprobe.analyses.shift", "the shift test"),
-    "retrieval": ("posprobe.analyses.retrieval", "retrieval heads (needle answers with them masked)"),
+
+class SectionEntry(NamedTuple):
+    """One atlas section's entry: the module that declares it (`analyses.sections.AtlasSection`), what it measures
+    (for --help), and the atlases it belongs to: the atlas of one model (`posprobe atlas`), the atlas over many models
+    (`posprobe zoo atlas`), or both."""
+
+    module: str
+    help: str
+    one: bool = True
+    many: bool = False
+
+
+#: Every atlas section, in report order, one line each: name -> SectionEntry. A section in both atlases is one line
+#: here, one `AtlasSection` in its module (its runner for one model, its slim tables for many) and its paragraph and
+#: side-by-side figure in its report module.
+SECTIONS: dict[str, SectionEntry] = {
+    "facts": SectionEntry("posprobe.analyses.atlas", "positional facts"),
+    "training": SectionEntry("posprobe.analyses.atlas_many", "the zoo's training loss curves", one=False, many=True),
+    "extrapolation": SectionEntry("posprobe.analyses.extrapolation", "perplexity from L to 8L (Press et al.)",
+                                  one=False, many=True),
+    "heads": SectionEntry("posprobe.analyses.heads", "head signatures (sink, previous-token, induction...)", many=True),
+    "similarity": SectionEntry("posprobe.analyses.head_similarity", "nearest heads across models (Jensen-Shannon)",
+                               one=False, many=True),
+    "sinks": SectionEntry("posprobe.analyses.sinks", "attention sinks (share, position-vs-token control, massive "
+                                                     "activations)", many=True),
+    "frequency": SectionEntry("posprobe.analyses.frequency", "RoPE frequency usage", many=True),
+    "geometry": SectionEntry("posprobe.analyses.geometry", "learned-position geometry", many=True),
+    "decomposition": SectionEntry("posprobe.analyses.decompose", "layer-0 score decomposition", one=False, many=True),
+    "probes": SectionEntry("posprobe.analyses.probes", "position probes", many=True),
+    "shift": SectionEntry("posprobe.analyses.shift", "the shift test", many=True),
+    "retrieval": SectionEntry("posprobe.analyses.retrieval", "retrieval heads (needle answers with them masked)"),
 }
+
+
+class _SectionView(Mapping[str, SectionEntry]):
+    # The sections of one atlas, read live from SECTIONS (a section added there appears here at once), in its order.
+    def __init__(self, many: bool):
+        self._many = many
+
+    def _names(self) -> list[str]:
+        return [n for n, e in SECTIONS.items() if (e.many if self._many else e.one)]
+
+    def __getitem__(self, name: str) -> SectionEntry:
+        if name not in self._names():
+            raise KeyError(name)
+        return SECTIONS[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names())
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+
+#: The one-model atlas's sections (`posprobe atlas`), in report order: name -> SectionEntry.
+ATLAS_SECTIONS: Mapping[str, SectionEntry] = _SectionView(many=False)
+#: The atlas over many models (`posprobe zoo atlas`), in report order: name -> SectionEntry.
+ZOO_ATLAS_SECTIONS: Mapping[str, SectionEntry] = _SectionView(many=True)
 
 #: Residual-stream capture points a position probe can read.
 RESIDUAL_POINTS = ("resid_pre", "resid_mid", "resid_post")
@@ -719,10 +765,6 @@ class BrittlenessConfig:
             raise ValueError("give at least one bucket (near:K or far:D)")
         buckets = [parse_bucket(s) for s in specs]
         object.__setattr__(self, "buckets", tuple(dict.fromkeys(b.spec for b in buckets)))
-
-
-ZOO_ATLAS_SECTIONS = ("training", "extrapolation", "shift", "probes", "heads", "similarity", "sinks", "geometry",
-                      "decomposition", "frequency")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -56,6 +56,7 @@ import torch
 from jaxtyping import Float, Int
 
 from posprobe.analyses.configs import DecomposeConfig
+from posprobe.analyses.sections import AtlasSection, CompareRun, ModelEntry, register
 from posprobe.backend.facts import WrongModelKind, model_facts, require_supported
 from posprobe.backend.families import alibi, find, relative
 from posprobe.backend.hooks import (
@@ -82,6 +83,7 @@ from posprobe.backend.model import (
 )
 from posprobe.core.capture import batches, capture, mean_by_position, stream
 from posprobe.data import BUILTIN_TEXT, framed_windows
+from posprobe.report import decompose as decompose_report
 from posprobe.report.decompose import summary_table
 from posprobe.report.result import Result
 from posprobe.report.schema import data_meta, make_meta, text_sha256
@@ -549,3 +551,24 @@ def run_decompose(model: Any, config: DecomposeConfig | None = None, *, source: 
         **dec.meta,
     )
     return Result({"decompose": df}, meta)
+
+
+def _compare(m: ModelEntry, run: CompareRun) -> Any:
+    from posprobe.analyses.probes import text_rows
+    from posprobe.backend.model import tokenizer_of
+
+    text, cfg = run.text, run.config
+    if m.facts.unsupported is not None:
+        return m.facts.unsupported
+    # The sentence decomposed: the text's first window, so it fits every model's context.
+    window = min(cfg.window, m.facts.n_ctx - 2)
+    sentence = tokenizer_of(m.model).decode(text_rows(m.model, text, window, 1)[0][1:])
+    got = run_decompose(m.model, DecomposeConfig(text=text, sentence=sentence, max_windows=cfg.max_windows,
+                                                 progress=False))
+    d = got.tables["decompose"]
+    summary = d[d.metric != "score"].drop(columns=["query_pos", "key_pos", "rel_pos"])
+    return {"decomposition": summary}, {"method": got.meta.get("method"), "terms": got.meta.get("terms")}
+
+
+ATLAS_SECTION = register(AtlasSection("decomposition", "Layer-0 score decomposition", None, None, None,
+                                      compare=_compare, compare_page=decompose_report.compare_section))

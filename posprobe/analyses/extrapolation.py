@@ -20,9 +20,11 @@ import pandas as pd
 import torch
 
 from posprobe.analyses.configs import PROTOCOLS, ExtrapolationConfig
+from posprobe.analyses.sections import AtlasSection, CompareRun, ModelEntry, register
 from posprobe.backend.facts import model_facts, require_fixed_table
 from posprobe.backend.families import find as find_family
 from posprobe.backend.model import context_length, device_of, encode_text, has_lm_head, model_name, token_losses
+from posprobe.report import extrapolation as extrapolation_report
 from posprobe.report.result import Result
 from posprobe.report.schema import data_meta, make_meta, text_sha256
 
@@ -106,3 +108,16 @@ def run_extrapolation(model: Any, text: str, config: ExtrapolationConfig | None 
                                                                             sha256=text_sha256(text)),
                      config=config, train_length=L, lengths=lengths, stride=stride)
     return Result({"perplexity": pd.DataFrame(rows)}, meta)
+
+
+def _compare(m: ModelEntry, run: CompareRun) -> Any:
+    text, cfg = run.text, run.config
+    length = int(m.record["widths"]["length"]) if m.record is not None else None
+    ex = ExtrapolationConfig(train_length=length, factors=cfg.factors, max_tokens=cfg.extrapolation_tokens,
+                             progress=False)
+    got = run_extrapolation(m.model, text, ex, label=m.label)
+    return {"perplexity": got.tables["perplexity"]}, None
+
+
+ATLAS_SECTION = register(AtlasSection("extrapolation", "Perplexity past the training length", None, None, None,
+                                      compare=_compare, compare_page=extrapolation_report.compare_section))

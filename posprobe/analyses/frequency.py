@@ -20,7 +20,7 @@ import torch
 from posprobe.analyses.configs import FrequencyConfig
 from posprobe.analyses.frequency_ablation import band_ablation, head_ablations, p_sweep
 from posprobe.analyses.frequency_theory import TOLERANCE, head_bounds
-from posprobe.analyses.sections import AtlasRun, AtlasSection, register
+from posprobe.analyses.sections import AtlasRun, AtlasSection, CompareRun, ModelEntry, register, why_not
 from posprobe.backend.facts import (
     ModelFacts,
     at_length,
@@ -508,9 +508,21 @@ def _atlas_run(model: Any, r: AtlasRun) -> Result:
                                                          ablate=False, progress=r.config.progress), source=r.source)
 
 
+def _compare(m: ModelEntry, run: CompareRun) -> Any:
+    text, cfg = run.text, run.config
+    if (why := why_not("frequency", m.facts)) is not None:
+        return why
+    got = run_frequency(m.model, text, FrequencyConfig(window=min(cfg.window, m.facts.n_ctx),
+                                                       max_windows=cfg.max_windows, queries=32, ablate=False,
+                                                       progress=False))
+    b = got.tables["bands"]
+    return {"bands": b[(b.metric == "abs_share") & (b.band >= 0)], "frequency_heads": got.tables["heads"]}, None
+
+
 ATLAS_SECTION = register(AtlasSection(
     "frequency", "RoPE frequency usage", _atlas_run, frequency_report.headline_numbers,
     frequency_report.atlas_paragraph,
     blocked=lambda facts, engine_runs: (facts.unsupported, facts.rotation_unhooked, facts.attention_unsupported),
     # the layers whose heads the section measured (rotary layers only)
-    meta=lambda part: {"frequency_layers": sorted(int(l) for l in part.tables["heads"].layer.unique())}))
+    meta=lambda part: {"frequency_layers": sorted(int(l) for l in part.tables["heads"].layer.unique())},
+    compare=_compare, compare_page=frequency_report.compare_section))

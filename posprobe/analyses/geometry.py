@@ -15,7 +15,7 @@ import torch
 from jaxtyping import Float, Int
 
 from posprobe.analyses.configs import GeometryConfig
-from posprobe.analyses.sections import AtlasRun, AtlasSection, register
+from posprobe.analyses.sections import AtlasRun, AtlasSection, CompareRun, ModelEntry, register, why_not
 from posprobe.backend.facts import WrongModelKind, model_facts, require_learned
 from posprobe.backend.model import context_length, n_layers, position_table, token_table
 from posprobe.report import geometry as geometry_report
@@ -289,7 +289,19 @@ def _atlas_headlines(part: Result) -> list[tuple[str, float]]:
     return [("wpos_pc1_explained", float(ev.value.iloc[0]))] if len(ev) else []
 
 
+def _compare(m: ModelEntry, run: CompareRun) -> Any:
+    text, cfg = run.text, run.config
+    if (why := why_not("geometry", m.facts)) is not None:
+        return why
+    got = run_geometry(m.model, text, GeometryConfig(window=min(cfg.window, m.facts.n_ctx),
+                                                     max_windows=cfg.max_windows, progress=False))
+    g = got.tables["geometry"]
+    ev = g[(g.source == "W_pos") & (g.metric == "explained_variance")]
+    return {"pos_token_subspace": got.tables.get("pos_token_subspace"), "wpos_variance": ev}, None
+
+
 ATLAS_SECTION = register(AtlasSection(
     "geometry", "Learned-position geometry", _atlas_run, _atlas_headlines, geometry_report.atlas_paragraph,
     blocked=lambda facts, engine_runs: (facts.unsupported,
-                                        None if facts.has_w_pos else "the model exposes no position table")))
+                                        None if facts.has_w_pos else "the model exposes no position table"),
+    compare=_compare, compare_page=geometry_report.compare_section))

@@ -17,8 +17,10 @@ from typing import Any, Sequence
 import pandas as pd
 import torch
 
+from posprobe.analyses.sections import AtlasSection, CompareRun, ModelEntry, register
 from posprobe.backend.facts import model_facts, require_attention_supported
 from posprobe.core.capture import capture, check_rows
+from posprobe.report import heads as heads_report
 from posprobe.report.result import Result
 from posprobe.report.schema import data_meta, make_meta
 
@@ -110,3 +112,56 @@ def similarity_frames(name_a: str, name_b: str, sums: dict[int, torch.Tensor], c
         per_layer.append(dict(model=name_a, other=name_b, layer=layer, jsd_min=float(best.values.mean()),
                               count=mean.shape[0]))
     return heads, per_layer
+
+
+def _across(models: list[ModelEntry], run: CompareRun) -> tuple[dict[str, pd.DataFrame], dict[str, str]]:
+    # Every pair of models that read the same token ids with the same depth, on the same windows of the text; the
+    # first loaded model's tokenizer cuts them.
+    import torch
+
+    from posprobe.analyses.probes import text_rows
+    from posprobe.zoo.folder import MEMBER_COLUMNS, member_info
+
+    text, cfg = run.text, run.config
+    why: dict[str, str] = {}
+    ok: list[ModelEntry] = []
+    for m in models:
+        if m.model is None:
+            why[m.label] = m.why or "not loaded"
+            continue
+        try:
+            require_attention_supported(m.facts, "Head similarity")
+        except (ValueError, NotImplementedError) as e:
+            why[m.label] = str(e).splitlines()[0]
+            continue
+        if ok and m.model.tokenizer.get_vocab() != ok[0].model.tokenizer.get_vocab():
+            why[m.label] = f"a different vocabulary from {ok[0].label}'s: the same token ids would be different inputs"
+            continue
+        if ok and m.facts.n_layers != ok[0].facts.n_layers:
+            why[m.label] = f"{m.facts.n_layers} layers, {ok[0].label} {ok[0].facts.n_layers}: heads are compared " \
+                           "layer by layer"
+            continue
+        ok.append(m)
+    if len(ok) < 2:
+        if ok:
+            why[ok[0].label] = "no other model to compare with"
+        return {}, why
+    window = min(cfg.window, *(m.facts.n_ctx for m in ok))
+    rows = torch.tensor(text_rows(ok[0].model, text, window, cfg.similarity_windows), dtype=torch.long)
+    layers = list(range(ok[0].facts.n_layers))
+    sums = pairwise_jsd_sums([m.model for m in ok], rows, layers)
+    heads, per_layer = [], []
+    for (i, j), s in sums.items():
+        h, p = similarity_frames(ok[i].label, ok[j].label, s, rows.shape[0] * (rows.shape[1] - 1))
+        heads += h
+        per_layer += p
+    member = {m.label: member_info(m.label, m.record) for m in ok}
+    layer_df = pd.DataFrame(per_layer)
+    for col in MEMBER_COLUMNS:
+        layer_df[col] = [member[x][col] for x in layer_df["model"]]
+        layer_df[f"other_{col}"] = [member[x][col] for x in layer_df["other"]]
+    return {"head_similarity": pd.DataFrame(heads), "head_similarity_layer": layer_df}, why
+
+
+ATLAS_SECTION = register(AtlasSection("similarity", "Head similarity across members", None, None, None, across=_across,
+                                      compare_page=heads_report.similarity_section))

@@ -24,7 +24,7 @@ import pandas as pd
 import torch
 
 from posprobe.analyses.configs import HeadsConfig
-from posprobe.analyses.sections import AtlasRun, AtlasSection, register
+from posprobe.analyses.sections import AtlasRun, AtlasSection, CompareRun, ModelEntry, register, why_not
 from posprobe.backend.facts import model_facts, require_attention_supported
 from posprobe.backend.model import encode_text, first_token, tokenizer_of
 from posprobe.core import distributed
@@ -287,6 +287,39 @@ def _atlas_headlines(part: Result) -> list[tuple[str, float]]:
             ("sink_fraction", part.meta["sink_fraction"])] + [(f"n_{k}", float(v)) for k, v in kinds.items()]
 
 
+#: Share of a head's attention (mean over queries) that its attention window holds.
+WINDOW_MASS = 0.9
+
+
+def attention_window(offsets: pd.DataFrame, mass: float = WINDOW_MASS) -> pd.DataFrame:
+    """Per (model, layer, head) of a heads `offsets` table (mean attention by query - key distance `rel_pos`): the
+    smallest distance d whose offsets 0..d hold `mass` of the attention measured there (tokens; NaN where even the
+    largest measured distance holds less: the window is wider than what was measured, `covered` False)."""
+    rows = []
+    for (model, layer, head), g in offsets.groupby(["model", "layer", "head"], sort=False):
+        g = g.sort_values("rel_pos")
+        cum = g["value"].cumsum()
+        inside = g["rel_pos"][cum >= mass - 1e-12]
+        rows.append(dict(model=model, layer=int(layer), head=int(head), metric="window",
+                         value=float(inside.iloc[0]) if len(inside) else float("nan"),
+                         measured_to=int(g["rel_pos"].max()), covered=bool(len(inside))))
+    return pd.DataFrame(rows)
+
+
+def _compare(m: ModelEntry, run: CompareRun) -> Any:
+    text, cfg = run.text, run.config
+    if (why := why_not("heads", m.facts)) is not None:
+        return why
+    got = run_heads(m.model, text, HeadsConfig(window=min(cfg.window, m.facts.n_ctx), max_windows=cfg.max_windows,
+                                               induction_len=min(24, (m.facts.n_ctx - 1) // 2), seed=cfg.seed,
+                                               progress=False))
+    heads = pd.concat([got.tables["heads"], attention_window(got.tables["offsets"]).drop(columns=["measured_to",
+                                                                                                  "covered"])],
+                      ignore_index=True)
+    return {"heads": heads, "head_classes": got.tables["head_classes"], "offsets": got.tables["offsets"]}, None
+
+
 ATLAS_SECTION = register(AtlasSection(
     "heads", "Head signatures", _atlas_run, _atlas_headlines, heads_report.atlas_paragraph,
-    blocked=lambda facts, engine_runs: (facts.attention_unsupported,), key_figures=2))
+    blocked=lambda facts, engine_runs: (facts.attention_unsupported,), key_figures=2,
+    compare=_compare, compare_page=heads_report.compare_section))

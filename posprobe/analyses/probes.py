@@ -19,7 +19,7 @@ from jaxtyping import Int
 from tqdm.auto import tqdm
 
 from posprobe.analyses.configs import ProbeConfig
-from posprobe.analyses.sections import AtlasRun, AtlasSection, register
+from posprobe.analyses.sections import AtlasRun, AtlasSection, CompareRun, ModelEntry, register
 from posprobe.backend.model import encode_text, first_token
 from posprobe.core.capture import Reducer, batches, stream, to_cpu_once
 from posprobe.data import framed_windows
@@ -307,5 +307,22 @@ def _atlas_headlines(part: Result) -> list[tuple[str, float]]:
             ("mae_control", float(mae["control"].mean())), ("mae_chance", float(mae["chance"].mean()))]
 
 
+def _compare(m: ModelEntry, run: CompareRun) -> Any:
+    text, cfg = run.text, run.config
+    window = min(cfg.window, m.facts.n_ctx)
+    # Enough windows to hold the sampled tokens (a probe of 128 dims on 512 tokens sat at chance on every relative
+    # member of the CPU zoo; on 2,048 the NoPE member's error falls layer by layer).
+    windows = max(cfg.max_windows, -(-cfg.probe_tokens // window))
+    got = run_probes(m.model, text, ProbeConfig(points=("resid_pre", "resid_post"), n_splits=3, window=window,
+                                                max_windows=windows, max_tokens=cfg.probe_tokens, seed=cfg.seed,
+                                                progress=False))
+    p = got.tables["probes"]
+    # The residual stream before layer 0 is the embedding (layer -1); after layer l, resid_post of l.
+    p = pd.concat([p[(p.point == "resid_pre") & (p.layer == 0)].assign(layer=-1), p[p.point == "resid_post"]])
+    per_layer = p.groupby(["layer", "condition", "metric"], as_index=False).value.mean()
+    return {"probes": per_layer}, None
+
+
 ATLAS_SECTION = register(AtlasSection("probes", "Position probes", _atlas_run, _atlas_headlines,
-                                      probes_report.atlas_paragraph))
+                                      probes_report.atlas_paragraph,
+    compare=_compare, compare_page=probes_report.compare_section))

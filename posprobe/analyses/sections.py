@@ -1,7 +1,8 @@
 """What an atlas section is: each section-bearing analysis declares one `AtlasSection` in its own module (how the
-atlas runs it with bounded settings, when it cannot run and why, its headline numbers, its paragraph), and
-registers it here; `run_atlas` is a loop over them. A section's name, module and --help line are its entry in
-`configs.ATLAS_SECTIONS` (read without importing any analysis)."""
+atlas runs it with bounded settings on one model, its slim tables on each of many models, when it cannot run and
+why, its headline numbers, its paragraph, the report function that draws the models side by side), and registers it
+here; `run_atlas` (one model) and `run_zoo_atlas` (many) are loops over them. A section's name, module, --help line
+and atlases are its entry in `configs.SECTIONS` (read without importing any analysis)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from posprobe.analyses.configs import ATLAS_SECTIONS, AtlasConfig
+from posprobe.analyses.configs import SECTIONS, AtlasConfig, ZooAtlasConfig
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,29 @@ class AtlasRun:
     sections: tuple[str, ...] = ()
 
 
+@dataclass
+class ModelEntry:
+    """One model of an atlas over many: its label (a zoo member's folder name, or the spec), the spec it was loaded
+    from, its zoo record (None outside a zoo), the loaded model and its ModelFacts, or why it could not be loaded."""
+
+    label: str
+    spec: str
+    record: dict | None
+    model: Any = None
+    facts: Any = None
+    why: str | None = None
+
+
+@dataclass(frozen=True)
+class CompareRun:
+    """What every section of one atlas over many models shares: its config, the text every model reads, and the
+    paths the user named (zoo folders carry their training record)."""
+
+    config: ZooAtlasConfig
+    text: str
+    paths: tuple[str, ...] = ()
+
+
 #: `n(metric)`: the number the atlas table holds for (this section, metric), or None.
 Lookup = Callable[[str], "float | None"]
 
@@ -42,12 +66,13 @@ class AtlasSection:
 
     name: str
     title: str
-    #: Runs the analysis with the run's bounded settings: (model, AtlasRun) -> its Result.
-    run: Callable[[Any, AtlasRun], Any]
+    #: One model: runs the analysis with the run's bounded settings: (model, AtlasRun) -> its Result (None for a
+    #: section only the atlas over many models has).
+    run: Callable[[Any, AtlasRun], Any] | None
     #: Its headline numbers from its Result: [(metric, value)], the atlas table's rows for this section.
-    headlines: Callable[[Any], list[tuple[str, float]]]
+    headlines: Callable[[Any], list[tuple[str, float]]] | None
     #: The section's findings in words: (the atlas result, n) -> one paragraph.
-    paragraph: Callable[[Any, Lookup], str]
+    paragraph: Callable[[Any, Lookup], str] | None
     #: Why it cannot run on a model beyond its family's reasons: (facts, whether the long-context engine runs the
     #: model) -> reasons, None where a check passes; the first reason given is reported.
     blocked: Callable[[Any, bool], tuple[str | None, ...]] = field(default=lambda facts, engine_runs: ())
@@ -55,6 +80,17 @@ class AtlasSection:
     key_figures: int = 1
     #: Extra atlas meta from its Result (e.g. the layers the frequency section measured), {} by default.
     meta: Callable[[Any], dict] = field(default=lambda part: {})
+    #: Many models, one at a time: (ModelEntry, CompareRun) -> (tables, headline dict or None), the slim tables the
+    #: atlas over many models concatenates (tagged with the model and its member, family, block, seed); or a string:
+    #: why the section does not apply to that model, in posprobe's own words.
+    compare: Callable[[ModelEntry, CompareRun], Any] | None = None
+    #: Many models at once (a cross-model section: similarity, training): (the entries, CompareRun) -> (tables,
+    #: {model label: why it was left out}). A section has `compare` or `across`, not both.
+    across: Callable[[list[ModelEntry], CompareRun], tuple[dict[str, Any], dict[str, str]]] | None = None
+    #: The report function that draws this section's models side by side: (the result) -> a page Section or None.
+    #: It reads the result's tables and meta only; the result names it in meta "pages" as "module:function", so a
+    #: saved result renders again without the analyses.
+    compare_page: Callable[[Any], Any] | None = None
 
 
 _REGISTRY: dict[str, AtlasSection] = {}
@@ -67,10 +103,19 @@ def register(section: AtlasSection) -> AtlasSection:
 
 
 def section(name: str) -> AtlasSection:
-    """The declared section `name`, importing the module its ATLAS_SECTIONS entry names where not yet declared;
-    KeyError for a name that is neither."""
-    if name not in _REGISTRY and name in ATLAS_SECTIONS:
-        importlib.import_module(ATLAS_SECTIONS[name][0])
+    """The declared section `name`, importing the module its SECTIONS entry names where not yet declared; KeyError
+    for a name that is neither."""
+    if name not in _REGISTRY and name in SECTIONS:
+        importlib.import_module(SECTIONS[name].module)
     if name not in _REGISTRY:
-        raise KeyError(f"No atlas section {name!r} (known: {', '.join(ATLAS_SECTIONS)})")
+        raise KeyError(f"No atlas section {name!r} (known: {', '.join(SECTIONS)})")
     return _REGISTRY[name]
+
+
+def why_not(name: str, facts: Any, engine_runs: bool = False) -> str | None:
+    """Why section `name` does not run on a model with these ModelFacts (its positional family's reason first, then
+    the section's own `blocked` reasons), or None when it runs."""
+    from posprobe.backend.families import not_applicable
+
+    reasons = (not_applicable(facts.positional_kind, name), *section(name).blocked(facts, engine_runs))
+    return next((r for r in reasons if r is not None), None)

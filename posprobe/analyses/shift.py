@@ -16,7 +16,7 @@ import pandas as pd
 import torch
 
 from posprobe.analyses.configs import ShiftConfig, ShiftError
-from posprobe.analyses.sections import AtlasRun, AtlasSection, register
+from posprobe.analyses.sections import AtlasRun, AtlasSection, CompareRun, ModelEntry, register, why_not
 from posprobe.backend.families import control as position_control
 from posprobe.backend.families import find as find_family
 from posprobe.backend.model import forward, n_layers, tokenizer_of
@@ -516,6 +516,33 @@ def _atlas_headlines(part: Result) -> list[tuple[str, float]]:
     return rows
 
 
+def _compare(m: ModelEntry, run: CompareRun) -> Any:
+    from posprobe.backend.model import device_of, dtype_of
+    from posprobe.data import builtin_pairs
+
+    text, cfg = run.text, run.config
+    if (why := why_not("shift", m.facts)) is not None:
+        return why
+    # The text window and its prefix token must fit at the largest k; the built-in pairs are shorter than it.
+    fit = tuple(k for k in cfg.ks if k + cfg.shift_window + 1 <= m.facts.n_ctx)
+    if m.facts.is_encoder:
+        return ("an encoder: its shift test measures representation drift (posprobe shift-test), not the perplexity "
+                "and pair accuracy compared here")
+    if len(fit) < 2:
+        return (f"no shift k > 0 of {list(cfg.ks)} fits a {cfg.shift_window}-token window in the model's "
+                f"{m.facts.n_ctx} positions")
+    got = run_shift_test(m.model, builtin_pairs(max_pairs=cfg.max_pairs, seed=cfg.seed), text=text,
+                         config=ShiftConfig(ks=fit, window=cfg.shift_window, max_windows=cfg.max_windows,
+                                            n_bootstrap=200, seed=cfg.seed, progress=False),
+                         backend="hf" if hf_scorable(m.model) else "auto", device=str(device_of(m.model)),
+                         dtype=str(dtype_of(m.model)).replace("torch.", ""))
+    summary = got.summary
+    overall = summary[summary.level == "overall"].drop(columns=["level", "group"]) if len(summary) else summary
+    ppl = pd.DataFrame(got.meta.get("perplexity") or [])  # an encoder's text is not scored as perplexity
+    return {"shift_summary": overall, "shift_perplexity": ppl}, {"ks": list(fit)}
+
+
 ATLAS_SECTION = register(AtlasSection("shift", "Shift test", _atlas_run, _atlas_headlines,
                                       shift_report.atlas_paragraph,
-                                      blocked=lambda facts, engine_runs: (facts.unsupported,)))
+                                      blocked=lambda facts, engine_runs: (facts.unsupported,),
+    compare=_compare, compare_page=shift_report.compare_section))

@@ -22,7 +22,7 @@ import pandas as pd
 import torch
 
 from posprobe.analyses.configs import SinksConfig
-from posprobe.analyses.sections import AtlasRun, AtlasSection, register
+from posprobe.analyses.sections import AtlasRun, AtlasSection, CompareRun, ModelEntry, register, why_not
 from posprobe.backend.facts import ModelFacts, model_facts, require_attention_supported
 from posprobe.backend.model import encode_text, has_lm_head, special_tokens, tokenizer_of
 from posprobe.core.capture import Reducer, check_rows, float64_device, stream, to_cpu_once
@@ -334,7 +334,21 @@ def _atlas_headlines(part: Result) -> list[tuple[str, float]]:
 
 
 # Sinks read a RoPE model's rotated q/k: a proven rotation, read where a hook fires.
+def _compare(m: ModelEntry, run: CompareRun) -> Any:
+    text, cfg = run.text, run.config
+    if (why := why_not("sinks", m.facts)) is not None:
+        return why
+    got = run_sinks(m.model, text, SinksConfig(length=min(SINK_LENGTH, cfg.window, m.facts.n_ctx), random_samples=8,
+                                               max_windows=cfg.max_windows, ablate_heads=0, seed=cfg.seed,
+                                               progress=False))
+    keep = ("sink_share", "sink_control", "massive_activations", "massive_intervention")
+    share = pd.DataFrame([dict(condition=c, value=float(v)) for c, v in got.meta["sink_share"].items()])
+    return ({"sink_overall": share, **{k: got.tables[k] for k in keep if k in got.tables}},
+            {"massive": got.meta.get("massive"), "control": got.meta.get("control")})
+
+
 ATLAS_SECTION = register(AtlasSection(
     "sinks", "Attention sinks", _atlas_run, _atlas_headlines, sinks_report.atlas_paragraph,
     blocked=lambda facts, engine_runs: (facts.attention_unsupported, facts.rotation_unhooked,
-                                        facts.unsupported if facts.is_rotary else None)))
+                                        facts.unsupported if facts.is_rotary else None),
+    compare=_compare, compare_page=sinks_report.compare_section))

@@ -7,7 +7,7 @@ import argparse
 from posprobe.analyses.configs import ATLAS_SECTIONS
 
 HELP = ("One report on a model's positional machinery, every section that applies to the model: "
-        + "; ".join(f"{s}: {what}" for s, (_, what) in ATLAS_SECTIONS.items()) + ".")
+        + "; ".join(f"{s}: {e.help}" for s, e in ATLAS_SECTIONS.items()) + ".")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

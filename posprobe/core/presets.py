@@ -3,9 +3,16 @@
 Each `Preset` builds a per-query `PositionPlan` (hook-based surgery on a TL model: `plan(model, n, params)`)
 and a per-pair `PairRule` (the chunked long-context engine: `pairs(params)`); tests check that both forms
 give the same relative position for every (query, key) pair. CLI help, parsing and validation of a spec such
-as "yarn:scale=4,original=2048" are generated from the registry, so adding a preset is one `register(...)`
-(one entry in `PRESETS` below). This module imports no torch: `posprobe --help` and the checks that run
-before a model loads stay fast; the builders import `posprobe.core.surgery` when called.
+as "yarn:scale=4,original=2048" are generated from the registry.
+
+Where a new preset lands (counted on the code): three places in two files — its `register(Preset(...))` entry
+here and its two builders in `core/surgery.py` (the per-query plan and the per-pair rule) — plus, for a preset with
+a paper, the paper's rule in `tests/paper_rules.py` (and its name in `PAPERS` of `tests/test_presets.py`).
+`tests/test_presets.py::test_both_forms_of_every_preset_agree` runs every registered preset in both forms;
+`test_every_preset_with_a_paper_is_its_papers_rule` checks each against the paper's integers.
+
+This module imports no torch: `posprobe --help` and the checks that run before a model loads stay fast; the
+builders import `posprobe.core.surgery` when called.
 """
 
 from __future__ import annotations

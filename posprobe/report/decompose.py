@@ -7,6 +7,7 @@ from typing import Any
 
 import pandas as pd
 
+from posprobe.report.compare import compare_caption, member_of, member_order, refused_text, spread, table
 from posprobe.report.html import Section, table_html
 from posprobe.report.style import COLORS, caption, reference_line, style
 
@@ -116,3 +117,33 @@ def profile_figure(frame: pd.DataFrame, head: int, meta: dict | None = None) -> 
                   labels={"value": "mean pp (score units)", "rel_pos": "relative position (query − key)"})
     reference_line(fig, 0.0, "0")
     return style(fig, caption=figure_caption(meta))
+
+
+# --- the atlas over many models: this analysis's models side by side -----------------------------------------
+
+def compare_section(result: Any) -> Section | None:
+    """The atlas over many models' decomposition section: the layer-0 positional share of score variance per
+    head and member. None where no model measured it."""
+    import plotly.express as px
+
+    d = table(result, "decomposition")
+    if not len(d):
+        return None
+    order = member_order(result)
+    share = d[(d.metric == "var_share") & (d.term == "positional")]
+    per_model = share.groupby(["member", "model"], as_index=False).value.mean()
+    fig = px.strip(share, x="member", y="value", category_orders={"member": order},
+                   title="Layer 0: share of the score variance carried by positional terms, per head",
+                   labels={"value": "positional share of score variance"})
+    fig = style(fig, caption=compare_caption(result, "Exact split on learned tables (word/position terms), "
+                                                     "data-driven split elsewhere (positional mean, content, residual "
+                                                     "terms)."))
+    methods = (result.meta.get("headline") or {}).get("decomposition", {})
+    exact = sorted({member_of(result, k) for k, v in methods.items() if v.get("method") == "exact-layer0"})
+    text = ("Layer-0 score variance carried by positional terms (mean over heads): "
+            + ", ".join(f"{m} {spread(per_model[per_model.member == m].value)}" for m in order
+                        if m in set(per_model.member))
+            + f". Exact word/position split on {', '.join(exact) or 'no member'}; the others by the data-driven "
+            "split (positional mean over the corpus; the ALiBi term is the bias itself).")
+    return Section("Layer-0 score decomposition", html=f"<p>{html.escape(text)}{refused_text(result, 'decomposition')}"
+                                                  "</p>", figures=[fig])

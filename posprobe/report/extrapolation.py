@@ -10,6 +10,7 @@ from typing import Any
 
 import pandas as pd
 
+from posprobe.report.compare import table
 from posprobe.report.html import Section, table_html
 from posprobe.report.style import COLORS, REFERENCE_COLOR, caption, style
 
@@ -120,3 +121,26 @@ def sections(result: Any) -> list[Section]:
         out.append(Section("Not measured", html="<p>Rows that could not run, with why.</p>",
                            table=bad[["model", "protocol", "length", "status", "why"]].fillna("")))
     return out
+
+
+# --- the atlas over many models: this analysis's models side by side -----------------------------------------
+
+def compare_section(result: Any) -> Section | None:
+    """The atlas over many models' extrapolation section: ppl(xL) / ppl(L) per member, most to least robust,
+    with the figures of `zoo eval`. None where no model measured it."""
+    from posprobe.report.result import Result
+
+    df = table(result, "perplexity")
+    if not len(df):
+        return None
+    sub = Result({"perplexity": df, "ratios": table(result, "ratios")},
+                 {**result.meta, "analysis": "zoo-eval", "config": result.meta.get("extrapolation") or {}})
+    r = sub.tables["ratios"]
+    chunks = r[(r.protocol == r.protocol.iloc[0]) & (r.factor == r.factor.max())]
+    ok = chunks[chunks.status == "ok"].sort_values("ppl_ratio")
+    cannot = chunks[chunks.status == "cannot run"].member.tolist()
+    text = (f"ppl({chunks.factor.max():g}L) / ppl(L), {chunks.protocol.iloc[0]} protocol, mean over seeds, from most "
+            "to least robust: " + ", ".join(f"{x.member} {x.ppl_ratio:.2f}" for x in ok.itertuples()) + "."
+            + (f" Cannot run past L: {', '.join(cannot)} (a learned table has L rows)." if cannot else ""))
+    return Section("Perplexity past the training length", html=f"<p>{text}</p>" + table_html(ratio_table(sub)),
+                   figures=figures(sub))

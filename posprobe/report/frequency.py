@@ -7,6 +7,7 @@ from typing import Any
 
 import pandas as pd
 
+from posprobe.report.compare import compare_caption, line_figure, member_order, refused_text, spread, table
 from posprobe.report.html import Section, table_html
 from posprobe.report.style import caption, reference_line, style
 
@@ -320,3 +321,26 @@ def _paragraph(fast: float, slow: float, kinds: dict[str, int], meta: dict) -> s
             f"bands and {slow:.0%} from the slowest quarter. By how much of the score's variance relative "
             f"distance explains: {', '.join(f'{v} {k}' for k, v in kinds.items())} heads"
             f"{_frequency_scope(meta, sum(kinds.values()))}.")
+
+
+# --- the atlas over many models: this analysis's models side by side -----------------------------------------
+
+def compare_section(result: Any) -> Section | None:
+    """The atlas over many models' frequency section: share of |q·k| per RoPE band, one line per member.
+    None where no model measured it."""
+    b = table(result, "bands")
+    if not len(b):
+        return None
+    order = member_order(result)
+    # Bands as a fraction of the rotated bands, so a partial rotary member's few bands sit beside the full ones.
+    n = b.groupby("model").band.transform("max") + 1
+    b = b.assign(band_fraction=(b.band + 0.5) / n)
+    per = b.groupby(["member", "model", "band_fraction"], as_index=False).value.mean()
+    fig = line_figure(per, "band_fraction", "value", order, "Share of |q·k| per RoPE band (fast → slow)",
+                       "band (fraction of the rotated bands, fastest first)", "share of |score|",
+                       compare_caption(result, "Mean over heads and layers."))
+    fast = b[b.band < (n + 3) // 4].groupby(["member", "model", "layer", "head"]).value.sum()
+    fast = fast.groupby(["member", "model"]).mean().reset_index()
+    text = ("Share of the score's magnitude in the fastest quarter of the rotated bands (mean over heads): "
+            + ", ".join(f"{m} {spread(fast[fast.member == m].value)}" for m in order if m in set(fast.member)) + ".")
+    return Section("RoPE frequency usage", html=f"<p>{text}{refused_text(result, 'frequency')}</p>", figures=[fig])

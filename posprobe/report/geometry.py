@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import html
+from types import SimpleNamespace
 from typing import Any
 
 import pandas as pd
 
+from posprobe.report.compare import refused_text, table
 from posprobe.report.html import Section, table_html
-from posprobe.report.style import caption, style
+from posprobe.report.style import COLORS, REFERENCE_COLOR, caption, style
 
 
 def title(result: Any) -> str:
@@ -163,3 +165,33 @@ def atlas_paragraph(result: Any, n: Any) -> str:
     return (f"The first principal component of the learned position table explains {pc1:.0%} of its variance; "
             "the report shows the trajectory of positions in the top components and their sinusoid fits."
             + extra if pc1 is not None else "Residual-stream position geometry (see the section report).")
+
+
+# --- the atlas over many models: this analysis's models side by side -----------------------------------------
+
+def compare_section(result: Any) -> Section | None:
+    """The atlas over many models' geometry section: the position table's variance inside the tokens' top-k
+    subspace, per model. None where no model measured it."""
+    import plotly.graph_objects as go
+
+    t = table(result, "pos_token_subspace")
+    if not len(t):
+        return None
+    fig = go.Figure()
+    sentences = []
+    for i, (model, g) in enumerate(t.groupby("model", sort=False)):
+        w = g.pivot_table(index="k", columns="metric", values="value").sort_index()
+        fig.add_trace(go.Scatter(x=w.index, y=w["pos_share_in_token"], name=str(model), mode="lines+markers",
+                                 line=dict(color=COLORS[i % len(COLORS)])))
+        if i == 0:
+            fig.add_trace(go.Scatter(x=w.index, y=w["random_share"], name="random subspace (k / d_model)",
+                                     mode="lines", line=dict(color=REFERENCE_COLOR, dash="dot")))
+        one = SimpleNamespace(tables={"pos_token_subspace": g})  # overlap_text reads a result's tables
+        sentences.append(f"<b>{html.escape(str(model))}</b>: {html.escape(overlap_text(one))}")
+    fig.update_layout(title="Add or concatenate? The position table's variance inside the tokens' top-k subspace",
+                      xaxis_title="k (subspace dimension)", yaxis_title="share of the table's variance",
+                      xaxis_type="log")
+    fig = style(fig, caption=caption(result.meta, None, note="Below the random line: positions avoid the tokens' "
+                                                             "main directions (a learned concatenation)."))
+    return Section("Add or concatenate?", html="<p>" + " ".join(sentences) + refused_text(result, "geometry") + "</p>",
+                   figures=[fig])

@@ -7,8 +7,9 @@ from typing import Any
 
 import pandas as pd
 
+from posprobe.report.compare import compare_caption, member_order, refused_text, table
 from posprobe.report.html import Section, table_html
-from posprobe.report.style import caption, layer_head_heatmap, style
+from posprobe.report.style import COLORS, caption, layer_head_heatmap, style
 
 #: Signatures shown as layer x head heatmaps, with what the colour means.
 HEATMAPS = {
@@ -140,3 +141,84 @@ def relative_views_text(views: dict | None) -> str:
 def atlas_paragraph(result: Any, n: Any) -> str:
     """The atlas's heads section in words: the heads summary, and on learned positions the two views of layer 0."""
     return summary_text(result.parts["heads"]) + relative_views_text(result.meta.get("relative_views"))
+
+
+# --- the atlas over many models: this analysis's models side by side -----------------------------------------
+
+def compare_section(result: Any) -> Section | None:
+    """The atlas over many models' heads section: head classes per member and each head's attention window.
+    None where no model measured it."""
+    import plotly.express as px
+
+    cls = table(result, "head_classes")
+    heads = table(result, "heads")
+    if not len(cls):
+        return None
+    order = member_order(result)
+    n_models = cls.groupby("member").model.nunique()
+    counts = cls.groupby(["member", "kind"]).size().div(n_models, level="member").rename("heads").reset_index()
+    fig = px.bar(counts, x="member", y="heads", color="kind", category_orders={"member": order},
+                 color_discrete_sequence=list(COLORS), title="Head classes per member (mean over seeds)")
+    figs = [style(fig, caption=compare_caption(result, "Classes by posprobe's head-signature rules (heads report)."))]
+    win = heads[heads.metric == "window"] if len(heads) else heads
+    sentences = []
+    if len(win):
+        box = px.box(win, x="member", y="value", points="all", category_orders={"member": order},
+                     title="Attention window per head: the distance holding 90% of the attention",
+                     labels={"value": "window (tokens back)"})
+        note = ("Per head: the smallest d whose offsets 0..d hold 90% of the mean attention; heads wider than the "
+                "window measured are left out.")
+        figs.append(style(box, caption=compare_caption(result, note)))
+        med, low = win.groupby("member").value.median(), win.groupby("member").value.min()
+        sentences.append("Attention window (tokens back holding 90% of a head's attention), median and narrowest "
+                         "head: " + ", ".join(f"{m} {med[m]:.0f} / {low[m]:.0f}" for m in order
+                                              if m in med.index and med[m] == med[m]) + ".")
+    prev = counts[counts.kind == "previous-token"].set_index("member").heads
+    sink = counts[counts.kind == "sink"].set_index("member").heads
+    sentences.append("Previous-token heads per model: " + ", ".join(f"{m} {prev.get(m, 0):.1f}" for m in order
+                                                                   if m in n_models.index)
+                     + "; sink heads: " + ", ".join(f"{m} {sink.get(m, 0):.1f}" for m in order if m in n_models.index)
+                     + ".")
+    return Section("Head classes and attention windows",
+                   html="<p>" + " ".join(sentences) + refused_text(result, "heads") + "</p>", figures=figs)
+
+
+def similarity_matrix(layer_table: pd.DataFrame) -> pd.DataFrame:
+    """Member x other member: Kazemnejad et al.'s number (per layer the mean over A's heads of the JSD to B's nearest
+    head), averaged over layers and over the pairs of models of the two members (a member against itself: its
+    seeds against each other; NaN with one seed)."""
+    d = layer_table[layer_table.model != layer_table.other]
+    return d.pivot_table(index="member", columns="other_member", values="jsd_min", aggfunc="mean")
+
+
+def similarity_section(result: Any) -> Section | None:
+    """The atlas over many models' similarity section: member x member heat map of the mean JSD to the nearest
+    head (Kazemnejad et al. 2023, Fig. 4). None where no model measured it."""
+    import plotly.graph_objects as go
+
+    t = table(result, "head_similarity_layer")
+    if not len(t):
+        return None
+    order = [m for m in member_order(result) if m in set(t.member)]
+    mat = similarity_matrix(t).reindex(index=order, columns=order)
+    fig = go.Figure(go.Heatmap(z=mat.values, x=order, y=order, colorscale="Viridis_r",
+                               colorbar=dict(title="JSD (nats)"),
+                               hovertemplate="%{y} heads vs nearest %{x} head: %{z:.3f}<extra></extra>"))
+    fig.update_layout(title="Head similarity: mean JSD to the nearest head of the other member, same layer",
+                      xaxis_title="other member (B)", yaxis_title="member (A)")
+    fig = style(fig, caption=caption(result.meta, None, note="Diagonal: a member's seeds against each other. Lower "
+                                                             "= more alike."), height=560)
+    sentences = []
+    for m in order:
+        row = mat.loc[m].drop(m, errors="ignore").dropna().sort_values()
+        if not len(row):
+            continue
+        own = mat.loc[m, m] if m in mat.columns else float("nan")
+        sentences.append(f"{m}: nearest {row.index[0]} ({row.iloc[0]:.3f}), farthest {row.index[-1]} "
+                         f"({row.iloc[-1]:.3f})" + (f", its other seed {own:.3f}" if own == own else ""))
+    text = ("For every head of member A, the Jensen-Shannon divergence (nats) of its attention to the nearest head of "
+            "member B in the same layer on the same inputs, averaged over heads, layers and seeds: "
+            + "; ".join(sentences) + ". Kazemnejad et al. (2023, Fig. 4) found NoPE's heads as close to T5-bias "
+            "heads as to another NoPE seed and far from rotary and absolute ones." + refused_text(result,
+                                                                                                  "similarity"))
+    return Section("Head similarity across members", html=f"<p>{text}</p>", figures=[fig])

@@ -7,6 +7,7 @@ from typing import Any
 
 import pandas as pd
 
+from posprobe.report.compare import compare_caption, layer_name, line_figure, member_order, refused_text, table
 from posprobe.report.html import Section, table_html
 from posprobe.report.style import COLORS, REFERENCE_COLOR, caption, style
 
@@ -112,3 +113,34 @@ def atlas_paragraph(result: Any, n: Any) -> str:
     return (f"A linear probe recovers a token's absolute position from the residual stream with a mean absolute "
             f"error of {first:.1f} positions after the first block and {last:.1f} after the last, against "
             f"{ctrl:.1f} for the shuffled-label control and {chance:.1f} for predicting the mean.")
+
+
+# --- the atlas over many models: this analysis's models side by side -----------------------------------------
+
+def compare_section(result: Any) -> Section | None:
+    """The atlas over many models' probe section: position-probe error per layer, one line per member, chance
+    dashed. None where no model measured it."""
+    p = table(result, "probes")
+    if not len(p):
+        return None
+    order = member_order(result)
+    mae = p[p.metric == "mae"]
+    probe, chance = mae[mae.condition == "probe"], mae[mae.condition == "chance"]
+    chance_level = float(chance.value.mean()) if len(chance) else float("nan")
+    control = mae[mae.condition == "control"]
+    sentences = []
+    for m in [m for m in order if m in set(probe.member)]:
+        g = probe[probe.member == m].groupby("layer").value.mean().sort_index()
+        best = g.idxmin()
+        sentences.append(f"{m} {g.iloc[0]:.1f} {layer_name(int(g.index[0]))}, {g.iloc[-1]:.1f} after layer "
+                         f"{int(g.index[-1])} (lowest {g.min():.1f} {layer_name(int(best))})")
+    fig = line_figure(probe, "layer", "value", order, "Absolute position recovered from the residual stream",
+                       "layer (residual stream after it; -1 = the embedding)", "probe mean absolute error (positions)",
+                       compare_caption(result, "Ridge probe, grouped cross-validation over windows; dashed: chance."))
+    if chance_level == chance_level:
+        fig.add_hline(y=chance_level, line=dict(color=REFERENCE_COLOR, dash="dash", width=1.5))
+    text = (f"Mean absolute error (positions) of a linear probe for the token's position, chance {chance_level:.1f}, "
+            f"shuffled-label control {control.value.mean():.1f}: " + "; ".join(sentences) + ". Haviv et al. (2022): "
+            "a causal model without positions still learns absolute position (from the causal mask), within its "
+            "first layers." + refused_text(result, "probes"))
+    return Section("Position probes per layer", html=f"<p>{text}</p>", figures=[fig])

@@ -9,6 +9,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from posprobe.report.compare import compare_caption, line_figure, member_order, refused_text, spread, table
+from posprobe.report.html import Section
 from posprobe.report.style import COLORS, REFERENCE_COLOR, caption, reference_line, small_multiples_grid, style
 
 
@@ -312,3 +314,35 @@ def atlas_paragraph(result: Any, n: Any) -> str:
         text += (f" {families.label(kind).capitalize()} positions: starting the sentences at k={ks[-1]} instead of 0 "
                  f"changes accuracy by {accs[ks[-1]] - accs[0]:+.3f}.")
     return text
+
+
+# --- the atlas over many models: this analysis's models side by side -----------------------------------------
+
+def compare_section(result: Any) -> Section | None:
+    """The atlas over many models' shift section: text perplexity and pair accuracy against start position k,
+    one line per member. None where no model measured it."""
+    ppl = table(result, "shift_perplexity")
+    acc = table(result, "shift_summary")
+    if not len(ppl) and not len(acc):
+        return None
+    order = member_order(result)
+    figs, sentences = [], []
+    if len(ppl):
+        base = ppl[ppl.k == 0].set_index("model").perplexity
+        ppl = ppl.assign(ratio=ppl.perplexity / ppl.model.map(base))
+        last = ppl[ppl.k == ppl.groupby("model").k.transform("max")]
+        for m in [m for m in order if m in set(last.member)]:
+            g = last[last.member == m]
+            sentences.append(f"{m} {spread(g.ratio, '{:.3f}')} at k = {int(g.k.max())}")
+        figs.append(line_figure(ppl, "k", "ratio", order, "Text perplexity at start position k, relative to k = 0",
+                                 "start position k (tokens)", "perplexity(k) / perplexity(0)",
+                                 compare_caption(result, "The same text windows, every position moved by k.")))
+    if len(acc):
+        figs.append(line_figure(acc, "k", "accuracy", order, "Minimal-pair accuracy at start position k",
+                                 "start position k (tokens)", "accuracy",
+                                 compare_caption(result, "posprobe's built-in template pairs (not BLiMP).")))
+    text = ("Perplexity of the same text windows started at position k, over perplexity at k = 0: "
+            + "; ".join(sentences) + ". A learned table sees other rows at k > 0 and may degrade (Sinha et al. 2022); "
+            "rotary members are the control: a common shift of queries and keys cannot change their scores, so any "
+            "change there is numerical." + refused_text(result, "shift"))
+    return Section("Shift test: the same text at start position k", html=f"<p>{text}</p>", figures=figs)

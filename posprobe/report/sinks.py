@@ -7,8 +7,9 @@ from typing import Any
 
 import pandas as pd
 
+from posprobe.report.compare import compare_caption, member_order, pct, refused_text, table
 from posprobe.report.html import Section, table_html
-from posprobe.report.style import caption, layer_head_heatmap, style
+from posprobe.report.style import COLORS, caption, layer_head_heatmap, style
 
 #: Per-head metrics shown as layer x head heatmaps (one per condition), with what the colour means.
 HEATMAPS = {
@@ -252,3 +253,46 @@ def atlas_paragraph(result: Any, n: Any) -> str:
         text += f"; {the:.0%} with the text's first token replaced by 'the' (does the sink follow the token?)"
     part = result.parts["sinks"]
     return text + "." + control_reading(part) + massive_text(part) + ablation_text(part)
+
+
+# --- the atlas over many models: this analysis's models side by side -----------------------------------------
+
+def compare_section(result: Any) -> Section | None:
+    """The atlas over many models' sinks section: sink share on random tokens and text, the position-vs-token
+    control and massive activations per member. None where no model measured it."""
+    import plotly.express as px
+
+    share = table(result, "sink_overall")
+    if not len(share):
+        return None
+    order = member_order(result)
+    fig = px.bar(share.groupby(["member", "condition"], as_index=False).value.mean(), x="member", y="value",
+                 color="condition", barmode="group", category_orders={"member": order},
+                 color_discrete_sequence=list(COLORS), labels={"value": "sink share"},
+                 title="Attention sinks: share of (sequence, head) pairs with Sink_1^0.3 (Gu et al. 2025)")
+    # A share is a fraction: a fixed 0..1 axis, so a zoo without sinks shows bars at 0, not an empty -1..1 frame.
+    fig.update_yaxes(range=[0, 1], tickformat=".0%")
+    if not (share["value"] > 0).any():
+        fig.add_annotation(text="every share is 0: no model has a sink (Sink_1^0.3) on these inputs", showarrow=False,
+                           xref="paper", yref="paper", x=0.5, y=0.5)
+    fig = style(fig, caption=compare_caption(result, "Random tokens and text windows."))
+    by = share.pivot_table(index="member", columns="condition", values="value", aggfunc="mean")
+    parts = [f"{m} {pct(by.loc[m].get('random'))} / {pct(by.loc[m].get('text'))}" for m in order if m in by.index]
+    text = "Sink share on random tokens / text: " + ", ".join(parts) + "."
+    ctl = table(result, "sink_control")
+    if len(ctl):
+        c = ctl[ctl.metric == "sink_share"].pivot_table(index="member", columns="variant", values="value",
+                                                         aggfunc="mean")
+        moved = [v for v in c.columns if v.startswith("first token at position")]
+        if "as is" in c.columns and moved:
+            text += (" Does the sink follow position 0 or the token? Share with the first token moved to a later "
+                     "position, against as is: " + ", ".join(
+                         f"{m} {pct(c.loc[m, moved[0]])} vs {pct(c.loc[m, 'as is'])}" for m in order if m in c.index)
+                     + ".")
+    heads = (result.meta.get("headline") or {}).get("sinks", {})
+    found = {k: v["massive"] for k, v in heads.items() if (v.get("massive") or {}).get("layer") is not None}
+    text += (" Massive activations (Sun et al.: above 1000x the layer's median and 100): "
+             + ("; ".join(f"{k} layer {v['layer']}, dims {v.get('dims')}" for k, v in found.items()) if found
+                else "none in any model") + ".")
+    return Section("Attention sinks and massive activations",
+                   html=f"<p>{html.escape(text)}{refused_text(result, 'sinks')}</p>", figures=[fig])

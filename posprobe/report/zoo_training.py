@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from posprobe.report.compare import by_member, compare_caption, line_figure, member_order, table
 from posprobe.report.html import Section
 from posprobe.report.style import COLORS, caption, style
 
@@ -35,3 +36,23 @@ def sections(result: Any) -> list[Section]:
              "biases. 'differences' names what else differs from the block's other members.</p>")
     members = result.tables["members"]
     return [Section("Members", html=intro, table=members), Section("Training curves", figures=figures(result))]
+
+
+# --- the atlas over many models: this analysis's models side by side -----------------------------------------
+
+def compare_section(result: Any) -> Section | None:
+    """The atlas over many models' training section: every member's loss curve (mean over seeds, seeds' range).
+    None where no model measured it."""
+    df = table(result, "training")
+    if not len(df):
+        return None
+    members = table(result, "training_members")
+    final = by_member(members, "loss", member_order(result)).sort_values()
+    text = ("Final training loss (nats/token, mean of the last 10 steps, mean over seeds): "
+            + ", ".join(f"{m} {v:.2f}" for m, v in final.items()) + ".")
+    # The caption names the training text, not the text the other sections were measured on.
+    trained = {**result.meta, "data": result.meta.get("training_data") or {"source": "the zoo's training text"}}
+    fig = line_figure(df, "tokens", "loss", member_order(result), "Training loss", "training tokens",
+                      "training loss (nats/token)",
+                      compare_caption(result, "Read from the zoo's training folder.", meta=trained))
+    return Section("Training", html=f"<p>{text}</p>", figures=[fig])

@@ -1,8 +1,16 @@
 """The positional zoo, a model factory: small causal LMs that differ only in their positions, trained by posprobe as
 ordinary Hugging Face folders (`train_zoo`; on synthetic tasks `train_task_zoo`; continued to a longer context by
 `zoo.extend`). It stands below the analyses and imports none of them (tests/test_layers.py): comparing the models is
-the analyses' work (`posprobe.analyses.atlas_many`: `evaluate_zoo`, `run_zoo_atlas`). The zoo folder format is
-`zoo.folder`'s alone. Imports are lazy: `import posprobe.zoo` loads no torch."""
+the analyses' work (`posprobe.analyses.atlas_many`: `evaluate_zoo`, `run_zoo_atlas`). Imports are lazy:
+`import posprobe.zoo` loads no torch.
+
+Where a change lands (counted on the code):
+- a member: one `Member(...)` row in `members.py` plus its HF config builder in that module's `_BUILDERS` (two
+  places in one file); `tests/test_zoo.py` trains every member and checks its family is detected from the folder;
+- an architecture fact a member relies on (labels not shifted, weights a decoder-only forward leaves unused): the
+  architecture's row in `backend/architectures.py`, not the member;
+- the zoo folder format (zoo.json, eval.txt, training/, tasks/, member folder names): `folder.py` alone.
+"""
 
 from __future__ import annotations
 
