@@ -317,6 +317,8 @@ def test_bad_input_is_refused_before_training(tiny_zoo, tmp_path, capsys):
     bad = {
         ("--member", "alibi", "--method", "pi"): "alibi has no rotary positions",
         ("--member", "p-rope", "--method", "yarn"): "proportional rope type",
+        ("--member", "alibi", "--method", "pose"): "pose included: it reaches a model through HF's position_ids",
+        ("--member", "alibi", "--method", "drope"): "alibi has no rotary positions (alibi family), so drope",
         ("--member", "learned", "--method", "direct"): "learned table has L = 16 rows",
         ("--length", "16",): "must be longer than the members' training length L = 16",
         ("--member", "rope", "--rope-parameters", '{"rope_type": "dynamic", "factor": 2}'): "not a fixed extension",
