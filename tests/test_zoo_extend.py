@@ -14,6 +14,14 @@ Planted bugs seen failing (each by editing posprobe/zoo/, running the test, then
 - No look at step 0 before the first optimiser step: test_step_zero_is_the_unextended_member fails.
 - The checkpoint scores not restored on resume, or the running loss sum not kept in the state (a resumed run then
   logs another mean at the next logged step): test_killed_extension_resumes_to_the_uninterrupted_weights fails.
+Step 2 (PoSE, DroPE, scaled YaRN):
+- PoSE's position skip drawn from U{0..L'-L-1} (off by one), or added to the first chunk too, or drawn as the max of
+  two uniforms (skewed): test_pose_ids_follow_the_released_rule fails (the last by its chi2: 6331 against ~107).
+- The loop not passing the batch's position ids to the forward: test_pose_trains_at_L_with_its_ids... fails.
+- DroPE leaving layer 0 rotary (`no_rope_layers` [1, 0]): test_drope_scores_are_plain_dot_products... fails for
+  rope-llama and hybrid.
+- The scaled ramp's band share off by 10%: test_scaled_yarn_ramp_keeps_bands_at_small_L and
+  test_scaled_yarn_folder_carries_the_ramp fail.
 """
 
 from __future__ import annotations
