@@ -14,6 +14,14 @@ Planted bugs seen failing (each by editing posprobe/zoo/, running the test, then
 - No look at step 0 before the first optimiser step: test_step_zero_is_the_unextended_member fails.
 - The checkpoint scores not restored on resume, or the running loss sum not kept in the state (a resumed run then
   logs another mean at the next logged step): test_killed_extension_resumes_to_the_uninterrupted_weights fails.
+Step 2 (PoSE, DroPE, scaled YaRN):
+- PoSE's position skip drawn from U{0..L'-L-1} (off by one), or added to the first chunk too, or drawn as the max of
+  two uniforms (skewed): test_pose_ids_follow_the_released_rule fails (the last by its chi2: 6331 against ~107).
+- The loop not passing the batch's position ids to the forward: test_pose_trains_at_L_with_its_ids... fails.
+- DroPE leaving layer 0 rotary (`no_rope_layers` [1, 0]): test_drope_scores_are_plain_dot_products... fails for
+  rope-llama and hybrid.
+- The scaled ramp's band share off by 10%: test_scaled_yarn_ramp_keeps_bands_at_small_L and
+  test_scaled_yarn_folder_carries_the_ramp fail.
 """
 
 from __future__ import annotations
@@ -106,7 +114,7 @@ def _paper_inv_freq(method: str, name: str, head_dim: int) -> tuple[torch.Tensor
     return theta, temperature
 
 
-CASES = [(name, method) for name in ROTARY for method in ("direct", "pi", "ntk", "yarn", "abf", "custom")
+CASES = [(name, method) for name in ROTARY for method in ("direct", "pi", "ntk", "yarn", "abf", "pose", "custom")
          if not (name == "p-rope" and method in ("yarn", "custom"))]
 
 
@@ -117,8 +125,9 @@ def extended(tiny_zoo, ids_and_tokenizer, tmp_path_factory):
     out = tmp_path_factory.mktemp("ext")
     folders = {}
     for custom in (False, True):
-        cfg = ExtendConfig(members=ROTARY if not custom else ROTARY[:4], methods=("direct", "pi", "ntk", "abf")
-                           if not custom else ("yarn",), steps=1, checkpoints=(), progress=False,
+        cfg = ExtendConfig(members=ROTARY if not custom else ROTARY[:4],
+                           methods=("direct", "pi", "ntk", "abf", "pose", "drope") if not custom else ("yarn",),
+                           steps=1, checkpoints=(), progress=False,
                            rope_parameters={"rope_type": "linear", "factor": 2.0} if custom else None)
         jobs, left = plan_extension(tiny_zoo, cfg)
         assert not left
@@ -316,6 +325,8 @@ def test_bad_input_is_refused_before_training(tiny_zoo, tmp_path, capsys):
     bad = {
         ("--member", "alibi", "--method", "pi"): "alibi has no rotary positions",
         ("--member", "p-rope", "--method", "yarn"): "proportional rope type",
+        ("--member", "alibi", "--method", "pose"): "pose included: it reaches a model through HF's position_ids",
+        ("--member", "alibi", "--method", "drope"): "alibi has no rotary positions (alibi family), so drope",
         ("--member", "learned", "--method", "direct"): "learned table has L = 16 rows",
         ("--length", "16",): "must be longer than the members' training length L = 16",
         ("--member", "rope", "--rope-parameters", '{"rope_type": "dynamic", "factor": 2}'): "not a fixed extension",
@@ -362,3 +373,306 @@ def test_zoo_eval_keeps_extended_methods_apart():
     rec = {"member": "rope", "family": "rotary", "block": "gpt", "seed": 1}
     assert member_info("rope-s1", rec)["member"] == "rope"
     assert member_info("rope-s1-pi", {**rec, "method": "pi"})["member"] == "rope+pi"
+
+
+# --- PoSE -------------------------------------------------------------------------------------------------------
+
+def _pose_rows(n_steps: int, batch: int, n_ids: int = 2000, seed: int = 3):
+    """PoSE batches over ids 0..n_ids-1 (a token's id is its place in the text, so the content skip can be read off
+    the tokens): per row (start, l0, v, u) read back from the ids alone, as the rule below names them."""
+    from posprobe.zoo.extend import pose_batch
+
+    ids = torch.arange(n_ids)
+    out = []
+    for step in range(n_steps):
+        x, pos = pose_batch(ids, step, seed, batch, L, TARGET)
+        assert x.shape == pos.shape == (batch, L)
+        for row, p in zip(x.tolist(), pos.tolist()):
+            out.append((row, p))
+    return out
+
+
+def test_pose_ids_follow_the_released_rule():
+    """Zhu et al.'s rule as their code draws it (dwzhu-pku/PoSE, src/train_pose.py, train_preprocess_function_pose,
+    N = 2): chunk 1 = positions 0..l0-1 with l0 ~ U{1..(L+1)//2}; chunk 2 = positions l0+u..L-1+u with
+    u ~ U{0..L'-L}; its text l0+v..L-1+v of a window of W = min(5L, text) tokens, v ~ U{0..W-L}. Everything is read
+    back from the ids, and each draw's histogram is checked against the uniform law on exactly that range."""
+    from posprobe.zoo.extend import pose_batch
+
+    W = 5 * L
+    rows = _pose_rows(400, 48)
+    us, l0s, vs = [], [], []
+    for x, p in rows:
+        assert p[0] == 0 and all(0 <= q < TARGET for q in p)
+        jumps = [i for i in range(1, L) if p[i] != p[i - 1] + 1]
+        assert len(jumps) <= 1 and all(p[i] > p[i - 1] for i in range(1, L))  # two contiguous chunks, increasing
+        u = p[-1] - (L - 1)
+        us.append(u)
+        if jumps:
+            (l0,) = jumps
+            assert p[l0] - p[l0 - 1] - 1 == u
+            l0s.append(l0)  # l0 is seen only where u > 0; u is drawn apart from l0, so this is still U{1..8}
+            # the text: chunk 1 contiguous from the window's start, chunk 2 contiguous, skipped by v
+            assert x[:l0] == list(range(x[0], x[0] + l0)) and x[l0:] == list(range(x[l0], x[l0] + L - l0))
+            v = x[l0] - x[l0 - 1] - 1
+            assert 0 <= x[0] <= 2000 - W
+            vs.append(v)
+
+    def chi2_uniform(values, low, high):
+        k = high - low + 1
+        counts = torch.bincount(torch.tensor(values) - low, minlength=k)
+        assert counts.numel() == k, (low, high, counts.numel())  # nothing outside the range
+        assert (counts > 0).all(), "every value of the range is drawn"
+        e = len(values) / k
+        stat = float(((counts - e) ** 2 / e).sum())
+        return stat, k - 1
+
+    for values, low, high in ((us, 0, TARGET - L), (l0s, 1, (L + 1) // 2), (vs, 0, W - L)):
+        assert min(values) == low and max(values) == high
+        stat, dof = chi2_uniform(values, low, high)
+        assert stat < dof + 6 * math.sqrt(2 * dof), (low, high, stat, dof)  # ~4 sigma above the chi2 mean
+    # Seeded: the same (seed, step) gives the same batch; another step or seed another one.
+    ids = torch.arange(2000)
+    a = pose_batch(ids, 5, 1, 8, L, TARGET)
+    assert all(torch.equal(s, t) for s, t in zip(a, pose_batch(ids, 5, 1, 8, L, TARGET)))
+    assert not torch.equal(a[1], pose_batch(ids, 6, 1, 8, L, TARGET)[1])
+    assert not torch.equal(a[1], pose_batch(ids, 5, 2, 8, L, TARGET)[1])
+
+
+def _rotary_position_reads():
+    from torch.nn.modules.module import register_module_forward_pre_hook
+
+    reads = []
+
+    def hook(module, args):
+        if type(module).__name__.endswith("RotaryEmbedding") and module.training and len(args) >= 2:
+            reads.append(args[1].detach().clone())
+    return reads, register_module_forward_pre_hook(hook)
+
+
+def test_pose_trains_at_L_with_its_ids_and_resumes_bit_for_bit(tiny_zoo, ids_and_tokenizer, tmp_path):
+    """The ids the model's own rotary module receives during the fine-tuning are pose_batch's of each step (seen
+    from outside the loop); the saved member carries L' and its own rope; a killed run resumes to the same weights."""
+    from safetensors.torch import load_file
+
+    from posprobe.report.checkpoint import Checkpoint
+    from posprobe.zoo.extend import pose_batch
+
+    ids, tok = ids_and_tokenizer
+    cfg = ExtendConfig(members=("rope-llama",), methods=("pose",), steps=4, checkpoints=(), checkpoint_every=1,
+                       progress=False)
+    (job,), _ = plan_extension(tiny_zoo, cfg)
+    assert (job.train_length, job.batch_size) == (L, 8)  # the pre-training batch at L: same tokens per step
+    reads, handle = _rotary_position_reads()
+    try:
+        whole = extend_member(job, cfg, ids, tok, tmp_path / "whole", (lambda: None, lambda s: None))
+    finally:
+        handle.remove()
+    assert len(reads) == 4
+    for step, got in enumerate(reads):
+        assert torch.equal(got, pose_batch(ids, step, job.seed, 8, L, TARGET)[1])
+    seen = torch.cat(reads)
+    assert seen.max() >= L and seen.max() < TARGET  # past L, never at or past L'
+    folder = tmp_path / "whole"
+    c = json.loads((folder / "config.json").read_text())
+    own = json.loads((job.source / "config.json").read_text())
+    assert c["max_position_embeddings"] == TARGET and c["rope_parameters"] == own["rope_parameters"]
+    rec = json.loads((folder / "zoo.json").read_text())["extension"]
+    assert rec["method"] == "pose" and rec["train_length"] == L and rec["notes"]["positions"] == "unscaled"
+    io, saved = dying_state_io(Checkpoint(tmp_path / "work", {"k": 2}), after=2)
+    with pytest.raises(Died):
+        extend_member(job, cfg, ids, tok, tmp_path / "resumed", io)
+    assert saved == [1, 2]
+    resumed = extend_member(job, cfg, ids, tok, tmp_path / "resumed", io)
+    assert resumed["steps_run"] == 2 and resumed["log"] == whole["log"]
+    a, b = load_file(folder / "model.safetensors"), load_file(tmp_path / "resumed" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# --- DroPE ------------------------------------------------------------------------------------------------------
+
+def _attention_probs_by_hand(model, ids: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(each layer's attention probabilities from the model's own eager forward, the same computed here in plain
+    torch from each attention module's input: q.k / sqrt(d_head) with no rotation, causal mask, softmax)."""
+    inputs = []
+    attn_modules = [m for name, m in model.named_modules() if name.endswith(("self_attn", "attention"))
+                    and hasattr(m, "forward") and not name.endswith("attention.attention")]
+    hooks = [m.register_forward_pre_hook(lambda mod, a, kw: inputs.append(kw.get("hidden_states", a[0] if a else None)),
+                                         with_kwargs=True) for m in attn_modules]
+    try:
+        with torch.no_grad():
+            out = model(ids, output_attentions=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    cfg = model.config
+    H = cfg.num_attention_heads
+    d = cfg.hidden_size // H
+    mine = []
+    for mod, hs in zip(attn_modules, inputs):
+        b, t, _ = hs.shape
+        if hasattr(mod, "query_key_value"):  # GPT-NeoX: one projection, per head [q | k | v]
+            qkv = torch.nn.functional.linear(hs, mod.query_key_value.weight, mod.query_key_value.bias)
+            qkv = qkv.view(b, t, H, 3, d)
+            q, k = qkv[..., 0, :], qkv[..., 1, :]
+        else:  # Llama / SmolLM3: separate projections, no bias
+            q = (hs @ mod.q_proj.weight.T).view(b, t, H, d)
+            k = (hs @ mod.k_proj.weight.T).view(b, t, H, d)
+        scores = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double()) / math.sqrt(d)
+        scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+        mine.append(scores.softmax(-1))
+    return [a.double() for a in out.attentions], mine
+
+
+@pytest.mark.parametrize("name", ROTARY)
+def test_drope_scores_are_plain_dot_products_in_every_layer(extended, name):
+    from transformers import AutoModelForCausalLM
+
+    folder, job = extended[(name, "drope")]
+    c = json.loads((folder / "config.json").read_text())
+    if name in ("rope-llama", "hybrid"):
+        assert c["no_rope_layers"] == [0, 0] and job.notes["removed"] == "no_rope_layers"
+    else:
+        assert c["rope_parameters"]["rope_type"] == "proportional"
+        assert c["rope_parameters"]["partial_rotary_factor"] == 0.0
+    assert c["max_position_embeddings"] == TARGET
+    ids = torch.randint(3, 300, (2, 40), generator=torch.Generator().manual_seed(0))
+    for source, rotates in ((folder, False), (job.source, True)):
+        model = AutoModelForCausalLM.from_pretrained(source, attn_implementation="eager").eval()
+        hf, mine = _attention_probs_by_hand(model, ids)
+        assert len(hf) == len(mine) == 2
+        worst = max(float((a - b).abs().max()) for a, b in zip(hf, mine))
+        if rotates:  # the unextended member rotates in some layer: the by-hand scores are not its scores
+            assert worst > 1e-3, (name, worst)
+        else:
+            assert worst <= 1e-6, (name, worst)
+
+
+def test_drope_refused_for_a_class_that_cannot_carry_it(tmp_path):
+    """GPT-J's rotary table is its own (`rotary_dim`), not built from rope_parameters, and GPTJConfig has no
+    no_rope_layers: refused with one sentence. A Llama with the default rope type is carried (the proportional type
+    with partial_rotary_factor 0, which Llama's rotary module reads)."""
+    from transformers import GPTJConfig, GPTJForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from posprobe.zoo.extend import drope_config
+
+    GPTJForCausalLM(GPTJConfig(vocab_size=64, n_embd=32, n_layer=1, n_head=2, rotary_dim=8, n_positions=64,
+                               bos_token_id=1, eos_token_id=1)).save_pretrained(tmp_path / "gptj")
+    with pytest.raises(ValueError) as e:
+        drope_config(tmp_path / "gptj", 64)
+    assert str(e.value) == ("HF's gptj config cannot carry a model without rotation: it has no no_rope_layers, and "
+                            "its rotary positions are not read from rope_parameters")
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                      pad_token_id=0, bos_token_id=1, eos_token_id=1,
+                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "llama")
+    rope, fields, _ = drope_config(tmp_path / "llama", 64)
+    assert rope["rope_type"] == "proportional" and rope["partial_rotary_factor"] == 0.0 and not fields
+
+
+# --- YaRN's ramp at small L --------------------------------------------------------------------------------------
+
+def test_scaled_yarn_ramp_keeps_bands_at_small_L():
+    """At L = 128 (d = 32, base 1e4, s = 4) the paper's beta = 32 keeps no band by the paper's formula; the scaled
+    ramp (beta x L/4096, alpha x L/4096 at base 1e4) keeps the fastest bands. gamma is checked against Peng et
+    al.'s formula (ramp by turns) and HF's (ramp by band index), both written out here."""
+    from posprobe.analyses.context_extension import yarn_bands
+    from posprobe.zoo.extend import ExtendJob, method_rope_parameters, scaled_yarn_betas
+
+    Lb, T, d, b = 128, 512, 32, 10000.0
+    assert scaled_yarn_betas(Lb, b) == pytest.approx((32 * Lb / 4096, Lb / 4096), rel=1e-12)
+    assert scaled_yarn_betas(4096, b) == pytest.approx((32.0, 1.0), rel=1e-12)  # the reference is left as it is
+    j = torch.arange(d // 2, dtype=torch.float64)
+    turns = Lb / (2 * math.pi * b ** (2 * j / d))
+
+    def paper(alpha, beta):  # Peng et al. Eq. 18-19: gamma(r) = 0 below alpha, 1 above beta, linear between
+        return torch.clamp((turns - alpha) / (beta - alpha), 0, 1)
+
+    def hf(alpha, beta):  # the reference code's and HF's: linear in the band index between the outward-rounded ends
+        def band(r):
+            return d * math.log(Lb / (r * 2 * math.pi)) / (2 * math.log(b))
+        low, high = max(math.floor(band(beta)), 0), min(math.ceil(band(alpha)), d - 1)
+        return 1 - torch.clamp((j - low) / (high - low), 0, 1)
+
+    got = {}
+    for ramp in ("paper", "scaled"):
+        rope, notes = method_rope_parameters("yarn", {"rope_type": "default", "rope_theta": b}, d, Lb, T,
+                                             yarn_ramp=ramp)
+        job = ExtendJob("rope-llama", 0, "yarn", Path("x"), {}, Lb, T, rope, 1, 1e-4, 0, notes)
+        got[ramp] = yarn_bands(job)
+    alpha, beta = 1 / 32, 1.0
+    g = got["scaled"]
+    assert torch.allclose(torch.tensor(g["gamma_paper"].to_numpy()), paper(alpha, beta), atol=1e-12)
+    assert torch.allclose(torch.tensor(g["gamma"].to_numpy()), hf(alpha, beta), atol=1e-12)
+    assert torch.allclose(torch.tensor(got["paper"]["gamma_paper"].to_numpy()), paper(1.0, 32.0), atol=1e-12)
+    assert (got["paper"]["gamma_paper"] < 1).all()  # the paper's ramp keeps no band at L = 128
+    kept = int((g["gamma_paper"] == 1).sum())
+    assert kept == 6 and int((g["gamma"] == 1).sum()) == 6  # bands 0-5 turn more than once within 128 tokens
+    # the share kept is Llama 2's at 4,096 tokens (bands turning > 32 times: 21 of 64) to within a band
+    llama_kept = int((4096 / (2 * math.pi * b ** (2 * torch.arange(64.0) / 128)) > 32).sum())
+    assert abs(kept / 16 - llama_kept / 64) <= 1 / 16
+    freq = torch.tensor(g["freq_factor"].to_numpy())
+    assert torch.allclose(freq, (1 - hf(alpha, beta)) / 4 + hf(alpha, beta), atol=1e-12)
+
+
+def test_scaled_yarn_folder_carries_the_ramp(tiny_zoo, ids_and_tokenizer, tmp_path):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    ids, tok = ids_and_tokenizer
+    cfg = ExtendConfig(members=("rope-llama",), methods=("yarn",), yarn_ramp="scaled", steps=1, checkpoints=(),
+                       progress=False)
+    (job,), _ = plan_extension(tiny_zoo, cfg)
+    extend_member(job, cfg, ids, tok, tmp_path / "y", (lambda: None, lambda s: None))
+    cos, sin, config = _cos_sin(tmp_path / "y", 2 * TARGET)
+    p = config.rope_parameters
+    assert p["beta_fast"] == pytest.approx(32 * L / 4096) and p["beta_slow"] == pytest.approx(L / 4096)
+    inv, factor = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
+    hf_cos, _ = _table(inv, factor, 2 * TARGET)
+    assert (cos.double() - hf_cos).abs().max() <= 1e-6
+    d, b = 16, 10000.0
+    j = torch.arange(d // 2, dtype=torch.float64)
+
+    def band(r):
+        return d * math.log(L / (r * 2 * math.pi)) / (2 * math.log(b))
+
+    low, high = max(math.floor(band(p["beta_fast"])), 0), min(math.ceil(band(p["beta_slow"])), d - 1)
+    gamma = 1 - torch.clamp((j - low) / (high - low), 0, 1)
+    theta = ((1 - gamma) / S + gamma) * b ** (-2 * j / d)
+    p_cos, _ = _table(theta, 0.1 * math.log(S) + 1, 2 * TARGET)
+    assert (cos.double() - p_cos).abs().max() <= 1e-6
+
+
+def test_pose_and_drope_end_to_end(tiny_zoo, tmp_path):
+    """`extend_zoo` with pose and drope on a GPT-NeoX and a SmolLM3 member: the curves are scored through the same
+    analysis as the other methods, at step 0 DroPE's ppl equals a plain HF forward of the member without rotation,
+    and the runs count the tokens of their L-long sequences."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from posprobe.analyses.context_extension import extend_zoo
+
+    cfg = ExtendConfig(members=("rope", "rope-llama"), methods=("pose", "drope"), steps=2, checkpoints=(0,),
+                       eval_tokens=256, sliding="never", progress=False)
+    result = extend_zoo(tiny_zoo, cfg, tmp_path / "out")
+    curves, runs = result.tables["curves"], result.tables["runs"]
+    assert set(curves["method"]) == {"unextended", "pose", "drope"} and (curves["status"] == "ok").all()
+    assert set(runs["tokens_per_step"]) == {8 * L}
+    for name in ("rope", "rope-llama"):
+        c = json.loads((tmp_path / "out" / f"{name}-s0-drope" / "config.json").read_text())
+        assert c.get("no_rope_layers") == [0, 0] or c["rope_parameters"] == {
+            "rope_type": "proportional", "rope_theta": 10000.0, "partial_rotary_factor": 0.0}
+    # DroPE at step 0 = the unextended weights without rotation, by a plain HF forward (chunks of L').
+    tok = AutoTokenizer.from_pretrained(tiny_zoo / "rope-s0")
+    ids = torch.tensor(tok((tiny_zoo / "eval.txt").read_text(), add_special_tokens=False)["input_ids"])
+    src = tiny_zoo / "rope-s0"
+    # GPT-NeoX with zero rotated dims: another way to say "no rotation" than the folder's (proportional, p = 0)
+    no_rope = AutoConfig.from_pretrained(src, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                               "partial_rotary_factor": 0.0})
+    model = AutoModelForCausalLM.from_pretrained(src, config=no_rope).eval()
+    rows = ids[:256].view(-1, TARGET)
+    with torch.no_grad():
+        logits = model(rows).logits[:, :-1]
+    want = math.exp(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).double(),
+                                                      rows[:, 1:].reshape(-1)).item())
+    got = curves[(curves.member == "rope") & (curves.method == "drope") & (curves.step == 0)
+                 & (curves.length == TARGET)]["ppl"].item()
+    assert got == pytest.approx(want, rel=1e-5)

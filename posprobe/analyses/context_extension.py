@@ -61,7 +61,8 @@ def training_text(zoo: str | os.PathLike, text: str | None, source: str | None) 
 
 def yarn_bands(job: ExtendJob) -> pd.DataFrame:
     """Per rotary band of a yarn run: its period (tokens), turns within L, HF's gamma (ramp by band index, what the
-    member gets) and the paper's (ramp by turns), and the factor on its frequency ((1 - gamma)/s + gamma)."""
+    member gets) and the paper's (ramp by turns), both with the run's alpha = beta_slow and beta = beta_fast (the
+    paper's 1 and 32, or the scaled ramp's), and the factor on its frequency ((1 - gamma)/s + gamma)."""
     import numpy as np
 
     from posprobe.rope import RotarySpec
@@ -69,9 +70,9 @@ def yarn_bands(job: ExtendJob) -> pd.DataFrame:
 
     rp = job.rope_parameters or {}
     spec = RotarySpec(rotary_dim=int(job.notes["rotary_dims"]), base=float(rp["rope_theta"]))
-    gamma = yarn_gamma(spec, job.length, alpha=float(rp.get("beta_slow") or 1),
-                       beta=float(rp.get("beta_fast") or 32), ramp="band")
-    paper = yarn_gamma(spec, job.length, ramp="turns")
+    alpha, beta = float(rp.get("beta_slow") or 1), float(rp.get("beta_fast") or 32)
+    gamma = yarn_gamma(spec, job.length, alpha=alpha, beta=beta, ramp="band")
+    paper = yarn_gamma(spec, job.length, alpha=alpha, beta=beta, ramp="turns")
     period = band_periods(spec)
     s = job.scale
     return pd.DataFrame({"member": job.member, "band": np.arange(spec.n_bands), "period": period,
@@ -215,7 +216,7 @@ def _result(config: ExtendConfig, jobs: list[ExtendJob], left_out: list[dict], b
             done_base.add((j.member, j.seed))
             curves += [{**tag(j, UNEXTENDED), "step": 0, "tokens": 0, **r,
                         "vs_unextended_L": r["ppl"] / ref[r["protocol"]]} for r in base[(j.member, j.seed)]]
-        tokens_per_step = j.batch_size * target
+        tokens_per_step = j.batch_size * j.train_length  # pose and drope train at L
         for step, rows in rec["checkpoints"]:
             curves += [{**tag(j, j.method), "step": step, "tokens": step * tokens_per_step, **r,
                         "vs_unextended_L": r["ppl"] / ref[r["protocol"]]} for r in rows]

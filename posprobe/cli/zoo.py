@@ -68,11 +68,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from posprobe.cli.main import docs_epilog
 
     x = sub.add_parser("extend", epilog=docs_epilog("docs/zoo-extend.md"),
-                       help="continue every rotary member from L to L' under PI, NTK, YaRN, base change (Chen et al., "
-                            "bloc97, Peng et al., Xiong et al.); perplexity curves",
+                       help="continue every rotary member from L to L' under PI, NTK, YaRN, base change, PoSE, DroPE "
+                            "(Chen et al., bloc97, Peng et al., Xiong et al., Zhu et al., Gelberg et al.); perplexity "
+                            "curves",
                        description="Context extension by fine-tuning: every rotary member x seed of a zoo continued "
                                    "from its training length L to L' under each method (its config.json carries the "
-                                   "method as HF's own rope_parameters), the non-rotary members fine-tuned directly "
+                                   "method as HF's own rope_parameters or no_rope_layers; PoSE and DroPE train at "
+                                   "L), the non-rotary members fine-tuned directly "
                                    "as controls; perplexity at L, L' and 2L' at each checkpoint. A killed run "
                                    "resumes when the same command is repeated.")
     x.add_argument("zoo", metavar="ZOO", help="a zoo folder written by posprobe zoo train")

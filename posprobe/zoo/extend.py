@@ -10,6 +10,11 @@ Methods (s = L'/L, b the member's base, d the dims its frequency exponent runs o
 - `yarn`: YaRN (HF `rope_type="yarn"`, `factor` s, `original_max_position_embeddings` L: HF's ramp by band index
   between the bands that turn beta_fast = 32 and beta_slow = 1 times within L, cos/sin times 0.1 ln s + 1);
 - `abf`: base change (Xiong et al. 2023; `rope_theta` -> `abf_base`);
+- `pose`: PoSE (Zhu et al. 2024): fine-tune at L with skip-wise position ids covering [0, L') (`pose_batch`: the
+  rule of the authors' released code), the rope as it is (`rope_parameters` unchanged, `max_position_embeddings` L');
+- `drope`: DroPE (Gelberg et al. 2025): the rotation removed in every layer (HF's `no_rope_layers` all 0 where the
+  class has it, else HF's `proportional` type with `partial_rotary_factor` 0: every band removed), recalibrated
+  at L;
 - `custom`: a user's own `rope_parameters` dict, laid over the member's.
 Non-rotary members (sinusoidal, ALiBi, NoPE, T5) are the controls: fine-tuned at L' with the same budget (`direct`).
 
@@ -21,7 +26,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Literal
 
@@ -31,17 +36,23 @@ from posprobe.zoo.config import ZooConfig
 from posprobe.zoo.folder import extended_folder_name, read_zoo
 from posprobe.zoo.members import member
 
-__all__ = ["ABF_REFERENCE", "DEFAULT_METHODS", "METHODS", "ExtendConfig", "ExtendJob", "abf_default_base",
-           "extend_member", "method_rope_parameters", "plan_extension",
-           "steps_to_threshold"]
+__all__ = ["ABF_REFERENCE", "DEFAULT_METHODS", "METHODS", "YARN_REFERENCE", "ExtendConfig", "ExtendJob",
+           "abf_default_base", "drope_config", "extend_member", "method_rope_parameters", "plan_extension",
+           "pose_batch", "scaled_yarn_betas", "steps_to_threshold"]
 
-METHODS = ("direct", "pi", "ntk", "yarn", "abf", "custom")
+METHODS = ("direct", "pi", "ntk", "yarn", "abf", "pose", "drope", "custom")
+#: The methods that fine-tune at the member's own length L (the others at L').
+AT_L = ("pose", "drope")
+#: PoSE's text window: the released code reads up to 5L tokens of a document and takes both chunks from them.
+POSE_TEXT_WINDOW = 5
+#: YaRN's reference setting (Peng et al. 2023, Llama 2): L = 4,096, base 1e4, beta = 32, alpha = 1 turns within L.
+YARN_REFERENCE = (4096, 10000.0, 32.0, 1.0)
 DEFAULT_METHODS = ("direct", "pi", "ntk", "yarn", "abf")
 #: The method the non-rotary controls are fine-tuned with.
 CONTROL_METHOD = "direct"
 #: Xiong et al. 2023 (ABF): base 1e4 -> 5e5 for Llama 2 from 4,096 to 32,768 tokens (s = 8), a x50 base.
 ABF_REFERENCE = (50.0, 8.0)
-Method = Literal["direct", "pi", "ntk", "yarn", "abf", "custom"]
+Method = Literal["direct", "pi", "ntk", "yarn", "abf", "pose", "drope", "custom"]
 
 
 def abf_default_base(base: float, scale: float) -> float:
@@ -53,6 +64,25 @@ def abf_default_base(base: float, scale: float) -> float:
     return float(base * mult ** (math.log(scale) / math.log(ref_s)))
 
 
+def scaled_yarn_betas(length: int, base: float) -> tuple[float, float]:
+    """(beta_fast, beta_slow) of the scaled YaRN ramp for a member of training length `length` and rope base `base`:
+    the turns within L at which the ramp starts and ends are moved so that each boundary falls at the same fraction
+    of the member's bands as the paper's beta = 32 and alpha = 1 do for Llama 2 (L = 4,096, base 1e4).
+
+    Band j (of n) turns r = L / (2 pi b^(j/n)) times within L, so the band that turns r times sits at the fraction
+    j/n = ln(L / (2 pi r)) / ln b of the bands, whatever n is: keeping that fraction gives
+    r' = L / (2 pi) * b^(-ln(L_ref / (2 pi r)) / ln b_ref), and for the reference base simply r' = r L / L_ref
+    (beta 1 and alpha 1/32 at L = 128). The band count drops out: the same share of every head's bands is kept
+    (about the fastest third), ramped and interpolated as in Llama 2."""
+    ref_len, ref_base, beta, alpha = YARN_REFERENCE
+
+    def moved(turns: float) -> float:
+        frac = math.log(ref_len / (2 * math.pi * turns)) / math.log(ref_base)
+        return float(length / (2 * math.pi) * base ** (-frac))
+
+    return moved(beta), moved(alpha)
+
+
 @dataclass(frozen=True, kw_only=True)
 class ExtendConfig:
     """What `posprobe zoo extend` does: every chosen member x seed of a zoo continued from its length L to L' under
@@ -62,7 +92,8 @@ class ExtendConfig:
 
     length: int | None = option(None, "target length L' in tokens (default: 4 x the members' training length L)")
     methods: tuple[Method, ...] = option(DEFAULT_METHODS, "methods for the rotary members (repeatable): direct, pi, "
-                                                          "ntk, yarn, abf (custom is added by --rope-parameters)",
+                                                          "ntk, yarn, abf, pose, drope (custom is added by "
+                                                          "--rope-parameters)",
                                          flag="--method")
     members: tuple[str, ...] | None = option(None, "members to extend (repeatable; default: every member of the zoo, "
                                                    "the non-rotary ones fine-tuned directly as controls)",
@@ -72,8 +103,9 @@ class ExtendConfig:
     steps: int = option(200, "fine-tuning steps per member and method (Chen et al.: PI recovers within 200)")
     checkpoints: tuple[int, ...] = option((0, 25, 50, 100, 200), "steps at which each run is evaluated (0 = the "
                                                                  "method at inference only; the last step always)")
-    batch_size: int | None = option(None, "sequences of L' tokens per step (default: the member's pre-training batch "
-                                          "x L / L', the same tokens per step)")
+    batch_size: int | None = option(None, "sequences of L' tokens per step (pose, drope: of L tokens; default: the "
+                                          "member's pre-training batch x L / L' (pose, drope: x 1), the same tokens "
+                                          "per step)")
     lr: float | None = option(None, "peak AdamW learning rate (default: a tenth of the member's pre-training lr, "
                                     "continued training as Chen et al.'s 2e-5 after LLaMA's 3e-4)")
     warmup: int | None = option(None, "linear warmup steps (default: 20 as Chen et al., at most a tenth of the steps)")
@@ -81,6 +113,10 @@ class ExtendConfig:
     grad_clip: float = option(1.0, "gradient norm clip")
     abf_base: float | None = option(None, "abf: the new rope base (default: Xiong et al.'s x50 for an 8x extension "
                                           "kept per doubling, b x 50^(log s / log 8): 1.36e5 from 1e4 for s = 4)")
+    yarn_ramp: Literal["paper", "scaled"] = option(
+        "paper", "yarn's ramp: paper (beta_fast 32, beta_slow 1 turns within L) or scaled (both moved so that each "
+                 "ramp end falls at the same share of the bands as the paper's for Llama 2 at 4,096: beta x L/4096 "
+                 "at base 1e4; some bands stay untouched at L = 128)")
     rope_parameters: dict | None = option(None, "", cli=False)
     eval_tokens: int = option(8192, "scored tokens per length and protocol at each checkpoint (as zoo eval, so "
                                     "'ppl at L' is one number in both; 4,096 halves the scoring time)")
@@ -129,6 +165,8 @@ class ExtendConfig:
             raise ValueError("lr and grad_clip must be > 0 and weight_decay >= 0")
         if self.sliding not in ("last", "every", "never"):
             raise ValueError(f"sliding must be last, every or never; got {self.sliding!r}")
+        if self.yarn_ramp not in ("paper", "scaled"):
+            raise ValueError(f"yarn_ramp must be paper or scaled; got {self.yarn_ramp!r}")
         if self.abf_base is not None and self.abf_base <= 1:
             raise ValueError(f"abf_base must be > 1, got {self.abf_base}")
 
@@ -159,11 +197,17 @@ class ExtendJob:
     lr: float
     warmup: int
     notes: dict = field(default_factory=dict)
+    overrides: dict = field(default_factory=dict)  # further HF config fields (drope: no_rope_layers)
 
     @property
     def scale(self) -> float:
         """s = L'/L."""
         return self.target / self.length
+
+    @property
+    def train_length(self) -> int:
+        """The length of the fine-tuning sequences: L for pose and drope, L' for the others."""
+        return self.length if self.method in AT_L else self.target
 
     @property
     def folder_name(self) -> str:
@@ -192,10 +236,12 @@ def _rope_of(folder: Path) -> tuple[dict, int]:
 
 
 def method_rope_parameters(method: str, rope: dict, head_dim: int, length: int, target: int, *,
-                           abf_base: float | None = None, custom: dict | None = None) -> tuple[dict, dict]:
+                           abf_base: float | None = None, custom: dict | None = None,
+                           yarn_ramp: str = "paper") -> tuple[dict, dict]:
     """(the HF `rope_parameters` of a member whose own are `rope` extended by `method` from `length` to `target`
     tokens, notes: the numbers chosen). ValueError with one sentence where HF's config cannot carry the method for
-    this rope type (p-RoPE's `proportional` type has no YaRN), or for a type whose table changes with the input."""
+    this rope type (p-RoPE's `proportional` type has no YaRN), or for a type whose table changes with the input.
+    `pose` keeps the rope as it is; `drope`'s removal depends on the class (`drope_config`), not on rope alone."""
     s = target / length
     kind = rope.get("rope_type", "default")
     base = float(rope["rope_theta"])
@@ -208,8 +254,9 @@ def method_rope_parameters(method: str, rope: dict, head_dim: int, length: int, 
     d = head_dim if kind == "proportional" else int(head_dim * prf)
     out = dict(rope)
     notes: dict[str, Any] = {"scale": s}
-    if method == "direct":
-        pass
+    if method in ("direct", "pose"):
+        if method == "pose":
+            notes.update(chunks=2, text_window=POSE_TEXT_WINDOW * length, positions="unscaled")
     elif method == "pi":
         if kind == "default":
             out["rope_type"] = "linear"
@@ -223,7 +270,11 @@ def method_rope_parameters(method: str, rope: dict, head_dim: int, length: int, 
                              "yarn type would rotate only a quarter-width table without p-RoPE's removed bands: "
                              "yarn cannot be carried for this member (use pi, ntk or abf)")
         out.update(rope_type="yarn", factor=s, original_max_position_embeddings=length)
-        notes.update(temperature=0.1 * math.log(s) + 1, rotary_dims=d)
+        notes.update(temperature=0.1 * math.log(s) + 1, rotary_dims=d, ramp=yarn_ramp)
+        if yarn_ramp == "scaled":
+            fast, slow = scaled_yarn_betas(length, base)
+            out.update(beta_fast=fast, beta_slow=slow)
+            notes.update(beta_fast=fast, beta_slow=slow)
     elif method == "abf":
         out["rope_theta"] = float(abf_base) if abf_base is not None else abf_default_base(base, s)
         notes.update(abf_base=out["rope_theta"])
@@ -238,9 +289,57 @@ def method_rope_parameters(method: str, rope: dict, head_dim: int, length: int, 
                              "perplexity would depend on the lengths scored before it: not a fixed extension")
         if kind == "proportional" and new != "proportional":
             raise ValueError(f"p-RoPE's rope type is 'proportional'; rope_type {new!r} would drop its removed bands")
+    elif method == "drope":
+        raise ValueError("drope removes the rotation through the member's HF class: use drope_config")
     else:
         raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
     return out, notes
+
+
+def drope_config(folder: Path, target: int) -> tuple[dict, dict, dict]:
+    """(rope_parameters, further config fields, notes) that turn the rotation off in every layer of the HF member
+    at `folder`, in its own class's config: `no_rope_layers` all 0 where the class has that field (SmolLM3: 1 = a
+    rotary layer), else HF's `proportional` rope type with `partial_rotary_factor` 0 (p-RoPE at p = 0: every band
+    removed, cos 1 and sin 0 over the whole head) where the class's rotary module then builds a table that turns
+    nothing (GPT-NeoX, Llama). Checked on the config alone (the class's rotary module and its own init, built on the
+    meta device). ValueError naming what HF cannot carry for any other class (one whose rotary positions are not
+    read from rope_parameters, e.g. GPT-J's own `rotary_dim` table).
+
+    GPT-NeoX's `default` type with partial_rotary_factor 0 (zero rotated dims) would say the same, but a table of
+    zero bands is not read back by posprobe's backend, so the proportional form is used for every class."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from posprobe.backend import t5_decoder
+
+    t5_decoder.register_auto_class()
+    config = AutoConfig.from_pretrained(folder)
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    layers = getattr(config, "no_rope_layers", None)
+    if isinstance(layers, (list, tuple)) and len(layers) == config.num_hidden_layers:
+        return rope, {"no_rope_layers": [0] * len(layers)}, {"removed": "no_rope_layers", "was": list(layers)}
+    cannot = (f"HF's {config.model_type} config cannot carry a model without rotation: it has no no_rope_layers, "
+              "and")
+    if not rope:
+        raise ValueError(f"{cannot} its rotary positions are not read from rope_parameters")
+    new_rope = {**rope, "rope_type": "proportional", "partial_rotary_factor": 0.0}
+    try:
+        new = AutoConfig.from_pretrained(folder, rope_parameters=dict(new_rope), max_position_embeddings=target)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(new)
+        emb = [m for name, m in model.named_modules() if name.endswith("rotary_emb")]
+        kinds = {getattr(m, "rope_type", None) for m in emb}
+        inv_freq = ROPE_INIT_FUNCTIONS["proportional"](new, "cpu")[0]
+    except Exception as e:  # noqa: BLE001 - HF raises KeyError/ValueError/TypeError by class
+        raise ValueError(f"{cannot} its config refuses the proportional rope type: {type(e).__name__}: {e}") from None
+    if not emb or kinds != {"proportional"}:
+        raise ValueError(f"{cannot} its rotary module does not take HF's proportional rope type (it reads "
+                         f"{sorted(map(str, kinds)) or 'no rope_parameters'})")
+    if inv_freq.numel() and bool((inv_freq != 0).any()):
+        raise ValueError(f"{cannot} the proportional rope type with partial_rotary_factor 0 still turns")
+    return new_rope, {}, {"removed": "rope_type proportional, partial_rotary_factor 0",
+                          "was": {k: rope.get(k) for k in ("rope_type", "partial_rotary_factor")}}
 
 
 def _check_hf_carries(folder: Path, rope: dict, target: int) -> None:
@@ -302,9 +401,11 @@ def plan_extension(zoo: str | Path, cfg: ExtendConfig) -> tuple[list[ExtendJob],
         if not rotary:
             asked = [x for x in cfg.methods if x != CONTROL_METHOD]
             if named and asked:
+                pose = (" (pose included: it reaches a model through HF's position_ids, which the ALiBi and T5 "
+                        "classes do not read and NoPE has no use for)" if "pose" in asked else "")
                 raise ValueError(f"{name} has no rotary positions ({m.family} family), so {', '.join(asked)} "
-                                 "cannot apply to it: a non-rotary member is a control, extended with --method "
-                                 f"{CONTROL_METHOD} only")
+                                 f"cannot apply to it{pose}: a non-rotary member is a control, extended with "
+                                 f"--method {CONTROL_METHOD} only")
             if m.family == LEARNED:
                 why = (f"{name}: its learned table has L = {L} rows, so it cannot be fine-tuned at L' = {target} "
                        "without new rows, which this step does not add")
@@ -318,23 +419,28 @@ def plan_extension(zoo: str | Path, cfg: ExtendConfig) -> tuple[list[ExtendJob],
                 if (name, seed) not in by_key:
                     continue
                 folder, rec = by_key[(name, seed)]
-                rope, notes = None, {}
+                rope, notes, overrides = None, {}, {}
                 if rotary:
                     own, head_dim = _rope_of(folder)
                     try:
-                        rope, notes = method_rope_parameters(method, own, head_dim, L, target, abf_base=cfg.abf_base,
-                                                             custom=cfg.rope_parameters)
-                        _check_hf_carries(folder, rope, target)
+                        if method == "drope":
+                            rope, overrides, notes = drope_config(folder, target)
+                        else:
+                            rope, notes = method_rope_parameters(method, own, head_dim, L, target,
+                                                                 abf_base=cfg.abf_base, custom=cfg.rope_parameters,
+                                                                 yarn_ramp=cfg.yarn_ramp)
+                            _check_hf_carries(folder, rope, target)
                     except ValueError as e:
                         why = f"{name} with {method}: {e}"
                         if named:
                             raise ValueError(why) from None
                         left_out.append({"member": name, "method": method, "why": why})
                         break
-                batch = cfg.batch_size or max(1, round(int(rec["batch_size"]) * L / target))
+                at = L if method in AT_L else target
+                batch = cfg.batch_size or max(1, round(int(rec["batch_size"]) * L / at))
                 lr = cfg.lr if cfg.lr is not None else float(rec["lr"]) / 10
                 jobs.append(ExtendJob(name, seed, method, folder, rec, L, target, rope, batch, lr,
-                                      cfg.default_warmup, notes))
+                                      cfg.default_warmup, notes, overrides))
     if not jobs:
         raise ValueError(f"nothing to extend in {zoo}: " + "; ".join(r["why"] for r in left_out))
     return jobs, left_out
@@ -353,7 +459,7 @@ def load_start(job: ExtendJob) -> Any:
         config = AutoConfig.from_pretrained(job.source)
     else:
         config = AutoConfig.from_pretrained(job.source, rope_parameters=dict(job.rope_parameters),
-                                            max_position_embeddings=job.target)
+                                            max_position_embeddings=job.target, **job.overrides)
     from transformers.utils import logging as hf_logging
 
     bar = hf_logging.is_progress_bar_enabled()
@@ -378,11 +484,63 @@ def extend_member(job: ExtendJob, cfg: ExtendConfig, ids: Any, tokenizer: Any, f
 
     extension = {"method": job.method, "from_length": job.length, "length": job.target, "scale": job.scale,
                  "source": job.source.name, "rope_parameters": job.rope_parameters, "notes": job.notes,
+                 "config_fields": job.overrides, "train_length": job.train_length,
                  "steps": cfg.steps, "batch_size": job.batch_size, "lr": job.lr, "warmup": job.warmup}
-    return train_member(job.member, job.seed, job.train_config(cfg), ids, tokenizer, folder, state_io,
+    zoo_cfg = job.train_config(cfg)
+    return train_member(job.member, job.seed, zoo_cfg, ids, tokenizer, folder, state_io,
                         later_steps=later_steps, start=lambda: load_start(job), checkpoints=cfg.checkpoints,
+                        batches=job_batches(job, zoo_cfg, ids),
                         on_checkpoint=on_checkpoint, record={"extension": extension, "method": job.method},
                         label=f"extend {job.member} seed {job.seed} {job.method} {job.length}->{job.target}")
+
+
+def job_batches(job: ExtendJob, zoo_cfg: ZooConfig, ids: Any) -> Callable[[int], tuple] | None:
+    """The batches of `job`'s fine-tuning by step: PoSE's (ids, labels, position ids) at L, DroPE's windows of L
+    (the zoo's `batch_ids` at L), None for the others (the loop's own windows of L')."""
+    from posprobe.zoo.train import batch_ids
+
+    if job.method == "pose":
+        def pose(step: int) -> tuple:
+            x, pos = pose_batch(ids, step, job.seed, job.batch_size, job.length, job.target)
+            return x, x, pos
+        return pose
+    if job.method == "drope":
+        at_l = replace(zoo_cfg, length=job.length)
+        return lambda step: (lambda x: (x, x))(batch_ids(ids, step, at_l, job.seed))
+    return None
+
+
+def pose_batch(ids: Any, step: int, seed: int, batch_size: int, length: int, target: int) -> tuple[Any, Any]:
+    """PoSE's `[batch_size, length]` (token ids, position ids) of optimiser step `step`, drawn from a generator
+    seeded by (seed, step) alone (so a resumed run continues exactly), by the rule of the authors' released code
+    (dwzhu-pku/PoSE, `train_preprocess_function_pose` in src/train_pose.py, after its 2023-10 revision), N = 2 chunks:
+
+    - a text window of W = min(5L, len(ids)) tokens at a uniform start (the code reads up to 5L tokens of a document);
+    - the first chunk's length l0 ~ U{1, ..., floor((L + 1) / 2)}, the second's L - l0;
+    - the content skip v ~ U{0, ..., W - L}: chunk 1 is the window's first l0 tokens, chunk 2 its tokens
+      l0 + v ... L - 1 + v (the code's rt2 ~ U{L, ..., W}, lt2 = rt2 - (L - l0));
+    - the position skip u ~ U{0, ..., L' - L}, the first chunk's skip fixed at 0 (the revision's `lt = 0`): position
+      ids 0 ... l0 - 1, then l0 + u ... L - 1 + u, so every id lies in [0, L') and the last reaches L' - 1 when u does.
+
+    Each row's draws come in the order start, l0, v, u. Positions are used as they are (plain PoSE, no PI/YaRN)."""
+    import torch
+
+    g = torch.Generator().manual_seed(int(seed) * 1_000_003 + int(step))
+    window = min(POSE_TEXT_WINDOW * length, len(ids))
+
+    def draw(low: int, high: int) -> int:  # uniform on {low, ..., high}
+        return int(torch.randint(low, high + 1, (1,), generator=g))
+
+    rows, positions = [], []
+    for _ in range(batch_size):
+        start = draw(0, len(ids) - window)
+        l0 = draw(1, (length + 1) // 2)
+        v = draw(0, window - length)
+        u = draw(0, target - length)
+        text = ids[start:start + window]
+        rows.append(torch.cat([text[:l0], text[l0 + v:length + v]]))
+        positions.append(torch.cat([torch.arange(l0), torch.arange(l0, length) + u]))
+    return torch.stack(rows), torch.stack(positions)
 
 
 def steps_to_threshold(curve: list[tuple[int, float]], threshold: float) -> int | None:

@@ -111,14 +111,15 @@ def _fmt(seconds: float) -> str:
 def train_member(name: str, seed: int, cfg: ZooConfig, ids: torch.Tensor, tokenizer: Any, folder: Path,
                  state_io: tuple[Callable[[], dict | None], Callable[[dict], None]], *,
                  later_steps: int = 0, log_every: int = 10,
-                 batches: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None,
+                 batches: Callable[[int], tuple[torch.Tensor, ...]] | None = None,
                  widths: Widths | None = None, record: dict | None = None, start: Callable[[], Any] | None = None,
                  checkpoints: tuple[int, ...] = (), on_checkpoint: Callable[[int, Any], Any] | None = None,
                  label: str | None = None) -> dict:
     """Train member `name` with `seed` on token ids `ids` and save it as a Hugging Face folder at `folder`
     (written beside it and renamed into place). `state_io` = (load, save) of the training state: a saved state is
-    resumed from, and one is saved every `cfg.checkpoint_every` steps. `batches(step) -> (input ids, labels)`
-    replaces the text windows (the synthetic tasks), `widths` the config's shape, `record` adds fields to zoo.json.
+    resumed from, and one is saved every `cfg.checkpoint_every` steps. `batches(step) -> (input ids, labels[, position
+    ids])` replaces the text windows (the synthetic tasks; zoo extend's PoSE gives position ids, passed to the
+    forward as `position_ids`), `widths` the config's shape, `record` adds fields to zoo.json.
     `start()` builds the model to train instead of a fresh one (a saved member with a modified config: continued
     training); `on_checkpoint(step, model)` is called after each step in `checkpoints` (0 = before the first) with
     the model in eval mode, and what it returns is kept in the training state, so a resumed run does not call it
@@ -173,8 +174,9 @@ def train_member(name: str, seed: int, cfg: ZooConfig, ids: torch.Tensor, tokeni
     # Grad on explicitly: loading a model for analysis elsewhere in the process may have turned it off globally.
     with torch.enable_grad():
         for step in range(begin, cfg.steps):
-            x, labels = (t.to(device) for t in batches(step))
-            loss = model(input_ids=x, labels=labels if shifts_labels else next_token_labels(labels)).loss
+            x, labels, *positions = (t.to(device) for t in batches(step))
+            kw = {"position_ids": positions[0]} if positions else {}  # PoSE's skip-wise ids (zoo extend)
+            loss = model(input_ids=x, labels=labels if shifts_labels else next_token_labels(labels), **kw).loss
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             opt.step()
