@@ -5,8 +5,9 @@ the analyses' work (`posprobe.analyses.atlas_many`: `evaluate_zoo`, `run_zoo_atl
 `import posprobe.zoo` loads no torch.
 
 Where a change lands (counted on the code):
-- a member: one `Member(...)` row in `members.py` plus its HF config builder in that module's `_BUILDERS` (two
-  places in one file); `tests/test_zoo.py` trains every member and checks its family is detected from the folder;
+- a member: one `Member(...)` row in `members.py` (its HF config builder on the row), plus its expected layer
+  phrases in `tests/test_zoo.py`'s EXPECTED_LAYERS, whose test trains every member and checks the family posprobe
+  detects from the saved folder;
 - an architecture fact a member relies on (labels not shifted, weights a decoder-only forward leaves unused): the
   architecture's row in `backend/architectures.py`, not the member;
 - the zoo folder format (zoo.json, eval.txt, training/, tasks/, member folder names): `folder.py` alone.

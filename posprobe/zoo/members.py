@@ -12,12 +12,13 @@ before block 0), XGLM scales token embeddings by sqrt(d_model) as sinusoidal mod
 GPT-2 and GPT-NeoX fuse q/k/v into one projection (same parameters). Widths, depth,
 heads, MLP parameter count, vocabulary, dropout (none) and initialisation (posprobe's, `init_weights`) are equal.
 
-Torch-free at import (configs are built inside `hf_config`)."""
+A member is one row of `MEMBERS`, its HF config builder on the row (`build`). Torch-free at import (configs are
+built inside `hf_config`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 from posprobe.backend.architectures import Architecture, lookup
 from posprobe.backend.families import ALIBI, LEARNED, NOPE, RELATIVE, ROTARY, SINUSOIDAL
@@ -46,6 +47,8 @@ class Member:
     model_type: str
     positions: str
     differences: str = ""
+    #: Its Hugging Face config at widths w: (Widths, the token ids and tying every member shares) -> config.
+    build: Callable[[Widths, dict], Any] | None = field(default=None, repr=False, compare=False)
 
     @property
     def architecture(self) -> Architecture:
@@ -55,49 +58,8 @@ class Member:
 
     def hf_config(self, w: Widths, *, pad_id: int, bos_id: int) -> Any:
         """The member's Hugging Face config at widths `w` (eager attention, no dropout, tied embeddings)."""
-        return _BUILDERS[self.name](w, dict(pad_token_id=pad_id, bos_token_id=bos_id, eos_token_id=bos_id,
+        return self.build(w, dict(pad_token_id=pad_id, bos_token_id=bos_id, eos_token_id=bos_id,
                                             tie_word_embeddings=True))
-
-
-_GPT = "gpt"
-_LLAMA = "llama"
-
-MEMBERS: dict[str, Member] = {m.name: m for m in (
-    Member("learned", LEARNED, _GPT, "gpt2", "a learned table of L rows added to the embedding",
-           "GPT-2's fused q/k/v projection"),
-    Member("sinusoidal", SINUSOIDAL, _GPT, "xglm", "fixed sinusoids added to the embedding",
-           "token embeddings scaled by sqrt(d_model) before the sinusoids are added (Vaswani et al.; unscaled, the "
-           "sinusoids' unit amplitude drowns the 0.02-scale tokens); table read from row 2 (padding offset)"),
-    Member("alibi", ALIBI, _GPT, "bloom", "ALiBi distance bias, Press et al.'s slopes",
-           "BLOOM adds a LayerNorm on the embedding before block 0"),
-    Member("rope", ROTARY, _GPT, "gpt_neox", "rotary on 100% of head dims (half-split), base 10000",
-           "GPT-NeoX's per-head fused q/k/v projection"),
-    Member("partial", ROTARY, _GPT, "gpt_neox", "rotary on 25% of head dims (half-split), base 10000",
-           "GPT-NeoX's per-head fused q/k/v projection"),
-    Member("rope-llama", ROTARY, _LLAMA, "smollm3", "rotary on 100% of head dims (half-split), base 10000"),
-    Member("nope", NOPE, _LLAMA, "smollm3", "no positional encoding in any layer"),
-    Member("hybrid", ROTARY, _LLAMA, "smollm3", "rotary, every 4th layer NoPE (SmolLM3's pattern)"),
-    Member("p-rope", ROTARY, _LLAMA, "llama",
-           "p-RoPE: rotary with the slowest 75% of frequencies removed (Llama's 'proportional' type)"),
-    Member("t5", RELATIVE, _LLAMA, "pix2struct_text_model",
-           "T5 relative bias: a learned bias per head and bucket of the key-query offset (32 causal buckets, "
-           "exact below 16, logarithmic to 128), computed once in layer 0 and added in every layer",
-           "scores are not scaled by 1/sqrt(d_head) (T5's convention, fixed in Pix2Struct's attention); the bias "
-           "table adds 32 x heads parameters; the class carries cross-attention weights a decoder-only forward "
-           "never uses (left out of the parameter count)"),
-)}
-
-
-def member_names() -> tuple[str, ...]:
-    """Every member's name, in the zoo's order."""
-    return tuple(MEMBERS)
-
-
-def member(name: str) -> Member:
-    """The member called `name`; ValueError naming the known members otherwise."""
-    if name not in MEMBERS:
-        raise ValueError(f"unknown zoo member {name!r}; known: {', '.join(MEMBERS)}")
-    return MEMBERS[name]
 
 
 def _gpt2(w: Widths, ids: dict) -> Any:
@@ -183,8 +145,46 @@ def _t5(w: Widths, ids: dict) -> Any:
                                 decoder_start_token_id=ids["pad_token_id"], use_cache=False, **ids)
 
 
-_BUILDERS = {
-    "learned": _gpt2, "sinusoidal": _xglm, "alibi": _bloom, "rope": _neox(1.0), "partial": _neox(0.25),
-    "rope-llama": _smollm3(None), "nope": _smollm3(0), "hybrid": _smollm3(4), "p-rope": _p_rope,
-    "t5": _t5,
-}
+_GPT = "gpt"
+_LLAMA = "llama"
+
+MEMBERS: dict[str, Member] = {m.name: m for m in (
+    Member("learned", LEARNED, _GPT, "gpt2", "a learned table of L rows added to the embedding",
+           "GPT-2's fused q/k/v projection", build=_gpt2),
+    Member("sinusoidal", SINUSOIDAL, _GPT, "xglm", "fixed sinusoids added to the embedding",
+           "token embeddings scaled by sqrt(d_model) before the sinusoids are added (Vaswani et al.; unscaled, the "
+           "sinusoids' unit amplitude drowns the 0.02-scale tokens); table read from row 2 (padding offset)",
+           build=_xglm),
+    Member("alibi", ALIBI, _GPT, "bloom", "ALiBi distance bias, Press et al.'s slopes",
+           "BLOOM adds a LayerNorm on the embedding before block 0", build=_bloom),
+    Member("rope", ROTARY, _GPT, "gpt_neox", "rotary on 100% of head dims (half-split), base 10000",
+           "GPT-NeoX's per-head fused q/k/v projection", build=_neox(1.0)),
+    Member("partial", ROTARY, _GPT, "gpt_neox", "rotary on 25% of head dims (half-split), base 10000",
+           "GPT-NeoX's per-head fused q/k/v projection", build=_neox(0.25)),
+    Member("rope-llama", ROTARY, _LLAMA, "smollm3", "rotary on 100% of head dims (half-split), base 10000",
+           build=_smollm3(None)),
+    Member("nope", NOPE, _LLAMA, "smollm3", "no positional encoding in any layer", build=_smollm3(0)),
+    Member("hybrid", ROTARY, _LLAMA, "smollm3", "rotary, every 4th layer NoPE (SmolLM3's pattern)", build=_smollm3(4)),
+    Member("p-rope", ROTARY, _LLAMA, "llama",
+           "p-RoPE: rotary with the slowest 75% of frequencies removed (Llama's 'proportional' type)", build=_p_rope),
+    Member("t5", RELATIVE, _LLAMA, "pix2struct_text_model",
+           "T5 relative bias: a learned bias per head and bucket of the key-query offset (32 causal buckets, "
+           "exact below 16, logarithmic to 128), computed once in layer 0 and added in every layer",
+           "scores are not scaled by 1/sqrt(d_head) (T5's convention, fixed in Pix2Struct's attention); the bias "
+           "table adds 32 x heads parameters; the class carries cross-attention weights a decoder-only forward "
+           "never uses (left out of the parameter count)", build=_t5),
+)}
+
+
+def member_names() -> tuple[str, ...]:
+    """Every member's name, in the zoo's order."""
+    return tuple(MEMBERS)
+
+
+def member(name: str) -> Member:
+    """The member called `name`; ValueError naming the known members otherwise."""
+    if name not in MEMBERS:
+        raise ValueError(f"unknown zoo member {name!r}; known: {', '.join(MEMBERS)}")
+    return MEMBERS[name]
+
+

@@ -13,6 +13,7 @@ import os
 import shutil
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -22,7 +23,8 @@ from posprobe.zoo.config import ZooConfig
 from posprobe.zoo.folder import ZOO_FILE
 from posprobe.zoo.members import Member, Widths, member
 
-__all__ = ["batch_ids", "build_model", "init_weights", "next_token_labels", "train_member", "used_parameters"]
+__all__ = ["TrainState", "batch_ids", "build_model", "init_weights", "next_token_labels", "train_member",
+           "used_parameters"]
 
 _INIT_STD = 0.02
 
@@ -75,37 +77,56 @@ def _optimizer(model: Any, cfg: ZooConfig) -> tuple[torch.optim.Optimizer, Any]:
     return opt, get_cosine_schedule_with_warmup(opt, cfg.warmup, cfg.steps)
 
 
-class _Progress:
-    """One stderr line per member: step, loss, tokens/s, ETA of the member and of the whole zoo."""
+@dataclass
+class TrainState:
+    """Everything a training checkpoint saves and a resume loads, as one object (tuned-lens's `State`): the model,
+    AdamW and the schedule, the steps taken, the loss log [(step, mean loss in nats per scored token, lr)], the
+    caller's looks at the checkpoints [(step, value)], and the loss summed since the last logged step (so a run
+    resumed between two logged steps logs the same mean as an uninterrupted one)."""
 
-    def __init__(self, label: str, total: int, start: int, tokens_per_step: int, later_steps: int,
-                 enabled: bool) -> None:
-        self.label, self.total, self.start, self.tps, self.later = label, total, start, tokens_per_step, later_steps
-        self.enabled, self.t0, self.last = enabled, time.perf_counter(), 0.0
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    running: torch.Tensor
+    step: int = 0
+    log: list = field(default_factory=list)
+    checkpoints: list = field(default_factory=list)
 
-    def update(self, step: int, loss: float | None, force: bool = False) -> None:
-        now = time.perf_counter()
-        if not self.enabled or (not force and now - self.last < 1.0):
-            return
-        self.last = now
-        done = step - self.start
-        rate = done / max(now - self.t0, 1e-9)
-        left = (self.total - step) / rate if rate > 0 else math.inf
-        zoo_left = left + self.later / rate if rate > 0 else math.inf
-        loss_txt = "" if loss is None else f", loss {loss:.3f}"
-        resumed = f" (resumed at {self.start})" if self.start else ""
-        print(f"\rzoo: {self.label}{resumed}: step {step}/{self.total}{loss_txt}, {rate * self.tps / 1000:.1f}k "
-              f"tokens/s, ETA {_fmt(left)} (zoo {_fmt(zoo_left)})   ", end="", file=sys.stderr, flush=True)
+    def state_dict(self) -> dict:
+        """What a checkpoint saves (tensors copied off the device)."""
+        return {"step": self.step, "log": self.log, "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "checkpoints": self.checkpoints, "running": self.running.detach().cpu().clone()}
 
-    def close(self) -> None:
-        if self.enabled:
-            print(file=sys.stderr, flush=True)
+    def load_state_dict(self, saved: dict) -> None:
+        """Continue from a saved checkpoint: every part restored in place."""
+        self.model.load_state_dict(saved["model"])
+        self.optimizer.load_state_dict(saved["optimizer"])
+        self.scheduler.load_state_dict(saved["scheduler"])
+        self.step, self.log = int(saved["step"]), list(saved["log"])
+        self.checkpoints = list(saved.get("checkpoints", []))
+        if "running" in saved:
+            self.running = saved["running"].to(self.running.device)
 
 
-def _fmt(seconds: float) -> str:
-    if not math.isfinite(seconds):
-        return "?"
-    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} min"
+def _progress_bar(label: str, cfg: ZooConfig, begin: int, tokens_per_step: int) -> Any:
+    # The house's one progress tool: tokens trained (tokens/s and the member's ETA by tqdm), resumed runs starting at
+    # their offset; the loss, the step and the zoo's ETA ride in its postfix.
+    from tqdm.auto import tqdm
+
+    return tqdm(total=cfg.steps * tokens_per_step, initial=begin * tokens_per_step, unit=" tokens", unit_scale=True,
+                desc=f"zoo: {label}" + (f" (resumed at step {begin})" if begin else ""), mininterval=1.0,
+                disable=not cfg.progress, file=sys.stderr, leave=True,
+                bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} tokens [{elapsed}, ETA {remaining}, "
+                           "{rate_fmt}{postfix}]")
+
+
+def _postfix(bar: Any, step: int, total: int, loss: float | None, later_tokens: int) -> None:
+    rate = bar.format_dict.get("rate")
+    left = (bar.total - bar.n + later_tokens) / rate if rate else math.inf
+    bar.set_postfix_str(f"step {step}/{total}" + ("" if loss is None else f", loss {loss:.3f}")
+                        + (f", zoo ETA {bar.format_interval(left) if math.isfinite(left) else '?'}" if later_tokens
+                           else ""), refresh=False)
 
 
 def train_member(name: str, seed: int, cfg: ZooConfig, ids: torch.Tensor, tokenizer: Any, folder: Path,
@@ -133,28 +154,26 @@ def train_member(name: str, seed: int, cfg: ZooConfig, ids: torch.Tensor, tokeni
     model = (start() if start is not None else build_model(m, cfg, tokenizer, seed, widths)).to(device)
     opt, sched = _optimizer(model, cfg)
     load_state, save_state = state_io
-    state = load_state()
-    begin, log, evals, looking = 0, [], [], [0.0]
-    if state is not None:
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
-        begin, log, evals = int(state["step"]), list(state["log"]), list(state.get("checkpoints", []))
+    st = TrainState(model, opt, sched, torch.zeros((), device=device))
+    saved = load_state()
+    if saved is not None:
+        st.load_state_dict(saved)
+    begin, looking = st.step, [0.0]
     model.train()
 
-    def state_at(step: int) -> dict:
-        return {"step": step, "log": log, "model": model.state_dict(), "optimizer": opt.state_dict(),
-                "scheduler": sched.state_dict(), "checkpoints": evals, "running": running.detach().cpu().clone()}
+    def save_at(step: int) -> None:
+        st.step = step
+        save_state(st.state_dict())
 
     def checkpoint(step: int) -> bool:
         # The caller's look at the model after `step` steps (no gradients, no dropout in the zoo: the training that
         # follows is the same with or without it).
-        if on_checkpoint is None or step not in checkpoints or any(s == step for s, _ in evals):
+        if on_checkpoint is None or step not in checkpoints or any(s == step for s, _ in st.checkpoints):
             return False
         t = time.perf_counter()
         model.eval()
         with torch.no_grad():
-            evals.append((step, on_checkpoint(step, model)))
+            st.checkpoints.append((step, on_checkpoint(step, model)))
         model.train()
         looking[0] += time.perf_counter() - t
         return True
@@ -162,39 +181,38 @@ def train_member(name: str, seed: int, cfg: ZooConfig, ids: torch.Tensor, tokeni
     if batches is None:
         batches = lambda step: (lambda x: (x, x))(batch_ids(ids, step, cfg, seed))  # noqa: E731
     tokens_per_step = int(batches(0)[0].numel())
-    progress = _Progress(label or f"{name} seed {seed}", cfg.steps, begin, tokens_per_step, later_steps, cfg.progress)
-    # The loss summed since the last logged step: part of the state, so a run resumed between two logged steps logs
-    # the same mean as an uninterrupted one.
-    running = torch.zeros((), device=device) if state is None or "running" not in state else \
-        state["running"].to(device)
+    bar = _progress_bar(label or f"{name} seed {seed}", cfg, begin, tokens_per_step)
     t0 = time.perf_counter()
     if begin == 0 and checkpoint(0):
-        save_state(state_at(0))
+        save_at(0)
     shifts_labels = m.architecture.shifts_labels  # a fact of the HF class (its architecture row), not the member's
-    # Grad on explicitly: loading a model for analysis elsewhere in the process may have turned it off globally.
-    with torch.enable_grad():
-        for step in range(begin, cfg.steps):
-            x, labels, *positions = (t.to(device) for t in batches(step))
-            kw = {"position_ids": positions[0]} if positions else {}  # PoSE's skip-wise ids (zoo extend)
-            loss = model(input_ids=x, labels=labels if shifts_labels else next_token_labels(labels), **kw).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-            running += loss.detach()
-            if (step + 1) % log_every == 0 or step + 1 == cfg.steps:
-                n = (step % log_every) + 1
-                mean = float(running) / n  # one host sync per logged interval, not per step
-                running.zero_()
-                log.append((step + 1, mean, float(sched.get_last_lr()[0])))
-                progress.update(step + 1, mean)
-            looked = checkpoint(step + 1)
-            if ((step + 1) % cfg.checkpoint_every == 0 or looked) and step + 1 < cfg.steps:
-                save_state(state_at(step + 1))
+    try:
+        # Grad on explicitly: loading a model for analysis elsewhere in the process may have turned it off globally.
+        with torch.enable_grad():
+            for step in range(begin, cfg.steps):
+                x, labels, *positions = (t.to(device) for t in batches(step))
+                kw = {"position_ids": positions[0]} if positions else {}  # PoSE's skip-wise ids (zoo extend)
+                loss = model(input_ids=x, labels=labels if shifts_labels else next_token_labels(labels), **kw).loss
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                opt.step()
+                sched.step()
+                opt.zero_grad(set_to_none=True)
+                st.running += loss.detach()
+                if (step + 1) % log_every == 0 or step + 1 == cfg.steps:
+                    n = (step % log_every) + 1
+                    mean = float(st.running) / n  # one host sync per logged interval, not per step
+                    st.running.zero_()
+                    st.log.append((step + 1, mean, float(sched.get_last_lr()[0])))
+                    _postfix(bar, step + 1, cfg.steps, mean, later_steps * tokens_per_step)
+                bar.update(tokens_per_step)
+                looked = checkpoint(step + 1)
+                if ((step + 1) % cfg.checkpoint_every == 0 or looked) and step + 1 < cfg.steps:
+                    save_at(step + 1)
+    finally:
+        bar.close()
     seconds = time.perf_counter() - t0 - looking[0]  # training alone: the checkpoints' looks are counted apart
-    progress.update(cfg.steps, log[-1][1] if log else None, force=True)
-    progress.close()
+    log, evals = st.log, st.checkpoints
     if not math.isfinite(log[-1][1]):
         raise RuntimeError(f"zoo member {name} (seed {seed}) diverged: loss {log[-1][1]}; lower --lr")
     _save_folder(model.to("cpu").eval(), tokenizer, folder, m, seed, cfg, log, widths, record or {})
