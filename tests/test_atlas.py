@@ -321,3 +321,45 @@ def test_a_section_declared_in_one_place_runs_and_reaches_the_page_and_meta(tiny
     assert f"tiny-rope: {tiny_rope.cfg.n_ctx}, tiny-ape: {ape_ctx}" in many_page
     with pytest.raises(ValueError, match="unknown atlas sections"):
         AtlasConfig(sections=("nonesuch",))
+
+
+def test_the_atlas_over_many_models_holds_one_model_at_a_time_unless_a_section_compares_them(monkeypatch):
+    """Catches: zoo eval (the extrapolation section alone) keeping every model it scored in memory, or the head
+    similarity losing the models it compares."""
+    import pandas as pd
+
+    from posprobe.analyses.atlas_many import compare_models
+    from posprobe.analyses.configs import ZooAtlasConfig
+    from posprobe.analyses.sections import AtlasSection, CompareRun
+
+    seen = []
+
+    def per_model(m, run):
+        seen.append(sum(x.model is not None for x in models_so_far))
+        return {"t": pd.DataFrame({"n": [1]})}, None
+
+    def across(models, run):
+        return {"n_loaded": pd.DataFrame({"n": [sum(m.model is not None for m in models)]})}, {}
+
+    specs = [("tiny-rope", None), ("tiny-ape", None), ("tiny-rope", None)]
+    run = CompareRun(ZooAtlasConfig(progress=False), "some text")
+    one = {"d": AtlasSection("d", "D", None, None, None, compare=per_model)}
+    models_so_far = []
+    import posprobe.analyses.atlas_many as am
+
+    real = am.ModelEntry
+
+    def entry(*a, **k):  # every entry the loop makes, to count the models it holds
+        m = real(*a, **k)
+        models_so_far.append(m)
+        return m
+
+    monkeypatch.setattr(am, "ModelEntry", entry)
+    models, outcomes, _ = compare_models(specs, one, run)
+    assert seen == [1, 1, 1] and all(m.model is None for m in models)  # one at a time, each dropped after use
+    assert [o.label for o in outcomes] == ["tiny-rope", "tiny-ape", "tiny-rope"]
+    models_so_far.clear()
+    seen.clear()
+    both = {**one, "x": AtlasSection("x", "X", None, None, None, across=across)}
+    models, outcomes, _ = compare_models(specs, both, run)
+    assert seen == [1, 2, 3] and outcomes[-1].tables["n_loaded"].n.tolist() == [3]

@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import pandas as pd
 
@@ -53,7 +54,7 @@ def training_data(paths: list[str]) -> dict | None:
     return training_tables(paths)[1]
 
 
-register(AtlasSection("training", "Training", None, None, None, across=_training,
+register(AtlasSection("training", "Training", None, None, None, across=_training, across_reads_models=False,
                       compare_page=zoo_training_report.compare_section))
 
 
@@ -64,61 +65,27 @@ def run_zoo_atlas(paths: list[str], config: ZooAtlasConfig | None = None, *, tex
     (analysis "zoo-atlas") whose tables are the sections' own tables concatenated over models with columns member,
     family, block, seed (NaN outside a zoo), plus `models` (one row per model) and `refused` (model, section, why).
     Progress goes to stderr by model and section."""
-    from posprobe.backend.facts import model_facts
-    from posprobe.backend.loading import load_model
-    from posprobe.backend.sources import ModelLoadError
-
     cfg = config or ZooAtlasConfig()
     specs = zoo_models(paths)
     text, source = resolve_text(paths, text, source)
     source = source or "text"
     wanted = cfg.wanted()
     declared = {name: section(name) for name in wanted}  # a section that is not declared fails before any load
-    models = []
-    for spec, rec in specs:
-        m = ModelEntry(Path(spec).name if rec is not None else spec, spec, rec)
-        try:
-            m.model = load_model(spec, device=device)
-            m.facts = model_facts(m.model)
-        except (ValueError, NotImplementedError, ModelLoadError) as e:
-            m.why = str(e)
-        models.append(m)
-    run = CompareRun(cfg, text, tuple(str(p) for p in paths))
+    say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if cfg.progress else (lambda msg: None)
+    models, outcomes, timings = compare_models(specs, declared, CompareRun(cfg, text, tuple(map(str, paths))),
+                                               device=device, say=say)
     frames: dict[str, list[pd.DataFrame]] = {}
     refused: list[dict] = []
     headline: dict[str, dict] = {}
-    timings: dict[str, float] = {}
-
-    say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if cfg.progress else (lambda msg: None)
-    for name, sec in declared.items():
-        t0 = time.perf_counter()
-        if sec.across is not None:  # a cross-model section: every model at once
-            say(f"zoo atlas: {name} of {sum(m.model is not None for m in models)} models ...")
-            tabs, why = sec.across(models, run)
-            for tab, df in tabs.items():
-                frames.setdefault(tab, []).append(df)
-            refused += [dict(model=lab, section=name, why=w) for lab, w in why.items()]
-        else:
-            for i, m in enumerate(models):
-                if m.model is None:
-                    refused.append(dict(model=m.label, section=name, why=m.why))
-                    continue
-                say(f"zoo atlas: {name} [{i + 1}/{len(models)}] {m.label} ...")
-                try:
-                    got = sec.compare(m, run)
-                except (ValueError, NotImplementedError) as e:
-                    refused.append(dict(model=m.label, section=name, why=str(e).splitlines()[0]))
-                    continue
-                if isinstance(got, str):  # the analysis does not apply: posprobe's own reason
-                    refused.append(dict(model=m.label, section=name, why=got))
-                    continue
-                tables, head = got
-                for tab, df in tables.items():
-                    if df is not None and len(df):
-                        frames.setdefault(tab, []).append(_tag(df, m))
-                if head:
-                    headline.setdefault(name, {})[m.label] = head
-        timings[name] = round(time.perf_counter() - t0, 2)
+    for o in outcomes:
+        if o.why is not None:
+            refused.append(dict(model=o.label, section=o.section, why=o.why.splitlines()[0] if o.failed else o.why))
+            continue
+        for tab, df in o.tables.items():
+            if df is not None and len(df):
+                frames.setdefault(tab, []).append(df if o.model is None else _tag(df, o.model))
+        if o.headline:
+            headline.setdefault(o.section, {})[o.label] = o.headline
     tables = {name: pd.concat(parts, ignore_index=True) for name, parts in frames.items()}
     if "perplexity" in tables:  # ppl(xL) / ppl(L) per member over its seeds, as `zoo eval` gives it
         tables["ratios"] = ratio_summary(tables["perplexity"])
@@ -135,6 +102,76 @@ def run_zoo_atlas(paths: list[str], config: ZooAtlasConfig | None = None, *, tex
                      extrapolation=dict(factors=list(cfg.factors), protocols=list(PROTOCOLS),
                                         max_tokens=cfg.extrapolation_tokens))
     return Result(tables, meta)
+
+
+@dataclass
+class Outcome:
+    """One section on one model (or, for a cross-model section, on all of them: model None) in the atlas over many
+    models: its tables and headline, or why it did not run (`failed`: the analysis raised, `why` its message)."""
+
+    section: str
+    label: str
+    model: ModelEntry | None = None
+    tables: dict = field(default_factory=dict)
+    headline: dict | None = None
+    why: str | None = None
+    failed: bool = False
+
+
+def compare_models(specs: list[tuple[str, dict | None]], declared: dict[str, AtlasSection], run: CompareRun, *,
+                   device: str = "cpu", say: Callable[[str], None] = lambda msg: None,
+                   ) -> tuple[list[ModelEntry], list[Outcome], dict[str, float]]:
+    """The loop of the atlas over many models: each model of `specs` (spec, zoo record) loaded in turn, every
+    declared per-model section run on it, then the cross-model sections on all of them. A model is kept in memory
+    only where a cross-model section reads the models (head similarity); otherwise one model is loaded at a time.
+    Returns the model entries (model dropped once used), the outcomes in model order (per-model sections) then
+    section order (cross-model ones), and the seconds spent per section."""
+    from posprobe.backend.facts import model_facts
+    from posprobe.backend.loading import load_model
+    from posprobe.backend.sources import ModelLoadError
+
+    per_model = {n: s for n, s in declared.items() if s.across is None}
+    keep = any(s.across is not None and s.across_reads_models for s in declared.values())
+    timings = dict.fromkeys(declared, 0.0)
+    models: list[ModelEntry] = []
+    outcomes: list[Outcome] = []
+    for i, (spec, rec) in enumerate(specs):
+        m = ModelEntry(Path(spec).name if rec is not None else spec, spec, rec)
+        models.append(m)
+        try:  # loaded even when no per-model section runs: the models table states what each model is
+            m.model = load_model(spec, device=device)
+            m.facts = model_facts(m.model)
+        except (ValueError, NotImplementedError, ModelLoadError) as e:
+            m.why = str(e)
+        for name, sec in per_model.items():
+            if m.model is None:
+                outcomes.append(Outcome(name, m.label, m, why=m.why))
+                continue
+            say(f"zoo atlas: {name} [{i + 1}/{len(specs)}] {m.label} ...")
+            t0 = time.perf_counter()
+            try:
+                got = sec.compare(m, run)
+            except (ValueError, NotImplementedError, ModelLoadError) as e:
+                got = e
+            timings[name] += time.perf_counter() - t0
+            if isinstance(got, Exception):
+                outcomes.append(Outcome(name, m.label, m, why=str(got), failed=True))
+            elif isinstance(got, str):  # the analysis does not apply: posprobe's own reason
+                outcomes.append(Outcome(name, m.label, m, why=got))
+            else:
+                outcomes.append(Outcome(name, m.label, m, tables=got[0], headline=got[1]))
+        if not keep:
+            m.model = None  # the next model loads into the memory this one held
+    for name, sec in declared.items():
+        if sec.across is None:
+            continue
+        say(f"zoo atlas: {name} of {sum(m.model is not None for m in models)} models ...")
+        t0 = time.perf_counter()
+        tabs, why = sec.across(models, run)
+        timings[name] += time.perf_counter() - t0
+        outcomes.append(Outcome(name, "", tables=tabs))
+        outcomes += [Outcome(name, lab, why=w) for lab, w in why.items()]
+    return models, outcomes, {n: round(t, 2) for n, t in timings.items()}
 
 
 def _page_ref(sec: AtlasSection) -> str | None:
@@ -163,25 +200,19 @@ def evaluate_zoo(paths: list[str], config: ExtrapolationConfig | None = None, *,
     specs) on `text` (default: the zoo's held-out eval.txt). Each zoo member is evaluated at its own training
     length L. Returns a Result with tables `perplexity` (every model x protocol x length, with the member's family,
     block and seed) and `ratios` (ppl(xL) / ppl(L) per member, protocol and factor: mean, min and max over seeds)."""
-    from posprobe.analyses.extrapolation import run_extrapolation
-    from posprobe.backend.loading import load_model
-    from posprobe.backend.sources import ModelLoadError
-
     config = config or ExtrapolationConfig()
     models = zoo_models(paths)
     text, source = resolve_text(paths, text, source)
+    # The atlas's extrapolation section under its old name, with every knob of ExtrapolationConfig: one model in
+    # memory at a time; a model it refuses is a row with the reason, in its place.
+    run = CompareRun(ZooAtlasConfig(sections=("extrapolation",), progress=False), text, tuple(map(str, paths)),
+                     source=source, extrapolation=config)
+    _, outcomes, _ = compare_models(models, {"extrapolation": section("extrapolation")}, run, device=device)
     frames = []
-    for spec, rec in models:
-        label = Path(spec).name if rec is not None else spec
-        cfg = config
-        if rec is not None and config.train_length is None:
-            cfg = replace(config, train_length=int(rec["widths"]["length"]))
-        info = member_info(label, rec)
-        try:
-            model = load_model(spec, device=device)
-            df = run_extrapolation(model, text, cfg, source=source, label=label).tables["perplexity"]
-        except (ValueError, NotImplementedError, ModelLoadError) as e:
-            df = pd.DataFrame([{"model": label, "status": "refused", "why": str(e)}])
+    for o in outcomes:
+        info = member_info(o.label, o.model.record)
+        df = (pd.DataFrame([{"model": o.label, "status": "refused", "why": o.why}]) if o.why is not None
+              else o.tables["perplexity"])
         frames.append(df.assign(**info))
     table = pd.concat(frames, ignore_index=True)
     meta = make_meta("zoo-eval", model={"name": "zoo", "positional_kind": "several", "models": [s for s, _ in models]},

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import sys
+from dataclasses import replace
 from typing import Any
 
 import pandas as pd
@@ -111,11 +112,14 @@ def run_extrapolation(model: Any, text: str, config: ExtrapolationConfig | None 
 
 
 def _compare(m: ModelEntry, run: CompareRun) -> Any:
-    text, cfg = run.text, run.config
-    length = int(m.record["widths"]["length"]) if m.record is not None else None
-    ex = ExtrapolationConfig(train_length=length, factors=cfg.factors, max_tokens=cfg.extrapolation_tokens,
-                             progress=False)
-    got = run_extrapolation(m.model, text, ex, label=m.label)
+    # The atlas's bounded settings, or zoo eval's own (run.extrapolation); a zoo member is scored from its own
+    # training length L unless the settings name one.
+    cfg = run.config
+    ex = run.extrapolation or ExtrapolationConfig(factors=cfg.factors, max_tokens=cfg.extrapolation_tokens,
+                                                  progress=False)
+    if ex.train_length is None and m.record is not None:
+        ex = replace(ex, train_length=int(m.record["widths"]["length"]))
+    got = run_extrapolation(m.model, run.text, ex, source=run.source, label=m.label)
     return {"perplexity": got.tables["perplexity"]}, None
 
 

@@ -54,6 +54,10 @@ class CompareRun:
     config: ZooAtlasConfig
     text: str
     paths: tuple[str, ...] = ()
+    #: The name the text is recorded under.
+    source: str | None = None
+    #: `zoo eval`'s own extrapolation settings (every ExtrapolationConfig knob); None: the atlas's bounded ones.
+    extrapolation: Any = None
 
 
 #: `n(metric)`: the number the atlas table holds for (this section, metric), or None.
@@ -87,6 +91,9 @@ class AtlasSection:
     #: Many models at once (a cross-model section: similarity, training): (the entries, CompareRun) -> (tables,
     #: {model label: why it was left out}). A section has `compare` or `across`, not both.
     across: Callable[[list[ModelEntry], CompareRun], tuple[dict[str, Any], dict[str, str]]] | None = None
+    #: Whether `across` reads the loaded models (head similarity does; the training curves are read from the zoo
+    #: folder): only then are the models kept in memory until the cross-model sections run.
+    across_reads_models: bool = True
     #: The report function that draws this section's models side by side: (the result) -> a page Section or None.
     #: It reads the result's tables and meta only; the result names it in meta "pages" as "module:function", so a
     #: saved result renders again without the analyses.
