@@ -43,7 +43,7 @@ TUTORIALS = [
     ("long_context", "8. Long context", "loss by position and passkey retrieval past the trained context"),
     ("positional_zoo", "9. The positional zoo", "training matched models that differ only in positions"),
 ]
-#: The environment variables a notebook reads (recorded beside an executed copy: the tests shrink some runs).
+#: The environment variables a notebook reads are recorded beside its executed copy (the tests shrink some runs).
 ENV_PREFIX = "POSPROBE_"
 PLOTLY_JS = "assets/javascripts/plotly.min.js"
 
@@ -56,9 +56,10 @@ def save_executed(name: str, nb) -> Path:
     """Keep an executed notebook (an nbformat node) as the tutorial's outputs, atomically (xdist workers share it)."""
     import nbformat
 
+    source = (NOTEBOOKS / f"{name}.py").read_text(encoding="utf-8")
     nb.metadata["posprobe"] = {"source_sha256": source_hash(name),
-                               "env": {k: v for k, v in sorted(os.environ.items())
-                                       if k.startswith(ENV_PREFIX) and k not in ("POSPROBE_CI", "POSPROBE_OUT")}}
+                               "env": {k: v for k, v in sorted(os.environ.items())  # the ones this notebook reads
+                                       if k.startswith(ENV_PREFIX) and k != "POSPROBE_OUT" and f'"{k}"' in source}}
     CACHE.mkdir(parents=True, exist_ok=True)
     path = CACHE / f"{name}.ipynb"
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -89,15 +90,20 @@ def execute(name: str, workdir: Path | None = None, timeout: int = 900) -> Path:
     from nbclient import NotebookClient
 
     nb = jupytext.read(NOTEBOOKS / f"{name}.py")
+    saved = {k: os.environ.get(k) for k in ("POSPROBE_OUT", "PYTHONPATH")}
     with tempfile.TemporaryDirectory(prefix=f"posprobe-{name}-") as tmp:
-        env_out = os.environ.get("POSPROBE_OUT")
         os.environ.setdefault("POSPROBE_OUT", str(Path(tmp) / "out"))  # notebooks that write reports write there
+        # The kernel imports this checkout's posprobe (not another one an editable install points to).
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), saved["PYTHONPATH"]) if p)
         try:
             NotebookClient(nb, timeout=timeout, kernel_name="python3",
                            resources={"metadata": {"path": str(workdir or tmp)}}).execute()
         finally:
-            if env_out is None:
-                os.environ.pop("POSPROBE_OUT", None)
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
               if o.get("output_type") == "error"]
     if errors:
