@@ -99,6 +99,7 @@ def test_site_builds_strict_and_offline(built_site):
     for path in ("posprobe.analyses.heads.run_heads", "posprobe.analyses.configs.HeadsConfig",
                  "posprobe.analyses.retrieval.run_retrieval", "posprobe.analyses.theory.rope_theory_table"):
         assert f'id="{path}"' in api, path
+    assert api.count('doc-section-title">Examples') >= 14  # every run_* on the page shows its (doctested) example
     assert "critical_dimension" in html[site / "api" / "rope-theory.html"]
     # Every notebook is a tutorial page; the one executed above carries its outputs and figures, plotly.js is local.
     for name, _, _ in docs_tutorials.TUTORIALS:
