@@ -151,9 +151,11 @@ def _no_grad_and_no_leftover_hooks(request):
 def run_notebook(name: str, workdir: Path, timeout: int = 600) -> tuple[str, list[dict]]:
     """Execute analyses/<name>.py (jupytext percent format) headless in `workdir`.
 
-    Returns (all printed text, all outputs); any error output fails the test.
+    Returns (all printed text, all outputs); any error output fails the test. The executed notebook is kept as the
+    docs site's tutorial (.tutorials/<name>.ipynb, tests/docs_tutorials.py): the site renders these runs' outputs.
     """
     import jupytext
+    from docs_tutorials import save_executed
     from nbclient import NotebookClient
 
     nb = jupytext.read(Path(__file__).resolve().parents[1] / "analyses" / f"{name}.py")
@@ -161,6 +163,7 @@ def run_notebook(name: str, workdir: Path, timeout: int = 600) -> tuple[str, lis
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
     errors = [o for o in outputs if o.get("output_type") == "error"]
     assert not errors, errors
+    save_executed(name, nb)
     return "".join(o.get("text", "") for o in outputs), outputs
 
 

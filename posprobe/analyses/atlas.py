@@ -110,7 +110,17 @@ def run_atlas(model: Any, text: str | None = None, config: AtlasConfig | None = 
               source: str | None = None) -> AtlasResult:
     """Run every applicable section on `model` over `text` (default: the built-in text) and return the
     atlas with its parts. The shift test scores a decoder bridge through the Hugging Face model it wraps
-    (native position ids, pair packing; the same weights, not reloaded). Progress goes to stderr by stage."""
+    (native position ids, pair packing; the same weights, not reloaded). Progress goes to stderr by stage.
+
+    Examples:
+        >>> import posprobe as pp
+        >>> cfg = pp.AtlasConfig(quick=True, sections=("facts", "heads"), progress=False)  # all: AtlasConfig()
+        >>> atlas = pp.run_atlas(pp.load_model("tiny-rope"), None, cfg)
+        >>> list(atlas.parts)
+        ['heads']
+        >>> atlas.tables["atlas"].query("section == 'facts'").set_index("metric").value.to_dict()
+        {'n_layers': 2.0, 'n_heads': 4.0, 'n_ctx': 256.0}
+    """
     import sys
     import time
 

@@ -183,7 +183,18 @@ def run_brittleness(model: Any, data: str | Sequence[Sequence[int]] | None = Non
     tokens, n_pairs_jittered, count: predicted tokens) and `brittleness_summary` (per bucket and sigma: nll mean over
     windows, delta_nll = mean increase over sigma 0 on the same windows with a 95% percentile-bootstrap interval
     over windows in ci_low / ci_high, NaN with fewer than two windows; count = windows). Every check (buckets,
-    sigmas, window lengths, rotary model, vocabulary, context, memory) runs before the first forward pass."""
+    sigmas, window lengths, rotary model, vocabulary, context, memory) runs before the first forward pass.
+
+    Examples:
+        >>> import posprobe as pp
+        >>> cfg = pp.BrittlenessConfig(window=32, max_windows=2, sigmas=(1.0,), buckets=("near:2",), n_bootstrap=50,
+        ...                            progress=False)
+        >>> result = pp.run_brittleness(pp.load_model("tiny-rope"), None, cfg)
+        >>> sorted(result.tables)
+        ['brittleness', 'brittleness_summary']
+        >>> result.tables["brittleness_summary"][["bucket", "sigma"]].values.tolist()  # sigma 0: the clean reference
+        [['near:2', 0.0], ['near:2', 1.0]]
+    """
     import pandas as pd
     import torch
     from tqdm.auto import tqdm

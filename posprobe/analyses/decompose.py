@@ -519,6 +519,12 @@ def run_decompose(model: Any, config: DecomposeConfig | None = None, *, source: 
 
     Rows: the per-head summary (metric = var_share, var_ratio, mean_abs, rel_pos_fraction, rank) and
     the term maps of the chosen head (metric = "score", query_pos/key_pos/rel_pos set), in score units.
+
+    Examples:
+        >>> import posprobe as pp
+        >>> result = pp.run_decompose(pp.load_model("tiny-ape"), pp.DecomposeConfig(max_windows=4, progress=False))
+        >>> result.meta["method"], sorted(result.tables["decompose"].term.unique())
+        ('exact-layer0', ['bias', 'positional', 'pp', 'pw', 'wp', 'ww'])
     """
     config = config or DecomposeConfig()
     dec, summary = decompose_heads(model, config)

@@ -51,7 +51,16 @@ def run_extrapolation(model: Any, text: str, config: ExtrapolationConfig | None 
                       source: str | None = None, label: str | None = None) -> Result:
     """Perplexity vs evaluation length for `model` on `text`. Returns a Result with table `perplexity` (one row per
     protocol x length: nll in nats/token, ppl, ppl_ratio = ppl / ppl at L (same protocol), count of scored tokens,
-    status "ok" or "cannot run" with `why`)."""
+    status "ok" or "cannot run" with `why`).
+
+    Examples:
+        >>> import posprobe as pp
+        >>> from posprobe.data import BUILTIN_TEXT
+        >>> cfg = pp.ExtrapolationConfig(train_length=32, factors=(1, 2), max_tokens=256, progress=False)
+        >>> table = pp.run_extrapolation(pp.load_model("tiny-ape"), BUILTIN_TEXT, cfg).tables["perplexity"]
+        >>> table[["protocol", "length", "status"]].values.tolist()
+        [['chunks', 32, 'ok'], ['chunks', 64, 'ok'], ['sliding', 32, 'ok'], ['sliding', 64, 'ok']]
+    """
     config = config or ExtrapolationConfig()
     facts = model_facts(model)
     if not has_lm_head(model) or facts.is_encoder:

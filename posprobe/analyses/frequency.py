@@ -102,7 +102,17 @@ def run_frequency(model: Any, text: str | None = None, config: FrequencyConfig |
                   source: str | None = None, work: str | Path | None = None, fresh: bool = False) -> FrequencyUsage:
     """Per-band RoPE usage of every head over windows of `text` (default: the built-in text), plus band
     ablations (loss change in nats/token) when `config.ablate`. Returns a FrequencyUsage result.
-    `work`/`fresh`: the corpus pass's checkpoint folder, as in `frequency_usage`."""
+    `work`/`fresh`: the corpus pass's checkpoint folder, as in `frequency_usage`.
+
+    Examples:
+        >>> import posprobe as pp
+        >>> cfg = pp.FrequencyConfig(window=32, max_windows=2, batch_size=2, ablate=False, progress=False)
+        >>> usage = pp.run_frequency(pp.load_model("tiny-rope"), None, cfg)
+        >>> sorted(usage.tables)
+        ['bands', 'heads', 'profile', 'theory']
+        >>> int(usage.tables["bands"].band.max()) + 1  # d_head / 2 frequency bands
+        8
+    """
     from posprobe.backend.model import encode_text, tokenizer_of
     from posprobe.data import BUILTIN_TEXT, framed_windows
 

@@ -251,7 +251,15 @@ def residual_geometry(model: Any, token_rows: Sequence[Sequence[int]] | Int[torc
 def run_geometry(model: Any, text: str | None = None, config: GeometryConfig | None = None, *,
                  source: str | None = None) -> Result:
     """W_pos geometry (learned-position models) and the residual-stream view over windows of `text`
-    (default: the built-in text), as one `geometry` table (column `source` tells the views apart)."""
+    (default: the built-in text), as one `geometry` table (column `source` tells the views apart).
+
+    Examples:
+        >>> import posprobe as pp
+        >>> cfg = pp.GeometryConfig(window=32, max_windows=4, progress=False)
+        >>> result = pp.run_geometry(pp.load_model("tiny-ape"), None, cfg)  # learned positions: W_pos and the residual
+        >>> sorted(result.tables["geometry"].source.unique())
+        ['W_pos', 'resid_post mean']
+    """
     from posprobe.analyses.probes import text_rows
     from posprobe.data import BUILTIN_TEXT
 

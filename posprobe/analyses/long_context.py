@@ -182,6 +182,15 @@ def run_long_context(model: Any, text: str | None, config: LongContextConfig | N
     (`posprobe.report.checkpoint`); calling again with the same folder resumes, and the tables equal an
     uninterrupted run's exactly. Another model, text or config there is refused; `fresh=True` discards it first.
     The folder is left in place (delete it with `discard_work_folder` once the result is saved).
+
+    Examples:
+        >>> import posprobe as pp
+        >>> from posprobe.data import BUILTIN_TEXT
+        >>> cfg = pp.LongContextConfig(lengths=(64,), presets=("none", "pi:scale=2"), bin_size=16, warmup=16,
+        ...                            break_span=16, progress=False)
+        >>> summary = pp.run_long_context(pp.load_model("tiny-rope"), BUILTIN_TEXT, cfg).tables["long_context_summary"]
+        >>> summary[summary.metric == "in_context_nll"].preset.tolist()
+        ['none', 'pi:scale=2']
     """
     cfg = config or LongContextConfig()
     if text is None:

@@ -42,7 +42,15 @@ def run_probes(model: Any, text: str | None = None, config: ProbeConfig | None =
                source: str | None = None, work: str | Path | None = None, fresh: bool = False) -> Result:
     """Position probes over `config.max_windows` windows of `config.window` tokens of `text` (default:
     the built-in text); the result's meta records the data in the common schema. `work`/`fresh` as in
-    `position_probes`."""
+    `position_probes`.
+
+    Examples:
+        >>> import posprobe as pp
+        >>> cfg = pp.ProbeConfig(window=32, max_windows=8, max_tokens=200, n_splits=2, inner_splits=2, progress=False)
+        >>> probes = pp.run_probes(pp.load_model("tiny-rope"), None, cfg).tables["probes"]
+        >>> sorted(probes.condition.unique()), sorted(probes.metric.unique())
+        (['chance', 'control', 'probe'], ['accuracy', 'mae'])
+    """
     from posprobe.backend.facts import model_facts
     from posprobe.data import BUILTIN_TEXT
 

@@ -159,7 +159,18 @@ def run_retrieval(model: Any, text: str | None = None, config: RetrievalConfig |
 
     `work`: a folder where every answer (with its per-head statistics) is kept as it completes
     (`posprobe.report.checkpoint`); calling again with the same folder resumes, and the tables equal an
-    uninterrupted run's exactly. Another model, text or config there is refused; `fresh=True` discards it first."""
+    uninterrupted run's exactly. Another model, text or config there is refused; `fresh=True` discards it first.
+
+    Examples:
+        >>> import posprobe as pp
+        >>> cfg = pp.RetrievalConfig(lengths=(400,), depths=(0.5,), tasks=("niah_single_1",), mask_k=(0,),
+        ...                          needle_tokens=3, bootstrap=50, progress=False)
+        >>> result = pp.run_retrieval(pp.load_model("tiny-rope"), None, cfg)
+        >>> sorted(result.tables)
+        ['head_classes', 'retrieval_answers', 'retrieval_heads', 'retrieval_masking']
+        >>> len(result.tables["retrieval_answers"])  # 1 task x 1 length x 1 depth x 1 trial, nothing masked
+        1
+    """
     cfg = config or RetrievalConfig()
     if text is None:
         text, source = BUILTIN_TEXT, source or "built-in text"

@@ -238,7 +238,17 @@ def run_sinks(model: Any, text: str | None = None, config: SinksConfig | None = 
     and with it replaced by "the" or a newline (`control_variants`); meta["control"] says what the model's positional
     mechanism alone predicts for the position variants. With `ablate_heads`, `head_ablation`: the heads with the most
     attention on the first token, each zeroed alone and labelled by the change of the text loss (low-effect,
-    loss-rises, loss-falls: `posprobe.analyses.dormant`; meta["ablation"] holds the definitions)."""
+    loss-rises, loss-falls: `posprobe.analyses.dormant`; meta["ablation"] holds the definitions).
+
+    Examples:
+        >>> import posprobe as pp
+        >>> cfg = pp.SinksConfig(length=16, random_samples=2, max_windows=2, progress=False)
+        >>> result = pp.run_sinks(pp.load_model("tiny-rope"), None, cfg)
+        >>> sorted(result.tables)
+        ['massive_activations', 'sink_control', 'sink_heads', 'sink_share']
+        >>> sorted(result.tables["sink_heads"].condition.unique())
+        ['random', 'text']
+    """
     cfg = config or SinksConfig()
     facts = model_facts(model)
     require_attention_supported(facts, "Attention sinks")

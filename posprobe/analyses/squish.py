@@ -80,7 +80,16 @@ def _decode(model: Any, ids: torch.Tensor) -> str:
 
 
 def run_squish(model: Any, instruction: str, prompt: str, config: SquishConfig | None = None) -> Result:
-    """`squish_generate` with its options from a SquishConfig (what `posprobe squish` calls)."""
+    """`squish_generate` with its options from a SquishConfig (what `posprobe squish` calls).
+
+    Examples:
+        >>> import posprobe as pp
+        >>> cfg = pp.SquishConfig(max_new_tokens=3, variant="keys")  # the instruction's keys all at position 0
+        >>> model = pp.load_model("tiny-rope")
+        >>> result = pp.run_squish(model, "Answer in French.", "What is the capital of Italy?", cfg)
+        >>> sorted(result.tables["squish"].metric.unique()), sorted(result.meta["continuations"])
+        (['attn_mass', 'kl'], ['baseline', 'keys'])
+    """
     cfg = config or SquishConfig()
     return squish_generate(model, instruction, prompt, to=0.0 if cfg.to is None and cfg.range_ is None else cfg.to,
                       range_=cfg.range_, query_start=cfg.query_start, variant=cfg.variant,
@@ -177,7 +186,16 @@ def loss_by_position(model: Any, windows: Sequence[Sequence[int]], presets: Sequ
 
 def run_surgery_eval(model: Any, text: str, config: SurgeryEvalConfig | None = None, *,
                      source: str | None = None) -> Result:
-    """Loss by position (nats/token) under each surgery preset on windows of `text`: one `surgery_eval` table."""
+    """Loss by position (nats/token) under each surgery preset on windows of `text`: one `surgery_eval` table.
+
+    Examples:
+        >>> import posprobe as pp
+        >>> from posprobe.data import BUILTIN_TEXT
+        >>> cfg = pp.SurgeryEvalConfig(window=32, max_windows=2, presets=("none", "pi:scale=2"))
+        >>> table = pp.run_surgery_eval(pp.load_model("tiny-rope"), BUILTIN_TEXT, cfg).tables["surgery_eval"]
+        >>> sorted(table.preset.unique()), sorted(table.metric.unique())
+        (['none', 'pi:scale=2'], ['nll'])
+    """
     from posprobe.data import token_windows
 
     cfg = config or SurgeryEvalConfig()

@@ -195,7 +195,20 @@ def run_squish_study(model: Any, config: SquishStudyConfig | None = None, *, tok
     `model`: a plain HF chat model with its `tokenizer`, or a TransformerBridge (its HF model runs). `instructions`
     default to the built-in suite (`config.instructions` picks by name), `questions` to the first `config.questions`
     built-in ones. Every prompt is rendered, every instruction located and every checker tried before the first
-    forward. `work`: a folder keeping each finished cell; calling again resumes with the same tables."""
+    forward. `work`: a folder keeping each finished cell; calling again resumes with the same tables.
+
+    Examples:
+        >>> import posprobe as pp
+        >>> model = pp.load_model("tiny-rope")  # random weights; a chat template makes the byte tokenizer a chat one
+        >>> model.tokenizer.chat_template = "{% for m in messages %}<{{m.role}}>{{m.content}}{% endfor %}<assistant>"
+        >>> cfg = pp.SquishStudyConfig(questions=2, placements=("user",), distances=(0,),
+        ...                            conditions=("normal", "squish:0"), max_new_tokens=2, progress=False)
+        >>> result = pp.run_squish_study(model, cfg)
+        >>> sorted(result.tables)
+        ['squish_adherence', 'squish_answers']
+        >>> sorted(result.tables["squish_adherence"].condition.unique())
+        ['normal', 'squish:0']
+    """
     cfg = config or SquishStudyConfig()
     if is_bridge(model):
         from posprobe.backend.fast_attention import hf_model_inside

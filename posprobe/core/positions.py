@@ -112,6 +112,19 @@ class PositionPlan:
     query looks at it (e.g. a span seen normally by itself, squished by later tokens). `layers`
     limits the plan to some layers (None: all). `rotary` overrides a layer's rotation (new base,
     per-band scale, removed bands). `label` names the plan in outputs.
+
+    Examples:
+        >>> import torch, posprobe as pp
+        >>> model = pp.load_model("tiny-rope")
+        >>> toks = model.to_tokens("Answer in French. What is the capital of Italy?")
+        >>> n = toks.shape[1]
+        >>> keys = torch.arange(n, dtype=torch.float64)
+        >>> keys[1:18] = 1.0  # the instruction's 17 byte tokens squished onto one position
+        >>> plan = pp.PositionPlan(q_pos=torch.arange(n, dtype=torch.float64), k_pos=keys, label="squished")
+        >>> with pp.rope_positions(model, plan):
+        ...     squished = model(toks)
+        >>> bool((squished - model(toks)).abs().max() > 0)
+        True
     """
 
     q_pos: torch.Tensor
