@@ -64,7 +64,18 @@ def run_zoo_atlas(paths: list[str], config: ZooAtlasConfig | None = None, *, tex
     other model specs for themselves) over `text` (default: the zoo's held-out eval.txt). Returns a Result
     (analysis "zoo-atlas") whose tables are the sections' own tables concatenated over models with columns member,
     family, block, seed (NaN outside a zoo), plus `models` (one row per model) and `refused` (model, section, why).
-    Progress goes to stderr by model and section."""
+    Progress goes to stderr by model and section.
+
+    Examples:
+        >>> import posprobe as pp
+        >>> from posprobe.data import BUILTIN_TEXT
+        >>> cfg = pp.ZooAtlasConfig(sections=("heads",), window=32, max_windows=2, progress=False)
+        >>> r = pp.run_zoo_atlas(["tiny-rope", "tiny-ape"], cfg, text=BUILTIN_TEXT)
+        >>> r.tables["models"][["model", "positional_kind", "status"]].values.tolist()
+        [['tiny-rope', 'rotary', 'loaded'], ['tiny-ape', 'learned_absolute', 'loaded']]
+        >>> r.tables["head_classes"].groupby("model").size().to_dict()  # every head of both, side by side
+        {'tiny-ape': 8, 'tiny-rope': 8}
+    """
     cfg = config or ZooAtlasConfig()
     specs = zoo_models(paths)
     text, source = resolve_text(paths, text, source)
@@ -199,7 +210,16 @@ def evaluate_zoo(paths: list[str], config: ExtrapolationConfig | None = None, *,
     """Perplexity vs evaluation length for every model in `paths` (zoo folders, member folders, other model
     specs) on `text` (default: the zoo's held-out eval.txt). Each zoo member is evaluated at its own training
     length L. Returns a Result with tables `perplexity` (every model x protocol x length, with the member's family,
-    block and seed) and `ratios` (ppl(xL) / ppl(L) per member, protocol and factor: mean, min and max over seeds)."""
+    block and seed) and `ratios` (ppl(xL) / ppl(L) per member, protocol and factor: mean, min and max over seeds).
+
+    Examples:
+        >>> import posprobe as pp
+        >>> from posprobe.data import BUILTIN_TEXT
+        >>> cfg = pp.ExtrapolationConfig(train_length=32, factors=(1, 2), max_tokens=256, progress=False)
+        >>> r = pp.evaluate_zoo(["tiny-rope", "tiny-ape"], cfg, text=BUILTIN_TEXT)
+        >>> r.tables["ratios"][["member", "protocol", "factor", "status"]].values.tolist()[:2]
+        [['tiny-rope', 'chunks', 1.0, 'ok'], ['tiny-rope', 'chunks', 2.0, 'ok']]
+    """
     config = config or ExtrapolationConfig()
     models = zoo_models(paths)
     text, source = resolve_text(paths, text, source)
