@@ -363,3 +363,37 @@ def test_the_atlas_over_many_models_holds_one_model_at_a_time_unless_a_section_c
     both = {**one, "x": AtlasSection("x", "X", None, None, None, across=across)}
     models, outcomes, _ = compare_models(specs, both, run)
     assert seen == [1, 2, 3] and outcomes[-1].tables["n_loaded"].n.tolist() == [3]
+
+
+def test_the_cli_atlas_of_several_models_is_the_atlas_over_many(tmp_path, capsys):
+    """`posprobe atlas A B` runs the atlas over many models (zoo atlas's machinery) with the flags both atlases share;
+    a section only the one-model atlas has is refused before any model loads, and so are --dtype / --n-ctx.
+    Catches: the extra models silently dropped, or the shared flags not reaching the many-model run."""
+    from posprobe.analyses.configs import AtlasConfig, ZooAtlasConfig
+    from posprobe.cli.main import main
+    from posprobe.report.result import Result
+
+    out = tmp_path / "many"
+    assert main(["atlas", "tiny-rope", "tiny-ape", "--sections", "facts", "heads", "--window", "24", "--max-windows",
+                 "2", "--seed", "3", "--no-progress", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "tiny-rope" in printed and "tiny-ape" in printed and "report.html" in printed
+    r = Result.load(out)
+    assert r.meta["analysis"] == "zoo-atlas" and r.meta["sections"] == ["heads"]
+    assert r.meta["config"]["window"] == 24 and r.meta["config"]["max_windows"] == 2 and r.meta["config"]["seed"] == 3
+    assert r.tables["models"].model.tolist() == ["tiny-rope", "tiny-ape"]
+    assert set(r.tables["head_classes"].model) == {"tiny-rope", "tiny-ape"}
+    # The mapping itself: shared knobs carried, the rest at the many-model defaults.
+    many = ZooAtlasConfig.from_atlas(AtlasConfig(ks=(0, 8), max_pairs=3, probe_tokens=500))
+    assert (many.ks, many.max_pairs, many.probe_tokens, many.window) == ((0, 8), 3, 500, ZooAtlasConfig().window)
+    assert many.wanted() == ["heads", "similarity", "sinks", "frequency", "geometry", "probes", "shift"]
+    for bad, why in ((["tiny-ape", "--sections", "retrieval"], "run on one model at a time"),
+                     (["tiny-ape", "--dtype", "float64"], "--dtype"), (["tiny-ape", "--n-ctx", "64"], "--n-ctx"),
+                     (["--sections", "similarity"], "compare several models")):
+        try:
+            code = main(["atlas", "tiny-rope", *bad, "--out", str(tmp_path / "bad")])
+        except SystemExit as e:
+            code, printed = e.code, str(e)
+        else:
+            printed = capsys.readouterr().err
+        assert code and why in printed and not (tmp_path / "bad").exists()

@@ -125,6 +125,7 @@ def run_atlas(model: Any, text: str | None = None, config: AtlasConfig | None = 
     import time
 
     cfg = config or AtlasConfig()
+    cfg.check_one_model()
     facts = model_facts(model)
     body = builtin_corpus() if text is None else text
     src = source or (BUILTIN_CORPUS_SOURCE if text is None else "text")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, fields
-from typing import ClassVar, Iterator, Literal, Mapping, NamedTuple, Sequence, get_args, get_origin, get_type_hints
+from typing import Any, ClassVar, Iterator, Literal, Mapping, NamedTuple, Sequence, get_args, get_origin, get_type_hints
 
 from posprobe.core import presets, variants
 from posprobe.core.config import at_least, option
@@ -483,7 +483,9 @@ class AtlasConfig:
                                 "600 probe tokens, no retrieval section unless --sections names it")
     induction_len: int = option(24, "repeated random sequence length for the induction score")
     sections: tuple[str, ...] | None = option(None, f"run only these sections ({', '.join(ATLAS_SECTIONS)}; default: "
-                                                    "all that apply)")
+                                                    "all that apply; with several models also "
+                                                    + ", ".join(s for s in ZOO_ATLAS_SECTIONS
+                                                                if s not in ATLAS_SECTIONS) + ")")
     needle_length: int = option(1024, "retrieval section: needle prompt length (tokens; at most the context)")
     ablate_heads: int = option(12, "when the sinks and retrieval sections both run: the sink heads zeroed one at a "
                                    "time (text loss), so that a head with a low effect on that loss but a retrieval "
@@ -495,9 +497,18 @@ class AtlasConfig:
         at_least(self, 2, "window")
         at_least(self, 1, "max_windows", "max_pairs", "probe_tokens")
         at_least(self, 0, "induction_len", "ablate_heads")
-        bad = sorted(set(self.sections or ()) - set(ATLAS_SECTIONS))
+        bad = sorted(set(self.sections or ()) - set(SECTIONS))
         if bad:
-            raise ValueError(f"unknown atlas sections {bad}; choose from {sorted(ATLAS_SECTIONS)}")
+            raise ValueError(f"unknown atlas sections {bad}; choose from {sorted(ATLAS_SECTIONS)} (with several "
+                             f"models also {sorted(set(ZOO_ATLAS_SECTIONS) - set(ATLAS_SECTIONS))})")
+
+    def check_one_model(self) -> None:
+        """ValueError where a section named runs only over several models (head similarity, the zoo's training
+        curves, extrapolation and decomposition side by side): the atlas of one model cannot run it."""
+        many = [s for s in self.sections or () if s not in ATLAS_SECTIONS]
+        if many:
+            raise ValueError(f"section(s) {many} compare several models: name more models (posprobe atlas A B ...) "
+                             "or use posprobe zoo atlas")
 
     def window_for(self, n_ctx: int) -> int:
         """Tokens per text window on a model with `n_ctx` positions."""
@@ -801,3 +812,24 @@ class ZooAtlasConfig:
     def wanted(self) -> list[str]:
         """The sections to run, in report order."""
         return [s for s in ZOO_ATLAS_SECTIONS if self.sections is None or s in self.sections]
+
+    @classmethod
+    def from_atlas(cls, atlas: AtlasConfig, **overrides: Any) -> ZooAtlasConfig:
+        """The atlas over many models that `posprobe atlas A B ...` runs for an AtlasConfig: the knobs the two share
+        (sections, window, windows, shift distances, pairs, probe tokens, seed) carried over, the rest at the many-
+        model defaults (`overrides` on top). ValueError for a named section only the one-model atlas has."""
+        only_one = [s for s in atlas.sections or () if s not in ZOO_ATLAS_SECTIONS and s != "facts"]
+        if only_one:
+            raise ValueError(f"section(s) {only_one} run on one model at a time; with several models choose from "
+                             f"{list(ZOO_ATLAS_SECTIONS)}")
+        shared: dict[str, Any] = dict(max_windows=atlas.max_windows, ks=atlas.ks, max_pairs=atlas.max_pairs,
+                                      seed=atlas.seed, progress=atlas.progress)
+        # Default: the sections both atlases have, and the head similarity (the comparison itself); the zoo's training
+        # curves, extrapolation (scored up to 8x each model's context) and decomposition when named.
+        both = [s for s in ZOO_ATLAS_SECTIONS if s in ATLAS_SECTIONS or s == "similarity"]
+        shared["sections"] = tuple(s for s in (atlas.sections or both) if s in ZOO_ATLAS_SECTIONS)
+        if atlas.window is not None:
+            shared["window"] = atlas.window
+        if atlas.probe_tokens is not None:
+            shared["probe_tokens"] = atlas.probe_tokens
+        return cls(**{**shared, **overrides})
