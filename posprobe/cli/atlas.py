@@ -72,13 +72,8 @@ def _many(args: argparse.Namespace, config: Any) -> int:
 
         text, source = builtin_corpus(), BUILTIN_CORPUS_SOURCE
     from posprobe.analyses.atlas_many import run_zoo_atlas
-    from posprobe.cli.zoo import refused_models
+    from posprobe.cli.zoo import print_and_save
     from posprobe.report.zoo_atlas import headline_table
 
     result = run_zoo_atlas(models, many, text=text, source=source, device=args.device)
-    print(headline_table(result).to_string(index=False))
-    for model, why in refused_models(result):
-        print(f"[atlas] refused {model}: {why}")
-    paths = result.save(args.out, figure_formats=args.figures, csv=args.csv)
-    print(f"wrote {paths['report']}")
-    return 0
+    return print_and_save(result, args, headline_table, "atlas")

@@ -5,6 +5,7 @@ they extrapolate past the training length (`zoo eval`), run every positional ana
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 HELP = ("The positional zoo: small causal LMs that differ only in positions (learned, sinusoidal, ALiBi, rotary, "
         "partial rotary, p-RoPE, NoPE, RoPE/NoPE hybrid), trained here and compared side by side.")
@@ -202,9 +203,15 @@ def _across_models(args: argparse.Namespace, config_cls: type, run: tuple[str, s
 
     warn_if_busy()
     result = fn(args.models, config, text=text, source=args.text, device=args.device)
+    return print_and_save(result, args, summary, "zoo")
+
+
+def print_and_save(result: Any, args: argparse.Namespace, summary: Any, tag: str) -> int:
+    """A result over several models on stdout (its summary table, then every model refused at all with why, each
+    line tagged `[tag]`), saved to --out; returns the exit code 0."""
     print(summary(result).to_string(index=False))
     for model, why in refused_models(result):
-        print(f"[zoo] refused {model}: {why}")
+        print(f"[{tag}] refused {model}: {why}")
     paths = result.save(args.out, figure_formats=args.figures, csv=args.csv)
     print(f"wrote {paths['report']}")
     return 0
