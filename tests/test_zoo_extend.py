@@ -676,3 +676,51 @@ def test_pose_and_drope_end_to_end(tiny_zoo, tmp_path):
     got = curves[(curves.member == "rope") & (curves.method == "drope") & (curves.step == 0)
                  & (curves.length == TARGET)]["ppl"].item()
     assert got == pytest.approx(want, rel=1e-5)
+
+
+def test_the_mechanism_reads_each_models_own_rotation_at_its_own_lengths(tiny_zoo, tmp_path):
+    """The mechanism tables (per head a(s) and Chen's bounds, per band usage) are measured on the unextended member
+    at L -> L' and on each extended member at L' -> 2L', each on its own rotation: the band frequencies listed equal
+    the papers' theta_j (PI: theta_j / s; NTK: the bloc97 base), written out in this file; DroPE on GPT-NeoX (HF's
+    proportional type with no rotated share) has every band at frequency 0, so a(s) is flat and never leaves its
+    range. Catches: the source folder measured in place of the extended one, or the lengths swapped."""
+    from posprobe.analyses.context_extension import extend_zoo
+
+    cfg = ExtendConfig(members=("rope",), methods=("pi", "ntk", "drope"), steps=1, checkpoints=(), eval_tokens=256,
+                       sliding="never", progress=False)
+    result = extend_zoo(tiny_zoo, cfg, tmp_path / "out")
+    mech, usage, refused = (result.tables[k] for k in ("mechanism", "band_usage", "mechanism_refused"))
+    lengths = mech.groupby("method")[["theory_context", "theory_target"]].first()
+    assert lengths.loc["unextended"].tolist() == [L, TARGET]
+    assert lengths.loc["pi"].tolist() == lengths.loc["ntk"].tolist() == [TARGET, 2 * TARGET]
+    assert set(mech["method"]) == {"unextended", "pi", "ntk", "drope"} and len(mech[mech.method == "pi"]) == 2 * 2
+    head_dim = 32 // 2
+    for method in ("unextended", "pi", "ntk"):
+        want, _ = _paper_inv_freq("direct" if method == "unextended" else method, "rope", head_dim)
+        got = usage[(usage.method == method) & (usage.layer == 0)].sort_values("band")["frequency"].to_numpy()
+        assert got == pytest.approx(want.numpy(), rel=1e-6), method
+    assert (usage[usage.method == "drope"]["frequency"] == 0).all() and not len(refused)
+    drope = mech[mech.method == "drope"]
+    assert (drope["excess"] == 0).all() and not drope["extrapolation_leaves_range"].any()
+    assert mech[mech.method == "unextended"]["excess"].gt(0).any()  # the rotary member's a(s) does leave it
+    share = usage[usage.method == "pi"].groupby("layer")["value"].sum()
+    assert share.to_numpy() == pytest.approx(1.0, abs=1e-6)  # per layer the bands' shares of |q.k| sum to 1
+
+
+def test_mechanism_summary_by_hand():
+    """Per (member, method), unextended first: heads counted, the share leaving the range, median and largest
+    excess, largest interpolation bound; numbers worked out by hand."""
+    import pandas as pd
+
+    from posprobe.analyses.extension_mechanism import mechanism_summary
+
+    rows = [("rope", "pi", 64, 128, 0.5, True, 0.2), ("rope", "pi", 64, 128, 0.1, False, 0.4),
+            ("rope", "pi", 64, 128, 0.3, True, 0.1), ("rope", "unextended", 16, 64, 2.0, True, 0.05)]
+    m = pd.DataFrame(rows, columns=["member", "method", "theory_context", "theory_target", "excess",
+                                    "extrapolation_leaves_range", "interpolation_bound"]).assign(head=0)
+    got = mechanism_summary(m)
+    assert got["method"].tolist() == ["unextended", "pi"]
+    pi = got.iloc[1]
+    assert (pi.context, pi.target, pi.heads) == (64, 128, 3)
+    assert pi.leaving_share == pytest.approx(2 / 3) and pi.excess_median == pytest.approx(0.3)
+    assert pi.excess_max == pytest.approx(0.5) and pi.interpolation_bound_max == pytest.approx(0.4)

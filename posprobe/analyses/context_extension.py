@@ -23,6 +23,7 @@ from typing import Any, Iterator
 import pandas as pd
 
 from posprobe.analyses.configs import ExtrapolationConfig
+from posprobe.analyses.extension_mechanism import looked_at, mechanism_tables
 from posprobe.report.checkpoint import Checkpoint, discard_work_folder, run_key, work_folder_for
 from posprobe.report.result import Result
 from posprobe.report.schema import data_meta, make_meta, text_sha256
@@ -194,6 +195,12 @@ def extend_zoo(zoo: str | os.PathLike, config: ExtendConfig, out: str | os.PathL
         rec.update(method=j.method)
         records.append(ckpt.put(unit + "/done", rec))
     result = _result(config, jobs, left_out, base, records, source, text, eval_source, eval_text)
+    if config.mechanism:  # per head, before and after each method: a(s), Chen's bounds, band usage
+        say(f"zoo extend: the mechanism (frequency pass and Chen's bounds) on {len(jobs)} extended members and "
+            "their sources")
+        stored = ckpt.compute("mechanism", lambda: {k: v.to_dict("list") for k, v in mechanism_tables(
+            looked_at(jobs, lambda j: staging / j.folder_name), eval_text, device=config.device).items()})
+        result.tables.update({k: pd.DataFrame(v) for k, v in stored.items()})
     commit_zoo(out, staging, {}, {"extend": result})
     discard_work_folder(work)
     return result

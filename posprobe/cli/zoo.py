@@ -279,6 +279,11 @@ def _extend(args: argparse.Namespace) -> int:
     warn_if_busy()
     result = extend_zoo(args.zoo, cfg, args.out, text=text, source=args.text, eval_text=eval_text, fresh=args.fresh)
     print(extend_summary(result).to_string(index=False))
+    if "mechanism" in result.tables:
+        from posprobe.analyses.extension_mechanism import mechanism_summary
+
+        print("mechanism (Chen et al.): per head a(s) inside L against beyond it, logits")
+        print(mechanism_summary(result.tables["mechanism"]).round(3).to_string(index=False))
     for name, gammas in result.meta.get("yarn_gamma", {}).items():
         print(f"[zoo] yarn gamma per band of {name} (1 = kept, 0 = interpolated by 1/s; HF's ramp): "
               + " ".join(f"{g:.2f}" for g in gammas))

@@ -124,6 +124,9 @@ class ExtendConfig:
         "last", "Press et al.'s sliding protocol (each block of L/2 targets scored at the end of its own window, ~8x "
                 "the cost of chunks): on the unextended member and at the last checkpoint, at every checkpoint, or "
                 "never; chunks (non-overlapping sequences) are scored at every checkpoint")
+    mechanism: bool = option(True, "after the runs, the frequency pass on every member before and after each method: "
+                                   "per head a(s) inside and beyond the trained length, Chen's bounds, band usage "
+                                   "(seconds per model)")
     checkpoint_every: int = option(25, "steps between saved training states (a killed run resumes from the last)")
     device: str = option("cpu", "", cli=False)
     progress: bool = option(True, "", cli=False)

@@ -1,0 +1,101 @@
+"""The mechanism of context extension, per method (`zoo extend`): Chen et al.'s argument (Position Interpolation,
+Theorem 2.1) is about the attention score as a function of query-key distance, a(s) = Re sum_j h_j e^{i s theta_j},
+with h_j a head's mean per-band score contribution. For every member before extension (trained at L, looked at up to
+L') and after each method (trained at L', looked at up to 2L'), the frequency pass measures each head's h_j on the
+model's own rotation (a PI member's theta_j / s, an NTK or ABF member's new base, YaRN's ramp) and
+`frequency_theory.head_bounds` turns them into a(s)'s range inside the trained length, how far it leaves that range
+beyond it, and Chen's two bounds; the per-band usage (share of |q.k| per band) shows which bands the fine-tune
+re-learned. A member the frequency pass does not apply to (DroPE: no rotation left; the non-rotary controls) is a row
+of `mechanism_refused` with posprobe's reason. Units: scores in pre-softmax logits, lengths in tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from posprobe.analyses.configs import FrequencyConfig
+
+__all__ = ["MECHANISM_COLUMNS", "Looked", "looked_at", "mechanism_summary", "mechanism_tables"]
+
+#: The theory columns kept per head (`frequency_theory.head_bounds`).
+MECHANISM_COLUMNS = ("layer", "head", "attention", "h_max", "h_max_typical", "a_in_min", "a_in_max", "a_out_min",
+                     "a_out_max", "excess", "interpolation_bound", "extrapolation_bound", "interpolation_safe",
+                     "extrapolation_leaves_range", "theory_context", "theory_target")
+#: Windows of the eval text each frequency pass reads (the h_j are means over query-key pairs: a few windows do).
+MECHANISM_WINDOWS = 4
+
+
+@dataclass(frozen=True)
+class Looked:
+    """One model the mechanism looks at: its member, seed and method ("unextended" before extension), its folder, the
+    length it was trained at (`context`) and how far a(s) is followed (`target`), in tokens."""
+
+    member: str
+    seed: int
+    method: str
+    folder: Path
+    context: int
+    target: int
+
+
+def mechanism_tables(looked: list[Looked], text: str, *, device: str = "cpu",
+                     max_windows: int = MECHANISM_WINDOWS) -> dict[str, pd.DataFrame]:
+    """Per model of `looked`: tables `mechanism` (one row per head: MECHANISM_COLUMNS with member, seed, method),
+    `band_usage` (share of |q.k| per band, mean over heads, with the band's angular frequency in radians per token)
+    and `mechanism_refused` (member, seed, method, why). Each model is scored on windows of its own trained length
+    (at most what `text` holds) and released before the next loads."""
+    from posprobe.analyses.frequency import run_frequency
+    from posprobe.backend.loading import load_model
+
+    heads, usage, refused = [], [], []
+    for m in looked:
+        tag = dict(member=m.member, seed=m.seed, method=m.method)
+        try:
+            model = load_model(str(m.folder), device=device)
+            got = run_frequency(model, text, FrequencyConfig(window=m.context, max_windows=max_windows, queries=32,
+                                                             ablate=False, theory_context=m.context,
+                                                             theory_target=m.target, progress=False))
+        except (ValueError, NotImplementedError) as e:
+            refused.append({**tag, "why": str(e).splitlines()[0]})
+            continue
+        theory = got.tables["theory"]
+        heads.append(theory[[c for c in MECHANISM_COLUMNS if c in theory]].assign(**tag))
+        b = got.tables["bands"]
+        share = b[(b.metric == "abs_share") & (b.band >= 0)]
+        per_band = share.groupby(["layer", "band"], as_index=False).agg(value=("value", "mean"),
+                                                                        frequency=("frequency", "first"))
+        usage.append(per_band.assign(**tag, metric="abs_share"))
+    frame = (lambda parts, cols: pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=cols))
+    return {"mechanism": frame(heads, [*MECHANISM_COLUMNS, "member", "seed", "method"]),
+            "band_usage": frame(usage, ["layer", "band", "value", "frequency", "member", "seed", "method", "metric"]),
+            "mechanism_refused": pd.DataFrame(refused, columns=["member", "seed", "method", "why"])}
+
+
+def looked_at(jobs: list[Any], folder_of: Any) -> list[Looked]:
+    """The models of a `zoo extend` run the mechanism looks at: each member x seed before extension (its source
+    folder, L, followed to L') and each extended run (`folder_of(job)`, L', followed to 2L')."""
+    out: dict[tuple, Looked] = {}
+    for j in jobs:
+        out.setdefault((j.member, j.seed, "unextended"),
+                       Looked(j.member, j.seed, "unextended", Path(j.source), j.length, j.target))
+        out[(j.member, j.seed, j.method)] = Looked(j.member, j.seed, j.method, Path(folder_of(j)), j.target,
+                                                   2 * j.target)
+    return list(out.values())
+
+
+def mechanism_summary(mechanism: pd.DataFrame) -> pd.DataFrame:
+    """Per member and method (over seeds and heads): the trained length L and how far a(s) is followed (tokens), the
+    heads measured, the share whose a(s) leaves its range inside L by more than the tolerance beyond it, the median and
+    largest excess and the largest interpolation bound (logits): a row per (member, method), unextended first."""
+    if not len(mechanism):
+        return pd.DataFrame(columns=["member", "method", "context", "target", "heads", "leaving_share",
+                                     "excess_median", "excess_max", "interpolation_bound_max"])
+    g = mechanism.groupby(["member", "method"], sort=False)
+    out = g.agg(context=("theory_context", "first"), target=("theory_target", "first"), heads=("head", "size"),
+                leaving_share=("extrapolation_leaves_range", "mean"), excess_median=("excess", "median"),
+                excess_max=("excess", "max"), interpolation_bound_max=("interpolation_bound", "max")).reset_index()
+    first = out["method"].eq("unextended").map({True: 0, False: 1})
+    return out.assign(_o=first).sort_values(["member", "_o"], kind="stable").drop(columns="_o").reset_index(drop=True)
