@@ -342,6 +342,27 @@ def test_same_seed_same_weights(tmp_path):
     assert a.tables["training"].loss.tolist() == b.tables["training"].loss.tolist()
 
 
+def test_the_task_batch_and_steps_are_the_task_configs(tmp_path, monkeypatch):
+    """Every optimiser step of a task zoo draws `TaskConfig.batch_size` instances for `TaskConfig.steps` steps, not the
+    text tier's batch (16 in TINY) or steps. Catches (mutmut zoo_tasks): `train_task_zoo` dropping
+    `batch_size=tasks.batch_size` or `steps=tasks.steps` from the config it trains with."""
+    import posprobe.zoo.tasks as T
+    from posprobe.zoo.task_zoo import train_task_zoo
+
+    drawn, real = [], T.task_batch
+
+    def counted(tasks, train_max, batch_size, step, seed):
+        drawn.append((batch_size, step))
+        return real(tasks, train_max, batch_size, step, seed)
+
+    monkeypatch.setattr(T, "task_batch", counted)
+    cfg = ZooConfig(members=("rope",), seeds=(0,), steps=9, **TINY)
+    result = train_task_zoo(cfg, TaskConfig(train_max=2, test_factor=1, test_count=2, steps=3, batch_size=5),
+                            tmp_path / "z")
+    assert {b for b, _ in drawn} == {5} and sorted({s for _, s in drawn}) == [0, 1, 2]
+    assert result.tables["members"]["steps"].tolist() == [3]
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, "-m", "posprobe", "zoo", "tasks", *args], capture_output=True, text=True,
