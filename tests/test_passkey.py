@@ -170,3 +170,35 @@ def test_passkey_table_and_a_learned_table(tok):
     assert (df["trials"].iloc[:2] == 3).all() and df["success_rate"].iloc[:2].between(0, 1).all()
     again = passkey_table(model, tok, [short, short + 8], trials=3)
     assert again[["successes", "prefix_tokens"]].equals(df[["successes", "prefix_tokens"]].iloc[:2])
+
+
+def test_zoo_extend_measures_the_window_beside_perplexity(tmp_path):
+    """`extend_zoo` on a zoo trained with the skill: the unextended member and every checkpoint get a success table
+    by distance up to L' and an effective window (the pure function of that table), in the summary beside ppl; the
+    numbers equal `passkey_table` run on the saved folders again."""
+    from posprobe.analyses.context_extension import extend_zoo
+    from posprobe.analyses.passkey import load_causal_lm, passkey_table
+    from posprobe.data import builtin_corpus
+    from posprobe.zoo.extend import ExtendConfig
+    from posprobe.zoo.run import train_zoo
+
+    small = dict(TINY, length=64, steps=4, checkpoint_every=10)
+    train_zoo(ZooConfig(**small, members=("rope-llama", "alibi"), passkey=0.5), builtin_corpus(), tmp_path / "zoo")
+    cfg = ExtendConfig(methods=("pi",), length=128, steps=2, checkpoints=(0,), eval_tokens=256, sliding="never",
+                       passkey_step=16, passkey_trials=3, progress=False)
+    result = extend_zoo(tmp_path / "zoo", cfg, tmp_path / "out")
+    pk, ew, summary = (result.tables[k] for k in ("passkey", "effective_window", "summary"))
+    assert set(zip(pk["member"], pk["method"])) == {("rope-llama", "unextended"), ("rope-llama", "pi"),
+                                                    ("alibi", "unextended"), ("alibi", "direct")}
+    assert set(pk[pk["method"] == "pi"]["step"]) == {0, 2} and pk["length"].max() <= 128
+    for (model, step), g in pk.groupby(["model", "step"]):
+        row = ew[(ew["model"] == model) & (ew["step"] == step)]
+        assert row["effective_window"].item() == effective_window(dict(zip(g["distance"], g["success_rate"])))
+    assert {"ew_unextended", "ew_step0", "ew"} <= set(summary.columns)
+    tok = __import__("transformers").AutoTokenizer.from_pretrained(tmp_path / "zoo" / "rope-llama-s0")
+    for folder, method in ((tmp_path / "zoo" / "alibi-s0", "unextended"), (tmp_path / "out" / "alibi-s0-direct",
+                                                                          "direct")):
+        again = passkey_table(load_causal_lm(folder), tok, sorted(set(pk["distance"])), 3)
+        step = 2 if method == "direct" else 0
+        got = pk[(pk["member"] == "alibi") & (pk["method"] == method) & (pk["step"] == step)]
+        assert got["prefix_tokens"].tolist() == again["prefix_tokens"].tolist()

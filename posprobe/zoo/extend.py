@@ -52,6 +52,8 @@ DEFAULT_METHODS = ("direct", "pi", "ntk", "yarn", "abf")
 CONTROL_METHOD = "direct"
 #: Xiong et al. 2023 (ABF): base 1e4 -> 5e5 for Llama 2 from 4,096 to 32,768 tokens (s = 8), a x50 base.
 ABF_REFERENCE = (50.0, 8.0)
+#: Passkey prompts per distance when the zoo was trained with the skill and none were asked for.
+PASSKEY_TRIALS = 10
 Method = Literal["direct", "pi", "ntk", "yarn", "abf", "pose", "drope", "custom"]
 
 
@@ -124,6 +126,10 @@ class ExtendConfig:
         "last", "Press et al.'s sliding protocol (each block of L/2 targets scored at the end of its own window, ~8x "
                 "the cost of chunks): on the unextended member and at the last checkpoint, at every checkpoint, or "
                 "never; chunks (non-overlapping sequences) are scored at every checkpoint")
+    passkey_trials: int | None = option(None, "passkey prompts per distance at each checkpoint, for Chen et al.'s "
+                                              "effective window (default: 10 when the zoo was trained with --passkey, "
+                                              "else 0: not measured)")
+    passkey_step: int | None = option(None, "tokens between the passkey distances measured, up to L' (default L/8)")
     checkpoint_every: int = option(25, "steps between saved training states (a killed run resumes from the last)")
     device: str = option("cpu", "", cli=False)
     progress: bool = option(True, "", cli=False)
@@ -151,6 +157,10 @@ class ExtendConfig:
         for name in ("steps", "checkpoint_every", "eval_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.passkey_trials is not None and self.passkey_trials < 0:
+            raise ValueError(f"passkey_trials must be >= 0, got {self.passkey_trials}")
+        if self.passkey_step is not None and self.passkey_step < 1:
+            raise ValueError(f"passkey_step must be >= 1, got {self.passkey_step}")
         for name in ("batch_size", "warmup"):
             v = getattr(self, name)
             if v is not None and v < (1 if name == "batch_size" else 0):
@@ -174,6 +184,13 @@ class ExtendConfig:
         """Press et al.'s protocols scored at checkpoint `step` (None: the unextended member)."""
         sliding = self.sliding == "every" or (self.sliding == "last" and step in (None, self.steps))
         return ("chunks", "sliding") if sliding else ("chunks",)
+
+    def passkey_trials_for(self, trained_with_passkey: bool) -> int:
+        """Passkey prompts per distance: as asked, else `PASSKEY_TRIALS` when the members were trained with the
+        skill and 0 when not."""
+        if self.passkey_trials is not None:
+            return self.passkey_trials
+        return PASSKEY_TRIALS if trained_with_passkey else 0
 
     @property
     def default_warmup(self) -> int:

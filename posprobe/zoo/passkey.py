@@ -31,7 +31,12 @@ def passkey_sequence(tokenizer: Any, length: int, rng: random.Random, fmt: Passk
     place drawn from `rng` (the place uniform over the filler)."""
     key = str(rng.randint(10_000, 99_999))
     at = length - len(tokenizer(" " + key, add_special_tokens=False)["input_ids"])  # the prompt's length
-    return passkey_at(tokenizer, at, rng.randint(0, passkey_filler(tokenizer, at, key, fmt)), key, fmt)
+    try:
+        room = passkey_filler(tokenizer, at, key, fmt)
+    except ValueError as e:
+        raise ValueError(f"--passkey: a passkey sequence does not fit in L = {length} tokens with this tokenizer "
+                         f"({e}, and the answer); use a longer --length") from None
+    return passkey_at(tokenizer, at, rng.randint(0, room), key, fmt)
 
 
 def with_passkey(batch: Any, tokenizer: Any, step: int, seed: int, share: float) -> Any:
