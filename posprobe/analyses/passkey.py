@@ -29,8 +29,6 @@ __all__ = ["SUCCESS_FLOOR", "distance_grid", "effective_window", "greedy_prefix"
 
 #: Chen et al.'s success floor.
 SUCCESS_FLOOR = 0.2
-#: A reference key for the format's token counts (every 5-digit key has them where digits are single tokens).
-_REF_KEY = "10000"
 
 
 def effective_window(rates: Mapping[int, float] | Iterable[tuple[int, float]], floor: float = SUCCESS_FLOOR) -> int:
@@ -45,9 +43,18 @@ def effective_window(rates: Mapping[int, float] | Iterable[tuple[int, float]], f
     return best
 
 
-def shortest_distance(tokenizer: Any, fmt: PasskeyFormat = SHORT_PASSKEY, key: str = _REF_KEY) -> int:
-    """The shortest key-to-answer distance of the format: needle and question back to back."""
-    return _probe(tokenizer, fmt, key).distance
+def shortest_distance(tokenizer: Any, fmt: PasskeyFormat = SHORT_PASSKEY, key: str | None = None) -> int:
+    """The shortest key-to-answer distance of the format (needle and question back to back) for `key`, or without
+    one the longest such over 64 seeded keys (a tokenizer that merges digits gives keys of different token counts:
+    nearly every key fits there, and `passkey_table` draws again for one that does not)."""
+    if key is not None:
+        return _probe(tokenizer, fmt, key).distance
+    return max(_probe(tokenizer, fmt, k).distance for k in _keys("grid", 64))
+
+
+def _keys(tag: str, n: int) -> list[str]:
+    rng = random.Random(f"passkey-keys|{tag}")
+    return [str(rng.randint(10_000, 99_999)) for _ in range(n)]
 
 
 def _probe(tokenizer: Any, fmt: PasskeyFormat, key: str) -> PasskeyPrompt:
@@ -61,10 +68,11 @@ def distance_grid(tokenizer: Any, length: int, target: int, step: int | None = N
     """Distances measured for a model of training length `length` up to prompts of `target` tokens: the format's
     shortest, then every multiple of `step` (default L/8) above it whose prompt (the needle first) fits in `target`."""
     step = step or max(1, length // 8)
-    probe = _probe(tokenizer, fmt, _REF_KEY)
-    shortest, longest = probe.distance, target - probe.key_pos
+    shortest = shortest_distance(tokenizer, fmt)
+    longest = target - max(_probe(tokenizer, fmt, k).key_pos for k in _keys("grid", 64))
     if longest < shortest:
-        raise ValueError(f"a passkey prompt needs at least {len(probe.ids)} tokens; got a target of {target}")
+        raise ValueError(f"a passkey prompt needs about {shortest + target - longest} tokens; got a target of "
+                         f"{target}")
     return [shortest] + list(range((shortest // step + 1) * step, longest + 1, step))
 
 
@@ -116,8 +124,7 @@ def passkey_table(model: Any, tokenizer: Any, distances: Sequence[int], trials: 
     `max_length` (a learned table) get NaN rates and status "beyond the position table"."""
     rows, items, spans = [], [], []
     for d in distances:
-        keys = [str(random.Random(f"passkey-eval|{seed}|{d}|{t}").randint(10_000, 99_999)) for t in range(trials)]
-        prompts = [passkey_trial(tokenizer, int(d), k, fmt) for k in keys]
+        prompts = [_trial(tokenizer, int(d), f"{seed}|{d}|{t}", fmt) for t in range(trials)]
         n = max(len(p.ids) for p in prompts)
         ok = max_length is None or n + max(len(p.answer) for p in prompts) - 1 <= max_length
         rows.append({"distance": int(d), "length": n, "trials": trials if ok else 0,
@@ -132,6 +139,16 @@ def passkey_table(model: Any, tokenizer: Any, distances: Sequence[int], trials: 
         r["prefix_tokens"] = sum(got[a:b]) / len(hits) if hits else float("nan")
     return pd.DataFrame(rows, columns=["distance", "length", "trials", "successes", "success_rate", "prefix_tokens",
                                        "status"])
+
+
+def _trial(tokenizer: Any, distance: int, tag: str, fmt: PasskeyFormat) -> PasskeyPrompt:
+    # The trial of `tag` at `distance`: its key drawn from the tag alone, drawn again while the key is too long
+    # (in tokens) for the distance.
+    for again in range(1000):
+        key = str(random.Random(f"passkey-eval|{tag}|{again}").randint(10_000, 99_999))
+        if _probe(tokenizer, fmt, key).distance <= distance:
+            return passkey_trial(tokenizer, distance, key, fmt)
+    raise ValueError(f"no 5-digit key fits a passkey prompt at distance {distance}")
 
 
 def load_causal_lm(folder: Any) -> Any:
