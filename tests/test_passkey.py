@@ -202,3 +202,16 @@ def test_zoo_extend_measures_the_window_beside_perplexity(tmp_path):
         step = 2 if method == "direct" else 0
         got = pk[(pk["member"] == "alibi") & (pk["method"] == method) & (pk["step"] == step)]
         assert got["prefix_tokens"].tolist() == again["prefix_tokens"].tolist()
+    # Fine-tuning with the skill mixed in (--passkey of zoo extend): PoSE's rows keep their skip-wise position ids.
+    from posprobe.zoo.extend import job_batches, plan_extension, pose_batch
+
+    ids = torch.tensor(tok(builtin_corpus()[:20000])["input_ids"])
+    with_skill = ExtendConfig(members=("rope-llama",), methods=("pose", "pi"), length=128, steps=2, checkpoints=(),
+                              passkey=0.5)
+    (pose, pi), _ = plan_extension(tmp_path / "zoo", with_skill)
+    x, labels, pos = job_batches(pose, pose.train_config(with_skill), ids, tok)(1)
+    text, text_pos = pose_batch(ids, 1, 0, pose.batch_size, 64, 128)
+    half = pose.batch_size // 2
+    assert torch.equal(pos, text_pos) and torch.equal(x[:half], text[:half]) and not torch.equal(x[half:], text[half:])
+    assert "The pass key is" in tok.decode(x[-1]) and torch.equal(x, labels)
+    assert pi.train_config(with_skill).passkey == 0.5 and job_batches(pi, pi.train_config(with_skill), ids, tok) is None
