@@ -1,7 +1,8 @@
 """`posprobe zoo extend`: context extension by fine-tuning, measured. The zoo's loop
 (`posprobe.zoo.extend`) continues every chosen member from L to L' under each method; at each checkpoint the model
 is scored by the length-extrapolation analysis (`run_extrapolation`, both of Press et al.'s protocols) at L, L' and
-2L', beside the unextended member at the same lengths.
+2L', beside the unextended member at the same lengths, and (for a zoo trained with the passkey skill, `zoo train
+--passkey`) by passkey success by distance up to L' and Chen et al.'s effective window (`posprobe.analyses.passkey`).
 
 It lives in analyses/ because it combines the zoo (which trains: the zoo is a model factory below the analyses)
 with an analysis (which scores).
@@ -24,6 +25,7 @@ import pandas as pd
 
 from posprobe.analyses.configs import ExtrapolationConfig
 from posprobe.analyses.extension_mechanism import looked_at, mechanism_tables
+from posprobe.analyses.passkey import distance_grid, effective_window, load_causal_lm, passkey_table
 from posprobe.report.checkpoint import Checkpoint, discard_work_folder, run_key, work_folder_for
 from posprobe.report.result import Result
 from posprobe.report.schema import data_meta, make_meta, text_sha256
@@ -32,7 +34,7 @@ from posprobe.zoo.folder import TRAINING_FOLDER, resolve_text
 from posprobe.zoo.members import member
 from posprobe.zoo.run import check_out_folder, commit_zoo, split_text
 
-__all__ = ["extend_zoo", "summary_table", "training_text", "yarn_bands"]
+__all__ = ["extend_zoo", "summary_table", "training_text", "window_columns", "window_table", "yarn_bands"]
 
 #: The table rows of the unextended members (checkpoint 0, no method).
 UNEXTENDED = "unextended"
@@ -135,7 +137,10 @@ def extend_zoo(zoo: str | os.PathLike, config: ExtendConfig, out: str | os.PathL
     `vs_unextended_L` = ppl / the unextended member's ppl at L), `summary` (per member, seed, method, protocol: ppl
     at L, L', 2L' at step 0 and at the last step, in-window cost, steps-to-threshold), `plan` (each run's HF
     rope_parameters and settings, and what was left out and why), `yarn_bands` (gamma per band), `training` (loss
-    every 10 steps) and `runs` (training seconds and tokens/s; scoring seconds at the checkpoints, apart)."""
+    every 10 steps) and `runs` (training seconds and tokens/s; scoring seconds at the checkpoints, apart); with
+    passkey trials (`config.passkey_trials`, default 10 when the zoo was trained with `--passkey`) also `passkey`
+    (member x seed x method x checkpoint x distance: success rate of the exact greedy answer) and `effective_window`
+    (per checkpoint; the unextended members as method "unextended"), and the summary's `ew_*` columns."""
     import torch
     from transformers import AutoTokenizer
 
@@ -169,6 +174,16 @@ def extend_zoo(zoo: str | os.PathLike, config: ExtendConfig, out: str | os.PathL
     staging.mkdir(exist_ok=True)
     scorer = _Scorer(work, tokenizer, eval_text, ex_cfg, config.device)
     say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if config.progress else (lambda msg: None)
+    trials = config.passkey_trials_for(any(float(j.record.get("passkey") or 0) > 0 for j in jobs))
+    distances = distance_grid(tokenizer, L, target, config.passkey_step) if trials else []
+
+    def passkey_rows(model: Any) -> list[dict]:  # success by distance; [] when not measured
+        return passkey_table(model, tokenizer, distances, trials).to_dict("records") if trials else []
+
+    def unextended(j: ExtendJob) -> dict:
+        return {"ppl": scorer.folder_rows(j.source, j.source.name, config.protocols_at(None)),
+                "passkey": passkey_rows(load_causal_lm(j.source).to(config.device))}
+
     for r in left_out:
         say(f"zoo extend: left out {r['member']} {r['method']}: {r['why']}")
 
@@ -176,9 +191,7 @@ def extend_zoo(zoo: str | os.PathLike, config: ExtendConfig, out: str | os.PathL
     for j in jobs:
         if (j.member, j.seed) not in base:
             say(f"zoo extend: scoring unextended {j.source.name} at {L}, {target}, {2 * target} tokens")
-            base[(j.member, j.seed)] = ckpt.compute(f"{j.member}/{j.seed}/unextended",
-                                                    lambda j=j: scorer.folder_rows(j.source, j.source.name,
-                                                                                          config.protocols_at(None)))
+            base[(j.member, j.seed)] = ckpt.compute(f"{j.member}/{j.seed}/unextended", lambda j=j: unextended(j))
     records = []
     for i, j in enumerate(jobs):
         unit = f"{j.member}/{j.seed}/{j.method}"
@@ -190,8 +203,9 @@ def extend_zoo(zoo: str | os.PathLike, config: ExtendConfig, out: str | os.PathL
               lambda s, u=unit: ckpt.put(u + "/state", s))
         later = config.steps * (len(jobs) - i - 1)
         rec = extend_member(j, config, ids, tokenizer, folder, io, later_steps=later,
-                            on_checkpoint=lambda step, model, j=j: scorer.model_rows(
-                                model, j.folder_name, config.protocols_at(step)))
+                            on_checkpoint=lambda step, model, j=j: {
+                                "ppl": scorer.model_rows(model, j.folder_name, config.protocols_at(step)),
+                                "passkey": passkey_rows(model)})
         rec.update(method=j.method)
         records.append(ckpt.put(unit + "/done", rec))
     result = _result(config, jobs, left_out, base, records, source, text, eval_source, eval_text)
@@ -209,7 +223,7 @@ def extend_zoo(zoo: str | os.PathLike, config: ExtendConfig, out: str | os.PathL
 def _result(config: ExtendConfig, jobs: list[ExtendJob], left_out: list[dict], base: dict, records: list[dict],
             source: str, text: str, eval_source: str | None, eval_text: str) -> Result:
     L, target = jobs[0].length, jobs[0].target
-    curves, train_rows, runs, plan = [], [], [], []
+    curves, train_rows, runs, plan, passkey = [], [], [], [], []
 
     def tag(j: ExtendJob, method: str) -> dict:
         m = member(j.member)
@@ -218,15 +232,19 @@ def _result(config: ExtendConfig, jobs: list[ExtendJob], left_out: list[dict], b
 
     done_base = set()
     for j, rec in zip(jobs, records):
-        ref = {r["protocol"]: r["ppl"] for r in base[(j.member, j.seed)] if r["length"] == L}
+        unext = base[(j.member, j.seed)]
+        ref = {r["protocol"]: r["ppl"] for r in unext["ppl"] if r["length"] == L}
         if (j.member, j.seed) not in done_base:
             done_base.add((j.member, j.seed))
             curves += [{**tag(j, UNEXTENDED), "step": 0, "tokens": 0, **r,
-                        "vs_unextended_L": r["ppl"] / ref[r["protocol"]]} for r in base[(j.member, j.seed)]]
+                        "vs_unextended_L": r["ppl"] / ref[r["protocol"]]} for r in unext["ppl"]]
+            passkey += [{**tag(j, UNEXTENDED), "step": 0, "tokens": 0, **r} for r in unext["passkey"]]
         tokens_per_step = j.batch_size * j.train_length  # pose and drope train at L
-        for step, rows in rec["checkpoints"]:
+        for step, looked in rec["checkpoints"]:
             curves += [{**tag(j, j.method), "step": step, "tokens": step * tokens_per_step, **r,
-                        "vs_unextended_L": r["ppl"] / ref[r["protocol"]]} for r in rows]
+                        "vs_unextended_L": r["ppl"] / ref[r["protocol"]]} for r in looked["ppl"]]
+            passkey += [{**tag(j, j.method), "step": step, "tokens": step * tokens_per_step, **r}
+                        for r in looked["passkey"]]
         train_rows += [{**tag(j, j.method), "step": s, "tokens": s * tokens_per_step, "loss": loss, "lr": lr}
                        for s, loss, lr in rec["log"]]
         runs.append({**tag(j, j.method), "steps": config.steps, "batch_size": j.batch_size,
@@ -239,7 +257,12 @@ def _result(config: ExtendConfig, jobs: list[ExtendJob], left_out: list[dict], b
     plan += [{"member": r["member"], "seed": None, "method": r["method"], "status": "left out", "why": r["why"],
               "rope_parameters": "", "batch_size": None, "lr": None, "warmup": None, "notes": ""} for r in left_out]
     curves_df = pd.DataFrame(curves)
+    passkey_df = pd.DataFrame(passkey, columns=[*tag(jobs[0], UNEXTENDED), "step", "tokens", "distance", "length",
+                                                "trials", "successes", "success_rate", "prefix_tokens", "status"])
+    windows = window_table(passkey_df, L)
     summary = summary_table(curves_df, L, target)
+    if len(windows):
+        summary = summary.merge(window_columns(windows), on=["member", "seed", "method"], how="left")
     yarn = [yarn_bands(j) for j in {(j.member): j for j in jobs if j.method == "yarn"}.values()]
     yarn_df = pd.concat(yarn, ignore_index=True) if yarn else pd.DataFrame(
         columns=["member", "band", "period", "turns_in_L", "gamma", "gamma_paper", "freq_factor"])
@@ -253,8 +276,43 @@ def _result(config: ExtendConfig, jobs: list[ExtendJob], left_out: list[dict], b
                      eval_source=eval_source, eval_sha256=text_sha256(eval_text),
                      lengths=sorted({L, target, 2 * target}), yarn_gamma=gammas,
                      left_out=left_out, title=f"Context extension from {L} to {target} tokens")
-    return Result({"summary": summary, "curves": curves_df, "plan": pd.DataFrame(plan), "yarn_bands": yarn_df,
-                   "training": pd.DataFrame(train_rows), "runs": pd.DataFrame(runs)}, meta)
+    tables = {"summary": summary, "curves": curves_df, "plan": pd.DataFrame(plan), "yarn_bands": yarn_df,
+              "training": pd.DataFrame(train_rows), "runs": pd.DataFrame(runs)}
+    if len(passkey_df):
+        tables.update(passkey=passkey_df, effective_window=windows)
+    return Result(tables, meta)
+
+
+def window_table(passkey: pd.DataFrame, L: int) -> pd.DataFrame:
+    """Chen et al.'s effective window per model and checkpoint of a `passkey` table (rows: distance x success rate):
+    `effective_window` (tokens), `window_over_L` (it / L), `longest_distance` measured, and `success_within_L` /
+    `success_beyond_L` (mean success rate over the distances <= L and > L)."""
+    keys = ["model", "member", "family", "block", "seed", "method", "step"]
+    rows = []
+    for k, g in passkey[passkey["status"] == "ok"].groupby(keys, sort=False):
+        rates = dict(zip(g["distance"].astype(int), g["success_rate"].astype(float)))
+        ew = effective_window(rates)
+        within, beyond = g[g["distance"] <= L]["success_rate"], g[g["distance"] > L]["success_rate"]
+        rows.append({**dict(zip(keys, k)), "effective_window": ew, "window_over_L": ew / L,
+                     "longest_distance": int(g["distance"].max()),
+                     "success_within_L": float(within.mean()) if len(within) else float("nan"),
+                     "success_beyond_L": float(beyond.mean()) if len(beyond) else float("nan")})
+    return pd.DataFrame(rows, columns=[*keys, "effective_window", "window_over_L", "longest_distance",
+                                       "success_within_L", "success_beyond_L"])
+
+
+def window_columns(windows: pd.DataFrame) -> pd.DataFrame:
+    """Per member, seed and method (the summary's keys): the unextended member's effective window (`ew_unextended`),
+    the method's at step 0 (`ew_step0`) and at its last checkpoint (`ew`)."""
+    rows = []
+    ext = windows[windows["method"] != UNEXTENDED]
+    for (name, seed, method), g in ext.groupby(["member", "seed", "method"], sort=False):
+        u = windows[(windows["method"] == UNEXTENDED) & (windows["member"] == name) & (windows["seed"] == seed)]
+        at = dict(zip(g["step"], g["effective_window"]))
+        rows.append({"member": name, "seed": seed, "method": method,
+                     "ew_unextended": int(u["effective_window"].iloc[0]) if len(u) else None,
+                     "ew_step0": at.get(0), "ew": at[max(at)]})
+    return pd.DataFrame(rows, columns=["member", "seed", "method", "ew_unextended", "ew_step0", "ew"])
 
 
 def summary_table(curves: pd.DataFrame, L: int, target: int) -> pd.DataFrame:

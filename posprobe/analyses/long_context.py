@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import random
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -32,58 +32,24 @@ from posprobe.core import long_engine as LA
 from posprobe.core.presets import preset_pairs
 from posprobe.core.stats import wilson_ci
 from posprobe.core.surgery import PairRule
+from posprobe.data.needles import (
+    PASSKEY_FILLER,
+    PASSKEY_INTRO,
+    PASSKEY_NEEDLE,
+    PASSKEY_QUESTION,
+    PasskeyPrompt,
+    _bos,
+    _encode,
+    needle_prompt,
+    passkey_prompt,
+)
 from posprobe.data.needles import TASKS as NEEDLE_TASKS
-from posprobe.data.needles import needle_prompt
 from posprobe.report.checkpoint import Checkpoint, run_key
 from posprobe.report.result import Result
 from posprobe.report.schema import data_meta, make_meta, text_sha256
 
 __all__ = ["LongContextConfig", "run_long_context", "passkey_prompt", "PasskeyPrompt", "binned_loss",
            "summarize_nll", "PASSKEY_INTRO", "PASSKEY_FILLER", "PASSKEY_NEEDLE", "PASSKEY_QUESTION"]
-
-# The standard passkey prompt (Mohtashami & Jaggi 2023, as used by Self-Extend, LongLoRA, ...).
-PASSKEY_INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
-                 "I will quiz you about the important information there.\n\n")
-PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-PASSKEY_NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key. "
-PASSKEY_QUESTION = "\n\nWhat is the pass key? The pass key is"
-
-
-@dataclass(frozen=True)
-class PasskeyPrompt:
-    """Token ids of one passkey prompt (exactly `length` tokens), its key, and where the needle starts."""
-
-    ids: list[int]
-    key: str
-    needle_pos: int
-    depth: float
-
-
-def _bos(tokenizer: Any) -> list[int]:
-    # The BOS the tokenizer adds by itself (Gemma: <bos>; SmolLM2: none), found by encoding an empty string.
-    return list(tokenizer("", add_special_tokens=True)["input_ids"])
-
-
-def _encode(tokenizer: Any, text: str) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def passkey_prompt(tokenizer: Any, length: int, depth: float, key: str) -> PasskeyPrompt:
-    """The passkey prompt of exactly `length` tokens: [BOS] intro, filler with the needle after the fraction
-    `depth` of it (snapped to a filler-sentence boundary), question. Pieces are tokenised separately."""
-    if not 0 <= depth <= 1:
-        raise ValueError(f"depth must be within [0, 1]; got {depth}")
-    head = _bos(tokenizer) + _encode(tokenizer, PASSKEY_INTRO)
-    needle = _encode(tokenizer, PASSKEY_NEEDLE.format(key=key))
-    question = _encode(tokenizer, PASSKEY_QUESTION)
-    unit = _encode(tokenizer, PASSKEY_FILLER)
-    n_fill = length - len(head) - len(needle) - len(question)
-    if n_fill < 0:
-        raise ValueError(f"a passkey prompt needs at least {length - n_fill} tokens; got length {length}")
-    filler = (unit * (n_fill // len(unit) + 1))[:n_fill]
-    cut = min(round(depth * n_fill / len(unit)) * len(unit), n_fill)
-    ids = head + filler[:cut] + needle + filler[cut:] + question
-    return PasskeyPrompt(ids, key, len(head) + cut, depth)
 
 
 def binned_loss(nll: torch.Tensor, bin_size: int) -> list[tuple[int, int, float, int]]:

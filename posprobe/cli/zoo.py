@@ -296,7 +296,8 @@ def _extend(args: argparse.Namespace) -> int:
 
 def extend_summary(result):
     """Per member, method and protocol, mean over seeds [lowest, highest]: ppl at L' at step 0 and at the last step,
-    ppl at 2L', in-window cost at L, steps-to-threshold per seed."""
+    ppl at 2L', in-window cost at L, steps-to-threshold per seed, and with passkey trials the effective window per
+    seed (unextended / step 0 / last step)."""
     import pandas as pd
 
     s = result.tables["summary"]
@@ -311,5 +312,8 @@ def extend_summary(result):
                      "ppl L' step 0": spread("ppl_Lp_step0"), "ppl L'": spread("ppl_Lp"), "ppl 2L'": spread("ppl_2Lp"),
                      "cost at L": spread("in_window_cost"),
                      "steps to threshold": ",".join("never" if pd.isna(x) else str(int(x))
-                                                    for x in g["steps_to_threshold"])})
+                                                    for x in g["steps_to_threshold"]),
+                     **({"eff. window unext/0/last": ",".join("/".join("-" if pd.isna(x) else str(int(x)) for x in r)
+                                                              for r in zip(g["ew_unextended"], g["ew_step0"], g["ew"]))}
+                        if "ew" in g else {})})
     return pd.DataFrame(rows)

@@ -18,7 +18,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-__all__ = ["NeedleTask", "NeedlePrompt", "Needle", "TASKS", "needle_prompt", "string_match_all", "task_names"]
+__all__ = ["NeedleTask", "NeedlePrompt", "Needle", "TASKS", "needle_prompt", "string_match_all", "task_names",
+           "PASSKEY", "SHORT_PASSKEY", "PasskeyFormat", "PasskeyPrompt", "passkey_at", "passkey_filler",
+           "passkey_prompt",
+           "PASSKEY_INTRO", "PASSKEY_FILLER", "PASSKEY_NEEDLE", "PASSKEY_QUESTION"]
 
 # RULER's prompt format (its NIAH template), and the key-value retrieval format of Liu et al.
 _INTRO = ("Some special magic {kind} are hidden within the following text. Make sure to memorize it. "
@@ -267,6 +270,101 @@ def _kv_prompt(tokenizer: Any, t: NeedleTask, length: int, depth: float, rng: ra
         ids += line
     ids += tail
     return NeedlePrompt(t.name, ids, (value,), tuple(needles), depth)
+
+
+# The standard passkey prompt (Mohtashami & Jaggi 2023; Chen et al. 2023's Table 4; Self-Extend, LongLoRA, ...).
+PASSKEY_INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+                 "I will quiz you about the important information there.\n\n")
+PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+PASSKEY_NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key. "
+PASSKEY_QUESTION = "\n\nWhat is the pass key? The pass key is"
+
+
+@dataclass(frozen=True)
+class PasskeyFormat:
+    """The pieces of a passkey prompt: intro (after any BOS), filler (repeated), needle (`{key}` filled in), question
+    (ending where the answer " <key>" follows)."""
+
+    intro: str
+    filler: str
+    needle: str
+    question: str
+
+
+#: The standard prompt (the long-context harness's).
+PASSKEY = PasskeyFormat(PASSKEY_INTRO, PASSKEY_FILLER, PASSKEY_NEEDLE, PASSKEY_QUESTION)
+#: The zoo's compact prompt: no intro, the needle's first sentence only, Chen et al.'s question (with a 512-token
+#: byte-level BPE: needle 14 tokens, question 18, so at L = 64 the key sits 25 to 51 tokens before the answer;
+#: the standard one's fixed parts alone take 130).
+SHORT_PASSKEY = PasskeyFormat("", PASSKEY_FILLER, " The pass key is {key}.", " What is the pass key? The pass key is")
+
+
+@dataclass(frozen=True)
+class PasskeyPrompt:
+    """Token ids of one passkey prompt (exactly `length` tokens), its key, where the needle starts, the depth asked,
+    the answer's token ids (" <key>", tokenised on its own: what a greedy answer must produce) and where the key's
+    tokens sit inside the needle (`key_pos`; -1 when the needle does not hold them as the answer's tokens)."""
+
+    ids: list[int]
+    key: str
+    needle_pos: int
+    depth: float
+    answer: tuple[int, ...] = ()
+    key_pos: int = -1
+
+    @property
+    def distance(self) -> int:
+        """Tokens from the key's first token in the needle to the answer's first token (= len(ids)): how far back
+        the answer must look; -1 when the key's position is unknown."""
+        return len(self.ids) - self.key_pos if self.key_pos >= 0 else -1
+
+
+def passkey_prompt(tokenizer: Any, length: int, depth: float, key: str, fmt: PasskeyFormat = PASSKEY
+                   ) -> PasskeyPrompt:
+    """The passkey prompt of exactly `length` tokens: [BOS] intro, filler with the needle after the fraction
+    `depth` of it (snapped to the boundary of a whole filler unit), question. Pieces are tokenised separately."""
+    if not 0 <= depth <= 1:
+        raise ValueError(f"depth must be within [0, 1]; got {depth}")
+    unit, n_fill = _passkey_room(tokenizer, length, key, fmt)
+    cut = min(round(depth * n_fill / len(unit)) * len(unit), n_fill)
+    return passkey_at(tokenizer, length, cut, key, fmt, depth=depth)
+
+
+def passkey_at(tokenizer: Any, length: int, before: int, key: str, fmt: PasskeyFormat = PASSKEY, *,
+               depth: float | None = None) -> PasskeyPrompt:
+    """The passkey prompt of exactly `length` tokens with exactly `before` filler tokens between the intro and the
+    needle (the filler is one stream, cut at any token; the rest of it lies between needle and question). ValueError
+    when the fixed parts do not fit or `before` exceeds the filler."""
+    unit, n_fill = _passkey_room(tokenizer, length, key, fmt)
+    if not 0 <= before <= n_fill:
+        raise ValueError(f"before must be within [0, {n_fill}] (the filler of a {length}-token prompt); got {before}")
+    head = _bos(tokenizer) + _encode(tokenizer, fmt.intro)
+    needle = _encode(tokenizer, fmt.needle.format(key=key))
+    answer = _encode(tokenizer, " " + key)
+    filler = (unit * (n_fill // len(unit) + 1))[:n_fill]
+    ids = head + filler[:before] + needle + filler[before:] + _encode(tokenizer, fmt.question)
+    pos = len(head) + before
+    at = next((i for i in range(len(needle) - len(answer) + 1) if needle[i:i + len(answer)] == answer), -1)
+    return PasskeyPrompt(ids, key, pos, before / n_fill if depth is None and n_fill else depth or 0.0,
+                         tuple(answer), pos + at if at >= 0 else -1)
+
+
+def passkey_filler(tokenizer: Any, length: int, key: str, fmt: PasskeyFormat = PASSKEY) -> int:
+    """The filler tokens of a `length`-token passkey prompt with `key` (`passkey_at`'s `before` ranges over 0..this).
+    ValueError when the fixed parts do not fit."""
+    return _passkey_room(tokenizer, length, key, fmt)[1]
+
+
+def _passkey_room(tokenizer: Any, length: int, key: str, fmt: PasskeyFormat) -> tuple[list[int], int]:
+    # (the filler unit's tokens, the filler tokens a prompt of `length` has)
+    fixed = (len(_bos(tokenizer)) + len(_encode(tokenizer, fmt.intro)) + len(_encode(tokenizer, fmt.needle.format(
+        key=key))) + len(_encode(tokenizer, fmt.question)))
+    if length < fixed:
+        raise ValueError(f"a passkey prompt needs at least {fixed} tokens; got length {length}")
+    unit = _encode(tokenizer, fmt.filler)
+    if not unit:
+        raise ValueError("the passkey filler encodes to no tokens")
+    return unit, length - fixed
 
 
 def string_match_all(prediction: str, targets: Sequence[str]) -> float:

@@ -50,6 +50,8 @@ class ZooConfig:
     grad_clip: float = option(1.0, "gradient norm clip")
     checkpoint_every: int = option(100, "steps between checkpoints (a killed run resumes from the last)")
     eval_fraction: float = option(0.1, "share of --text held out for evaluation when --eval-text is not given")
+    passkey: float = option(0.0, "share of each batch's sequences replaced by passkey retrieval sequences (the key "
+                                 "at every distance within L; 0: the text alone, as before)")
     device: str | None = option(None, "", cli=False)
     progress: bool = option(True, "", cli=False)
 
@@ -81,6 +83,8 @@ class ZooConfig:
             raise ValueError(f"warmup must be in [0, steps); got {self.warmup} with {self.steps} steps")
         if self.lr <= 0 or self.weight_decay < 0 or self.grad_clip <= 0:
             raise ValueError("lr and grad_clip must be > 0 and weight_decay >= 0")
+        if not 0 <= self.passkey <= 1:
+            raise ValueError(f"passkey must be a share in [0, 1], got {self.passkey}")
         if not 0 < self.eval_fraction < 1:
             raise ValueError(f"eval_fraction must be in (0, 1), got {self.eval_fraction}")
         if self.vocab_size < 258:

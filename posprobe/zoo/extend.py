@@ -52,6 +52,8 @@ DEFAULT_METHODS = ("direct", "pi", "ntk", "yarn", "abf")
 CONTROL_METHOD = "direct"
 #: Xiong et al. 2023 (ABF): base 1e4 -> 5e5 for Llama 2 from 4,096 to 32,768 tokens (s = 8), a x50 base.
 ABF_REFERENCE = (50.0, 8.0)
+#: Passkey prompts per distance when the zoo was trained with the skill and none were asked for.
+PASSKEY_TRIALS = 10
 Method = Literal["direct", "pi", "ntk", "yarn", "abf", "pose", "drope", "custom"]
 
 
@@ -127,6 +129,12 @@ class ExtendConfig:
     mechanism: bool = option(True, "after the runs, the frequency pass on every member before and after each method: "
                                    "per head a(s) inside and beyond the trained length, Chen's bounds, band usage "
                                    "(seconds per model)")
+    passkey_trials: int | None = option(None, "passkey prompts per distance at each checkpoint, for Chen et al.'s "
+                                              "effective window (default: 10 when the zoo was trained with --passkey, "
+                                              "else 0: not measured)")
+    passkey_step: int | None = option(None, "tokens between the passkey distances measured, up to L' (default L/8)")
+    passkey: float = option(0.0, "share of each fine-tuning batch replaced by passkey sequences of the batch's length "
+                                 "(L', or L with skip-wise ids for pose; 0: the text alone, as Chen et al.)")
     checkpoint_every: int = option(25, "steps between saved training states (a killed run resumes from the last)")
     device: str = option("cpu", "", cli=False)
     progress: bool = option(True, "", cli=False)
@@ -154,6 +162,12 @@ class ExtendConfig:
         for name in ("steps", "checkpoint_every", "eval_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.passkey_trials is not None and self.passkey_trials < 0:
+            raise ValueError(f"passkey_trials must be >= 0, got {self.passkey_trials}")
+        if not 0 <= self.passkey <= 1:
+            raise ValueError(f"passkey must be a share in [0, 1], got {self.passkey}")
+        if self.passkey_step is not None and self.passkey_step < 1:
+            raise ValueError(f"passkey_step must be >= 1, got {self.passkey_step}")
         for name in ("batch_size", "warmup"):
             v = getattr(self, name)
             if v is not None and v < (1 if name == "batch_size" else 0):
@@ -177,6 +191,13 @@ class ExtendConfig:
         """Press et al.'s protocols scored at checkpoint `step` (None: the unextended member)."""
         sliding = self.sliding == "every" or (self.sliding == "last" and step in (None, self.steps))
         return ("chunks", "sliding") if sliding else ("chunks",)
+
+    def passkey_trials_for(self, trained_with_passkey: bool) -> int:
+        """Passkey prompts per distance: as asked, else `PASSKEY_TRIALS` when the members were trained with the
+        skill and 0 when not."""
+        if self.passkey_trials is not None:
+            return self.passkey_trials
+        return PASSKEY_TRIALS if trained_with_passkey else 0
 
     @property
     def default_warmup(self) -> int:
@@ -224,7 +245,8 @@ class ExtendJob:
                          n_heads=w["n_heads"], length=self.target, vocab_size=w["vocab_size"],
                          batch_size=self.batch_size, steps=cfg.steps, lr=self.lr, warmup=self.warmup,
                          weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip,
-                         checkpoint_every=cfg.checkpoint_every, device=cfg.device, progress=cfg.progress)
+                         checkpoint_every=cfg.checkpoint_every, passkey=cfg.passkey, device=cfg.device,
+                         progress=cfg.progress)
 
 
 def _rope_of(folder: Path) -> tuple[dict, int]:
@@ -492,24 +514,31 @@ def extend_member(job: ExtendJob, cfg: ExtendConfig, ids: Any, tokenizer: Any, f
     zoo_cfg = job.train_config(cfg)
     return train_member(job.member, job.seed, zoo_cfg, ids, tokenizer, folder, state_io,
                         later_steps=later_steps, start=lambda: load_start(job), checkpoints=cfg.checkpoints,
-                        batches=job_batches(job, zoo_cfg, ids),
+                        batches=job_batches(job, zoo_cfg, ids, tokenizer),
                         on_checkpoint=on_checkpoint, record={"extension": extension, "method": job.method},
                         label=f"extend {job.member} seed {job.seed} {job.method} {job.length}->{job.target}")
 
 
-def job_batches(job: ExtendJob, zoo_cfg: ZooConfig, ids: Any) -> Callable[[int], tuple] | None:
+def job_batches(job: ExtendJob, zoo_cfg: ZooConfig, ids: Any, tokenizer: Any = None
+                ) -> Callable[[int], tuple] | None:
     """The batches of `job`'s fine-tuning by step: PoSE's (ids, labels, position ids) at L, DroPE's windows of L
-    (the zoo's `batch_ids` at L), None for the others (the loop's own windows of L')."""
+    (the zoo's `batch_ids` at L), None for the others (the loop's own windows of L'); each with passkey sequences at
+    `zoo_cfg.passkey` (PoSE's keep the rows' skip-wise position ids)."""
+    from posprobe.zoo.passkey import with_passkey
     from posprobe.zoo.train import batch_ids
+
+    def mixed(x: Any, step: int) -> Any:
+        return with_passkey(x, tokenizer, step, job.seed, zoo_cfg.passkey)
 
     if job.method == "pose":
         def pose(step: int) -> tuple:
             x, pos = pose_batch(ids, step, job.seed, job.batch_size, job.length, job.target)
+            x = mixed(x, step)
             return x, x, pos
         return pose
     if job.method == "drope":
         at_l = replace(zoo_cfg, length=job.length)
-        return lambda step: (lambda x: (x, x))(batch_ids(ids, step, at_l, job.seed))
+        return lambda step: (lambda x: (x, x))(mixed(batch_ids(ids, step, at_l, job.seed), step))
     return None
 
 

@@ -22,6 +22,7 @@ import torch
 from posprobe.zoo.config import ZooConfig
 from posprobe.zoo.folder import ZOO_FILE
 from posprobe.zoo.members import Member, Widths, member
+from posprobe.zoo.passkey import with_passkey
 
 __all__ = ["TrainState", "batch_ids", "build_model", "init_weights", "next_token_labels", "train_member",
            "used_parameters"]
@@ -178,8 +179,11 @@ def train_member(name: str, seed: int, cfg: ZooConfig, ids: torch.Tensor, tokeni
         looking[0] += time.perf_counter() - t
         return True
 
-    if batches is None:
-        batches = lambda step: (lambda x: (x, x))(batch_ids(ids, step, cfg, seed))  # noqa: E731
+    def text_windows(step: int) -> tuple[torch.Tensor, ...]:  # with passkey sequences at cfg.passkey (0: none)
+        x = with_passkey(batch_ids(ids, step, cfg, seed), tokenizer, step, seed, cfg.passkey)
+        return x, x
+
+    batches = batches or text_windows
     tokens_per_step = int(batches(0)[0].numel())
     bar = _progress_bar(label or f"{name} seed {seed}", cfg, begin, tokens_per_step)
     t0 = time.perf_counter()
@@ -255,7 +259,7 @@ def _save_folder(model: Any, tokenizer: Any, folder: Path, m: Member, seed: int,
     record = {"member": m.name, "family": m.family, "block": m.block, "model_type": m.model_type,
               "positions": m.positions, "differences": m.differences, "seed": seed, "widths": asdict(widths),
               "steps": cfg.steps, "batch_size": cfg.batch_size, "lr": cfg.lr, "warmup": cfg.warmup,
-              "final_loss": log[-1][1] if log else None, **extra}
+              "final_loss": log[-1][1] if log else None, **({"passkey": cfg.passkey} if cfg.passkey else {}), **extra}
     (tmp / ZOO_FILE).write_text(json.dumps(record, indent=1), encoding="utf-8")
     if folder.exists():
         shutil.rmtree(folder)
