@@ -22,6 +22,9 @@ Step 2 (PoSE, DroPE, scaled YaRN):
   rope-llama and hybrid.
 - The scaled ramp's band share off by 10%: test_scaled_yarn_ramp_keeps_bands_at_small_L and
   test_scaled_yarn_folder_carries_the_ramp fail.
+The learned control (copy):
+- The new rows all copies of the last row (`rows.clamp(max=L - 1)`), or left at their random init: the copy test
+  fails (row t != row t mod L).
 """
 
 from __future__ import annotations
@@ -327,7 +330,8 @@ def test_bad_input_is_refused_before_training(tiny_zoo, tmp_path, capsys):
         ("--member", "p-rope", "--method", "yarn"): "proportional rope type",
         ("--member", "alibi", "--method", "pose"): "pose included: it reaches a model through HF's position_ids",
         ("--member", "alibi", "--method", "drope"): "alibi has no rotary positions (alibi family), so drope",
-        ("--member", "learned", "--method", "direct"): "learned table has L = 16 rows",
+        ("--member", "learned", "--method", "direct"): "extended with --method copy only (its learned table of L = 16",
+        ("--member", "rope", "--method", "copy"): "rope with copy: copy grows a learned position table",
         ("--length", "16",): "must be longer than the members' training length L = 16",
         ("--member", "rope", "--rope-parameters", '{"rope_type": "dynamic", "factor": 2}'): "not a fixed extension",
         ("--member", "rope", "--rope-parameters", '{"rope_type": "linear"}'): "cannot carry",
@@ -352,8 +356,9 @@ def test_whole_zoo_plan_leaves_out_what_hf_cannot_carry_and_runs_the_controls(ti
     jobs, left = plan_extension(tiny_zoo, ExtendConfig())
     got = {(j.member, j.method) for j in jobs}
     assert ("alibi", "direct") in got and not any(j.member == "alibi" and j.method != "direct" for j in jobs)
-    assert {(r["member"], r["method"]) for r in left} == {("learned", "direct"), ("p-rope", "yarn")}
-    assert len(jobs) == 5 * 5 - 1 + 1
+    assert {(r["member"], r["method"]) for r in left} == {("p-rope", "yarn")}
+    assert ("learned", "copy") in got and not any(j.member == "learned" and j.method != "copy" for j in jobs)
+    assert len(jobs) == 5 * 5 - 1 + 2
     j = next(j for j in jobs if j.member == "rope")
     # Same tokens per step as pre-training (8 x 16 = 2 x 64); a tenth of the pre-training lr; 10% warmup here.
     assert (j.batch_size, j.lr, j.warmup) == (2, pytest.approx(2e-4), 20)
@@ -724,3 +729,47 @@ def test_mechanism_summary_by_hand():
     assert (pi.context, pi.target, pi.heads) == (64, 128, 3)
     assert pi.leaving_share == pytest.approx(2 / 3) and pi.excess_median == pytest.approx(0.3)
     assert pi.excess_max == pytest.approx(0.5) and pi.interpolation_bound_max == pytest.approx(0.4)
+
+
+def test_copy_grows_the_learned_table_as_longformer_then_scores_to_Lp_only(tiny_zoo, ids_and_tokenizer, tmp_path):
+    """The learned control: at step 0 its table has L' rows, row t = the member's row t mod L (read from the source's
+    safetensors, Beltagy et al.'s copy), so within L its logits equal the unextended member's (plain HF); the saved
+    folder loads in plain HF with L' rows; `extend_zoo` scores it at L and L' and says "cannot run" at 2L'."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from posprobe.analyses.context_extension import extend_zoo
+
+    cfg = ExtendConfig(members=("learned",), methods=("copy",), steps=1, checkpoints=(0,), eval_tokens=256,
+                       sliding="never", progress=False)
+    (job,), _ = plan_extension(tiny_zoo, cfg)
+    assert job.method == "copy" and job.batch_size == 2 and job.notes["to_rows"] == TARGET
+    seen = {}
+
+    def look(step, model):
+        seen[step] = model.transformer.wpe.weight.detach().clone()
+        if step == 0:
+            x = torch.arange(3, 3 + L)[None]
+            unext = AutoModelForCausalLM.from_pretrained(job.source).eval()
+            with torch.no_grad():
+                seen["logits"] = (model(x).logits, unext(x).logits)
+            model(torch.arange(TARGET)[None])  # runs at L'
+        return step
+
+    ids, tok = ids_and_tokenizer
+    extend_member(job, cfg, ids, tok, tmp_path / "x", (lambda: None, lambda s: None), on_checkpoint=look)
+    old = load_file(job.source / "model.safetensors")["transformer.wpe.weight"]
+    assert old.shape[0] == L and seen[0].shape[0] == TARGET
+    for t in range(TARGET):
+        assert torch.equal(seen[0][t], old[t % L]), t
+    got, want = seen["logits"]
+    assert torch.allclose(got, want, atol=1e-6)
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "x")
+    assert saved.config.n_positions == TARGET and saved.transformer.wpe.weight.shape[0] == TARGET
+
+    result = extend_zoo(tiny_zoo, cfg, tmp_path / "out")
+    c = result.tables["curves"]
+    ok = c[(c.method == "copy") & (c.status == "ok")]
+    assert sorted(set(ok["length"])) == [L, TARGET]
+    assert set(c[(c.method == "copy") & (c.length == 2 * TARGET)]["status"]) == {"cannot run"}
+    assert set(c[(c.method == "unextended") & (c.status == "ok")]["length"]) == {L}

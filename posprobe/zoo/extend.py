@@ -17,6 +17,9 @@ Methods (s = L'/L, b the member's base, d the dims its frequency exponent runs o
   at L;
 - `custom`: a user's own `rope_parameters` dict, laid over the member's.
 Non-rotary members (sinusoidal, ALiBi, NoPE, T5) are the controls: fine-tuned at L' with the same budget (`direct`).
+The learned member is a control too, by `copy`: its table of L rows grown to L' by copying rows 0..L-1 in turn
+(row t = row t mod L, as Longformer initialised its 4,096 rows from RoBERTa's 512; Beltagy et al. 2020, Section 5),
+then fine-tuned at L' like `direct`.
 
 This module plans (every refusal raised before any training) and trains through the zoo's loop
 (`train.train_member` started from the saved member); evaluation at the checkpoints is a callback given by the
@@ -37,10 +40,10 @@ from posprobe.zoo.folder import extended_folder_name, read_zoo
 from posprobe.zoo.members import member
 
 __all__ = ["ABF_REFERENCE", "DEFAULT_METHODS", "METHODS", "YARN_REFERENCE", "ExtendConfig", "ExtendJob",
-           "abf_default_base", "drope_config", "extend_member", "method_rope_parameters", "plan_extension",
+           "abf_default_base", "copy_rows", "drope_config", "extend_member", "method_rope_parameters", "plan_extension",
            "pose_batch", "scaled_yarn_betas", "steps_to_threshold"]
 
-METHODS = ("direct", "pi", "ntk", "yarn", "abf", "pose", "drope", "custom")
+METHODS = ("direct", "pi", "ntk", "yarn", "abf", "pose", "drope", "custom", "copy")
 #: The methods that fine-tune at the member's own length L (the others at L').
 AT_L = ("pose", "drope")
 #: PoSE's text window: the released code reads up to 5L tokens of a document and takes both chunks from them.
@@ -48,13 +51,15 @@ POSE_TEXT_WINDOW = 5
 #: YaRN's reference setting (Peng et al. 2023, Llama 2): L = 4,096, base 1e4, beta = 32, alpha = 1 turns within L.
 YARN_REFERENCE = (4096, 10000.0, 32.0, 1.0)
 DEFAULT_METHODS = ("direct", "pi", "ntk", "yarn", "abf")
-#: The method the non-rotary controls are fine-tuned with.
+#: The method the non-rotary controls are fine-tuned with (the learned member's: `LEARNED_CONTROL`).
 CONTROL_METHOD = "direct"
+#: The learned member's control: its table grown to L' rows by copying (Longformer), then fine-tuned at L'.
+LEARNED_CONTROL = "copy"
 #: Xiong et al. 2023 (ABF): base 1e4 -> 5e5 for Llama 2 from 4,096 to 32,768 tokens (s = 8), a x50 base.
 ABF_REFERENCE = (50.0, 8.0)
 #: Passkey prompts per distance when the zoo was trained with the skill and none were asked for.
 PASSKEY_TRIALS = 10
-Method = Literal["direct", "pi", "ntk", "yarn", "abf", "pose", "drope", "custom"]
+Method = Literal["direct", "pi", "ntk", "yarn", "abf", "pose", "drope", "custom", "copy"]
 
 
 def abf_default_base(base: float, scale: float) -> float:
@@ -95,7 +100,8 @@ class ExtendConfig:
     length: int | None = option(None, "target length L' in tokens (default: 4 x the members' training length L)")
     methods: tuple[Method, ...] = option(DEFAULT_METHODS, "methods for the rotary members (repeatable): direct, pi, "
                                                           "ntk, yarn, abf, pose, drope (custom is added by "
-                                                          "--rope-parameters)",
+                                                          "--rope-parameters; copy: the learned member's control, "
+                                                          "its table grown to L' rows by copying, as Longformer's)",
                                          flag="--method")
     members: tuple[str, ...] | None = option(None, "members to extend (repeatable; default: every member of the zoo, "
                                                    "the non-rotary ones fine-tuned directly as controls)",
@@ -424,27 +430,31 @@ def plan_extension(zoo: str | Path, cfg: ExtendConfig) -> tuple[list[ExtendJob],
         m = member(name)
         rotary = m.family == ROTARY
         if not rotary:
-            asked = [x for x in cfg.methods if x != CONTROL_METHOD]
+            control = LEARNED_CONTROL if m.family == LEARNED else CONTROL_METHOD
+            asked = [x for x in cfg.methods if x != control]
             if named and asked:
                 pose = (" (pose included: it reaches a model through HF's position_ids, which the ALiBi and T5 "
                         "classes do not read and NoPE has no use for)" if "pose" in asked else "")
+                table = (f" (its learned table of L = {L} rows is grown to L' = {target} by copying rows, as "
+                         "Longformer's was, then fine-tuned at L')" if control == LEARNED_CONTROL else "")
                 raise ValueError(f"{name} has no rotary positions ({m.family} family), so {', '.join(asked)} "
                                  f"cannot apply to it{pose}: a non-rotary member is a control, extended with "
-                                 f"--method {CONTROL_METHOD} only")
-            if m.family == LEARNED:
-                why = (f"{name}: its learned table has L = {L} rows, so it cannot be fine-tuned at L' = {target} "
-                       "without new rows, which this step does not add")
-                if named:
-                    raise ValueError(why)
-                left_out.append({"member": name, "method": CONTROL_METHOD, "why": why})
-                continue
-        methods = list(cfg.methods) if rotary else [CONTROL_METHOD]
+                                 f"--method {control} only{table}")
+        elif LEARNED_CONTROL in cfg.methods:
+            why = (f"{name} with {LEARNED_CONTROL}: copy grows a learned position table, and a rotary member has "
+                   "none (its positions are rotations)")
+            if named:
+                raise ValueError(why)
+            left_out.append({"member": name, "method": LEARNED_CONTROL, "why": why})
+        methods = [x for x in cfg.methods if x != LEARNED_CONTROL] if rotary else [control]
         for method in methods:
             for seed in seeds:
                 if (name, seed) not in by_key:
                     continue
                 folder, rec = by_key[(name, seed)]
                 rope, notes, overrides = None, {}, {}
+                if method == LEARNED_CONTROL:
+                    notes = {"rows": f"row t = row t mod {L}", "from_rows": L, "to_rows": target}
                 if rotary:
                     own, head_dim = _rope_of(folder)
                     try:
@@ -495,7 +505,28 @@ def load_start(job: ExtendJob) -> Any:
     finally:
         if bar:
             hf_logging.enable_progress_bar()
+    if job.method == LEARNED_CONTROL:
+        copy_rows(model, job.target)
     return model.train()
+
+
+def copy_rows(model: Any, target: int) -> None:
+    """Grow the learned position table of a GPT-2-class `model` in place from its L rows to `target` rows by copying:
+    row t = row t mod L (Longformer's initialisation: RoBERTa's 512 rows copied to 4,096; Beltagy et al. 2020), and
+    set the config's length to `target`, so the saved folder loads anywhere with a table of `target` rows.
+    ValueError for a model without GPT-2's `transformer.wpe` table."""
+    import torch
+
+    wpe = getattr(getattr(model, "transformer", None), "wpe", None)
+    if not isinstance(wpe, torch.nn.Embedding):
+        raise ValueError(f"copy grows GPT-2's learned table (transformer.wpe); {type(model).__name__} has none")
+    old = wpe.weight.detach()
+    rows = torch.arange(target, device=old.device) % old.shape[0]
+    new = torch.nn.Embedding(target, old.shape[1], device=old.device, dtype=old.dtype)
+    with torch.no_grad():
+        new.weight.copy_(old[rows])
+    model.transformer.wpe = new
+    model.config.n_positions = target
 
 
 def extend_member(job: ExtendJob, cfg: ExtendConfig, ids: Any, tokenizer: Any, folder: Path,
