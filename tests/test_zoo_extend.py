@@ -773,3 +773,55 @@ def test_copy_grows_the_learned_table_as_longformer_then_scores_to_Lp_only(tiny_
     assert sorted(set(ok["length"])) == [L, TARGET]
     assert set(c[(c.method == "copy") & (c.length == 2 * TARGET)]["status"]) == {"cannot run"}
     assert set(c[(c.method == "unextended") & (c.status == "ok")]["length"]) == {L}
+    ent = result.tables["attention_entropy"]
+    copy = ent[ent.method == "copy"]
+    assert set(copy[copy.status == "ok"]["length"]) == {L, TARGET}
+    assert set(copy[copy.length == 2 * TARGET]["status"]) == {"cannot run"}
+
+
+def test_attention_entropy_is_the_definition_on_hf_attention(tiny_zoo):
+    """`attention_entropy` per layer = -sum p ln p of HF's attention, mean over rows, heads and queries: with every
+    query weight zeroed the scores are equal, so attention is uniform over the i + 1 visible keys and the entropy is
+    mean_i ln(i + 1), written out here; on the trained member it equals the head-signature pass's `entropy` (the
+    TransformerLens bridge's captured pattern, another code path), mean over heads. Catches: the mean taken over the
+    queries after the first only (the uniform case then differs), or the log of the wrong tensor."""
+    from transformers import AutoTokenizer
+
+    from posprobe.analyses.configs import HeadsConfig
+    from posprobe.analyses.extension_mechanism import attention_entropy, uniform_entropy
+    from posprobe.analyses.heads import head_signatures
+    from posprobe.analyses.passkey import load_causal_lm
+    from posprobe.backend.loading import load_model
+
+    folder = tiny_zoo / "rope-llama-s0"
+    tok = AutoTokenizer.from_pretrained(folder)
+    ids = torch.tensor(tok((tiny_zoo / "eval.txt").read_text(), add_special_tokens=False)["input_ids"][:3 * L])
+    rows = ids.view(3, L)
+    model = load_causal_lm(folder)
+    got = attention_entropy(model, rows)
+    heads = head_signatures(load_model(str(folder)), rows, HeadsConfig(induction_len=0, progress=False))
+    h = heads.tables["heads"]
+    want = h[h.metric == "entropy"].groupby("layer")["value"].mean().to_numpy()
+    assert got.numpy() == pytest.approx(want, rel=1e-5)
+    for layer in model.model.layers:
+        torch.nn.init.zeros_(layer.self_attn.q_proj.weight)
+    uniform = sum(math.log(i + 1) for i in range(L)) / L
+    assert uniform_entropy(L) == pytest.approx(uniform, rel=1e-12)
+    assert attention_entropy(model, rows).numpy() == pytest.approx([uniform] * len(model.model.layers), rel=1e-6)
+    assert got.max() < uniform  # the trained member does not attend evenly
+
+
+def test_entropy_summary_by_hand():
+    """Per member and method, the mean relative entropy over seeds and layers per length; rows not ok are ignored."""
+    import pandas as pd
+
+    from posprobe.analyses.extension_mechanism import entropy_summary
+
+    rows = [("rope", 0, "pi", 16, 0, 0.5, "ok"), ("rope", 1, "pi", 16, 1, 0.7, "ok"),
+            ("rope", 0, "pi", 64, 0, 0.9, "ok"), ("rope", 0, "unextended", 16, 0, 0.2, "ok"),
+            ("rope", 0, "unextended", 64, 0, 9.0, "cannot run")]
+    e = pd.DataFrame(rows, columns=["member", "seed", "method", "length", "layer", "relative", "status"])
+    got = entropy_summary(e)
+    assert got["method"].tolist() == ["unextended", "pi"]
+    assert got.iloc[1]["relative_at_16"] == pytest.approx(0.6) and got.iloc[1]["relative_at_64"] == pytest.approx(0.9)
+    assert got.iloc[0]["relative_at_16"] == pytest.approx(0.2) and math.isnan(got.iloc[0]["relative_at_64"])

@@ -24,7 +24,7 @@ from typing import Any, Iterator
 import pandas as pd
 
 from posprobe.analyses.configs import ExtrapolationConfig
-from posprobe.analyses.extension_mechanism import looked_at, mechanism_tables
+from posprobe.analyses.extension_mechanism import entropy_table, looked_at, mechanism_tables
 from posprobe.analyses.passkey import distance_grid, effective_window, load_causal_lm, passkey_table
 from posprobe.report.checkpoint import Checkpoint, discard_work_folder, run_key, work_folder_for
 from posprobe.report.result import Result
@@ -215,6 +215,11 @@ def extend_zoo(zoo: str | os.PathLike, config: ExtendConfig, out: str | os.PathL
         stored = ckpt.compute("mechanism", lambda: {k: v.to_dict("list") for k, v in mechanism_tables(
             looked_at(jobs, lambda j: staging / j.folder_name), eval_text, device=config.device).items()})
         result.tables.update({k: pd.DataFrame(v) for k, v in stored.items()})
+        say(f"zoo extend: attention entropy at {L}, {target}, {2 * target} tokens on the same models")
+        stored = ckpt.compute("entropy", lambda: entropy_table(
+            looked_at(jobs, lambda j: staging / j.folder_name), eval_text, [L, target, 2 * target],
+            device=config.device).to_dict("list"))
+        result.tables["attention_entropy"] = pd.DataFrame(stored)
     commit_zoo(out, staging, {}, {"extend": result})
     discard_work_folder(work)
     return result

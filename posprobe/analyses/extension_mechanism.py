@@ -6,10 +6,13 @@ model's own rotation (a PI member's theta_j / s, an NTK or ABF member's new base
 `frequency_theory.head_bounds` turns them into a(s)'s range inside the trained length, how far it leaves that range
 beyond it, and Chen's two bounds; the per-band usage (share of |q.k| per band) shows which bands the fine-tune
 re-learned. A member the frequency pass does not apply to (DroPE: no rotation left; the non-rotary controls) is a row
-of `mechanism_refused` with posprobe's reason. Units: scores in pre-softmax logits, lengths in tokens."""
+of `mechanism_refused` with posprobe's reason. Beside it, YaRN's temperature rationale: attention entropy against
+length (`entropy_table`), per layer at L, L' and 2L' for every model, controls included. Units: scores in
+pre-softmax logits, entropy in nats, lengths in tokens."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +21,8 @@ import pandas as pd
 
 from posprobe.analyses.configs import FrequencyConfig
 
-__all__ = ["MECHANISM_COLUMNS", "Looked", "looked_at", "mechanism_summary", "mechanism_tables"]
+__all__ = ["MECHANISM_COLUMNS", "Looked", "attention_entropy", "entropy_summary", "entropy_table", "looked_at",
+           "mechanism_summary", "mechanism_tables", "uniform_entropy"]
 
 #: The theory columns kept per head (`frequency_theory.head_bounds`).
 MECHANISM_COLUMNS = ("layer", "head", "attention", "h_max", "h_max_typical", "a_in_min", "a_in_max", "a_out_min",
@@ -97,5 +101,76 @@ def mechanism_summary(mechanism: pd.DataFrame) -> pd.DataFrame:
     out = g.agg(context=("theory_context", "first"), target=("theory_target", "first"), heads=("head", "size"),
                 leaving_share=("extrapolation_leaves_range", "mean"), excess_median=("excess", "median"),
                 excess_max=("excess", "max"), interpolation_bound_max=("interpolation_bound", "max")).reset_index()
+    first = out["method"].eq("unextended").map({True: 0, False: 1})
+    return out.assign(_o=first).sort_values(["member", "_o"], kind="stable").drop(columns="_o").reset_index(drop=True)
+
+
+def attention_entropy(model: Any, rows: Any) -> Any:
+    """Per layer, the mean over rows, heads and query positions of the attention entropy -sum_j p_ij ln p_ij (nats)
+    of a Hugging Face causal LM's own attention probabilities (`output_attentions`, eager) on token rows
+    `[batch, n]`: a `[n_layers]` float64 tensor. Query i of a decoder sees i + 1 keys, so uniform attention gives
+    mean_i ln(i + 1) (`uniform_entropy`)."""
+    import torch
+
+    with torch.no_grad():
+        att = model(torch.as_tensor(rows), output_attentions=True).attentions
+    return torch.stack([-torch.special.xlogy(a.double(), a.double()).sum(-1).mean() for a in att])
+
+
+def uniform_entropy(n: int) -> float:
+    """The entropy (nats) of causal attention spread evenly over the visible keys, mean over the n queries:
+    mean_i ln(i + 1)."""
+    return float(sum(math.log(i + 1) for i in range(n)) / n)
+
+
+def entropy_table(looked: list[Looked], text: str, lengths: list[int], *, device: str = "cpu",
+                  max_windows: int = MECHANISM_WINDOWS) -> pd.DataFrame:
+    """Attention entropy against length, YaRN's temperature rationale (Peng et al. 2023: without a temperature,
+    attention spreads as the context grows): per model of `looked` and length n of `lengths`, per layer
+    the mean attention entropy (`attention_entropy`, nats) over `max_windows` non-overlapping windows of n tokens of
+    `text` (the model's own tokenizer, no special tokens, as the perplexity chunks), `uniform` = `uniform_entropy(n)`
+    and `relative` = entropy / uniform (1 = attention spread evenly, 0 = on one key). A length past a learned table's
+    rows is a row with status "cannot run"."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from posprobe.analyses.passkey import load_causal_lm
+
+    rows = []
+    for m in looked:
+        tag = dict(member=m.member, seed=m.seed, method=m.method)
+        model = load_causal_lm(m.folder).to(device)
+        ids = torch.tensor(AutoTokenizer.from_pretrained(m.folder)(text, add_special_tokens=False)["input_ids"])
+        table = getattr(model.config, "n_positions", None) if hasattr(model, "transformer") and hasattr(
+            model.transformer, "wpe") else None
+        for n in lengths:
+            k = min(max_windows, len(ids) // n)
+            if table is not None and n > table:
+                rows.append({**tag, "length": n, "layer": None, "entropy": math.nan, "uniform": uniform_entropy(n),
+                             "relative": math.nan, "windows": 0, "status": "cannot run",
+                             "why": f"learned positions: the table has {table} rows, the windows {n} tokens"})
+                continue
+            if k < 1:
+                raise ValueError(f"the text has {len(ids)} tokens, fewer than one window of {n}")
+            ent = torch.stack([attention_entropy(model, ids[i * n:(i + 1) * n][None].to(device)) for i in range(k)])
+            uni = uniform_entropy(n)
+            for layer, e in enumerate(ent.mean(0).tolist()):
+                rows.append({**tag, "length": n, "layer": layer, "entropy": e, "uniform": uni, "relative": e / uni,
+                             "windows": k, "status": "ok", "why": ""})
+        del model
+    return pd.DataFrame(rows, columns=["member", "seed", "method", "length", "layer", "entropy", "uniform",
+                                       "relative", "windows", "status", "why"])
+
+
+def entropy_summary(entropy: pd.DataFrame) -> pd.DataFrame:
+    """Per member, method and length (over seeds and layers; status ok): the mean relative attention entropy
+    (entropy / uniform's), one column per length, unextended first."""
+    ok = entropy[entropy["status"] == "ok"]
+    if not len(ok):
+        return pd.DataFrame(columns=["member", "method"])
+    wide = ok.pivot_table(index=["member", "method"], columns="length", values="relative", aggfunc="mean",
+                          sort=False)
+    wide.columns = [f"relative_at_{int(c)}" for c in wide.columns]
+    out = wide.reset_index()
     first = out["method"].eq("unextended").map({True: 0, False: 1})
     return out.assign(_o=first).sort_values(["member", "_o"], kind="stable").drop(columns="_o").reset_index(drop=True)

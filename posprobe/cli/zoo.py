@@ -284,6 +284,11 @@ def _extend(args: argparse.Namespace) -> int:
 
         print("mechanism (Chen et al.): per head a(s) inside L against beyond it, logits")
         print(mechanism_summary(result.tables["mechanism"]).round(3).to_string(index=False))
+    if "attention_entropy" in result.tables:
+        from posprobe.analyses.extension_mechanism import entropy_summary
+
+        print("attention entropy / uniform's over the visible keys, mean over layers and seeds, by length (tokens)")
+        print(entropy_summary(result.tables["attention_entropy"]).round(3).to_string(index=False))
     for name, gammas in result.meta.get("yarn_gamma", {}).items():
         print(f"[zoo] yarn gamma per band of {name} (1 = kept, 0 = interpolated by 1/s; HF's ramp): "
               + " ".join(f"{g:.2f}" for g in gammas))
