@@ -278,7 +278,9 @@ def _extend(args: argparse.Namespace) -> int:
 
     warn_if_busy()
     result = extend_zoo(args.zoo, cfg, args.out, text=text, source=args.text, eval_text=eval_text, fresh=args.fresh)
-    print(extend_summary(result).to_string(index=False))
+    from posprobe.report.zoo_extend import summary_frame
+
+    print(summary_frame(result).to_string(index=False))
     if "mechanism" in result.tables:
         from posprobe.analyses.extension_mechanism import mechanism_summary
 
@@ -298,27 +300,3 @@ def _extend(args: argparse.Namespace) -> int:
           f"{Path(args.out) / 'extend' / 'report.html'}")
     return 0
 
-
-def extend_summary(result):
-    """Per member, method and protocol, mean over seeds [lowest, highest]: ppl at L' at step 0 and at the last step,
-    ppl at 2L', in-window cost at L, steps-to-threshold per seed, and with passkey trials the effective window per
-    seed (unextended / step 0 / last step)."""
-    import pandas as pd
-
-    s = result.tables["summary"]
-    rows = []
-    for (m, method, protocol), g in s.groupby(["member", "method", "protocol"], sort=False):
-        def spread(col: str) -> str:
-            v = g[col].dropna()
-            if v.empty:
-                return "-"
-            return f"{v.mean():.2f}" + (f" [{v.min():.2f}-{v.max():.2f}]" if len(v) > 1 else "")
-        rows.append({"member": m, "method": method, "protocol": protocol, "ppl L unext": spread("ppl_L_unextended"),
-                     "ppl L' step 0": spread("ppl_Lp_step0"), "ppl L'": spread("ppl_Lp"), "ppl 2L'": spread("ppl_2Lp"),
-                     "cost at L": spread("in_window_cost"),
-                     "steps to threshold": ",".join("never" if pd.isna(x) else str(int(x))
-                                                    for x in g["steps_to_threshold"]),
-                     **({"eff. window unext/0/last": ",".join("/".join("-" if pd.isna(x) else str(int(x)) for x in r)
-                                                              for r in zip(g["ew_unextended"], g["ew_step0"], g["ew"]))}
-                        if "ew" in g else {})})
-    return pd.DataFrame(rows)

@@ -32,6 +32,7 @@ PAGES = {
     "zoo-train": "posprobe.report.zoo_training",
     "zoo-atlas": "posprobe.report.zoo_atlas",
     "zoo-tasks": "posprobe.report.zoo_tasks",
+    "zoo-extend": "posprobe.report.zoo_extend",
 }
 
 
