@@ -215,3 +215,38 @@ def test_zoo_extend_measures_the_window_beside_perplexity(tmp_path):
     assert torch.equal(pos, text_pos) and torch.equal(x[:half], text[:half]) and not torch.equal(x[half:], text[half:])
     assert "The pass key is" in tok.decode(x[-1]) and torch.equal(x, labels)
     assert pi.train_config(with_skill).passkey == 0.5 and job_batches(pi, pi.train_config(with_skill), ids, tok) is None
+
+
+def test_the_zoo_atlas_measures_the_window_of_members_trained_with_the_skill(tmp_path):
+    """`zoo atlas --section passkey`: each member trained with the skill gets `passkey_table` on its HF folder (rerun
+    here: same distances from the format's shortest to prompts of max(factors) x L, same keys) and the effective
+    window of that table; the learned member's distances past its L rows say so; the page's section names every
+    member with its window."""
+    from transformers import AutoTokenizer
+
+    from posprobe.analyses.atlas_many import run_zoo_atlas
+    from posprobe.analyses.configs import ZooAtlasConfig
+    from posprobe.analyses.passkey import distance_grid, load_causal_lm, passkey_table
+    from posprobe.data import builtin_corpus
+    from posprobe.report.passkey import compare_section
+    from posprobe.zoo.run import train_zoo
+
+    small = dict(TINY, steps=4, checkpoint_every=10)
+    train_zoo(ZooConfig(**small, members=("rope-llama", "learned"), passkey=0.5), builtin_corpus(), tmp_path / "zoo")
+    cfg = ZooAtlasConfig(sections=("passkey",), factors=(1, 2), passkey_trials=3, progress=False)
+    result = run_zoo_atlas([str(tmp_path / "zoo")], cfg)
+    pk, w = result.tables["passkey"], result.tables["passkey_window"]
+    assert set(pk.model) == set(w.model) == {"rope-llama-s0", "learned-s0"} and not len(result.tables["refused"])
+    tok = AutoTokenizer.from_pretrained(tmp_path / "zoo" / "rope-llama-s0")
+    distances = distance_grid(tok, 64, 128)
+    again = passkey_table(load_causal_lm(tmp_path / "zoo" / "rope-llama-s0"), tok, distances, 3)
+    got = pk[pk.model == "rope-llama-s0"]
+    assert got["distance"].tolist() == distances and got["prefix_tokens"].tolist() == again["prefix_tokens"].tolist()
+    for model, g in pk[pk.status == "ok"].groupby("model"):
+        want = effective_window(dict(zip(g["distance"], g["success_rate"])))
+        assert w[w.model == model]["effective_window"].item() == want
+    learned = pk[pk.model == "learned-s0"]
+    assert set(learned[learned["length"] > 64]["status"]) == {"beyond the position table"}
+    assert set(learned[learned["length"] + 5 <= 64]["status"]) == {"ok"}
+    text = compare_section(result).html
+    assert "rope-llama" in text and "learned" in text and "effective window" in text

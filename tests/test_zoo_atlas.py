@@ -73,7 +73,8 @@ def test_every_section_ran_on_every_model_or_says_why(zoo_atlas):
     assert result.meta["sections"] == list(ZOO_ATLAS_SECTIONS)
     section_tables = {"extrapolation": "perplexity", "shift": "shift_perplexity", "probes": "probes",
                       "heads": "head_classes", "sinks": "sink_overall", "geometry": "pos_token_subspace",
-                      "decomposition": "decomposition", "frequency": "bands", "similarity": "head_similarity_layer"}
+                      "decomposition": "decomposition", "frequency": "bands", "similarity": "head_similarity_layer",
+                      "passkey": "passkey_window"}
     refused = t["refused"]
     for section, table in section_tables.items():
         measured = set(t[table].model) if table in t else set()
@@ -85,6 +86,7 @@ def test_every_section_ran_on_every_model_or_says_why(zoo_atlas):
     assert "no LM head" in why[("minilm", "extrapolation")]
     assert "vocabular" in why[("minilm", "similarity")]
     assert "distance alone" in why[("alibi-s0", "shift")] and "no positional" in why[("nope-s1", "shift")]
+    assert "not trained with the passkey skill" in why[("rope-s0", "passkey")]
     assert set(t["pos_token_subspace"].model) == {"learned-s0", "learned-s1", "minilm"}
     assert set(t["bands"].member) == {"rope"}
     # The training curves come from the zoo's own training folder.

@@ -847,9 +847,9 @@ def test_summary_frame_by_hand():
             ("rope", 0, "yarn", "chunks", 10.0, 15.0, 11.0, 14.0, 1.0, 25, 64, float("nan"), 64)]
     got = summary_frame(Result({"summary": pd.DataFrame(rows, columns=cols)}, {"analysis": "zoo-extend"}))
     pi, yarn = got.iloc[0], got.iloc[1]
-    assert (pi["ppl L unext"], pi["ppl L' step 0"], pi["ppl L'"]) == ("11.00 [10.00-12.00]", "42.00 [40.00-44.00]",
-                                                                      "12.50 [12.00-13.00]")
-    assert pi["ppl 2L'"] == "20.00" and pi["cost at L"] == "1.15 [1.10-1.20]"
+    assert (pi["ppl L unext"], pi["ppl L' step 0"], pi["ppl L'"]) == ("11.00 [10.00–12.00]", "42.00 [40.00–44.00]",
+                                                                      "12.50 [12.00–13.00]")
+    assert pi["ppl 2L'"] == "20.00" and pi["cost at L"] == "1.15 [1.10–1.20]"
     assert pi["steps to threshold"] == "never,100" and pi["eff. window unext/0/last"] == "64/0/0,64/0/32"
     assert yarn["ppl L'"] == "11.00" and yarn["eff. window unext/0/last"] == "64/-/64"
 

@@ -36,6 +36,9 @@ SECTIONS: dict[str, SectionEntry] = {
     "training": SectionEntry("posprobe.analyses.atlas_many", "the zoo's training loss curves", one=False, many=True),
     "extrapolation": SectionEntry("posprobe.analyses.extrapolation", "perplexity from L to 8L (Press et al.)",
                                   one=False, many=True),
+    "passkey": SectionEntry("posprobe.analyses.passkey", "passkey success by distance and Chen et al.'s effective "
+                                                         "window (members trained with --passkey)",
+                            one=False, many=True),
     "heads": SectionEntry("posprobe.analyses.heads", "head signatures (sink, previous-token, induction...)", many=True),
     "similarity": SectionEntry("posprobe.analyses.head_similarity", "nearest heads across models (Jensen-Shannon)",
                                one=False, many=True),
@@ -797,12 +800,15 @@ class ZooAtlasConfig:
     # The same default as `zoo eval` (ExtrapolationConfig.max_tokens): "ppl at L" is one number in both commands.
     extrapolation_tokens: int = option(8192, "scored tokens per length of the extrapolation section (as zoo eval)")
     factors: tuple[float, ...] = option((1, 2, 4, 8), "extrapolation lengths as multiples of L", flag="--factor")
+    passkey_trials: int = option(10, "passkey section: prompts per distance, distances every L/8 up to prompts of "
+                                     "the longest factor x L (members trained with zoo train --passkey)")
     seed: int = option(0, "seed of every sampled piece")
     progress: bool = option(True, "", cli=False)
 
     def __post_init__(self) -> None:
         at_least(self, 2, "window", "shift_window")
-        at_least(self, 1, "max_windows", "max_pairs", "probe_tokens", "similarity_windows", "extrapolation_tokens")
+        at_least(self, 1, "max_windows", "max_pairs", "probe_tokens", "similarity_windows", "extrapolation_tokens",
+                 "passkey_trials")
         bad = sorted(set(self.sections or ()) - set(ZOO_ATLAS_SECTIONS))
         if bad:
             raise ValueError(f"unknown zoo atlas sections {bad}; choose from {list(ZOO_ATLAS_SECTIONS)}")

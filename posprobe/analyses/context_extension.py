@@ -25,7 +25,7 @@ import pandas as pd
 
 from posprobe.analyses.configs import ExtrapolationConfig
 from posprobe.analyses.extension_mechanism import entropy_table, looked_at, mechanism_tables
-from posprobe.analyses.passkey import distance_grid, effective_window, load_causal_lm, passkey_table
+from posprobe.analyses.passkey import distance_grid, load_causal_lm, passkey_table, table_rows, window_table
 from posprobe.report.checkpoint import Checkpoint, discard_work_folder, run_key, work_folder_for
 from posprobe.report.result import Result
 from posprobe.report.schema import data_meta, make_meta, text_sha256
@@ -34,10 +34,12 @@ from posprobe.zoo.folder import TRAINING_FOLDER, resolve_text
 from posprobe.zoo.members import member
 from posprobe.zoo.run import check_out_folder, commit_zoo, split_text
 
-__all__ = ["extend_zoo", "summary_table", "training_text", "window_columns", "window_table", "yarn_bands"]
+__all__ = ["extend_zoo", "summary_table", "training_text", "window_columns", "yarn_bands"]
 
 #: The table rows of the unextended members (checkpoint 0, no method).
 UNEXTENDED = "unextended"
+#: What one effective window is measured for in `zoo extend`: a model at a checkpoint.
+EXTEND_KEYS = ("model", "member", "family", "block", "seed", "method", "step")
 
 
 def training_text(zoo: str | os.PathLike, text: str | None, source: str | None) -> tuple[str, str]:
@@ -178,7 +180,8 @@ def extend_zoo(zoo: str | os.PathLike, config: ExtendConfig, out: str | os.PathL
     distances = distance_grid(tokenizer, L, target, config.passkey_step) if trials else []
 
     def passkey_rows(model: Any) -> list[dict]:  # success by distance; [] when not measured
-        return passkey_table(model, tokenizer, distances, trials).to_dict("records") if trials else []
+        return passkey_table(model, tokenizer, distances, trials,
+                             max_length=table_rows(model)).to_dict("records") if trials else []
 
     def unextended(j: ExtendJob) -> dict:
         return {"ppl": scorer.folder_rows(j.source, j.source.name, config.protocols_at(None)),
@@ -264,7 +267,7 @@ def _result(config: ExtendConfig, jobs: list[ExtendJob], left_out: list[dict], b
     curves_df = pd.DataFrame(curves)
     passkey_df = pd.DataFrame(passkey, columns=[*tag(jobs[0], UNEXTENDED), "step", "tokens", "distance", "length",
                                                 "trials", "successes", "success_rate", "prefix_tokens", "status"])
-    windows = window_table(passkey_df, L)
+    windows = window_table(passkey_df, L, EXTEND_KEYS)
     summary = summary_table(curves_df, L, target)
     if len(windows):
         summary = summary.merge(window_columns(windows), on=["member", "seed", "method"], how="left")
@@ -286,24 +289,6 @@ def _result(config: ExtendConfig, jobs: list[ExtendJob], left_out: list[dict], b
     if len(passkey_df):
         tables.update(passkey=passkey_df, effective_window=windows)
     return Result(tables, meta)
-
-
-def window_table(passkey: pd.DataFrame, L: int) -> pd.DataFrame:
-    """Chen et al.'s effective window per model and checkpoint of a `passkey` table (rows: distance x success rate):
-    `effective_window` (tokens), `window_over_L` (it / L), `longest_distance` measured, and `success_within_L` /
-    `success_beyond_L` (mean success rate over the distances <= L and > L)."""
-    keys = ["model", "member", "family", "block", "seed", "method", "step"]
-    rows = []
-    for k, g in passkey[passkey["status"] == "ok"].groupby(keys, sort=False):
-        rates = dict(zip(g["distance"].astype(int), g["success_rate"].astype(float)))
-        ew = effective_window(rates)
-        within, beyond = g[g["distance"] <= L]["success_rate"], g[g["distance"] > L]["success_rate"]
-        rows.append({**dict(zip(keys, k)), "effective_window": ew, "window_over_L": ew / L,
-                     "longest_distance": int(g["distance"].max()),
-                     "success_within_L": float(within.mean()) if len(within) else float("nan"),
-                     "success_beyond_L": float(beyond.mean()) if len(beyond) else float("nan")})
-    return pd.DataFrame(rows, columns=[*keys, "effective_window", "window_over_L", "longest_distance",
-                                       "success_within_L", "success_beyond_L"])
 
 
 def window_columns(windows: pd.DataFrame) -> pd.DataFrame:

@@ -134,15 +134,14 @@ def entropy_table(looked: list[Looked], text: str, lengths: list[int], *, device
     import torch
     from transformers import AutoTokenizer
 
-    from posprobe.analyses.passkey import load_causal_lm
+    from posprobe.analyses.passkey import load_causal_lm, table_rows
 
     rows = []
     for m in looked:
         tag = dict(member=m.member, seed=m.seed, method=m.method)
         model = load_causal_lm(m.folder).to(device)
         ids = torch.tensor(AutoTokenizer.from_pretrained(m.folder)(text, add_special_tokens=False)["input_ids"])
-        table = getattr(model.config, "n_positions", None) if hasattr(model, "transformer") and hasattr(
-            model.transformer, "wpe") else None
+        table = table_rows(model)
         for n in lengths:
             k = min(max_windows, len(ids) // n)
             if table is not None and n > table:

@@ -22,10 +22,12 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import pandas as pd
 
+from posprobe.analyses.sections import AtlasSection, CompareRun, ModelEntry, register
 from posprobe.data.needles import SHORT_PASSKEY, PasskeyFormat, PasskeyPrompt, passkey_at, passkey_filler
+from posprobe.report import passkey as passkey_report
 
 __all__ = ["SUCCESS_FLOOR", "distance_grid", "effective_window", "greedy_prefix", "load_causal_lm", "passkey_table",
-           "passkey_trial", "shortest_distance"]
+           "passkey_trial", "shortest_distance", "table_rows", "window_table"]
 
 #: Chen et al.'s success floor.
 SUCCESS_FLOOR = 0.2
@@ -151,6 +153,32 @@ def _trial(tokenizer: Any, distance: int, tag: str, fmt: PasskeyFormat) -> Passk
     raise ValueError(f"no 5-digit key fits a passkey prompt at distance {distance}")
 
 
+def window_table(passkey: pd.DataFrame, L: int, keys: Sequence[str] = ("model",)) -> pd.DataFrame:
+    """Chen et al.'s effective window per group of `keys` (a model; in `zoo extend` a model at a checkpoint) of a
+    `passkey_table` frame carrying those columns (rows: distance x success rate), for models of training length `L`:
+    `effective_window` (tokens), `window_over_L` (it / L), `longest_distance` measured, and `success_within_L` /
+    `success_beyond_L` (mean success rate over the distances <= L and > L)."""
+    keys = list(keys)
+    rows: list[dict] = []
+    for k, g in passkey[passkey["status"] == "ok"].groupby(keys, sort=False):
+        rates = dict(zip(g["distance"].astype(int), g["success_rate"].astype(float)))
+        ew = effective_window(rates)
+        within, beyond = g[g["distance"] <= L]["success_rate"], g[g["distance"] > L]["success_rate"]
+        rows.append({**dict(zip(keys, k)), "effective_window": ew, "window_over_L": ew / L,
+                     "longest_distance": int(g["distance"].max()),
+                     "success_within_L": float(within.mean()) if len(within) else float("nan"),
+                     "success_beyond_L": float(beyond.mean()) if len(beyond) else float("nan")})
+    return pd.DataFrame(rows, columns=[*keys, "effective_window", "window_over_L", "longest_distance",
+                                       "success_within_L", "success_beyond_L"])
+
+
+def table_rows(model: Any) -> int | None:
+    """The rows of a Hugging Face model's learned position table (GPT-2's `n_positions`: no position past it can be
+    computed), None for a model whose positions are not a table (rotary, ALiBi, T5 buckets, NoPE)."""
+    wpe = getattr(getattr(model, "transformer", None), "wpe", None)
+    return int(wpe.num_embeddings) if wpe is not None else None
+
+
 def load_causal_lm(folder: Any) -> Any:
     """A zoo member (or any HF causal-LM folder) as its plain Hugging Face class: float32, eager attention, eval
     mode (the T5-bias member's class is registered first)."""
@@ -168,3 +196,28 @@ def load_causal_lm(folder: Any) -> Any:
     finally:
         if bar:
             hf_logging.enable_progress_bar()
+
+
+def _compare(m: ModelEntry, run: CompareRun) -> Any:
+    # The atlas over many models: a zoo member trained with the skill, scored from the format's shortest distance to
+    # prompts of the longest extrapolation factor x its L, the same prompts for every member.
+    rec = m.record
+    if rec is None or not float(rec.get("passkey") or 0):
+        return ("not trained with the passkey skill (posprobe zoo train --passkey SHARE): a model that never saw the "
+                "format answers at chance, so its window would measure nothing")
+    from transformers import AutoTokenizer
+
+    L = int(rec["widths"]["length"])
+    tokenizer = AutoTokenizer.from_pretrained(m.spec)
+    model = load_causal_lm(m.spec)
+    distances = distance_grid(tokenizer, L, int(max(run.config.factors) * L))
+    got = passkey_table(model, tokenizer, distances, run.config.passkey_trials, seed=run.config.seed,
+                        max_length=table_rows(model)).assign(model=m.label, train_length=L)
+    window = window_table(got, L)
+    ew = int(window["effective_window"].iloc[0]) if len(window) else 0
+    return {"passkey": got.drop(columns="model"), "passkey_window": window.drop(columns="model")}, {
+        "effective_window": ew, "window_over_L": ew / L}
+
+
+ATLAS_SECTION = register(AtlasSection("passkey", "Passkey retrieval and the effective window", None, None, None,
+                                      compare=_compare, compare_page=passkey_report.compare_section))

@@ -10,7 +10,7 @@ from typing import Any
 
 import pandas as pd
 
-from posprobe.report.compare import table
+from posprobe.report.compare import spread, table
 from posprobe.report.html import Section
 from posprobe.report.style import COLORS, caption, style
 
@@ -23,25 +23,18 @@ def title(result: Any) -> str:
     return str(result.meta.get("title") or "Context extension by fine-tuning")
 
 
-def _spread(values: pd.Series) -> str:
-    """`mean [lowest-highest]` over seeds (2 decimals), the value alone for one seed, "-" for none."""
-    v = values.dropna()
-    if v.empty:
-        return "-"
-    return f"{v.mean():.2f}" + (f" [{v.min():.2f}-{v.max():.2f}]" if len(v) > 1 else "")
-
-
 def summary_frame(result: Any) -> pd.DataFrame:
-    """Per member, method and protocol of the result's `summary` table, over seeds as `mean [lowest-highest]`: the
-    unextended ppl at L, ppl at L' at step 0 and at the last step, ppl at 2L' at the last step, the in-window cost at
-    L; steps-to-threshold per seed ("never" where none); with passkey trials the effective window per seed
-    (unextended / step 0 / last step, tokens). What `zoo extend` prints and the page shows."""
+    """Per member, method and protocol of the result's `summary` table, over seeds as `mean [lowest–highest]`
+    (`compare.spread`; "n/a" where none): the unextended ppl at L, ppl at L' at step 0 and at the last step, ppl at
+    2L' at the last step, the in-window cost at L; steps-to-threshold per seed ("never" where none); with passkey
+    trials the effective window per seed (unextended / step 0 / last step, tokens). What `zoo extend` prints and the
+    page shows."""
     s = result.tables["summary"]
     rows = []
     for (m, method, protocol), g in s.groupby(["member", "method", "protocol"], sort=False):
-        row = {"member": m, "method": method, "protocol": protocol, "ppl L unext": _spread(g["ppl_L_unextended"]),
-               "ppl L' step 0": _spread(g["ppl_Lp_step0"]), "ppl L'": _spread(g["ppl_Lp"]),
-               "ppl 2L'": _spread(g["ppl_2Lp"]), "cost at L": _spread(g["in_window_cost"]),
+        row = {"member": m, "method": method, "protocol": protocol, "ppl L unext": spread(g["ppl_L_unextended"]),
+               "ppl L' step 0": spread(g["ppl_Lp_step0"]), "ppl L'": spread(g["ppl_Lp"]),
+               "ppl 2L'": spread(g["ppl_2Lp"]), "cost at L": spread(g["in_window_cost"]),
                "steps to threshold": ",".join("never" if pd.isna(x) else str(int(x)) for x in g["steps_to_threshold"])}
         if "ew" in g:
             row["eff. window unext/0/last"] = ",".join(
@@ -127,7 +120,7 @@ def sections(result: Any) -> list[Section]:
              f"perplexity scored at L, L' and 2L' ({cfg.get('eval_tokens')} tokens per length) at steps "
              f"{', '.join(map(str, cfg.get('checkpoints') or []))}. In-window cost = ppl at L after fine-tuning / "
              "the unextended member's ppl at L; steps-to-threshold = the first checkpoint whose ppl at L' is at most "
-             "the unextended member's ppl at L. Values: mean over seeds [lowest-highest].</p>")
+             "the unextended member's ppl at L. Values: mean over seeds [lowest–highest].</p>")
     figs = figures(result)
     out = [Section("Summary", html=intro, table=summary_frame(result)),
            Section("Perplexity at L' against steps", figures=figs[:1])]
