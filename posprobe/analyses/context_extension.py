@@ -215,14 +215,15 @@ def extend_zoo(zoo: str | os.PathLike, config: ExtendConfig, out: str | os.PathL
     if config.mechanism:  # per head, before and after each method: a(s), Chen's bounds, band usage
         say(f"zoo extend: the mechanism (frequency pass and Chen's bounds) on {len(jobs)} extended members and "
             "their sources")
-        stored = ckpt.compute("mechanism", lambda: {k: v.to_dict("list") for k, v in mechanism_tables(
-            looked_at(jobs, lambda j: staging / j.folder_name), eval_text, device=config.device).items()})
-        result.tables.update({k: pd.DataFrame(v) for k, v in stored.items()})
-        say(f"zoo extend: attention entropy at {L}, {target}, {2 * target} tokens on the same models")
-        stored = ckpt.compute("entropy", lambda: entropy_table(
-            looked_at(jobs, lambda j: staging / j.folder_name), eval_text, [L, target, 2 * target],
-            device=config.device).to_dict("list"))
-        result.tables["attention_entropy"] = pd.DataFrame(stored)
+        with _no_hf_bars():  # a "Loading weights" bar per model would bury the stage lines
+            stored = ckpt.compute("mechanism", lambda: {k: v.to_dict("list") for k, v in mechanism_tables(
+                looked_at(jobs, lambda j: staging / j.folder_name), eval_text, device=config.device).items()})
+            result.tables.update({k: pd.DataFrame(v) for k, v in stored.items()})
+            say(f"zoo extend: attention entropy at {L}, {target}, {2 * target} tokens on the same models")
+            stored = ckpt.compute("entropy", lambda: entropy_table(
+                looked_at(jobs, lambda j: staging / j.folder_name), eval_text, [L, target, 2 * target],
+                device=config.device).to_dict("list"))
+            result.tables["attention_entropy"] = pd.DataFrame(stored)
     commit_zoo(out, staging, {}, {"extend": result})
     discard_work_folder(work)
     return result

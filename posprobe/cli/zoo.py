@@ -281,7 +281,7 @@ def _extend(args: argparse.Namespace) -> int:
     from posprobe.report.zoo_extend import summary_frame
 
     print(summary_frame(result).to_string(index=False))
-    if "mechanism" in result.tables:
+    if len(result.tables.get("mechanism", ())):  # no rotary member among them: nothing to summarise
         from posprobe.analyses.extension_mechanism import mechanism_summary
 
         print("mechanism (Chen et al.): per head a(s) inside L against beyond it, logits")
