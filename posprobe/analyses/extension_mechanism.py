@@ -137,10 +137,15 @@ def entropy_table(looked: list[Looked], text: str, lengths: list[int], *, device
     from posprobe.analyses.passkey import load_causal_lm, table_rows
 
     rows = []
+    encoded: dict[bytes, Any] = {}  # a zoo's models share one tokenizer: the text is encoded once per tokenizer file
     for m in looked:
         tag = dict(member=m.member, seed=m.seed, method=m.method)
         model = load_causal_lm(m.folder).to(device)
-        ids = torch.tensor(AutoTokenizer.from_pretrained(m.folder)(text, add_special_tokens=False)["input_ids"])
+        key = (Path(m.folder) / "tokenizer.json").read_bytes()
+        if key not in encoded:
+            encoded[key] = torch.tensor(AutoTokenizer.from_pretrained(m.folder)(text, add_special_tokens=False)[
+                "input_ids"])
+        ids = encoded[key]
         table = table_rows(model)
         for n in lengths:
             k = min(max_windows, len(ids) // n)
