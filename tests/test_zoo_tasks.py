@@ -363,6 +363,35 @@ def test_the_task_batch_and_steps_are_the_task_configs(tmp_path, monkeypatch):
     assert result.tables["members"]["steps"].tolist() == [3]
 
 
+def test_tables_meta_and_tokenizer_say_what_was_trained(tmp_path):
+    """The `members` and `training` tables and the Result's meta carry what the run did, read back from the saved
+    folders (not from the code that wrote them): the last logged loss is the training table's last row, every
+    member's steps are the task config's, meta names the test count per task and length, and the saved tokenizer
+    opens and closes instances with the end token. Catches (mutmut zoo_tasks): a renamed column or meta key, the meta
+    dropped from the Result, the tokenizer's bos token left unset."""
+    from transformers import AutoTokenizer
+
+    from posprobe.report.result import Result
+    from posprobe.zoo.task_zoo import train_task_zoo
+
+    cfg = ZooConfig(members=("rope", "nope"), seeds=(1,), steps=99, **TINY)
+    tasks = TaskConfig(tasks=("copy",), train_max=2, test_factor=1, test_count=3, steps=4, batch_size=4)
+    result = train_task_zoo(cfg, tasks, tmp_path / "z")
+    saved = Result.load(tmp_path / "z" / "tasks")
+    members, curve = saved.tables["members"], saved.tables["training"]
+    assert members.model.tolist() == ["rope-s1", "nope-s1"] and (members.steps == 4).all()
+    assert (members.seconds > 0).all() and (members.tokens_per_s > 0).all()
+    # log every 10 steps and at the last one: one row per member, at step 4, its loss the members table's loss
+    assert curve.groupby("model").step.apply(list).to_dict() == {"nope-s1": [4], "rope-s1": [4]}
+    last = curve.set_index("model").loss
+    assert all(members.set_index("model").loss[m] == last[m] for m in last.index)
+    assert saved.meta["analysis"] == "zoo-tasks" and saved.meta["model"]["positional_kind"] == "several"
+    assert saved.meta["data"]["n_items"] == 3 and saved.meta["context"] == sequence_length("copy", 2)
+    assert result.meta["data"] == saved.meta["data"]
+    tok = AutoTokenizer.from_pretrained(tmp_path / "z" / "rope-s1")
+    assert tok.bos_token == tok.eos_token == "<|endoftext|>" and tok.pad_token != tok.eos_token
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, "-m", "posprobe", "zoo", "tasks", *args], capture_output=True, text=True,
