@@ -94,7 +94,8 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
                    "posprobe/zoo/tokenizer.py", "posprobe/zoo/run.py", "posprobe/zoo/__init__.py"],
                   ["tests/test_zoo.py", "tests/test_zoo_numbers.py"]),
     "zoo_eval": (["posprobe/zoo/folder.py"],
-                 ["tests/test_zoo_numbers.py", "tests/test_bad_input.py", "tests/test_zoo.py"]),
+                 ["tests/test_zoo_folder.py", "tests/test_zoo_numbers.py", "tests/test_bad_input.py",
+                  "tests/test_zoo.py"]),
     "zoo_atlas": (["posprobe/analyses/atlas_many.py"],
                   ["tests/test_zoo_atlas.py"]),
 }
