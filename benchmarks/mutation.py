@@ -87,7 +87,7 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
                       "tests/test_squish_variants.py"]),
     # The zoo's factory, split so that each part runs only the tests that reach it (the training tests train ten
     # tiny members per module fixture): the synthetic tasks; the members, their training loop and the zoo folder;
-    # the zoo folder format (read by evaluation across a zoo); the atlas over many models.
+    # the zoo folder format (read by evaluation across a zoo); the atlas over many models; context extension.
     "zoo_tasks": (["posprobe/zoo/tasks.py", "posprobe/zoo/task_zoo.py"],
                   ["tests/test_zoo_tasks.py"]),
     "zoo_train": (["posprobe/zoo/members.py", "posprobe/zoo/train.py", "posprobe/zoo/config.py",
@@ -96,8 +96,13 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     "zoo_eval": (["posprobe/zoo/folder.py"],
                  ["tests/test_zoo_folder.py", "tests/test_zoo_numbers.py", "tests/test_bad_input.py",
                   "tests/test_zoo.py"]),
+    # atlas_many.py also holds `zoo eval` (evaluate_zoo, ratio_summary): its tests are the zoo eval ones too.
     "zoo_atlas": (["posprobe/analyses/atlas_many.py"],
-                  ["tests/test_zoo_atlas.py"]),
+                  ["tests/test_zoo_atlas.py", "tests/test_zoo_numbers.py", "tests/test_bad_input.py",
+                   "tests/test_zoo.py"]),
+    # Context extension by fine-tuning (#49, after #53's split) and the passkey mixture the zoo trains with.
+    "zoo_extend": (["posprobe/zoo/extend.py", "posprobe/zoo/passkey.py"],
+                   ["tests/test_zoo_extend.py", "tests/test_passkey.py"]),
 }
 
 #: Lines mutmut leaves alone in every module: message text only (an edited error message or log line changes no
