@@ -93,6 +93,7 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     "zoo_train": (["posprobe/zoo/members.py", "posprobe/zoo/train.py", "posprobe/zoo/config.py",
                    "posprobe/zoo/tokenizer.py", "posprobe/zoo/run.py", "posprobe/zoo/__init__.py"],
                   ["tests/test_zoo_config.py", "tests/test_zoo_members.py", "tests/test_zoo_tokenizer.py",
+                   "tests/test_zoo_run.py",
                    "tests/test_zoo.py", "tests/test_zoo_numbers.py"]),
     "zoo_eval": (["posprobe/zoo/folder.py"],
                  ["tests/test_zoo_folder.py", "tests/test_zoo_numbers.py", "tests/test_bad_input.py",
