@@ -874,6 +874,36 @@ def test_the_extend_curves_are_means_over_seeds_with_their_range():
     assert fig.layout.shapes[0].y0 == 12.0
 
 
+def test_the_passkey_figure_draws_each_methods_last_checkpoint_as_the_seeds_mean():
+    """The page's passkey figure: per member and method, success by distance at the method's last checkpoint (the
+    unextended member at its only one), the mean of the seeds with bars to the lowest and highest; by hand on two
+    seeds. Catches the first seed drawn for the mean and step 0 drawn for a fine-tuned method."""
+    import pandas as pd
+
+    from posprobe.report.result import Result
+    from posprobe.report.zoo_extend import _passkey_figure, figures
+
+    rows = [("rope", s, m, st, d, r, 20, "ok") for s, m, st, d, r in (
+        (0, "unextended", 0, 8, 1.0), (1, "unextended", 0, 8, 0.5), (0, "unextended", 0, 24, 0.0),
+        (1, "unextended", 0, 24, 0.1), (0, "ntk", 0, 8, 0.9), (1, "ntk", 0, 8, 0.9), (0, "ntk", 0, 24, 0.0),
+        (1, "ntk", 0, 24, 0.0), (0, "ntk", 5, 8, 0.2), (1, "ntk", 5, 8, 0.0), (0, "ntk", 5, 24, 0.6),
+        (1, "ntk", 5, 24, 1.0))]
+    pk = pd.DataFrame(rows, columns=["member", "seed", "method", "step", "distance", "success_rate", "trials",
+                                     "status"])
+    meta = {"analysis": "zoo-extend", "train_length": 16, "target_length": 64}
+    fig = _passkey_figure(Result({"passkey": pk}, meta))
+    got = {t.name: t for t in fig.data}
+    assert list(got["unextended"].x) == [8, 24] and list(got["unextended"].y) == pytest.approx([0.75, 0.05])
+    assert list(got["ntk"].y) == pytest.approx([0.1, 0.8])  # step 5, not step 0's 0.9 / 0.0
+    assert list(got["ntk"].error_y.array) == pytest.approx([0.1, 0.2])
+    assert list(got["ntk"].error_y.arrayminus) == pytest.approx([0.1, 0.2])
+    assert sorted((s.type, s.x0 if s.type == "line" and s.x0 == s.x1 else s.y0) for s in fig.layout.shapes) == [
+        ("line", 0.2), ("line", 16)]
+    c = pd.DataFrame([("rope", 0, "unextended", 0, "chunks", 16, 10.0, "ok")],
+                     columns=["member", "seed", "method", "step", "protocol", "length", "ppl", "status"])
+    assert len(figures(Result({"curves": c}, meta))) == 1  # no passkey table: no passkey figure
+
+
 def test_the_extend_page_draws_the_curves_from_the_tables(tiny_zoo, tmp_path):
     """`zoo extend`'s report page: its own page (not the generic preview) with the summary, one curve per method whose
     points are the mean ppl at L' over seeds at each step (recomputed here from the curves table), the threshold

@@ -102,15 +102,62 @@ def _entropy_figure(result: Any) -> Any | None:
     return style(fig, caption=caption(result.meta, note=note))
 
 
+def _passkey_figure(result: Any) -> Any | None:
+    """Passkey success by distance, one panel per member, one line per method at its last checkpoint (and the
+    unextended member), mean over seeds with the seeds' range; the trained length L and Chen's 20 % threshold drawn.
+    The window alone hides where retrieval moved (a method can fail the short distances and succeed beyond L)."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    pk = table(result, "passkey")
+    if not len(pk):
+        return None
+    pk = pk[pk["status"] == "ok"]
+    last = pk.groupby("method")["step"].transform("max")
+    pk = pk[pk["step"] == last]
+    if not len(pk):
+        return None
+    L = int(result.meta["train_length"])
+    members = list(dict.fromkeys(pk["member"]))
+    methods = list(dict.fromkeys(pk["method"]))
+    fig = make_subplots(rows=1, cols=len(members), subplot_titles=members, shared_yaxes=True)
+    for col, m in enumerate(members, start=1):
+        for i, method in enumerate(methods):
+            g = pk[(pk["member"] == m) & (pk["method"] == method)].groupby("distance")["success_rate"]
+            if not len(g):
+                continue
+            mean, lo, hi = g.mean(), g.min(), g.max()
+            fig.add_trace(go.Scatter(x=list(mean.index), y=list(mean), mode="lines+markers", name=method,
+                                     legendgroup=method, showlegend=col == 1,
+                                     line={"color": COLORS[i % len(COLORS)],
+                                           "dash": "dash" if method == UNEXTENDED else "solid"},
+                                     error_y={"type": "data", "symmetric": False, "array": list(hi - mean),
+                                              "arrayminus": list(mean - lo)}), row=1, col=col)
+        fig.add_vline(x=L, line_dash="dot", line_color="grey", row=1, col=col)
+        fig.add_hline(y=0.2, line_dash="dot", line_color="grey", row=1, col=col)
+        fig.update_xaxes(title_text="key-to-answer distance (tokens)", row=1, col=col)
+    fig.update_yaxes(title_text="exact greedy answers", range=[0, 1.02], row=1, col=1)
+    fig.update_layout(title="Passkey success by distance after fine-tuning")
+    steps = sorted(set(pk.loc[pk["method"] != UNEXTENDED, "step"]))
+    note = (f"Each method at its last checkpoint (step {', '.join(map(str, steps))}); dashed: the unextended member. "
+            f"Dotted: the trained length L = {L} and Chen et al.'s 20 % (the effective window is the longest distance "
+            "at or above it with every shorter one). Points: mean over seeds; bars: the seeds' range.")
+    return style(fig, caption=caption(result.meta, {"trials per distance": int(pk["trials"].max())}, note=note))
+
+
 def figures(result: Any) -> list:
-    """The curves at L' and, where measured, attention entropy against length."""
+    """The curves at L', passkey success by distance where the zoo was trained with the skill, and attention entropy
+    against length where measured."""
     out = [_curves_figure(result)]
-    ent = _entropy_figure(result)
-    return out + ([ent] if ent is not None else [])
+    for extra in (_passkey_figure(result), _entropy_figure(result)):
+        if extra is not None:
+            out.append(extra)
+    return out
 
 
 def sections(result: Any) -> list[Section]:
-    """What was run, the summary over seeds, the curves, entropy, the mechanism and what was left out."""
+    """What was run, the summary over seeds, the curves, passkey success by distance, entropy, the mechanism and what
+    was left out."""
     meta, cfg = result.meta, result.meta.get("config") or {}
     L, target = meta.get("train_length"), meta.get("target_length")
     runs = table(result, "runs")
@@ -121,11 +168,14 @@ def sections(result: Any) -> list[Section]:
              f"{', '.join(map(str, cfg.get('checkpoints') or []))}. In-window cost = ppl at L after fine-tuning / "
              "the unextended member's ppl at L; steps-to-threshold = the first checkpoint whose ppl at L' is at most "
              "the unextended member's ppl at L. Values: mean over seeds [lowest–highest].</p>")
-    figs = figures(result)
     out = [Section("Summary", html=intro, table=summary_frame(result)),
-           Section("Perplexity at L' against steps", figures=figs[:1])]
-    if len(figs) > 1:
-        out.append(Section("Attention entropy against length", figures=figs[1:]))
+           Section("Perplexity at L' against steps", figures=[_curves_figure(result)])]
+    pk = _passkey_figure(result)
+    if pk is not None:
+        out.append(Section("Passkey success by distance", figures=[pk]))
+    ent = _entropy_figure(result)
+    if ent is not None:
+        out.append(Section("Attention entropy against length", figures=[ent]))
     mech = table(result, "mechanism")
     if len(mech):
         from posprobe.report.pages import PREVIEW_ROWS
