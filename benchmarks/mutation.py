@@ -100,8 +100,8 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
                   "tests/test_zoo.py"]),
     # atlas_many.py also holds `zoo eval` (evaluate_zoo, ratio_summary): its tests are the zoo eval ones too.
     "zoo_atlas": (["posprobe/analyses/atlas_many.py"],
-                  ["tests/test_zoo_atlas.py", "tests/test_zoo_numbers.py", "tests/test_bad_input.py",
-                   "tests/test_zoo.py"]),
+                  ["tests/test_zoo_atlas_loop.py", "tests/test_zoo_atlas.py", "tests/test_zoo_numbers.py",
+                   "tests/test_bad_input.py", "tests/test_zoo.py"]),
     # Context extension by fine-tuning (#49, after #53's split) and the passkey mixture the zoo trains with.
     "zoo_extend": (["posprobe/zoo/extend.py", "posprobe/zoo/passkey.py"],
                    ["tests/test_zoo_extend.py", "tests/test_passkey.py"]),

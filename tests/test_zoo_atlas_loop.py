@@ -1,0 +1,93 @@
+"""The loop of the atlas over many models (`atlas_many.compare_models`) with sections written here, on posprobe's tiny
+random models: each model loaded once, every per-model section run on it in order, a section that does not apply or
+raises is an outcome saying why (never dropped), a model that cannot load is refused by every section, the models
+are kept for a cross-model section only when it reads them, and time is counted per section. Seconds.
+
+Plants seen failing (one at a time): `keep` inverted; a raising section's outcome not marked failed; outcomes of an
+unloadable model dropped; the progress line counting from 0; timings charged to the wrong section; `_model_row`
+marking a refused model "loaded"; `_tag` dropping the member columns."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from posprobe.analyses.atlas_many import _model_row, _tag, compare_models
+from posprobe.analyses.configs import ZooAtlasConfig
+from posprobe.analyses.sections import AtlasSection, CompareRun, ModelEntry
+
+SPECS = [("tiny-rope", None), ("no-such-model-anywhere", None), ("tiny-ape", None)]
+RUN = CompareRun(ZooAtlasConfig(sections=("heads",), progress=False), "some text", ())
+
+
+def _per_model(name: str, behaviour) -> AtlasSection:
+    return AtlasSection(name, name, None, None, None, compare=behaviour)
+
+
+def _sections(reads_models: bool, seen: dict) -> dict:
+    def counts(m, run):  # a table and a headline from the loaded model
+        return {"t": pd.DataFrame({"n_layers": [m.facts.n_layers]})}, {"layers": m.facts.n_layers}
+
+    def picky(m, run):  # does not apply to one model, fails on another
+        if m.label == "tiny-ape":
+            return "learned positions: not this section's family"
+        raise ValueError("cannot measure\nsecond line of the traceback")
+
+    def across(models, run):
+        seen["loaded"] = [m.label for m in models if m.model is not None]
+        return {"x": pd.DataFrame({"k": [len(models)]})}, {"tiny-ape": "left out on purpose"}
+
+    return {"counts": _per_model("counts", counts), "picky": _per_model("picky", picky),
+            "cross": AtlasSection("cross", "cross", None, None, None, across=across,
+                                  across_reads_models=reads_models)}
+
+
+@pytest.mark.parametrize("reads_models", [True, False])
+def test_every_model_and_section_is_an_outcome_in_order(reads_models):
+    seen: dict = {}
+    said: list = []
+    models, outcomes, timings = compare_models(SPECS, _sections(reads_models, seen), RUN, say=said.append)
+    assert [m.label for m in models] == ["tiny-rope", "no-such-model-anywhere", "tiny-ape"]
+    assert [(o.section, o.label) for o in outcomes] == [
+        ("counts", "tiny-rope"), ("picky", "tiny-rope"), ("counts", "no-such-model-anywhere"),
+        ("picky", "no-such-model-anywhere"), ("counts", "tiny-ape"), ("picky", "tiny-ape"),
+        ("cross", ""), ("cross", "tiny-ape")]
+    ok, failed, unloadable, no_load2, ok2, not_here, cross, left = outcomes
+    assert ok.why is None and ok.headline == {"layers": models[0].facts.n_layers} and len(ok.tables["t"]) == 1
+    assert failed.failed and failed.why.startswith("cannot measure") and not failed.tables
+    assert not unloadable.failed and unloadable.why == models[1].why and "no-such-model-anywhere" in models[1].why
+    assert no_load2.why == models[1].why  # every section says so, not only the first
+    assert not_here.why == "learned positions: not this section's family" and not not_here.failed
+    assert cross.tables["x"].k.tolist() == [3] and left.why == "left out on purpose"
+    # the models stay in memory only for a cross-model section that reads them
+    assert seen["loaded"] == (["tiny-rope", "tiny-ape"] if reads_models else [])
+    assert set(timings) == {"counts", "picky", "cross"} and all(v >= 0 for v in timings.values())
+    assert said[0] == "zoo atlas: counts [1/3] tiny-rope ..." and said[-1] == "zoo atlas: cross of " + (
+        "2 models ..." if reads_models else "0 models ...")
+    assert not any("no-such-model-anywhere" in s for s in said)  # nothing is run on a model that did not load
+
+
+def test_time_is_charged_to_the_section_that_spent_it(monkeypatch):
+    import posprobe.analyses.atlas_many as am
+
+    clock = iter(range(0, 1000, 5))  # every perf_counter call advances 5 s
+    monkeypatch.setattr(am.time, "perf_counter", lambda: next(clock))
+    secs = {"counts": _per_model("counts", lambda m, run: ({}, None)),
+            "picky": _per_model("picky", lambda m, run: "never applies")}
+    _, _, timings = compare_models(SPECS[:1], secs, RUN)
+    assert timings == {"counts": 5.0, "picky": 5.0}
+
+
+def test_model_rows_and_tags_carry_the_member_and_status():
+    loaded = compare_models([("tiny-rope", None)], {}, RUN)[0][0]
+    row = _model_row(loaded)
+    assert (row["model"], row["status"], row["why"], row["member"]) == ("tiny-rope", "loaded", "", "tiny-rope")
+    assert row["n_layers"] == loaded.facts.n_layers and row["positional_kind"] == loaded.facts.positional_kind
+    gone = ModelEntry("m-s1", "/zoo/m-s1", {"member": "rope", "family": "rotary", "block": "gpt", "seed": 1},
+                      why="could not read")
+    row = _model_row(gone)
+    assert (row["status"], row["why"], row["member"], row["seed"]) == ("refused", "could not read", "rope", 1)
+    assert "n_layers" not in row
+    tagged = _tag(pd.DataFrame({"v": [1, 2]}), gone)
+    assert tagged[["model", "member", "family", "block", "seed"]].drop_duplicates().values.tolist() == [
+        ["m-s1", "rope", "rotary", "gpt", 1]]
