@@ -5,7 +5,8 @@ model: each check is the documented layout (docs/zoo.md, the module docstring) w
 Plants seen failing (one at a time, in a scratch copy): a zoo's members not sorted; a member folder without
 config.json accepted; an extended member accepted by read_zoo; member_info averaging an extended member with its
 source (no "+method"); the member folder's own eval.txt preferred over the zoo's (parent) when both exist; an empty
-eval.txt taken as the text; whitespace taken as a text; training_tables reading a folder without meta.json."""
+eval.txt taken as the text; whitespace taken as a text; training_tables reading a folder without meta.json; a
+hub name not in the cache let through; packaged weights assembled by a name check; a spec before a zoo dropped."""
 
 from __future__ import annotations
 
@@ -112,6 +113,26 @@ def test_zoo_models_expands_zoos_keeps_other_specs_and_refuses_the_rest_before_l
         assert says in str(e.value) and "\n" not in str(e.value)
     with pytest.raises(ValueError, match="no models"):
         zoo_models([])
+    # a spec named before a zoo keeps its place (the zoo's members are added, not put in its stead)
+    assert [s for s, _ in zoo_models(["tiny-rope", str(zoo)])] == ["tiny-rope", str(zoo / "nope-s0"),
+                                                                    str(zoo / "rope-s1")]
+
+
+def test_a_hub_name_that_cannot_be_had_offline_is_refused_before_anything_loads(monkeypatch):
+    """A repo id that is not in the local cache is asked of the resolver (which refuses it offline with the
+    alternatives) and comes back as one ValueError naming it; packaged weights are only looked up, never assembled
+    (gemma3-270m's GGUF is written out when a model loads, not when a name is checked)."""
+    import posprobe.backend.sources as sources
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ValueError) as e:
+        zoo_models(["some-org/a-model-nobody-has-cached"])
+    assert str(e.value).startswith("some-org/a-model-nobody-has-cached: ")
+    asked = []
+    real = sources._packaged
+    monkeypatch.setattr(sources, "_packaged", lambda alias, *, assemble=True: asked.append(assemble) or real(
+        alias, assemble=False))
+    assert zoo_models(["gemma3-270m"]) == [("gemma3-270m", None)] and asked == [False]
 
 
 def test_the_default_text_is_the_zoos_eval_txt_found_from_a_member_too(tmp_path):
