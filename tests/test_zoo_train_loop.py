@@ -1,0 +1,111 @@
+"""The zoo's training loop (`posprobe.zoo.train.train_member`) on one tiny member for a few steps: the record it
+returns and the zoo.json it writes, read against what was asked (steps, tokens, parameters counted here from the
+saved weights), the looks at checkpoints (in eval mode, their time kept apart, not repeated), the progress line's zoo
+ETA by its formula, and the label shift for classes whose loss does not shift. Seconds.
+
+Plants seen failing (one at a time): tokens/s from all steps instead of the steps run (a resumed run); a look
+repeated after a resume; the checkpoint's time counted
+as training; the model left in training mode for a look; the ETA leaving out the later members' tokens; the last
+label kept instead of ignored; zoo.json's final loss from the first logged step; the passkey share recorded when 0."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from posprobe.zoo.config import ZooConfig
+from posprobe.zoo.tokenizer import train_tokenizer
+from posprobe.zoo.train import _postfix, next_token_labels, train_member
+
+TEXT = "".join(f"the {i % 7} cat and the {i % 5} dog sat on mat {i % 3}.\n" for i in range(300))
+CFG = dict(d_model=16, n_layers=1, n_heads=2, length=16, vocab_size=270, batch_size=2, steps=6, warmup=1,
+           checkpoint_every=100, progress=False)
+NO_STATE = (lambda: None, lambda state: None)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return train_tokenizer(TEXT, 270)
+
+
+def test_the_record_and_zoo_json_say_what_was_trained(tok, tmp_path):
+    ids = torch.tensor(tok(TEXT)["input_ids"])
+    cfg = ZooConfig(**CFG, members=("rope-llama",))
+    modes, calls = [], []
+
+    def look(step, model):
+        modes.append(model.training)
+        calls.append(step)
+        return step * 10
+
+    rec = train_member("rope-llama", 3, cfg, ids, tok, tmp_path / "m", NO_STATE, log_every=4,
+                       checkpoints=(0, 4), on_checkpoint=look, record={"note": "extra"})
+    assert calls == [0, 4] and modes == [False, False] and rec["checkpoints"] == [(0, 0), (4, 40)]
+    assert [s for s, _, _ in rec["log"]] == [4, 6] and rec["steps_run"] == 6
+    assert rec["tokens_per_s"] == pytest.approx(6 * 2 * 16 / rec["seconds"])
+    weights = load_file(tmp_path / "m" / "model.safetensors")
+    assert rec["params"] == sum(t.numel() for t in weights.values())  # tied head saved once
+    z = json.loads((tmp_path / "m" / "zoo.json").read_text())
+    assert (z["member"], z["seed"], z["steps"], z["batch_size"], z["warmup"], z["note"]) == (
+        "rope-llama", 3, 6, 2, 1, "extra")
+    assert z["final_loss"] == rec["log"][-1][1] and z["widths"]["length"] == 16 and "passkey" not in z
+
+
+def test_a_looks_time_is_not_training_time(tok, tmp_path, monkeypatch):
+    import posprobe.zoo.train as T
+
+    ids = torch.tensor(tok(TEXT)["input_ids"])
+    cfg = ZooConfig(**{**CFG, "length": 72}, members=("nope",), passkey=0.5)  # a passkey prompt needs >= 55 tokens
+    now = [0.0]
+    monkeypatch.setattr(T.time, "perf_counter", lambda: now[0])
+
+    def slow_look(step, model):
+        now[0] += 100.0  # the look takes 100 s; training takes no time on this clock
+        return None
+
+    rec = train_member("nope", 0, cfg, ids, tok, tmp_path / "m", NO_STATE, checkpoints=(0, 3), on_checkpoint=slow_look)
+    assert rec["checkpoint_seconds"] == 200.0 and rec["seconds"] == 0.0
+    assert json.loads((tmp_path / "m" / "zoo.json").read_text())["passkey"] == 0.5
+
+
+def test_a_resumed_run_counts_its_own_steps_and_does_not_look_again(tok, tmp_path):
+    import copy
+
+    ids = torch.tensor(tok(TEXT)["input_ids"])
+    cfg = ZooConfig(**{**CFG, "checkpoint_every": 3}, members=("rope-llama",))
+    saved, calls = [], []
+
+    def look(step, model):
+        calls.append(step)
+        return step + 1
+
+    train_member("rope-llama", 0, cfg, ids, tok, tmp_path / "a", (lambda: None, lambda st: saved.append(
+        copy.deepcopy(st))), checkpoints=(0,), on_checkpoint=look)
+    assert [st["step"] for st in saved] == [0, 3] and calls == [0]  # saved after the look, then every 3 steps
+    rec = train_member("rope-llama", 0, cfg, ids, tok, tmp_path / "b", (lambda: saved[0], lambda st: None),
+                       checkpoints=(0,), on_checkpoint=look)
+    assert calls == [0] and rec["checkpoints"] == [(0, 1)]  # resumed at step 0: the look is not taken again
+    rec = train_member("rope-llama", 0, cfg, ids, tok, tmp_path / "c", (lambda: saved[1], lambda st: None))
+    assert rec["steps_run"] == 3 and rec["tokens_per_s"] == pytest.approx(3 * 2 * 16 / rec["seconds"])
+
+
+def test_the_zoo_eta_counts_this_members_tokens_left_and_the_later_members():
+    fake = types.SimpleNamespace(format_dict={"rate": 100.0}, total=1000, n=400, postfix=None,
+                                 format_interval=lambda s: f"{s:.0f}s")
+    fake.set_postfix_str = lambda text, refresh=False: setattr(fake, "postfix", text)
+    _postfix(fake, 4, 10, 2.5, 2000)
+    assert fake.postfix == "step 4/10, loss 2.500, zoo ETA 26s"  # (1000 - 400 + 2000) / 100
+    _postfix(fake, 4, 10, None, 0)
+    assert fake.postfix == "step 4/10"  # the last member: no zoo ETA
+    fake.format_dict = {"rate": None}
+    _postfix(fake, 1, 10, 1.0, 5)
+    assert fake.postfix.endswith("zoo ETA ?")
+
+
+def test_next_token_labels_move_left_and_ignore_the_last():
+    got = next_token_labels(torch.tensor([[5, 6, 7], [8, 9, 10]]))
+    assert got.tolist() == [[6, 7, -100], [9, 10, -100]]
