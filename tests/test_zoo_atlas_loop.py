@@ -5,7 +5,9 @@ are kept for a cross-model section only when it reads them, and time is counted 
 
 Plants seen failing (one at a time): `keep` inverted; a raising section's outcome not marked failed; outcomes of an
 unloadable model dropped; the progress line counting from 0; timings charged to the wrong section; `_model_row`
-marking a refused model "loaded"; `_tag` dropping the member columns."""
+marking a refused model "loaded"; `_tag` dropping the member columns; run_zoo_atlas measuring the zoo's text instead
+of the one given, ignoring the device, losing the source, the progress lines, a section's page, the first-line rule
+for failures, empty tables dropped, headlines keyed by model, the ratios table, the extrapolation settings."""
 
 from __future__ import annotations
 
@@ -91,3 +93,64 @@ def test_model_rows_and_tags_carry_the_member_and_status():
     tagged = _tag(pd.DataFrame({"v": [1, 2]}), gone)
     assert tagged[["model", "member", "family", "block", "seed"]].drop_duplicates().values.tolist() == [
         ["m-s1", "rope", "rotary", "gpt", 1]]
+
+
+def test_run_zoo_atlas_assembles_what_its_sections_returned(monkeypatch, capsys):
+    """`run_zoo_atlas` end to end on two tiny models with its sections replaced by ones written here: the text given
+    is the text measured (its sha256 computed here), the device given is the device loaded on, a failed section is a
+    `refused` row with the first line of its error, a section that does not apply keeps its whole reason, headlines
+    and tables are kept per section and model, `ratios` follows a `perplexity` table, and meta names each section's
+    page function, the extrapolation settings and the time per section."""
+    import hashlib
+    import importlib
+
+    import posprobe.analyses.atlas_many as am
+    import posprobe.backend.loading as loading
+    from posprobe.analyses.sections import section
+
+    def heads(m, run):
+        if m.label == "tiny-ape":
+            raise ValueError("cannot measure this one\nTraceback line")
+        return {"head_classes": pd.DataFrame({"layer": [0], "head": [1]}), "empty": pd.DataFrame()}, {"n": 1}
+
+    def sinks(m, run):
+        if m.label == "tiny-rope":
+            return "does not apply: rotary (the reason, whole)"
+        return {"perplexity": pd.DataFrame({"protocol": ["chunks", "chunks"], "factor": [1.0, 2.0], "length": [8, 16],
+                                            "ppl_ratio": [1.0, 1.5], "status": ["ok", "ok"], "why": ["", ""]})}, None
+
+    real = {"heads": section("heads"), "sinks": section("sinks")}
+    fakes = {"heads": AtlasSection("heads", "Heads", None, None, None, compare=heads,
+                                   compare_page=real["heads"].compare_page),
+             "sinks": AtlasSection("sinks", "Sinks", None, None, None, compare=sinks, compare_page=None)}
+    monkeypatch.setattr(am, "section", lambda name: fakes[name])
+    devices = []
+    real_load = loading.load_model
+    monkeypatch.setattr(loading, "load_model", lambda spec, **kw: devices.append(kw.get("device")) or real_load(
+        spec, **kw))
+    text = "a text written for this test, measured by no section here.\n" * 3
+    cfg = ZooAtlasConfig(sections=("heads", "sinks"), progress=True)
+    r = am.run_zoo_atlas(["tiny-rope", "tiny-ape"], cfg, text=text, source="mine", device="cpu")
+    assert devices == ["cpu", "cpu"]
+    meta = r.meta
+    assert meta["data"]["sha256"] == hashlib.sha256(text.encode("utf-8")).hexdigest()
+    assert meta["data"]["source"] == "mine" and meta["data"]["n_items"] == len(text)
+    assert meta["sections"] == ["heads", "sinks"] and set(meta["seconds"]) == {"heads", "sinks"}
+    assert meta["training_data"] is None and meta["headline"] == {"heads": {"tiny-rope": {"n": 1}}}
+    mod, fn = meta["pages"]["heads"].split(":")
+    assert getattr(importlib.import_module(mod), fn) is real["heads"].compare_page and meta["pages"]["sinks"] is None
+    assert meta["extrapolation"] == {"factors": list(cfg.factors), "protocols": ["chunks", "sliding"],
+                                     "max_tokens": cfg.extrapolation_tokens}
+    assert r.tables["refused"].values.tolist() == [
+        ["tiny-rope", "sinks", "does not apply: rotary (the reason, whole)"],
+        ["tiny-ape", "heads", "cannot measure this one"]]
+    hc = r.tables["head_classes"]
+    assert hc[["model", "member", "layer", "head"]].values.tolist() == [["tiny-rope", "tiny-rope", 0, 1]]
+    assert "empty" not in r.tables  # an empty table is not a table
+    ratios = r.tables["ratios"]
+    assert ratios[["member", "factor", "ppl_ratio"]].values.tolist() == [["tiny-ape", 1.0, 1.0], ["tiny-ape", 2.0, 1.5]]
+    assert r.tables["models"].model.tolist() == ["tiny-rope", "tiny-ape"]
+    err = capsys.readouterr().err
+    assert "zoo atlas: heads [1/2] tiny-rope ..." in err and "zoo atlas: sinks [2/2] tiny-ape ..." in err
+    r2 = am.run_zoo_atlas(["tiny-rope"], ZooAtlasConfig(sections=("heads",), progress=False), text=text)
+    assert r2.meta["data"]["source"] == "text" and capsys.readouterr().err == ""
