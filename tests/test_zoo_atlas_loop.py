@@ -76,8 +76,8 @@ def test_time_is_charged_to_the_section_that_spent_it(monkeypatch):
     monkeypatch.setattr(am.time, "perf_counter", lambda: next(clock))
     secs = {"counts": _per_model("counts", lambda m, run: ({}, None)),
             "picky": _per_model("picky", lambda m, run: "never applies")}
-    _, _, timings = compare_models(SPECS[:1], secs, RUN)
-    assert timings == {"counts": 5.0, "picky": 5.0}
+    _, _, timings = compare_models([SPECS[0], SPECS[2]], secs, RUN)
+    assert timings == {"counts": 10.0, "picky": 10.0}  # summed over the two models
 
 
 def test_model_rows_and_tags_carry_the_member_and_status():
@@ -115,7 +115,7 @@ def test_run_zoo_atlas_assembles_what_its_sections_returned(monkeypatch, capsys)
 
     def sinks(m, run):
         if m.label == "tiny-rope":
-            return "does not apply: rotary (the reason, whole)"
+            return "does not apply: rotary\n(the reason, whole: not cut at its first line)"
         return {"perplexity": pd.DataFrame({"protocol": ["chunks", "chunks"], "factor": [1.0, 2.0], "length": [8, 16],
                                             "ppl_ratio": [1.0, 1.5], "status": ["ok", "ok"], "why": ["", ""]})}, None
 
@@ -135,6 +135,9 @@ def test_run_zoo_atlas_assembles_what_its_sections_returned(monkeypatch, capsys)
     meta = r.meta
     assert meta["data"]["sha256"] == hashlib.sha256(text.encode("utf-8")).hexdigest()
     assert meta["data"]["source"] == "mine" and meta["data"]["n_items"] == len(text)
+    assert meta["data"]["unit"] == "characters" and meta["analysis"] == "zoo-atlas"
+    assert meta["model"] == {"name": "zoo", "positional_kind": "several", "models": ["tiny-rope", "tiny-ape"]}
+    assert r.tables["models"].spec.tolist() == ["tiny-rope", "tiny-ape"]
     assert meta["sections"] == ["heads", "sinks"] and set(meta["seconds"]) == {"heads", "sinks"}
     assert meta["training_data"] is None and meta["headline"] == {"heads": {"tiny-rope": {"n": 1}}}
     mod, fn = meta["pages"]["heads"].split(":")
@@ -142,7 +145,7 @@ def test_run_zoo_atlas_assembles_what_its_sections_returned(monkeypatch, capsys)
     assert meta["extrapolation"] == {"factors": list(cfg.factors), "protocols": ["chunks", "sliding"],
                                      "max_tokens": cfg.extrapolation_tokens}
     assert r.tables["refused"].values.tolist() == [
-        ["tiny-rope", "sinks", "does not apply: rotary (the reason, whole)"],
+        ["tiny-rope", "sinks", "does not apply: rotary\n(the reason, whole: not cut at its first line)"],
         ["tiny-ape", "heads", "cannot measure this one"]]
     hc = r.tables["head_classes"]
     assert hc[["model", "member", "layer", "head"]].values.tolist() == [["tiny-rope", "tiny-rope", 0, 1]]
@@ -154,3 +157,20 @@ def test_run_zoo_atlas_assembles_what_its_sections_returned(monkeypatch, capsys)
     assert "zoo atlas: heads [1/2] tiny-rope ..." in err and "zoo atlas: sinks [2/2] tiny-ape ..." in err
     r2 = am.run_zoo_atlas(["tiny-rope"], ZooAtlasConfig(sections=("heads",), progress=False), text=text)
     assert r2.meta["data"]["source"] == "text" and capsys.readouterr().err == ""
+
+
+def test_zoo_eval_records_the_text_and_source_it_was_given():
+    """`evaluate_zoo`'s meta: the analysis, the models and the text as given (source, length, sha256 computed here)."""
+    import hashlib
+
+    from posprobe.analyses.atlas_many import evaluate_zoo
+    from posprobe.analyses.configs import ExtrapolationConfig
+    from posprobe.data import BUILTIN_TEXT
+
+    cfg = ExtrapolationConfig(train_length=16, factors=(1, 2), max_tokens=64, progress=False)
+    r = evaluate_zoo(["tiny-rope"], cfg, text=BUILTIN_TEXT, source="mine")
+    assert r.meta["analysis"] == "zoo-eval"
+    assert r.meta["model"] == {"name": "zoo", "positional_kind": "several", "models": ["tiny-rope"]}
+    assert r.meta["data"]["source"] == "mine" and r.meta["data"]["unit"] == "characters"
+    assert r.meta["data"]["sha256"] == hashlib.sha256(BUILTIN_TEXT.encode("utf-8")).hexdigest()
+    assert r.tables["perplexity"].length.tolist()[:2] == [16, 32]
