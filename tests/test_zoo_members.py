@@ -6,7 +6,7 @@ p-RoPE with a quarter of the frequencies, T5's 32 buckets to 128, and the parame
 
 Plants seen failing (one at a time): a dropout of 0.1 left in one class; the GELU MLP at 3d; the SwiGLU width
 rounded down; the hybrid's NoPE layer moved to the first of four; rope_theta 10001; p-RoPE's share 0.5; T5's
-buckets 16; an untied output head; bos/eos ids swapped with pad."""
+buckets 16; an untied output head; bos/eos ids swapped with pad; BLOOM's head count left at its default."""
 
 from __future__ import annotations
 
@@ -50,6 +50,11 @@ def test_every_member_has_the_shared_widths_no_dropout_and_tied_embeddings(built
                   and "Norm" not in type(m).__name__]
         assert len(blocks) >= W.n_layers, name
         assert model.training and not any(p.dtype != torch.float32 for p in model.parameters()), name
+        heads = next(getattr(cfg, k) for k in ("n_head", "num_attention_heads", "attention_heads", "num_heads")
+                     if getattr(cfg, k, None) is not None)
+        layers = next(getattr(cfg, k) for k in ("n_layer", "num_hidden_layers", "num_layers")
+                      if getattr(cfg, k, None) is not None)
+        assert (heads, layers) == (W.n_heads, W.n_layers), name
 
 
 def _mlp_weights(model) -> int:

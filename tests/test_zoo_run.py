@@ -13,6 +13,7 @@ import pytest
 
 from posprobe.report.result import Result
 from posprobe.zoo.config import ZooConfig
+from posprobe.zoo.members import MEMBERS
 from posprobe.zoo.run import _result, check_device, check_out_folder, commit_zoo, split_text, train_jobs
 
 REC = {"member": "rope", "seed": 4, "params": 123, "seconds": 2.0, "tokens_per_s": 50.0,
@@ -106,4 +107,7 @@ def test_the_training_tables_count_tokens_as_steps_times_batch_times_length():
     assert curve.tokens.tolist() == [10 * 3 * 8, 20 * 3 * 8] and curve.lr.tolist() == [1e-3, 5e-4]
     assert members.loss.tolist() == [3.0] and members.model.tolist() == ["rope-s4"]
     assert r.meta["data"]["n_items"] == 77 and r.meta["data"]["source"] == "built-in corpus"
-    assert r.meta["tokens_per_step"] == 24
+    assert r.meta["tokens_per_step"] == 24 and r.meta["model"]["name"] == "zoo"
+    assert r.meta["data"]["unit"] == "training tokens"
+    want = [["gpt", "rotary", MEMBERS["rope"].differences]]
+    assert members[["block", "family", "differences"]].values.tolist() == want

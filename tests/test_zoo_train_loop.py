@@ -6,7 +6,8 @@ ETA by its formula, and the label shift for classes whose loss does not shift. S
 Plants seen failing (one at a time): tokens/s from all steps instead of the steps run (a resumed run); a look
 repeated after a resume; the checkpoint's time counted
 as training; the model left in training mode for a look; the ETA leaving out the later members' tokens; the last
-label kept instead of ignored; zoo.json's final loss from the first logged step; the passkey share recorded when 0."""
+label kept instead of ignored; zoo.json's final loss from the first logged step; the passkey share recorded when 0; the
+look one step late; a retrained folder not replaced; windows past the text's end; an old state without looks refused."""
 
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ import torch
 from safetensors.torch import load_file
 
 from posprobe.zoo.config import ZooConfig
+from posprobe.zoo.members import MEMBERS
 from posprobe.zoo.tokenizer import train_tokenizer
-from posprobe.zoo.train import _postfix, next_token_labels, train_member
+from posprobe.zoo.train import TrainState, _postfix, batch_ids, next_token_labels, train_member
 
 TEXT = "".join(f"the {i % 7} cat and the {i % 5} dog sat on mat {i % 3}.\n" for i in range(300))
 CFG = dict(d_model=16, n_layers=1, n_heads=2, length=16, vocab_size=270, batch_size=2, steps=6, warmup=1,
@@ -42,9 +44,12 @@ def test_the_record_and_zoo_json_say_what_was_trained(tok, tmp_path):
         calls.append(step)
         return step * 10
 
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "stale.txt").write_text("an earlier run's file")  # a folder trained again is replaced
     rec = train_member("rope-llama", 3, cfg, ids, tok, tmp_path / "m", NO_STATE, log_every=4,
-                       checkpoints=(0, 4), on_checkpoint=look, record={"note": "extra"})
-    assert calls == [0, 4] and modes == [False, False] and rec["checkpoints"] == [(0, 0), (4, 40)]
+                       checkpoints=(0, 4, 6), on_checkpoint=look, record={"note": "extra"})
+    assert calls == [0, 4, 6] and modes == [False] * 3 and rec["checkpoints"] == [(0, 0), (4, 40), (6, 60)]
+    assert not (tmp_path / "m" / "stale.txt").exists()
     assert [s for s, _, _ in rec["log"]] == [4, 6] and rec["steps_run"] == 6
     assert rec["tokens_per_s"] == pytest.approx(6 * 2 * 16 / rec["seconds"])
     weights = load_file(tmp_path / "m" / "model.safetensors")
@@ -53,6 +58,7 @@ def test_the_record_and_zoo_json_say_what_was_trained(tok, tmp_path):
     assert (z["member"], z["seed"], z["steps"], z["batch_size"], z["warmup"], z["note"]) == (
         "rope-llama", 3, 6, 2, 1, "extra")
     assert z["final_loss"] == rec["log"][-1][1] and z["widths"]["length"] == 16 and "passkey" not in z
+    assert z["positions"] == MEMBERS["rope-llama"].positions and z["family"] == "rotary"
 
 
 def test_a_looks_time_is_not_training_time(tok, tmp_path, monkeypatch):
@@ -109,3 +115,26 @@ def test_the_zoo_eta_counts_this_members_tokens_left_and_the_later_members():
 def test_next_token_labels_move_left_and_ignore_the_last():
     got = next_token_labels(torch.tensor([[5, 6, 7], [8, 9, 10]]))
     assert got.tolist() == [[6, 7, -100], [9, 10, -100]]
+
+
+def test_every_window_is_full_and_every_start_can_be_drawn():
+    ids = torch.arange(17)  # L + 1 tokens: two possible windows, starting at 0 and 1
+    cfg = ZooConfig(**{**CFG, "batch_size": 8})
+    starts = set()
+    for step in range(20):
+        x = batch_ids(ids, step, cfg, seed=0)
+        assert x.shape == (8, 16)
+        assert all(torch.equal(row, torch.arange(row[0], row[0] + 16)) for row in x)
+        starts |= {int(row[0]) for row in x}
+    assert starts == {0, 1}
+
+
+def test_a_state_saved_before_checkpoint_looks_existed_still_loads():
+    lin = torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(lin.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    st = TrainState(lin, opt, sched, torch.zeros(()))
+    old = {k: v for k, v in st.state_dict().items() if k not in ("checkpoints", "running")}
+    st.checkpoints = [(1, "stale")]
+    st.load_state_dict({**old, "step": 5})
+    assert st.step == 5 and st.checkpoints == []
