@@ -44,10 +44,22 @@ def summary_frame(result: Any) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def _add_seed_mean(fig: Any, g: Any, method: str, i: int, col: int, dash: str = "solid") -> None:
+    # One method's line in panel `col`: the mean over seeds of a grouped series, bars to the lowest and highest seed.
+    import plotly.graph_objects as go
+
+    if not len(g):
+        return
+    mean, lo, hi = g.mean(), g.min(), g.max()
+    fig.add_trace(go.Scatter(x=list(mean.index), y=list(mean), mode="lines+markers", name=method, legendgroup=method,
+                             showlegend=col == 1, line={"color": COLORS[i % len(COLORS)], "dash": dash},
+                             error_y={"type": "data", "symmetric": False, "array": list(hi - mean),
+                                      "arrayminus": list(mean - lo)}), row=1, col=col)
+
+
 def _curves_figure(result: Any) -> Any:
     """ppl at L' (chunks) against fine-tuning step, one panel per member, one line per method (mean over seeds,
     seeds' range as error bars), the unextended member's ppl at L as a dashed line (the threshold)."""
-    import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
     meta = result.meta
@@ -61,14 +73,7 @@ def _curves_figure(result: Any) -> Any:
         mine = c[c["member"] == m]
         for i, method in enumerate(methods):
             g = mine[(mine["method"] == method) & (mine["length"] == target)].groupby("step")["ppl"]
-            if not len(g):
-                continue
-            mean, lo, hi = g.mean(), g.min(), g.max()
-            fig.add_trace(go.Scatter(x=list(mean.index), y=list(mean), mode="lines+markers", name=method,
-                                     legendgroup=method, showlegend=col == 1,
-                                     line={"color": COLORS[i % len(COLORS)]},
-                                     error_y={"type": "data", "symmetric": False, "array": list(hi - mean),
-                                              "arrayminus": list(mean - lo)}), row=1, col=col)
+            _add_seed_mean(fig, g, method, i, col)
         u = mine[(mine["method"] == UNEXTENDED) & (mine["length"] == L)]["ppl"]
         if len(u):
             fig.add_hline(y=float(u.mean()), line_dash="dash", line_color="grey", row=1, col=col)
@@ -106,7 +111,6 @@ def _passkey_figure(result: Any) -> Any | None:
     """Passkey success by distance, one panel per member, one line per method at its last checkpoint (and the
     unextended member), mean over seeds with the seeds' range; the trained length L and Chen's 20 % threshold drawn.
     The window alone hides where retrieval moved (a method can fail the short distances and succeed beyond L)."""
-    import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
     pk = table(result, "passkey")
@@ -124,15 +128,7 @@ def _passkey_figure(result: Any) -> Any | None:
     for col, m in enumerate(members, start=1):
         for i, method in enumerate(methods):
             g = pk[(pk["member"] == m) & (pk["method"] == method)].groupby("distance")["success_rate"]
-            if not len(g):
-                continue
-            mean, lo, hi = g.mean(), g.min(), g.max()
-            fig.add_trace(go.Scatter(x=list(mean.index), y=list(mean), mode="lines+markers", name=method,
-                                     legendgroup=method, showlegend=col == 1,
-                                     line={"color": COLORS[i % len(COLORS)],
-                                           "dash": "dash" if method == UNEXTENDED else "solid"},
-                                     error_y={"type": "data", "symmetric": False, "array": list(hi - mean),
-                                              "arrayminus": list(mean - lo)}), row=1, col=col)
+            _add_seed_mean(fig, g, method, i, col, dash="dash" if method == UNEXTENDED else "solid")
         fig.add_vline(x=L, line_dash="dot", line_color="grey", row=1, col=col)
         fig.add_hline(y=0.2, line_dash="dot", line_color="grey", row=1, col=col)
         fig.update_xaxes(title_text="key-to-answer distance (tokens)", row=1, col=col)
