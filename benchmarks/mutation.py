@@ -104,7 +104,7 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
                    "tests/test_bad_input.py", "tests/test_zoo.py"]),
     # Context extension by fine-tuning (#49, after #53's split) and the passkey mixture the zoo trains with.
     "zoo_extend": (["posprobe/zoo/extend.py", "posprobe/zoo/passkey.py"],
-                   ["tests/test_zoo_extend.py", "tests/test_passkey.py"]),
+                   ["tests/test_zoo_extend_plan.py", "tests/test_zoo_extend.py", "tests/test_passkey.py"]),
 }
 
 #: Lines mutmut leaves alone in every module: message text only (an edited error message or log line changes no

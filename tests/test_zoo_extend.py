@@ -206,6 +206,12 @@ def test_step_zero_is_the_unextended_member(tiny_zoo, ids_and_tokenizer, tmp_pat
     assert sorted(seen) == [0, 2] and [s for s, _ in rec["checkpoints"]] == [0, 2]
     assert all(torch.equal(seen[0][k], saved[k]) for k in saved)
     assert any(not torch.equal(seen[2][k], saved[k]) for k in saved)  # the fine-tuning moved something
+    # The folder says what was done to it (read by zoo eval, the atlas and the page): every field as asked above.
+    ext = json.loads((tmp_path / "x" / "zoo.json").read_text(encoding="utf-8"))["extension"]
+    assert ext == {"method": "pi", "from_length": L, "length": TARGET, "scale": S, "source": "rope-llama-s0",
+                   "rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": S},
+                   "notes": {"scale": S}, "config_fields": {}, "train_length": TARGET, "steps": 2,
+                   "batch_size": 8 * L // TARGET, "lr": job.lr, "warmup": 0}
 
 
 def test_killed_extension_resumes_to_the_uninterrupted_weights(tiny_zoo, ids_and_tokenizer, tmp_path):
