@@ -215,6 +215,11 @@ def test_zoo_extend_measures_the_window_beside_perplexity(tmp_path):
     assert torch.equal(pos, text_pos) and torch.equal(x[:half], text[:half]) and not torch.equal(x[half:], text[half:])
     assert "The pass key is" in tok.decode(x[-1]) and torch.equal(x, labels)
     assert pi.train_config(with_skill).passkey == 0.5 and job_batches(pi, pi.train_config(with_skill), ids, tok) is None
+    # ... and through the loop: the tokenizer reaches PoSE's batches (two steps, saved as an HF folder).
+    from posprobe.zoo.extend import extend_member
+
+    rec = extend_member(pose, with_skill, ids, tok, tmp_path / "pose-skill", (lambda: None, lambda s: None))
+    assert rec["steps_run"] == 2 and (tmp_path / "pose-skill" / "model.safetensors").is_file()
 
 
 def test_the_zoo_atlas_measures_the_window_of_members_trained_with_the_skill(tmp_path):

@@ -207,7 +207,9 @@ def test_step_zero_is_the_unextended_member(tiny_zoo, ids_and_tokenizer, tmp_pat
     assert all(torch.equal(seen[0][k], saved[k]) for k in saved)
     assert any(not torch.equal(seen[2][k], saved[k]) for k in saved)  # the fine-tuning moved something
     # The folder says what was done to it (read by zoo eval, the atlas and the page): every field as asked above.
-    ext = json.loads((tmp_path / "x" / "zoo.json").read_text(encoding="utf-8"))["extension"]
+    saved_rec = json.loads((tmp_path / "x" / "zoo.json").read_text(encoding="utf-8"))
+    ext = saved_rec["extension"]
+    assert saved_rec["method"] == "pi"  # zoo eval and the atlas name the model rope-llama+pi by it
     assert ext == {"method": "pi", "from_length": L, "length": TARGET, "scale": S, "source": "rope-llama-s0",
                    "rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": S},
                    "notes": {"scale": S}, "config_fields": {}, "train_length": TARGET, "steps": 2,

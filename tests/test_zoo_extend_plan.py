@@ -174,11 +174,11 @@ def test_a_job_hands_its_schedule_to_the_zoo_loop():
     widths = {"d_model": 48, "n_layers": 3, "n_heads": 3, "length": L, "vocab_size": 777}
     job = ExtendJob("rope", 2, "pi", Path("rope-s2"), {"widths": widths}, L, TARGET, None, 5, 1.5e-4, 3)
     cfg = ExtendConfig(steps=30, checkpoints=(), weight_decay=0.01, grad_clip=0.5, checkpoint_every=7, passkey=0.25,
-                       progress=False)
+                       device="cuda:1", progress=False)
     assert job.train_config(cfg) == ZooConfig(
         members=("rope",), seeds=(2,), d_model=48, n_layers=3, n_heads=3, length=TARGET, vocab_size=777, batch_size=5,
         steps=30, lr=1.5e-4, warmup=3, weight_decay=0.01, grad_clip=0.5, checkpoint_every=7, passkey=0.25,
-        device="cpu", progress=False)
+        device="cuda:1", progress=False)
     assert (job.scale, job.train_length, job.folder_name) == (4.0, TARGET, "rope-s2-pi")
 
 
@@ -209,3 +209,152 @@ def test_the_plan_of_a_hand_written_zoo(tmp_path):
         plan_extension(zoo, ExtendConfig(members=("learned",), methods=("direct",)))
     with pytest.raises(ValueError, match=r"has no member folder nope-s0"):
         plan_extension(zoo, ExtendConfig(members=("nope",)))
+
+
+def test_every_config_rule_at_its_edge():
+    """Each refusal of ExtendConfig one step either side of its edge (the rules in its docstring and --help)."""
+    ok = [dict(lr=1e-9), dict(lr=2.0), dict(weight_decay=0.0), dict(grad_clip=1e-9), dict(abf_base=1.5),
+          dict(length=2), dict(passkey=1.0), dict(passkey=0.0), dict(batch_size=1), dict(warmup=0),
+          dict(rope_parameters={"factor": 2.0})]
+    for kw in ok:
+        ExtendConfig(**kw)
+    bad = [(dict(lr=0.0), "lr and grad_clip must be > 0"), (dict(weight_decay=-0.1), "weight_decay >= 0"),
+           (dict(grad_clip=0.0), "grad_clip must be > 0"), (dict(abf_base=1.0), "abf_base must be > 1"),
+           (dict(length=1), "length must be >= 2"), (dict(batch_size=0), "batch_size must be >= 1"),
+           (dict(warmup=-1), "warmup must be >= 0"), (dict(methods=("custom",)), "needs --rope-parameters"),
+           (dict(methods=("pi", "fire")), r"unknown methods \['fire'\]"), (dict(methods=()), "unknown methods"),
+           (dict(rope_parameters={}), "non-empty JSON object"), (dict(rope_parameters=[1]), "non-empty JSON object")]
+    for kw, says in bad:
+        with pytest.raises(ValueError, match=says):
+            ExtendConfig(**kw)
+    cfg = ExtendConfig(members=("rope", "rope", "alibi"), methods=("pi", "pi", "ntk"), rope_parameters={"factor": 2})
+    assert cfg.members == ("rope", "alibi") and cfg.methods == ("pi", "ntk", "custom")
+    assert ExtendConfig().passkey_trials_for(True) == 10 and ExtendConfig().passkey_trials_for(False) == 0
+    assert ExtendConfig(passkey_trials=3).passkey_trials_for(False) == 3
+
+
+def test_rope_parameters_without_a_type_are_the_default_type():
+    """HF reads a rope_parameters dict without `rope_type` as the default type (and a custom dict without one keeps
+    the member's): both are extended, not refused."""
+    assert method_rope_parameters("pi", {"rope_theta": 1e4}, 16, L, TARGET)[0]["rope_type"] == "linear"
+    rope, _ = method_rope_parameters("custom", {"rope_theta": 1e4}, 16, L, TARGET, custom={"rope_theta": 5e4})
+    assert rope == {"rope_theta": 5e4}
+    rope, _ = method_rope_parameters("custom", DEFAULT, 16, L, TARGET, custom={"rope_type": "yarn", "factor": 4.0})
+    assert rope["original_max_position_embeddings"] == L
+    prop = {"rope_type": "proportional", "rope_theta": 1e4, "partial_rotary_factor": 0.25}
+    assert method_rope_parameters("custom", prop, 16, L, TARGET, custom={"factor": 2.0})[0] == {**prop, "factor": 2.0}
+
+
+def test_the_plans_numbers_follow_the_config(tmp_path):
+    zoo = tmp_path / "zoo"
+    _folder(zoo, "rope-llama", 0, batch_size=1)
+    (job,), _ = plan_extension(zoo, ExtendConfig(methods=("abf",), abf_base=5e5, lr=7e-5, steps=10, checkpoints=()))
+    assert job.rope_parameters["rope_theta"] == 5e5 and job.lr == 7e-5
+    assert job.batch_size == 1  # 1 x L / 4L rounds to 0: at least one sequence
+    (job,), _ = plan_extension(zoo, ExtendConfig(methods=("pose",), batch_size=3))
+    assert (job.batch_size, job.train_length) == (3, L)
+    other = tmp_path / "two-lengths"
+    _folder(other, "rope", 0)
+    long = _folder(other, "alibi", 0)
+    rec = json.loads((long / ZOO_FILE).read_text())
+    (long / ZOO_FILE).write_text(json.dumps({**rec, "widths": {**rec["widths"], "length": 32}}))
+    with pytest.raises(ValueError, match=r"different training lengths \[16, 32\]"):
+        plan_extension(other, ExtendConfig())
+    # Each refusal names what it is about, and only that.
+    with pytest.raises(ValueError) as e:
+        plan_extension(zoo.parent / "zoo", ExtendConfig(members=("rope-llama",), methods=("copy",)))
+    assert "has none (its positions are rotations)" in str(e.value)
+    nope = tmp_path / "nope-zoo"
+    _folder(nope, "nope", 0)
+    with pytest.raises(ValueError) as e:
+        plan_extension(nope, ExtendConfig(members=("nope",), methods=("pi",)))
+    assert "pose included" not in str(e.value) and "Longformer" not in str(e.value)
+    assert str(e.value).endswith("extended with --method direct only")
+
+
+def test_copy_refuses_a_model_without_gpt2s_table():
+    import torch
+    from transformers import BloomConfig, BloomForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from posprobe.zoo.extend import copy_rows
+
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                         intermediate_size=32))
+    bloom = BloomForCausalLM(BloomConfig(vocab_size=32, hidden_size=16, n_layer=1, n_head=2))  # .transformer, no wpe
+    for model in (llama, bloom):
+        with pytest.raises(ValueError, match="has none"):
+            copy_rows(model, 64)
+    assert isinstance(bloom.transformer.word_embeddings, torch.nn.Embedding)
+
+
+def test_pose_and_drope_batches_are_at_L_with_the_skill_mixed_in():
+    """PoSE's and DroPE's batches are L tokens long (the others' None: the loop's own windows at L'), with the
+    passkey rows at the fine-tuning's share: the text rows are windows of the text, the last rows passkey prompts."""
+    import torch
+
+    from posprobe.data import builtin_corpus
+    from posprobe.zoo.extend import job_batches, pose_batch
+    from posprobe.zoo.tokenizer import train_tokenizer
+
+    tok = train_tokenizer(builtin_corpus()[:30000], 300)
+    ids = torch.tensor(tok(builtin_corpus()[:20000])["input_ids"])
+    text = ids.tolist()
+    n = 64
+    widths = {"d_model": 32, "n_layers": 2, "n_heads": 2, "length": n, "vocab_size": 300}
+    cfg = ExtendConfig(steps=4, checkpoints=(), passkey=0.5, progress=False)
+    for method in ("drope", "pose", "pi"):
+        job = ExtendJob("rope-llama", 3, method, Path("x"), {"widths": widths}, n, 4 * n, None, 4, 1e-4, 0)
+        batches = job_batches(job, job.train_config(cfg), ids, tok)
+        if method == "pi":
+            assert batches is None
+            continue
+        got = batches(2)
+        x = got[0]
+        assert x.shape == (4, n) and got[1] is x
+        for row in x[:2].tolist():  # text rows (PoSE's: two chunks of one window)
+            head = row[:8]
+            assert any(text[i:i + 8] == head for i in range(len(text) - 8))
+        for row in x[2:]:
+            assert "What is the pass key? The pass key is" in tok.decode(row)
+        if method == "pose":
+            assert torch.equal(got[2], pose_batch(ids, 2, 3, 4, n, 4 * n)[1])
+        assert torch.equal(x, batches(2)[0]) and not torch.equal(x, batches(3)[0])  # a function of the step
+
+
+def test_a_passkey_is_five_digits_and_a_share_gives_at_least_one_row():
+    import random
+
+    from posprobe.data import builtin_corpus
+    from posprobe.zoo.passkey import passkey_rows, passkey_sequence
+    from posprobe.zoo.tokenizer import train_tokenizer
+
+    class Ends(random.Random):  # draws each range's end: the smallest and largest key the rule allows
+        def __init__(self, high: bool) -> None:
+            super().__init__(0)
+            self.high = high
+
+        def randint(self, a: int, b: int) -> int:
+            return b if self.high else a
+
+    tok = train_tokenizer(builtin_corpus()[:30000], 300)
+    for high, key in ((False, "10000"), (True, "99999")):
+        p = passkey_sequence(tok, 64, Ends(high))
+        assert tok.decode(p.ids + list(p.answer)).endswith(f"The pass key is {key}")
+    assert [passkey_rows(s, 8) for s in (0.0, 0.01, 0.25, 0.5, 1.0)] == [0, 1, 2, 4, 8]
+
+
+def test_pose_reads_a_text_of_exactly_one_window_from_its_start():
+    """A text of exactly W = 5L tokens is one window: every row's first chunk starts at token 0 (the window's start is
+    uniform on {0, ..., len - W}), and each chunk is a run of consecutive tokens of it."""
+    import torch
+
+    from posprobe.zoo.extend import pose_batch
+
+    ids = torch.arange(5 * L)
+    for step in range(5):
+        x, pos = pose_batch(ids, step, 0, 8, L, TARGET)
+        assert x.shape == (8, L) and (x[:, 0] == 0).all()
+        for row in x.tolist():  # two runs of consecutive tokens (one when the content skip is 0), the first from 0
+            breaks = [i for i in range(1, L) if row[i] != row[i - 1] + 1]
+            first = breaks[0] if breaks else L
+            assert len(breaks) <= 1 and row[:first] == list(range(first))
