@@ -12,12 +12,14 @@ before block 0), XGLM scales token embeddings by sqrt(d_model) as sinusoidal mod
 GPT-2 and GPT-NeoX fuse q/k/v into one projection (same parameters). Widths, depth,
 heads, MLP parameter count, vocabulary, dropout (none) and initialisation (posprobe's, `init_weights`) are equal.
 
-A member is one row of `MEMBERS`, its HF config builder on the row (`build`). Torch-free at import (configs are
-built inside `hf_config`)."""
+A member is one row of `MEMBERS`, its HF config builder on the row (`build`: a module function, with the member's
+own setting bound by `functools.partial`, so the builder runs when a config is asked for, not at import). Torch-free at
+import (configs are built inside `hf_config`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable
 
 from posprobe.backend.architectures import Architecture, lookup
@@ -86,17 +88,15 @@ def _bloom(w: Widths, ids: dict) -> Any:
                        hidden_dropout=0.0, attention_dropout=0.0, **ids)
 
 
-def _neox(share: float) -> Any:
-    def build(w: Widths, ids: dict) -> Any:
-        from transformers import GPTNeoXConfig
+def _neox(w: Widths, ids: dict, *, share: float) -> Any:
+    from transformers import GPTNeoXConfig
 
-        return GPTNeoXConfig(vocab_size=w.vocab_size, hidden_size=w.d_model, num_hidden_layers=w.n_layers,
-                             num_attention_heads=w.n_heads, intermediate_size=4 * w.d_model,
-                             hidden_act="gelu_pytorch_tanh", max_position_embeddings=w.length,
-                             use_parallel_residual=False, attention_dropout=0.0, hidden_dropout=0.0,
-                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                              "partial_rotary_factor": share}, **ids)
-    return build
+    return GPTNeoXConfig(vocab_size=w.vocab_size, hidden_size=w.d_model, num_hidden_layers=w.n_layers,
+                         num_attention_heads=w.n_heads, intermediate_size=4 * w.d_model,
+                         hidden_act="gelu_pytorch_tanh", max_position_embeddings=w.length,
+                         use_parallel_residual=False, attention_dropout=0.0, hidden_dropout=0.0,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                          "partial_rotary_factor": share}, **ids)
 
 
 def _swiglu_width(w: Widths) -> int:
@@ -104,23 +104,21 @@ def _swiglu_width(w: Widths) -> int:
     return int(round(8 * w.d_model / 3))
 
 
-def _smollm3(rope_every: int | None) -> Any:
-    def build(w: Widths, ids: dict) -> Any:
-        from transformers import SmolLM3Config
+def _smollm3(w: Widths, ids: dict, *, rope_every: int | None) -> Any:
+    from transformers import SmolLM3Config
 
-        # SmolLM3's convention: 1 = rotary layer, 0 = NoPE layer.
-        if rope_every is None:
-            pattern = [1] * w.n_layers
-        elif rope_every == 0:
-            pattern = [0] * w.n_layers
-        else:
-            pattern = [int((i + 1) % rope_every != 0) for i in range(w.n_layers)]
-        return SmolLM3Config(vocab_size=w.vocab_size, hidden_size=w.d_model, num_hidden_layers=w.n_layers,
-                             num_attention_heads=w.n_heads, num_key_value_heads=w.n_heads,
-                             intermediate_size=_swiglu_width(w), max_position_embeddings=w.length,
-                             no_rope_layers=pattern, use_sliding_window=False, attention_dropout=0.0,
-                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **ids)
-    return build
+    # SmolLM3's convention: 1 = rotary layer, 0 = NoPE layer.
+    if rope_every is None:
+        pattern = [1] * w.n_layers
+    elif rope_every == 0:
+        pattern = [0] * w.n_layers
+    else:
+        pattern = [int((i + 1) % rope_every != 0) for i in range(w.n_layers)]
+    return SmolLM3Config(vocab_size=w.vocab_size, hidden_size=w.d_model, num_hidden_layers=w.n_layers,
+                         num_attention_heads=w.n_heads, num_key_value_heads=w.n_heads,
+                         intermediate_size=_swiglu_width(w), max_position_embeddings=w.length,
+                         no_rope_layers=pattern, use_sliding_window=False, attention_dropout=0.0,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **ids)
 
 
 def _p_rope(w: Widths, ids: dict) -> Any:
@@ -158,13 +156,15 @@ MEMBERS: dict[str, Member] = {m.name: m for m in (
     Member("alibi", ALIBI, _GPT, "bloom", "ALiBi distance bias, Press et al.'s slopes",
            "BLOOM adds a LayerNorm on the embedding before block 0", build=_bloom),
     Member("rope", ROTARY, _GPT, "gpt_neox", "rotary on 100% of head dims (half-split), base 10000",
-           "GPT-NeoX's per-head fused q/k/v projection", build=_neox(1.0)),
+           "GPT-NeoX's per-head fused q/k/v projection", build=partial(_neox, share=1.0)),
     Member("partial", ROTARY, _GPT, "gpt_neox", "rotary on 25% of head dims (half-split), base 10000",
-           "GPT-NeoX's per-head fused q/k/v projection", build=_neox(0.25)),
+           "GPT-NeoX's per-head fused q/k/v projection", build=partial(_neox, share=0.25)),
     Member("rope-llama", ROTARY, _LLAMA, "smollm3", "rotary on 100% of head dims (half-split), base 10000",
-           build=_smollm3(None)),
-    Member("nope", NOPE, _LLAMA, "smollm3", "no positional encoding in any layer", build=_smollm3(0)),
-    Member("hybrid", ROTARY, _LLAMA, "smollm3", "rotary, every 4th layer NoPE (SmolLM3's pattern)", build=_smollm3(4)),
+           build=partial(_smollm3, rope_every=None)),
+    Member("nope", NOPE, _LLAMA, "smollm3", "no positional encoding in any layer",
+           build=partial(_smollm3, rope_every=0)),
+    Member("hybrid", ROTARY, _LLAMA, "smollm3", "rotary, every 4th layer NoPE (SmolLM3's pattern)",
+           build=partial(_smollm3, rope_every=4)),
     Member("p-rope", ROTARY, _LLAMA, "llama",
            "p-RoPE: rotary with the slowest 75% of frequencies removed (Llama's 'proportional' type)", build=_p_rope),
     Member("t5", RELATIVE, _LLAMA, "pix2struct_text_model",
