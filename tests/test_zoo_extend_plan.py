@@ -49,6 +49,15 @@ L, TARGET = 16, 64
 DEFAULT = {"rope_type": "default", "rope_theta": 10000.0}
 
 
+@pytest.fixture(scope="module")
+def tok():
+    """The zoo's byte-level BPE trained on the built-in corpus (300 tokens): what the passkey rows are spelt in."""
+    from posprobe.data import builtin_corpus
+    from posprobe.zoo.tokenizer import train_tokenizer
+
+    return train_tokenizer(builtin_corpus()[:30000], 300)
+
+
 def _folder(zoo: Path, name: str, seed: int, **record) -> Path:
     """A member folder as `zoo train` writes it, less the weights: the member's HF config and its zoo.json."""
     folder = zoo / f"{name}-s{seed}"
@@ -262,7 +271,7 @@ def test_the_plans_numbers_follow_the_config(tmp_path):
         plan_extension(other, ExtendConfig())
     # Each refusal names what it is about, and only that.
     with pytest.raises(ValueError) as e:
-        plan_extension(zoo.parent / "zoo", ExtendConfig(members=("rope-llama",), methods=("copy",)))
+        plan_extension(zoo, ExtendConfig(members=("rope-llama",), methods=("copy",)))
     assert "has none (its positions are rotations)" in str(e.value)
     nope = tmp_path / "nope-zoo"
     _folder(nope, "nope", 0)
@@ -287,16 +296,14 @@ def test_copy_refuses_a_model_without_gpt2s_table():
     assert isinstance(bloom.transformer.word_embeddings, torch.nn.Embedding)
 
 
-def test_pose_and_drope_batches_are_at_L_with_the_skill_mixed_in():
+def test_pose_and_drope_batches_are_at_L_with_the_skill_mixed_in(tok):
     """PoSE's and DroPE's batches are L tokens long (the others' None: the loop's own windows at L'), with the
     passkey rows at the fine-tuning's share: the text rows are windows of the text, the last rows passkey prompts."""
     import torch
 
     from posprobe.data import builtin_corpus
     from posprobe.zoo.extend import job_batches, pose_batch
-    from posprobe.zoo.tokenizer import train_tokenizer
 
-    tok = train_tokenizer(builtin_corpus()[:30000], 300)
     ids = torch.tensor(tok(builtin_corpus()[:20000])["input_ids"])
     text = ids.tolist()
     n = 64
@@ -321,12 +328,10 @@ def test_pose_and_drope_batches_are_at_L_with_the_skill_mixed_in():
         assert torch.equal(x, batches(2)[0]) and not torch.equal(x, batches(3)[0])  # a function of the step
 
 
-def test_a_passkey_is_five_digits_and_a_share_gives_at_least_one_row():
+def test_a_passkey_is_five_digits_and_a_share_gives_at_least_one_row(tok):
     import random
 
-    from posprobe.data import builtin_corpus
     from posprobe.zoo.passkey import passkey_rows, passkey_sequence
-    from posprobe.zoo.tokenizer import train_tokenizer
 
     class Ends(random.Random):  # draws each range's end: the smallest and largest key the rule allows
         def __init__(self, high: bool) -> None:
@@ -336,7 +341,6 @@ def test_a_passkey_is_five_digits_and_a_share_gives_at_least_one_row():
         def randint(self, a: int, b: int) -> int:
             return b if self.high else a
 
-    tok = train_tokenizer(builtin_corpus()[:30000], 300)
     for high, key in ((False, "10000"), (True, "99999")):
         p = passkey_sequence(tok, 64, Ends(high))
         assert tok.decode(p.ids + list(p.answer)).endswith(f"The pass key is {key}")
