@@ -10,9 +10,10 @@ wall time beside it; ratios are tokens/s of posprobe over bare, paired within a 
 Peak RSS above the level at the start of each call is printed too.
 
 With `--extend METHOD` it measures `zoo extend`'s fine-tuning instead: a member (trained for one step, the weights do
-not matter for speed) continued from L to L' = 4L under METHOD, through `posprobe.zoo.extend.extend_member` (the
-zoo's loop started from the saved member with the method's config, no checkpoint scoring) against the bare loop over
-the same model, loaded by `load_start`, on the same batches of L'-token windows.
+not matter for speed) continued from L to L' = 4L under METHOD, through `posprobe.zoo.train.train_member` on the
+run's job (the zoo's loop started from the saved member with the method's config, no checkpoint scoring) against the
+bare loop over
+the same model, loaded by `ExtendJob.start`, on the same batches of L'-token windows.
 
     python benchmarks/bench_zoo.py --members rope learned alibi --steps 200 --rounds 3
     python benchmarks/bench_zoo.py --members rope-llama rope --extend pi --steps 200 --rounds 3
@@ -52,6 +53,7 @@ def main() -> None:
 
     from posprobe.data import builtin_corpus
     from posprobe.zoo.config import ZooConfig
+    from posprobe.zoo.job import Job
     from posprobe.zoo.members import member
     from posprobe.zoo.tokenizer import train_tokenizer
     from posprobe.zoo.train import batch_ids, build_model, next_token_labels, train_member
@@ -81,7 +83,7 @@ def main() -> None:
             from posprobe.report.checkpoint import Checkpoint
 
             ckpt = Checkpoint(os.path.join(tmp, "work"), {"bench": name})
-            train_member(name, 0, cfg, ids, tok, Path(tmp) / "m",
+            train_member(Job.text(name, 0, cfg, tok, ids), Path(tmp) / "m",
                          (lambda: None, lambda s: ckpt.put("state", s)))
 
     print(HEADER)
@@ -98,10 +100,10 @@ def extend_main(args: argparse.Namespace) -> None:
     from posprobe.data import builtin_corpus
     from posprobe.report.checkpoint import Checkpoint
     from posprobe.zoo.config import ZooConfig
-    from posprobe.zoo.extend import ExtendConfig, extend_member, load_start, plan_extension
+    from posprobe.zoo.extend import ExtendConfig, plan_extension
     from posprobe.zoo.members import member
     from posprobe.zoo.run import train_zoo
-    from posprobe.zoo.train import batch_ids, next_token_labels
+    from posprobe.zoo.train import batch_ids, next_token_labels, train_member
 
     torch.set_num_threads(args.threads)
     text = builtin_corpus()
@@ -124,7 +126,7 @@ def extend_main(args: argparse.Namespace) -> None:
             shifts = member(job.member).architecture.shifts_labels
 
             def bare(job=job, batches=batches, zc=zc, shifts=shifts) -> None:
-                model = load_start(job)
+                model = job.start()
                 opt = torch.optim.AdamW(model.parameters(), lr=zc.lr)
                 for x in batches:
                     model(input_ids=x, labels=x if shifts else next_token_labels(x)).loss.backward()
@@ -134,7 +136,8 @@ def extend_main(args: argparse.Namespace) -> None:
             def posprobe_loop(job=job) -> None:
                 with tempfile.TemporaryDirectory() as run:
                     ckpt = Checkpoint(os.path.join(run, "work"), {"bench": job.folder_name})
-                    extend_member(job, cfg, ids, tok, Path(run) / "m", (lambda: None, lambda s: ckpt.put("state", s)))
+                    train_member(job.job(cfg, ids, tok), Path(run) / "m",
+                                 (lambda: None, lambda s: ckpt.put("state", s)))
 
             _report(job.folder_name, {"bare": bare, "posprobe": posprobe_loop}, args.rounds,
                     cfg.steps * job.batch_size * job.target)

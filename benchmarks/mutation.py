@@ -91,7 +91,8 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     "zoo_tasks": (["posprobe/zoo/tasks.py", "posprobe/zoo/task_zoo.py"],
                   ["tests/test_zoo_tasks.py"]),
     "zoo_train": (["posprobe/zoo/members.py", "posprobe/zoo/train.py", "posprobe/zoo/config.py",
-                   "posprobe/zoo/tokenizer.py", "posprobe/zoo/run.py", "posprobe/zoo/__init__.py"],
+                   "posprobe/zoo/tokenizer.py", "posprobe/zoo/run.py", "posprobe/zoo/job.py",
+                   "posprobe/zoo/__init__.py"],
                   ["tests/test_zoo_config.py", "tests/test_zoo_members.py", "tests/test_zoo_tokenizer.py",
                    "tests/test_zoo_run.py", "tests/test_zoo_train_loop.py", "tests/test_zoo.py",
                    "tests/test_zoo_numbers.py"]),
@@ -103,8 +104,9 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
                   ["tests/test_zoo_atlas_loop.py", "tests/test_zoo_atlas.py", "tests/test_zoo_numbers.py",
                    "tests/test_bad_input.py", "tests/test_zoo.py"]),
     # Context extension by fine-tuning (#49, after #53's split) and the passkey mixture the zoo trains with.
-    "zoo_extend": (["posprobe/zoo/extend.py", "posprobe/zoo/passkey.py"],
-                   ["tests/test_zoo_extend_plan.py", "tests/test_zoo_extend.py", "tests/test_passkey.py"]),
+    "zoo_extend": (["posprobe/zoo/extend.py", "posprobe/zoo/methods.py", "posprobe/zoo/passkey.py"],
+                   ["tests/test_zoo_extend_plan.py", "tests/test_extend_methods.py", "tests/test_zoo_extend.py",
+                    "tests/test_passkey.py"]),
 }
 
 #: Lines mutmut leaves alone in every module: message text only (an edited error message or log line changes no

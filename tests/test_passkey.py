@@ -110,20 +110,22 @@ def test_training_with_the_skill_resumes_bit_for_bit(tok, ids, tmp_path):
     from safetensors.torch import load_file
 
     from posprobe.report.checkpoint import Checkpoint
+    from posprobe.zoo.job import Job
     from posprobe.zoo.train import train_member
 
     cfg = ZooConfig(**TINY, passkey=0.5)
-    whole = train_member("rope-llama", 0, cfg, ids, tok, tmp_path / "whole", (lambda: None, lambda s: None))
+    job = Job.text("rope-llama", 0, cfg, tok, ids)
+    whole = train_member(job, tmp_path / "whole", (lambda: None, lambda s: None))
     io, saved = dying_state_io(Checkpoint(tmp_path / "work", {"k": 1}), after=2)
     with pytest.raises(Died):
-        train_member("rope-llama", 0, cfg, ids, tok, tmp_path / "resumed", io)
-    resumed = train_member("rope-llama", 0, cfg, ids, tok, tmp_path / "resumed", io)
+        train_member(job, tmp_path / "resumed", io)
+    resumed = train_member(job, tmp_path / "resumed", io)
     assert saved == [3, 6, 9] and resumed["log"] == whole["log"]
     a, b = (load_file(tmp_path / f / "model.safetensors") for f in ("whole", "resumed"))
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert json.loads((tmp_path / "whole" / "zoo.json").read_text())["passkey"] == 0.5
     # The skill changes the training: the same run without it ends elsewhere.
-    plain = train_member("rope-llama", 0, ZooConfig(**TINY), ids, tok, tmp_path / "plain",
+    plain = train_member(Job.text("rope-llama", 0, ZooConfig(**TINY), tok, ids), tmp_path / "plain",
                          (lambda: None, lambda s: None))
     assert plain["log"] != whole["log"] and "passkey" not in json.loads((tmp_path / "plain" / "zoo.json").read_text())
 
@@ -177,7 +179,8 @@ def test_zoo_extend_measures_the_window_beside_perplexity(tmp_path):
     by distance up to L' and an effective window (the pure function of that table), in the summary beside ppl; the
     numbers equal `passkey_table` run on the saved folders again."""
     from posprobe.analyses.context_extension import extend_zoo
-    from posprobe.analyses.passkey import load_causal_lm, passkey_table
+    from posprobe.analyses.passkey import passkey_table
+    from posprobe.backend.loading import load_causal_lm
     from posprobe.data import builtin_corpus
     from posprobe.zoo.extend import ExtendConfig
     from posprobe.zoo.run import train_zoo
@@ -214,11 +217,17 @@ def test_zoo_extend_measures_the_window_beside_perplexity(tmp_path):
     half = pose.batch_size // 2
     assert torch.equal(pos, text_pos) and torch.equal(x[:half], text[:half]) and not torch.equal(x[half:], text[half:])
     assert "The pass key is" in tok.decode(x[-1]) and torch.equal(x, labels)
-    assert pi.train_config(with_skill).passkey == 0.5 and job_batches(pi, pi.train_config(with_skill), ids, tok) is None
-    # ... and through the loop: the tokenizer reaches PoSE's batches (two steps, saved as an HF folder).
-    from posprobe.zoo.extend import extend_member
+    # PI's batches are the zoo's text windows at L' with the same share of passkey rows.
+    from posprobe.zoo.train import batch_ids
 
-    rec = extend_member(pose, with_skill, ids, tok, tmp_path / "pose-skill", (lambda: None, lambda s: None))
+    pi_cfg = pi.train_config(with_skill)
+    x = job_batches(pi, pi_cfg, ids, tok)(1)[0]
+    assert pi_cfg.passkey == 0.5 and x.shape == (pi.batch_size, 128)
+    assert torch.equal(x[:pi.batch_size // 2], batch_ids(ids, 1, pi_cfg, 0)[:pi.batch_size // 2])
+    # ... and through the loop: the tokenizer reaches PoSE's batches (two steps, saved as an HF folder).
+    from posprobe.zoo.train import train_member
+
+    rec = train_member(pose.job(with_skill, ids, tok), tmp_path / "pose-skill", (lambda: None, lambda s: None))
     assert rec["steps_run"] == 2 and (tmp_path / "pose-skill" / "model.safetensors").is_file()
 
 
@@ -231,7 +240,8 @@ def test_the_zoo_atlas_measures_the_window_of_members_trained_with_the_skill(tmp
 
     from posprobe.analyses.atlas_many import run_zoo_atlas
     from posprobe.analyses.configs import ZooAtlasConfig
-    from posprobe.analyses.passkey import distance_grid, load_causal_lm, passkey_table
+    from posprobe.analyses.passkey import distance_grid, passkey_table
+    from posprobe.backend.loading import load_causal_lm
     from posprobe.data import builtin_corpus
     from posprobe.report.passkey import compare_section
     from posprobe.zoo.run import train_zoo

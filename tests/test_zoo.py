@@ -110,6 +110,7 @@ def test_members_differ_only_where_stated(tiny_zoo):
 
 
 def test_training_is_deterministic_for_a_seed(tmp_path):
+    from posprobe.zoo.job import Job
     from posprobe.zoo.tokenizer import train_tokenizer
     from posprobe.zoo.train import train_member
 
@@ -119,7 +120,7 @@ def test_training_is_deterministic_for_a_seed(tmp_path):
     no_state = (lambda: None, lambda s: None)
 
     def weights(name, seed, folder):
-        train_member(name, seed, cfg, ids, tok, tmp_path / folder, no_state)
+        train_member(Job.text(name, seed, cfg, tok, ids), tmp_path / folder, no_state)
         return _plain_hf(tmp_path / folder).state_dict()
 
     for name in ("rope", "learned"):
@@ -165,6 +166,7 @@ def test_interrupted_training_resumes_to_the_same_weights(tmp_path):
     # In-process: a run that dies right after its second checkpoint, then the same call again, equals an
     # uninterrupted run bit for bit (model, optimiser and schedule restored; batches a function of the step).
     from posprobe.report.checkpoint import Checkpoint
+    from posprobe.zoo.job import Job
     from posprobe.zoo.tokenizer import train_tokenizer
     from posprobe.zoo.train import train_member
 
@@ -172,12 +174,13 @@ def test_interrupted_training_resumes_to_the_same_weights(tmp_path):
     tok = train_tokenizer(_text(), cfg.vocab_size)
     ids = torch.tensor(tok(_text()[:20000])["input_ids"])
     for name in ("alibi", "p-rope"):
-        train_member(name, 0, cfg, ids, tok, tmp_path / f"{name}-whole", (lambda: None, lambda s: None))
+        job = Job.text(name, 0, cfg, tok, ids)
+        train_member(job, tmp_path / f"{name}-whole", (lambda: None, lambda s: None))
         io, saved = dying_state_io(Checkpoint(tmp_path / f"{name}.work", {"k": name}), after=2)
         with pytest.raises(Died):
-            train_member(name, 0, cfg, ids, tok, tmp_path / f"{name}-resumed", io)
+            train_member(job, tmp_path / f"{name}-resumed", io)
         assert saved == [3, 6] and not (tmp_path / f"{name}-resumed").exists()
-        rec = train_member(name, 0, cfg, ids, tok, tmp_path / f"{name}-resumed", io)
+        rec = train_member(job, tmp_path / f"{name}-resumed", io)
         assert rec["steps_run"] == 4 and saved == [3, 6, 9]
         whole, resumed = _plain_hf(tmp_path / f"{name}-whole"), _plain_hf(tmp_path / f"{name}-resumed")
         ws, rs = whole.state_dict(), resumed.state_dict()

@@ -42,7 +42,8 @@ import torch
 from zoo_util import Died, dying_state_io
 
 from posprobe.zoo.config import ZooConfig
-from posprobe.zoo.extend import ExtendConfig, extend_member, plan_extension, steps_to_threshold
+from posprobe.zoo.extend import ExtendConfig, plan_extension, steps_to_threshold
+from posprobe.zoo.train import train_member
 
 ROTARY = ("rope", "partial", "rope-llama", "hybrid", "p-rope")
 TINY = dict(members=(*ROTARY, "alibi", "learned"), d_model=32, n_layers=2, n_heads=2, length=16, vocab_size=300,
@@ -140,7 +141,7 @@ def extended(tiny_zoo, ids_and_tokenizer, tmp_path_factory):
         assert not left
         for job in jobs:
             folder = out / job.folder_name
-            extend_member(job, cfg, ids, tok, folder, (lambda: None, lambda s: None))
+            train_member(job.job(cfg, ids, tok), folder, (lambda: None, lambda s: None))
             folders[(job.member, job.method)] = (folder, job)
     return folders
 
@@ -174,7 +175,7 @@ def test_each_method_carries_the_papers_table(extended, name, method):
 
 
 def test_yarn_gamma_reported_is_hfs_ramp(extended):
-    from posprobe.analyses.context_extension import yarn_bands
+    from posprobe.zoo.methods import yarn_bands
 
     folder, job = extended[("rope", "yarn")]
     got = yarn_bands(job)
@@ -201,7 +202,7 @@ def test_step_zero_is_the_unextended_member(tiny_zoo, ids_and_tokenizer, tmp_pat
         seen[step] = {k: v.detach().clone() for k, v in model.state_dict().items()}
         return step
 
-    rec = extend_member(job, cfg, ids, tok, tmp_path / "x", (lambda: None, lambda s: None), on_checkpoint=look)
+    rec = train_member(job.job(cfg, ids, tok), tmp_path / "x", (lambda: None, lambda s: None), on_checkpoint=look)
     saved = load_file(job.source / "model.safetensors")
     assert sorted(seen) == [0, 2] and [s for s, _ in rec["checkpoints"]] == [0, 2]
     assert all(torch.equal(seen[0][k], saved[k]) for k in saved)
@@ -231,14 +232,14 @@ def test_killed_extension_resumes_to_the_uninterrupted_weights(tiny_zoo, ids_and
         calls.append(step)
         return float(sum(p.double().sum() for p in model.parameters()))
 
-    whole = extend_member(job, cfg, ids, tok, tmp_path / "whole", (lambda: None, lambda s: None), on_checkpoint=look)
+    whole = train_member(job.job(cfg, ids, tok), tmp_path / "whole", (lambda: None, lambda s: None), on_checkpoint=look)
     assert calls == [0, 3, 6]
     calls.clear()
     io, saved = dying_state_io(Checkpoint(tmp_path / "work", {"k": 1}), after=3)
     with pytest.raises(Died):
-        extend_member(job, cfg, ids, tok, tmp_path / "resumed", io, on_checkpoint=look)
+        train_member(job.job(cfg, ids, tok), tmp_path / "resumed", io, on_checkpoint=look)
     assert saved == [0, 2, 3] and calls == [0, 3]
-    resumed = extend_member(job, cfg, ids, tok, tmp_path / "resumed", io, on_checkpoint=look)
+    resumed = train_member(job.job(cfg, ids, tok), tmp_path / "resumed", io, on_checkpoint=look)
     assert calls == [0, 3, 6] and resumed["steps_run"] == 3  # 0 and 3 not looked at again
     assert resumed["checkpoints"] == whole["checkpoints"] and resumed["log"] == whole["log"]
     a, b = load_file(tmp_path / "whole" / "model.safetensors"), load_file(tmp_path / "resumed" / "model.safetensors")
@@ -254,27 +255,29 @@ def test_curves_equal_a_plain_hugging_face_forward_after_a_resume(tiny_zoo, tmp_
 
     cfg = ExtendConfig(members=("rope",), methods=("pi",), steps=2, checkpoints=(0,), eval_tokens=256,
                        sliding="never", progress=False)
-    real_extend, real_rows, scored = zx.extend_member, zx._Scorer.folder_rows, []
+    import posprobe.zoo.train as zoo_train
+
+    real_train, real_rows, scored = zoo_train.train_member, zx._Scorer.folder_rows, []
 
     class Died(Exception):
         pass
 
-    def dying(job, config, ids, tok, folder, io, **kw):
+    def dying(job, folder, io, **kw):
         def save_then_die(state):
             io[1](state)
             raise Died
-        return real_extend(job, config, ids, tok, folder, (io[0], save_then_die), **kw)
+        return real_train(job, folder, (io[0], save_then_die), **kw)
 
     def counted(self, folder, label, protocols):
         scored.append(label)
         return real_rows(self, folder, label, protocols)
 
     monkeypatch.setattr(zx._Scorer, "folder_rows", counted)
-    monkeypatch.setattr(zx, "extend_member", dying)
+    monkeypatch.setattr(zoo_train, "train_member", dying)
     with pytest.raises(Died):
         zx.extend_zoo(tiny_zoo, cfg, tmp_path / "out")
     assert scored == ["rope-s0", "rope-s0-pi"] and not (tmp_path / "out").exists()
-    monkeypatch.setattr(zx, "extend_member", real_extend)
+    monkeypatch.setattr(zoo_train, "train_member", real_train)
     result = zx.extend_zoo(tiny_zoo, cfg, tmp_path / "out")
     assert scored == ["rope-s0", "rope-s0-pi", "rope-s0-pi"]  # only step 2 scored by the rerun
     assert (tmp_path / "out" / "rope-s0-pi" / "zoo.json").is_file() and (tmp_path / "out" / "extend").is_dir()
@@ -482,7 +485,7 @@ def test_pose_trains_at_L_with_its_ids_and_resumes_bit_for_bit(tiny_zoo, ids_and
     assert (job.train_length, job.batch_size) == (L, 8)  # the pre-training batch at L: same tokens per step
     reads, handle = _rotary_position_reads()
     try:
-        whole = extend_member(job, cfg, ids, tok, tmp_path / "whole", (lambda: None, lambda s: None))
+        whole = train_member(job.job(cfg, ids, tok), tmp_path / "whole", (lambda: None, lambda s: None))
     finally:
         handle.remove()
     assert len(reads) == 4
@@ -498,9 +501,9 @@ def test_pose_trains_at_L_with_its_ids_and_resumes_bit_for_bit(tiny_zoo, ids_and
     assert rec["method"] == "pose" and rec["train_length"] == L and rec["notes"]["positions"] == "unscaled"
     io, saved = dying_state_io(Checkpoint(tmp_path / "work", {"k": 2}), after=2)
     with pytest.raises(Died):
-        extend_member(job, cfg, ids, tok, tmp_path / "resumed", io)
+        train_member(job.job(cfg, ids, tok), tmp_path / "resumed", io)
     assert saved == [1, 2]
-    resumed = extend_member(job, cfg, ids, tok, tmp_path / "resumed", io)
+    resumed = train_member(job.job(cfg, ids, tok), tmp_path / "resumed", io)
     assert resumed["steps_run"] == 2 and resumed["log"] == whole["log"]
     a, b = load_file(folder / "model.safetensors"), load_file(tmp_path / "resumed" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -593,8 +596,8 @@ def test_scaled_yarn_ramp_keeps_bands_at_small_L():
     """At L = 128 (d = 32, base 1e4, s = 4) the paper's beta = 32 keeps no band by the paper's formula; the scaled
     ramp (beta x L/4096, alpha x L/4096 at base 1e4) keeps the fastest bands. gamma is checked against Peng et
     al.'s formula (ramp by turns) and HF's (ramp by band index), both written out here."""
-    from posprobe.analyses.context_extension import yarn_bands
     from posprobe.zoo.extend import ExtendJob, method_rope_parameters, scaled_yarn_betas
+    from posprobe.zoo.methods import yarn_bands
 
     Lb, T, d, b = 128, 512, 32, 10000.0
     assert scaled_yarn_betas(Lb, b) == pytest.approx((32 * Lb / 4096, Lb / 4096), rel=1e-12)
@@ -639,7 +642,7 @@ def test_scaled_yarn_folder_carries_the_ramp(tiny_zoo, ids_and_tokenizer, tmp_pa
     cfg = ExtendConfig(members=("rope-llama",), methods=("yarn",), yarn_ramp="scaled", steps=1, checkpoints=(),
                        progress=False)
     (job,), _ = plan_extension(tiny_zoo, cfg)
-    extend_member(job, cfg, ids, tok, tmp_path / "y", (lambda: None, lambda s: None))
+    train_member(job.job(cfg, ids, tok), tmp_path / "y", (lambda: None, lambda s: None))
     cos, sin, config = _cos_sin(tmp_path / "y", 2 * TARGET)
     p = config.rope_parameters
     assert p["beta_fast"] == pytest.approx(32 * L / 4096) and p["beta_slow"] == pytest.approx(L / 4096)
@@ -729,7 +732,7 @@ def test_mechanism_summary_by_hand():
     excess, largest interpolation bound; numbers worked out by hand."""
     import pandas as pd
 
-    from posprobe.analyses.extension_mechanism import mechanism_summary
+    from posprobe.report.zoo_extend import mechanism_summary
 
     rows = [("rope", "pi", 64, 128, 0.5, True, 0.2), ("rope", "pi", 64, 128, 0.1, False, 0.4),
             ("rope", "pi", 64, 128, 0.3, True, 0.1), ("rope", "unextended", 16, 64, 2.0, True, 0.05)]
@@ -769,7 +772,7 @@ def test_copy_grows_the_learned_table_as_longformer_then_scores_to_Lp_only(tiny_
         return step
 
     ids, tok = ids_and_tokenizer
-    extend_member(job, cfg, ids, tok, tmp_path / "x", (lambda: None, lambda s: None), on_checkpoint=look)
+    train_member(job.job(cfg, ids, tok), tmp_path / "x", (lambda: None, lambda s: None), on_checkpoint=look)
     old = load_file(job.source / "model.safetensors")["transformer.wpe.weight"]
     assert old.shape[0] == L and seen[0].shape[0] == TARGET
     for t in range(TARGET):
@@ -802,8 +805,7 @@ def test_attention_entropy_is_the_definition_on_hf_attention(tiny_zoo):
     from posprobe.analyses.configs import HeadsConfig
     from posprobe.analyses.extension_mechanism import attention_entropy, uniform_entropy
     from posprobe.analyses.heads import head_signatures
-    from posprobe.analyses.passkey import load_causal_lm
-    from posprobe.backend.loading import load_model
+    from posprobe.backend.loading import load_causal_lm, load_model
 
     folder = tiny_zoo / "rope-llama-s0"
     tok = AutoTokenizer.from_pretrained(folder)
@@ -827,7 +829,7 @@ def test_entropy_summary_by_hand():
     """Per member and method, the mean relative entropy over seeds and layers per length; rows not ok are ignored."""
     import pandas as pd
 
-    from posprobe.analyses.extension_mechanism import entropy_summary
+    from posprobe.report.zoo_extend import entropy_summary
 
     rows = [("rope", 0, "pi", 16, 0, 0.5, "ok"), ("rope", 1, "pi", 16, 1, 0.7, "ok"),
             ("rope", 0, "pi", 64, 0, 0.9, "ok"), ("rope", 0, "unextended", 16, 0, 0.2, "ok"),

@@ -35,7 +35,6 @@ from posprobe.zoo.config import ZooConfig
 from posprobe.zoo.extend import (
     ExtendConfig,
     ExtendJob,
-    _inv_freq,
     _rope_of,
     drope_config,
     method_rope_parameters,
@@ -43,6 +42,7 @@ from posprobe.zoo.extend import (
 )
 from posprobe.zoo.folder import ZOO_FILE
 from posprobe.zoo.members import Widths, member
+from posprobe.zoo.methods import _inv_freq
 
 W = Widths(d_model=32, n_layers=2, n_heads=2, length=16, vocab_size=64)
 L, TARGET = 16, 64
@@ -297,7 +297,7 @@ def test_copy_refuses_a_model_without_gpt2s_table():
 
 
 def test_pose_and_drope_batches_are_at_L_with_the_skill_mixed_in(tok):
-    """PoSE's and DroPE's batches are L tokens long (the others' None: the loop's own windows at L'), with the
+    """PoSE's and DroPE's batches are L tokens long (the others': the zoo's text windows at L'), with the
     passkey rows at the fine-tuning's share: the text rows are windows of the text, the last rows passkey prompts."""
     import torch
 
@@ -312,12 +312,9 @@ def test_pose_and_drope_batches_are_at_L_with_the_skill_mixed_in(tok):
     for method in ("drope", "pose", "pi"):
         job = ExtendJob("rope-llama", 3, method, Path("x"), {"widths": widths}, n, 4 * n, None, 4, 1e-4, 0)
         batches = job_batches(job, job.train_config(cfg), ids, tok)
-        if method == "pi":
-            assert batches is None
-            continue
         got = batches(2)
         x = got[0]
-        assert x.shape == (4, n) and got[1] is x
+        assert x.shape == (4, 4 * n if method == "pi" else n) and got[1] is x
         for row in x[:2].tolist():  # text rows (PoSE's: two chunks of one window)
             head = row[:8]
             assert any(text[i:i + 8] == head for i in range(len(text) - 8))

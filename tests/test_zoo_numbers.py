@@ -54,10 +54,11 @@ def _plain_hf(folder: Path):
 
 
 def _train(name: str, cfg: ZooConfig, ids, tok, folder: Path, *, seed: int = 0, batch=None) -> dict:
-    from posprobe.zoo.train import train_member
+    from posprobe.zoo.job import Job
+    from posprobe.zoo.train import text_windows, train_member
 
-    batches = None if batch is None else (lambda step: (batch, batch))
-    return train_member(name, seed, cfg, ids, tok, folder, NO_STATE, log_every=1, batches=batches)
+    batches = text_windows(ids, tok, cfg, seed) if batch is None else (lambda step: (batch, batch))
+    return train_member(Job(name, seed, cfg, tok, batches, log_every=1), folder, NO_STATE)
 
 
 def _next_token_loss(logits: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

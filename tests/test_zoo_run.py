@@ -13,8 +13,9 @@ import pytest
 
 from posprobe.report.result import Result
 from posprobe.zoo.config import ZooConfig
+from posprobe.zoo.job import open_work, run_jobs
 from posprobe.zoo.members import MEMBERS
-from posprobe.zoo.run import _result, check_device, check_out_folder, commit_zoo, split_text, train_jobs
+from posprobe.zoo.run import _result, check_device, check_out_folder, commit_zoo, split_text, zoo_jobs
 
 REC = {"member": "rope", "seed": 4, "params": 123, "seconds": 2.0, "tokens_per_s": 50.0,
        "log": [(10, 3.5, 1e-3), (20, 3.0, 5e-4)]}
@@ -55,32 +56,42 @@ def test_a_cuda_tier_is_refused_on_a_machine_without_cuda(monkeypatch):
 
 
 def _stub(calls: list, fail_at: tuple | None = None):
-    def train_one(name, seed, folder, io, later):
-        calls.append((name, seed, later))
-        if (name, seed) == fail_at:
+    def train_member(job, folder, io, *, on_checkpoint=None, later_steps=0):
+        calls.append((job.member, job.seed, later_steps))
+        if (job.member, job.seed) == fail_at:
             io[1]({"half": True})  # a checkpoint saved mid-member, then the run dies
             raise KeyboardInterrupt
         folder.mkdir(parents=True)
-        return {"member": name, "seed": seed, "resumed_from": io[0]()}
-    return train_one
+        return {"member": job.member, "seed": job.seed, "resumed_from": io[0]()}
+    return train_member
 
 
-def test_jobs_run_seed_by_seed_with_the_steps_left_and_resume_skips_finished_members(tmp_path):
+def test_jobs_run_seed_by_seed_with_the_steps_left_and_resume_skips_finished_members(tmp_path, monkeypatch):
+    import posprobe.zoo.train as zoo_train
+
     cfg = ZooConfig(**{**SMALL, "members": ("rope", "nope"), "seeds": (0, 1)})
     out = tmp_path / "zoo"
+    jobs = zoo_jobs(cfg, None, None)
+    assert [j.folder for j in jobs] == ["rope-s0", "nope-s0", "rope-s1", "nope-s1"]
     calls: list = []
+
+    def run(key, fresh=False, fail_at=None):
+        monkeypatch.setattr(zoo_train, "train_member", _stub(calls, fail_at))
+        ckpt, staging, _ = open_work(out, key, fresh=fresh)
+        return run_jobs(jobs, ckpt, staging), staging
+
     with pytest.raises(KeyboardInterrupt):
-        train_jobs(cfg, out, "key", _stub(calls, fail_at=("rope", 1)))
+        run("key", fail_at=("rope", 1))
     # every member of seed 0, then seed 1; steps left after each job: 10 x the jobs after it
     assert calls == [("rope", 0, 30), ("nope", 0, 20), ("rope", 1, 10)]
     calls.clear()
-    records, staging, work = train_jobs(cfg, out, "key", _stub(calls))
+    records, staging = run("key")
     assert calls == [("rope", 1, 10), ("nope", 1, 0)]  # the two finished ones are not trained again
     assert [(r["member"], r["seed"]) for r in records] == [("rope", 0), ("nope", 0), ("rope", 1), ("nope", 1)]
     assert records[2]["resumed_from"] == {"half": True} and records[3]["resumed_from"] is None
     assert sorted(p.name for p in staging.iterdir()) == ["nope-s0", "nope-s1", "rope-s0", "rope-s1"]
     calls.clear()
-    train_jobs(cfg, out, "another key", _stub(calls), fresh=True)  # another run: everything again
+    run("another key", fresh=True)  # another run: everything again
     assert len(calls) == 4
 
 

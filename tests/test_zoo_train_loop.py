@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from posprobe.zoo.config import ZooConfig
+from posprobe.zoo.job import Job
 from posprobe.zoo.members import MEMBERS
 from posprobe.zoo.tokenizer import train_tokenizer
 from posprobe.zoo.train import TrainState, _postfix, batch_ids, next_token_labels, train_member
@@ -46,8 +47,8 @@ def test_the_record_and_zoo_json_say_what_was_trained(tok, tmp_path):
 
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "stale.txt").write_text("an earlier run's file")  # a folder trained again is replaced
-    rec = train_member("rope-llama", 3, cfg, ids, tok, tmp_path / "m", NO_STATE, log_every=4,
-                       checkpoints=(0, 4, 6), on_checkpoint=look, record={"note": "extra"})
+    job = Job.text("rope-llama", 3, cfg, tok, ids, log_every=4, checkpoints=(0, 4, 6), record={"note": "extra"})
+    rec = train_member(job, tmp_path / "m", NO_STATE, on_checkpoint=look)
     assert calls == [0, 4, 6] and modes == [False] * 3 and rec["checkpoints"] == [(0, 0), (4, 40), (6, 60)]
     assert not (tmp_path / "m" / "stale.txt").exists()
     assert [s for s, _, _ in rec["log"]] == [4, 6] and rec["steps_run"] == 6
@@ -73,7 +74,8 @@ def test_a_looks_time_is_not_training_time(tok, tmp_path, monkeypatch):
         now[0] += 100.0  # the look takes 100 s; training takes no time on this clock
         return None
 
-    rec = train_member("nope", 0, cfg, ids, tok, tmp_path / "m", NO_STATE, checkpoints=(0, 3), on_checkpoint=slow_look)
+    rec = train_member(Job.text("nope", 0, cfg, tok, ids, checkpoints=(0, 3)), tmp_path / "m", NO_STATE,
+                       on_checkpoint=slow_look)
     assert rec["checkpoint_seconds"] == 200.0 and rec["seconds"] == 0.0
     assert json.loads((tmp_path / "m" / "zoo.json").read_text())["passkey"] == 0.5
 
@@ -89,13 +91,12 @@ def test_a_resumed_run_counts_its_own_steps_and_does_not_look_again(tok, tmp_pat
         calls.append(step)
         return step + 1
 
-    train_member("rope-llama", 0, cfg, ids, tok, tmp_path / "a", (lambda: None, lambda st: saved.append(
-        copy.deepcopy(st))), checkpoints=(0,), on_checkpoint=look)
+    job = Job.text("rope-llama", 0, cfg, tok, ids, checkpoints=(0,))
+    train_member(job, tmp_path / "a", (lambda: None, lambda st: saved.append(copy.deepcopy(st))), on_checkpoint=look)
     assert [st["step"] for st in saved] == [0, 3] and calls == [0]  # saved after the look, then every 3 steps
-    rec = train_member("rope-llama", 0, cfg, ids, tok, tmp_path / "b", (lambda: saved[0], lambda st: None),
-                       checkpoints=(0,), on_checkpoint=look)
+    rec = train_member(job, tmp_path / "b", (lambda: saved[0], lambda st: None), on_checkpoint=look)
     assert calls == [0] and rec["checkpoints"] == [(0, 1)]  # resumed at step 0: the look is not taken again
-    rec = train_member("rope-llama", 0, cfg, ids, tok, tmp_path / "c", (lambda: saved[1], lambda st: None))
+    rec = train_member(Job.text("rope-llama", 0, cfg, tok, ids), tmp_path / "c", (lambda: saved[1], lambda st: None))
     assert rec["steps_run"] == 3 and rec["tokens_per_s"] == pytest.approx(3 * 2 * 16 / rec["seconds"])
 
 

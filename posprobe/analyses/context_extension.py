@@ -16,28 +16,28 @@ import json
 import os
 import shutil
 import sys
-from contextlib import contextmanager
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pandas as pd
 
 from posprobe.analyses.configs import ExtrapolationConfig
 from posprobe.analyses.extension_mechanism import entropy_table, looked_at, mechanism_tables
-from posprobe.analyses.passkey import distance_grid, load_causal_lm, passkey_table, table_rows, window_table
-from posprobe.report.checkpoint import Checkpoint, discard_work_folder, run_key, work_folder_for
+from posprobe.analyses.passkey import distance_grid, passkey_table, table_rows, window_table
+from posprobe.report.checkpoint import discard_work_folder, run_key
 from posprobe.report.result import Result
 from posprobe.report.schema import data_meta, make_meta, text_sha256
-from posprobe.zoo.extend import ExtendConfig, ExtendJob, extend_member, plan_extension, steps_to_threshold
-from posprobe.zoo.folder import TRAINING_FOLDER, resolve_text
+from posprobe.report.zoo_extend import UNEXTENDED
+from posprobe.zoo.extend import ExtendConfig, ExtendJob, plan_extension, steps_to_threshold
+from posprobe.zoo.folder import TRAINING_FOLDER, member_folder_name, resolve_text
+from posprobe.zoo.job import Job, open_work, run_jobs
 from posprobe.zoo.members import member
+from posprobe.zoo.methods import METHODS, yarn_bands
 from posprobe.zoo.run import check_out_folder, commit_zoo, split_text
 
 __all__ = ["extend_zoo", "summary_table", "training_text", "window_columns", "yarn_bands"]
 
-#: The table rows of the unextended members (checkpoint 0, no method).
-UNEXTENDED = "unextended"
 #: What one effective window is measured for in `zoo extend`: a model at a checkpoint.
 EXTEND_KEYS = ("model", "member", "family", "block", "seed", "method", "step")
 
@@ -64,40 +64,6 @@ def training_text(zoo: str | os.PathLike, text: str | None, source: str | None) 
                      "that cannot be found again here)")
 
 
-def yarn_bands(job: ExtendJob) -> pd.DataFrame:
-    """Per rotary band of a yarn run: its period (tokens), turns within L, HF's gamma (ramp by band index, what the
-    member gets) and the paper's (ramp by turns), both with the run's alpha = beta_slow and beta = beta_fast (the
-    paper's 1 and 32, or the scaled ramp's), and the factor on its frequency ((1 - gamma)/s + gamma)."""
-    import numpy as np
-
-    from posprobe.rope import RotarySpec
-    from posprobe.rope_theory import band_periods, yarn_gamma
-
-    rp = job.rope_parameters or {}
-    spec = RotarySpec(rotary_dim=int(job.notes["rotary_dims"]), base=float(rp["rope_theta"]))
-    alpha, beta = float(rp.get("beta_slow") or 1), float(rp.get("beta_fast") or 32)
-    gamma = yarn_gamma(spec, job.length, alpha=alpha, beta=beta, ramp="band")
-    paper = yarn_gamma(spec, job.length, alpha=alpha, beta=beta, ramp="turns")
-    period = band_periods(spec)
-    s = job.scale
-    return pd.DataFrame({"member": job.member, "band": np.arange(spec.n_bands), "period": period,
-                         "turns_in_L": job.length / period, "gamma": gamma, "gamma_paper": paper,
-                         "freq_factor": (1 - gamma) / s + gamma})
-
-
-@contextmanager
-def _no_hf_bars() -> Iterator[None]:
-    from transformers.utils import logging as hf_logging
-
-    bar = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if bar:
-            hf_logging.enable_progress_bar()
-
-
 class _Scorer:
     """Perplexity of a model at L, L' and 2L' on the evaluation text: the model is written as an HF folder and read
     back by posprobe's loader, so the numbers are `zoo eval`'s for the same folder."""
@@ -108,9 +74,9 @@ class _Scorer:
 
     def folder_rows(self, folder: Path, label: str, protocols: tuple[str, ...]) -> list[dict]:
         from posprobe.analyses.extrapolation import run_extrapolation
-        from posprobe.backend.loading import load_model
+        from posprobe.backend.loading import load_model, quiet_progress
 
-        with _no_hf_bars():  # its "Loading weights" bar would break the training's progress line
+        with quiet_progress():  # its "Loading weights" bar would break the training's progress line
             model = load_model(str(folder), device=self.device)
         cfg = replace(self.config, protocols=protocols)
         df = run_extrapolation(model, self.text, cfg, label=label).tables["perplexity"]
@@ -118,8 +84,10 @@ class _Scorer:
         return [{k: (v.item() if hasattr(v, "item") else v) for k, v in r.items()} for r in df[keep].to_dict("records")]
 
     def model_rows(self, model: Any, label: str, protocols: tuple[str, ...]) -> list[dict]:
+        from posprobe.backend.loading import quiet_progress
+
         shutil.rmtree(self.folder, ignore_errors=True)
-        with _no_hf_bars():
+        with quiet_progress():
             model.save_pretrained(self.folder)
         self.tokenizer.save_pretrained(self.folder)
         try:
@@ -146,6 +114,8 @@ def extend_zoo(zoo: str | os.PathLike, config: ExtendConfig, out: str | os.PathL
     import torch
     from transformers import AutoTokenizer
 
+    from posprobe.backend.loading import load_causal_lm, quiet_progress
+
     jobs, left_out = plan_extension(zoo, config)
     out = Path(out)
     check_out_folder(out)
@@ -170,10 +140,7 @@ def extend_zoo(zoo: str | os.PathLike, config: ExtendConfig, out: str | os.PathL
     sources = sorted({j.source.name for j in jobs})
     key = run_key("zoo-extend", model={"zoo": str(Path(zoo).resolve()), "members": sources},
                   data={"train_sha256": text_sha256(text), "eval_sha256": text_sha256(eval_text)}, config=config)
-    work = work_folder_for(out)
-    ckpt = Checkpoint(work, key, fresh=fresh)
-    staging = work / "members"
-    staging.mkdir(exist_ok=True)
+    ckpt, staging, work = open_work(out, key, fresh=fresh)
     scorer = _Scorer(work, tokenizer, eval_text, ex_cfg, config.device)
     say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if config.progress else (lambda msg: None)
     trials = config.passkey_trials_for(any(float(j.record.get("passkey") or 0) > 0 for j in jobs))
@@ -195,27 +162,17 @@ def extend_zoo(zoo: str | os.PathLike, config: ExtendConfig, out: str | os.PathL
         if (j.member, j.seed) not in base:
             say(f"zoo extend: scoring unextended {j.source.name} at {L}, {target}, {2 * target} tokens")
             base[(j.member, j.seed)] = ckpt.compute(f"{j.member}/{j.seed}/unextended", lambda j=j: unextended(j))
-    records = []
-    for i, j in enumerate(jobs):
-        unit = f"{j.member}/{j.seed}/{j.method}"
-        folder = staging / j.folder_name
-        if ckpt.has(unit + "/done") and folder.is_dir():
-            records.append(ckpt.get(unit + "/done"))
-            continue
-        io = (lambda u=unit: ckpt.get(u + "/state") if ckpt.has(u + "/state") else None,
-              lambda s, u=unit: ckpt.put(u + "/state", s))
-        later = config.steps * (len(jobs) - i - 1)
-        rec = extend_member(j, config, ids, tokenizer, folder, io, later_steps=later,
-                            on_checkpoint=lambda step, model, j=j: {
-                                "ppl": scorer.model_rows(model, j.folder_name, config.protocols_at(step)),
-                                "passkey": passkey_rows(model)})
-        rec.update(method=j.method)
-        records.append(ckpt.put(unit + "/done", rec))
+
+    def look(job: Job, step: int, model: Any) -> dict:  # the scores of a run at one of its checkpoints
+        return {"ppl": scorer.model_rows(model, job.folder, config.protocols_at(step)), "passkey": passkey_rows(model)}
+
+    records = run_jobs([j.job(config, ids, tokenizer) for j in jobs], ckpt, staging, look=look,
+                       after=lambda job, folder: {"method": job.record["method"]})
     result = _result(config, jobs, left_out, base, records, source, text, eval_source, eval_text)
     if config.mechanism:  # per head, before and after each method: a(s), Chen's bounds, band usage
         say(f"zoo extend: the mechanism (frequency pass and Chen's bounds) on {len(jobs)} extended members and "
             "their sources")
-        with _no_hf_bars():  # a "Loading weights" bar per model would bury the stage lines
+        with quiet_progress():  # a "Loading weights" bar per model would bury the stage lines
             stored = ckpt.compute("mechanism", lambda: {k: v.to_dict("list") for k, v in mechanism_tables(
                 looked_at(jobs, lambda j: staging / j.folder_name), eval_text, device=config.device).items()})
             result.tables.update({k: pd.DataFrame(v) for k, v in stored.items()})
@@ -236,7 +193,8 @@ def _result(config: ExtendConfig, jobs: list[ExtendJob], left_out: list[dict], b
 
     def tag(j: ExtendJob, method: str) -> dict:
         m = member(j.member)
-        return {"model": j.folder_name if method != UNEXTENDED else f"{j.member}-s{j.seed}", "member": j.member,
+        return {"model": j.folder_name if method != UNEXTENDED else member_folder_name(j.member, j.seed),
+                "member": j.member,
                 "family": m.family, "block": m.block, "seed": j.seed, "method": method}
 
     done_base = set()
@@ -272,7 +230,9 @@ def _result(config: ExtendConfig, jobs: list[ExtendJob], left_out: list[dict], b
     summary = summary_table(curves_df, L, target)
     if len(windows):
         summary = summary.merge(window_columns(windows), on=["member", "seed", "method"], how="left")
-    yarn = [yarn_bands(j) for j in {(j.member): j for j in jobs if j.method == "yarn"}.values()]
+    # A method's per-band table (YaRN's gamma), once per member.
+    yarn = [METHODS[j.method].bands(j) for j in {(j.member, j.method): j for j in jobs
+                                                 if METHODS[j.method].bands is not None}.values()]
     yarn_df = pd.concat(yarn, ignore_index=True) if yarn else pd.DataFrame(
         columns=["member", "band", "period", "turns_in_L", "gamma", "gamma_paper", "freq_factor"])
     gammas = {m: [round(float(g), 4) for g in yarn_df[yarn_df["member"] == m]["gamma"]]

@@ -21,8 +21,8 @@ import pandas as pd
 
 from posprobe.analyses.configs import FrequencyConfig
 
-__all__ = ["MECHANISM_COLUMNS", "Looked", "attention_entropy", "entropy_summary", "entropy_table", "looked_at",
-           "mechanism_summary", "mechanism_tables", "uniform_entropy"]
+__all__ = ["MECHANISM_COLUMNS", "Looked", "attention_entropy", "entropy_table", "looked_at", "mechanism_tables",
+           "uniform_entropy"]
 
 #: The theory columns kept per head (`frequency_theory.head_bounds`).
 MECHANISM_COLUMNS = ("layer", "head", "attention", "h_max", "h_max_typical", "a_in_min", "a_in_max", "a_out_min",
@@ -90,21 +90,6 @@ def looked_at(jobs: list[Any], folder_of: Any) -> list[Looked]:
     return list(out.values())
 
 
-def mechanism_summary(mechanism: pd.DataFrame) -> pd.DataFrame:
-    """Per member and method (over seeds and heads): the trained length L and how far a(s) is followed (tokens), the
-    heads measured, the share whose a(s) leaves its range inside L by more than the tolerance beyond it, the median and
-    largest excess and the largest interpolation bound (logits): a row per (member, method), unextended first."""
-    if not len(mechanism):
-        return pd.DataFrame(columns=["member", "method", "context", "target", "heads", "leaving_share",
-                                     "excess_median", "excess_max", "interpolation_bound_max"])
-    g = mechanism.groupby(["member", "method"], sort=False)
-    out = g.agg(context=("theory_context", "first"), target=("theory_target", "first"), heads=("head", "size"),
-                leaving_share=("extrapolation_leaves_range", "mean"), excess_median=("excess", "median"),
-                excess_max=("excess", "max"), interpolation_bound_max=("interpolation_bound", "max")).reset_index()
-    first = out["method"].eq("unextended").map({True: 0, False: 1})
-    return out.assign(_o=first).sort_values(["member", "_o"], kind="stable").drop(columns="_o").reset_index(drop=True)
-
-
 def attention_entropy(model: Any, rows: Any) -> Any:
     """Per layer, the mean over rows, heads and query positions of the attention entropy -sum_j p_ij ln p_ij (nats)
     of a Hugging Face causal LM's own attention probabilities (`output_attentions`, eager) on token rows
@@ -134,7 +119,8 @@ def entropy_table(looked: list[Looked], text: str, lengths: list[int], *, device
     import torch
     from transformers import AutoTokenizer
 
-    from posprobe.analyses.passkey import load_causal_lm, table_rows
+    from posprobe.analyses.passkey import table_rows
+    from posprobe.backend.loading import load_causal_lm
 
     rows = []
     encoded: dict[bytes, Any] = {}  # a zoo's models share one tokenizer: the text is encoded once per tokenizer file
@@ -164,17 +150,3 @@ def entropy_table(looked: list[Looked], text: str, lengths: list[int], *, device
         del model
     return pd.DataFrame(rows, columns=["member", "seed", "method", "length", "layer", "entropy", "uniform",
                                        "relative", "windows", "status", "why"])
-
-
-def entropy_summary(entropy: pd.DataFrame) -> pd.DataFrame:
-    """Per member, method and length (over seeds and layers; status ok): the mean relative attention entropy
-    (entropy / uniform's), one column per length, unextended first."""
-    ok = entropy[entropy["status"] == "ok"]
-    if not len(ok):
-        return pd.DataFrame(columns=["member", "method"])
-    wide = ok.pivot_table(index=["member", "method"], columns="length", values="relative", aggfunc="mean",
-                          sort=False)
-    wide.columns = [f"relative_at_{int(c)}" for c in wide.columns]
-    out = wide.reset_index()
-    first = out["method"].eq("unextended").map({True: 0, False: 1})
-    return out.assign(_o=first).sort_values(["member", "_o"], kind="stable").drop(columns="_o").reset_index(drop=True)

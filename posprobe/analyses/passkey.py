@@ -26,7 +26,7 @@ from posprobe.analyses.sections import AtlasSection, CompareRun, ModelEntry, reg
 from posprobe.data.needles import SHORT_PASSKEY, PasskeyFormat, PasskeyPrompt, passkey_at, passkey_filler
 from posprobe.report import passkey as passkey_report
 
-__all__ = ["SUCCESS_FLOOR", "distance_grid", "effective_window", "greedy_prefix", "load_causal_lm", "passkey_table",
+__all__ = ["SUCCESS_FLOOR", "distance_grid", "effective_window", "greedy_prefix", "passkey_table",
            "passkey_trial", "shortest_distance", "table_rows", "window_table"]
 
 #: Chen et al.'s success floor.
@@ -179,25 +179,6 @@ def table_rows(model: Any) -> int | None:
     return int(wpe.num_embeddings) if wpe is not None else None
 
 
-def load_causal_lm(folder: Any) -> Any:
-    """A zoo member (or any HF causal-LM folder) as its plain Hugging Face class: float32, eager attention, eval
-    mode (the T5-bias member's class is registered first)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    from posprobe.backend import t5_decoder
-
-    t5_decoder.register_auto_class()
-    bar = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        return AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager", dtype=torch.float32).eval()
-    finally:
-        if bar:
-            hf_logging.enable_progress_bar()
-
-
 def _compare(m: ModelEntry, run: CompareRun) -> Any:
     # The atlas over many models: a zoo member trained with the skill, scored from the format's shortest distance to
     # prompts of the longest extrapolation factor x its L, the same prompts for every member.
@@ -209,6 +190,8 @@ def _compare(m: ModelEntry, run: CompareRun) -> Any:
 
     L = int(rec["widths"]["length"])
     tokenizer = AutoTokenizer.from_pretrained(m.spec)
+    from posprobe.backend.loading import load_causal_lm
+
     model = load_causal_lm(m.spec)
     distances = distance_grid(tokenizer, L, int(max(run.config.factors) * L))
     got = passkey_table(model, tokenizer, distances, run.config.passkey_trials, seed=run.config.seed,

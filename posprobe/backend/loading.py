@@ -1,5 +1,6 @@
 """Load models from names, local folders, GGUF files, objects or tiny specs: a TransformerBridge by
-default (`bridge.py`), a TL 3 HookedTransformer on request (`legacy.py`).
+default (`bridge.py`), a TL 3 HookedTransformer on request (`legacy.py`); a zoo member as its plain Hugging Face class
+(`load_causal_lm`), with HF's own progress bars silenced in one place (`quiet_progress`).
 """
 
 from __future__ import annotations
@@ -7,7 +8,8 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from typing import Any, Union
+from contextlib import contextmanager
+from typing import Any, Iterator, Union
 
 import torch
 
@@ -142,3 +144,42 @@ def load_hf_model(
     model.posprobe_name = source.name  # a GGUF's converted folder has a cache name: keep the model's own
     return model, AutoTokenizer.from_pretrained(folder)
 
+
+@contextmanager
+def quiet_progress() -> Iterator[None]:
+    """Hugging Face's own progress bars ("Loading weights", "Writing model shards") off inside the block and restored
+    after it: posprobe's progress line (the zoo's tokens/s and ETA, a stage line) stays one line on stderr."""
+    from transformers.utils import logging as hf_logging
+
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
+
+
+def load_causal_lm(folder: str | os.PathLike, *, config: Any = None, train: bool = False) -> Any:
+    """A zoo member (or any HF causal-LM folder) as its plain Hugging Face class: float32, eager attention, in eval
+    mode (training mode with `train`), HF's bars silenced; `config` replaces the folder's own (a method's
+    rope_parameters). The decoder-only T5-bias class is registered first."""
+    from transformers import AutoModelForCausalLM
+
+    from posprobe.backend import t5_decoder
+
+    t5_decoder.register_auto_class()
+    kw = {} if config is None else {"config": config}
+    with quiet_progress():
+        model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager", dtype=torch.float32, **kw)
+    return model.train() if train else model.eval()
+
+
+def load_config(folder: str | os.PathLike, **fields: Any) -> Any:
+    """The HF config of the model folder `folder` with `fields` laid over it (the T5-bias class registered first)."""
+    from transformers import AutoConfig
+
+    from posprobe.backend import t5_decoder
+
+    t5_decoder.register_auto_class()
+    return AutoConfig.from_pretrained(folder, **fields)

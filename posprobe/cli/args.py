@@ -21,6 +21,22 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n-ctx", type=int, default=None, help="cap the context length (bounds buffers)")
 
 
+def json_object(text: str | None, flag: str) -> dict | None:
+    """The JSON object given to `flag` on the command line (e.g. HF rope_parameters) as a dict (None when not given);
+    ValueError naming the flag when it is not valid JSON or not an object (one line, as every refusal)."""
+    import json
+
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{flag} is not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag} must be a JSON object of fields, e.g. '{{\"rope_type\": \"linear\"}}'")
+    return value
+
+
 def best_device() -> str:
     """The best device present: "cuda" > "mps" > "cpu" (imports torch)."""
     import torch

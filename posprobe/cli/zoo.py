@@ -251,23 +251,15 @@ def _tasks(args: argparse.Namespace) -> int:
 
 
 def _extend(args: argparse.Namespace) -> int:
-    import json
     from pathlib import Path
 
     from posprobe.cli import checks
-    from posprobe.cli.args import config_from_args, resolve_device
+    from posprobe.cli.args import config_from_args, json_object, resolve_device
     from posprobe.zoo.extend import ExtendConfig, plan_extension
 
     checks.check_out(args.out)
-    rope = None
-    if args.rope_parameters is not None:
-        try:
-            rope = json.loads(args.rope_parameters)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--rope-parameters is not valid JSON ({e})") from None
-        if not isinstance(rope, dict):
-            raise ValueError("--rope-parameters must be a JSON object of HF rope_parameters fields")
-    cfg = config_from_args(ExtendConfig, args, rope_parameters=rope, device=resolve_device(args.device),
+    cfg = config_from_args(ExtendConfig, args, rope_parameters=json_object(args.rope_parameters, "--rope-parameters"),
+                           device=resolve_device(args.device),
                            progress=not args.no_progress)
     text = checks.read_text_early(args.text)
     eval_text = checks.read_text_early(args.eval_text)
@@ -278,24 +270,9 @@ def _extend(args: argparse.Namespace) -> int:
 
     warn_if_busy()
     result = extend_zoo(args.zoo, cfg, args.out, text=text, source=args.text, eval_text=eval_text, fresh=args.fresh)
-    from posprobe.report.zoo_extend import summary_frame
+    from posprobe.report.zoo_extend import printed
 
-    print(summary_frame(result).to_string(index=False))
-    if len(result.tables.get("mechanism", ())):  # no rotary member among them: nothing to summarise
-        from posprobe.analyses.extension_mechanism import mechanism_summary
-
-        print("mechanism (Chen et al.): per head a(s) inside L against beyond it, logits")
-        print(mechanism_summary(result.tables["mechanism"]).round(3).to_string(index=False))
-    if "attention_entropy" in result.tables:
-        from posprobe.analyses.extension_mechanism import entropy_summary
-
-        print("attention entropy / uniform's over the visible keys, mean over layers and seeds, by length (tokens)")
-        print(entropy_summary(result.tables["attention_entropy"]).round(3).to_string(index=False))
-    for name, gammas in result.meta.get("yarn_gamma", {}).items():
-        print(f"[zoo] yarn gamma per band of {name} (1 = kept, 0 = interpolated by 1/s; HF's ramp): "
-              + " ".join(f"{g:.2f}" for g in gammas))
-    for r in result.meta.get("left_out", []):
-        print(f"[zoo] left out {r['member']} {r['method']}: {r['why']}")
+    print(printed(result))
     print(f"wrote {args.out} ({len(result.tables['runs'])} extended members) and "
           f"{Path(args.out) / 'extend' / 'report.html'}")
     return 0

@@ -44,6 +44,52 @@ def summary_frame(result: Any) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def printed(result: Any) -> str:
+    """What `posprobe zoo extend` prints on stdout: the summary over seeds (`summary_frame`), the mechanism's and
+    the attention entropy's summaries where measured, YaRN's gamma per band and what was left out."""
+    lines = [summary_frame(result).to_string(index=False)]
+    if len(result.tables.get("mechanism", ())):  # no rotary member among them: nothing to summarise
+        lines += ["mechanism (Chen et al.): per head a(s) inside L against beyond it, logits",
+                  mechanism_summary(result.tables["mechanism"]).round(3).to_string(index=False)]
+    if "attention_entropy" in result.tables:
+        lines += ["attention entropy / uniform's over the visible keys, mean over layers and seeds, by length (tokens)",
+                  entropy_summary(result.tables["attention_entropy"]).round(3).to_string(index=False)]
+    for name, gammas in result.meta.get("yarn_gamma", {}).items():
+        lines.append(f"[zoo] yarn gamma per band of {name} (1 = kept, 0 = interpolated by 1/s; HF's ramp): "
+                     + " ".join(f"{g:.2f}" for g in gammas))
+    lines += [f"[zoo] left out {r['member']} {r['method']}: {r['why']}" for r in result.meta.get("left_out", [])]
+    return "\n".join(lines)
+
+
+def mechanism_summary(mechanism: pd.DataFrame) -> pd.DataFrame:
+    """Per member and method (over seeds and heads): the trained length L and how far a(s) is followed (tokens), the
+    heads measured, the share whose a(s) leaves its range inside L by more than the tolerance beyond it, the median and
+    largest excess and the largest interpolation bound (logits): a row per (member, method), unextended first."""
+    if not len(mechanism):
+        return pd.DataFrame(columns=["member", "method", "context", "target", "heads", "leaving_share",
+                                     "excess_median", "excess_max", "interpolation_bound_max"])
+    g = mechanism.groupby(["member", "method"], sort=False)
+    out = g.agg(context=("theory_context", "first"), target=("theory_target", "first"), heads=("head", "size"),
+                leaving_share=("extrapolation_leaves_range", "mean"), excess_median=("excess", "median"),
+                excess_max=("excess", "max"), interpolation_bound_max=("interpolation_bound", "max")).reset_index()
+    first = out["method"].eq(UNEXTENDED).map({True: 0, False: 1})
+    return out.assign(_o=first).sort_values(["member", "_o"], kind="stable").drop(columns="_o").reset_index(drop=True)
+
+
+def entropy_summary(entropy: pd.DataFrame) -> pd.DataFrame:
+    """Per member, method and length (over seeds and layers; status ok): the mean relative attention entropy
+    (entropy / uniform's), one column per length, unextended first."""
+    ok = entropy[entropy["status"] == "ok"]
+    if not len(ok):
+        return pd.DataFrame(columns=["member", "method"])
+    wide = ok.pivot_table(index=["member", "method"], columns="length", values="relative", aggfunc="mean",
+                          sort=False)
+    wide.columns = [f"relative_at_{int(c)}" for c in wide.columns]
+    out = wide.reset_index()
+    first = out["method"].eq(UNEXTENDED).map({True: 0, False: 1})
+    return out.assign(_o=first).sort_values(["member", "_o"], kind="stable").drop(columns="_o").reset_index(drop=True)
+
+
 def _add_seed_mean(fig: Any, g: Any, method: str, i: int, col: int, dash: str = "solid") -> None:
     # One method's line in panel `col`: the mean over seeds of a grouped series, bars to the lowest and highest seed.
     import plotly.graph_objects as go

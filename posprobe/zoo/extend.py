@@ -21,73 +21,51 @@ The learned member is a control too, by `copy`: its table of L rows grown to L' 
 (row t = row t mod L, as Longformer initialised its 4,096 rows from RoBERTa's 512; Beltagy et al. 2020, Section 5),
 then fine-tuned at L' like `direct`.
 
-This module plans (every refusal raised before any training) and trains through the zoo's loop
-(`train.train_member` started from the saved member); evaluation at the checkpoints is a callback given by the
-caller (`posprobe.analyses.context_extension`), so the zoo stays a model factory. Torch-free at import."""
+Each method is one row of `posprobe.zoo.methods`. This module plans (every refusal raised before any training): a
+run is an `ExtendJob`, handed to the zoo's loop as a `posprobe.zoo.job.Job` started from the saved member;
+evaluation at the checkpoints is a callback given by the caller (`posprobe.analyses.context_extension`), so the zoo
+stays a model factory. Torch-free at import."""
 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Literal
 
-from posprobe.backend.families import LEARNED, ROTARY
+from posprobe.backend.families import ROTARY
 from posprobe.core.config import option
 from posprobe.zoo.config import ZooConfig
-from posprobe.zoo.folder import extended_folder_name, read_zoo
+from posprobe.zoo.folder import extended_folder_name, member_folder_name, read_zoo
+from posprobe.zoo.job import Job
 from posprobe.zoo.members import member
+from posprobe.zoo.methods import (
+    ABF_REFERENCE,
+    METHODS,
+    POSE_TEXT_WINDOW,
+    YARN_REFERENCE,
+    RopeCase,
+    abf_default_base,
+    control_method,
+    copy_rows,
+    drope_config,
+    method_rope_parameters,
+    pose_batch,
+    scaled_yarn_betas,
+)
 
-__all__ = ["ABF_REFERENCE", "DEFAULT_METHODS", "METHODS", "YARN_REFERENCE", "ExtendConfig", "ExtendJob",
-           "abf_default_base", "copy_rows", "drope_config", "extend_member", "method_rope_parameters", "plan_extension",
-           "pose_batch", "scaled_yarn_betas", "steps_to_threshold"]
+__all__ = ["ABF_REFERENCE", "DEFAULT_METHODS", "METHOD_NAMES", "POSE_TEXT_WINDOW", "YARN_REFERENCE", "ExtendConfig",
+           "ExtendJob", "abf_default_base", "copy_rows", "drope_config", "job_batches", "method_rope_parameters",
+           "plan_extension", "pose_batch", "scaled_yarn_betas", "steps_to_threshold"]
 
-METHODS = ("direct", "pi", "ntk", "yarn", "abf", "pose", "drope", "custom", "copy")
+#: Every method's name, in the registry's order.
+METHOD_NAMES = tuple(METHODS)
 #: The methods that fine-tune at the member's own length L (the others at L').
-AT_L = ("pose", "drope")
-#: PoSE's text window: the released code reads up to 5L tokens of a document and takes both chunks from them.
-POSE_TEXT_WINDOW = 5
-#: YaRN's reference setting (Peng et al. 2023, Llama 2): L = 4,096, base 1e4, beta = 32, alpha = 1 turns within L.
-YARN_REFERENCE = (4096, 10000.0, 32.0, 1.0)
-DEFAULT_METHODS = ("direct", "pi", "ntk", "yarn", "abf")
-#: The method the non-rotary controls are fine-tuned with (the learned member's: `LEARNED_CONTROL`).
-CONTROL_METHOD = "direct"
-#: The learned member's control: its table grown to L' rows by copying (Longformer), then fine-tuned at L'.
-LEARNED_CONTROL = "copy"
-#: Xiong et al. 2023 (ABF): base 1e4 -> 5e5 for Llama 2 from 4,096 to 32,768 tokens (s = 8), a x50 base.
-ABF_REFERENCE = (50.0, 8.0)
+AT_L = tuple(n for n, m in METHODS.items() if m.at_train_length)
+DEFAULT_METHODS = tuple(n for n, m in METHODS.items() if m.default)
 #: Passkey prompts per distance when the zoo was trained with the skill and none were asked for.
 PASSKEY_TRIALS = 10
-Method = Literal["direct", "pi", "ntk", "yarn", "abf", "pose", "drope", "custom", "copy"]
-
-
-def abf_default_base(base: float, scale: float) -> float:
-    """The default ABF base for an extension by `scale`: Xiong et al.'s x50 for s = 8 kept per doubling of the
-    context, b * 50^(log s / log 8) (x13.6 for s = 4: 1e4 -> 1.36e5). Scaling the base by the slowest wavelength
-    over L' (the other reading of "scaled for this L") changes nothing here: at L = 128 the zoo's base 1e4 already
-    has its slowest band turn ~276x more slowly than L, against Llama 2's ~13x at 4,096."""
-    mult, ref_s = ABF_REFERENCE
-    return float(base * mult ** (math.log(scale) / math.log(ref_s)))
-
-
-def scaled_yarn_betas(length: int, base: float) -> tuple[float, float]:
-    """(beta_fast, beta_slow) of the scaled YaRN ramp for a member of training length `length` and rope base `base`:
-    the turns within L at which the ramp starts and ends are moved so that each boundary falls at the same fraction
-    of the member's bands as the paper's beta = 32 and alpha = 1 do for Llama 2 (L = 4,096, base 1e4).
-
-    Band j (of n) turns r = L / (2 pi b^(j/n)) times within L, so the band that turns r times sits at the fraction
-    j/n = ln(L / (2 pi r)) / ln b of the bands, whatever n is: keeping that fraction gives
-    r' = L / (2 pi) * b^(-ln(L_ref / (2 pi r)) / ln b_ref), and for the reference base simply r' = r L / L_ref
-    (beta 1 and alpha 1/32 at L = 128). The band count drops out: the same share of every head's bands is kept
-    (about the fastest third), ramped and interpolated as in Llama 2."""
-    ref_len, ref_base, beta, alpha = YARN_REFERENCE
-
-    def moved(turns: float) -> float:
-        frac = math.log(ref_len / (2 * math.pi * turns)) / math.log(ref_base)
-        return float(length / (2 * math.pi) * base ** (-frac))
-
-    return moved(beta), moved(alpha)
+Method = Literal[METHOD_NAMES]  # type: ignore[valid-type]  # the CLI's choices, from the rows
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -150,9 +128,12 @@ class ExtendConfig:
         if self.rope_parameters is not None:
             if not isinstance(self.rope_parameters, dict) or not self.rope_parameters:
                 raise ValueError("rope_parameters must be a non-empty JSON object of HF rope_parameters fields")
-            methods = tuple(dict.fromkeys((*methods, "custom")))
-        elif "custom" in methods:
-            raise ValueError("method custom needs --rope-parameters JSON (a dict of HF rope_parameters fields)")
+        for row in METHODS.values():  # a method that reads an option: added when it is set, refused without it
+            if row.option is not None and getattr(self, row.option) is not None:
+                methods = tuple(dict.fromkeys((*methods, row.name)))
+            elif row.option is not None and row.name in methods:
+                raise ValueError(f"method {row.name} needs --{row.option.replace('_', '-')} JSON (a dict of HF "
+                                 f"{row.option} fields)")
         bad = [m for m in methods if m not in METHODS]
         if bad or not methods:
             raise ValueError(f"unknown methods {bad}; choose from {', '.join(METHODS)}")
@@ -235,9 +216,14 @@ class ExtendJob:
         return self.target / self.length
 
     @property
+    def row(self) -> Any:
+        """The method's row (`posprobe.zoo.methods.ExtendMethod`)."""
+        return METHODS[self.method]
+
+    @property
     def train_length(self) -> int:
-        """The length of the fine-tuning sequences: L for pose and drope, L' for the others."""
-        return self.length if self.method in AT_L else self.target
+        """The length of the fine-tuning sequences: L for the methods that train at L (pose, drope), else L'."""
+        return self.length if self.row.at_train_length else self.target
 
     @property
     def folder_name(self) -> str:
@@ -254,6 +240,34 @@ class ExtendJob:
                          checkpoint_every=cfg.checkpoint_every, passkey=cfg.passkey, device=cfg.device,
                          progress=cfg.progress)
 
+    def start(self) -> Any:
+        """The member loaded from its folder with the method's config (float32, eager attention, training mode) and
+        the method's edit of the model (copy's grown table): the starting point of the fine-tuning."""
+        from posprobe.backend.loading import load_causal_lm, load_config
+
+        config = None if self.rope_parameters is None else load_config(
+            self.source, rope_parameters=dict(self.rope_parameters), max_position_embeddings=self.target,
+            **self.overrides)
+        model = load_causal_lm(self.source, config=config, train=True)
+        if self.row.prepare is not None:
+            self.row.prepare(model, self)
+        return model
+
+    def job(self, cfg: ExtendConfig, ids: Any, tokenizer: Any) -> Job:
+        """This run as a job of the zoo's loop: started from the saved member, fine-tuned on token ids `ids` by
+        `cfg`'s schedule, looked at `cfg.checkpoints`, its folder's zoo.json saying `extension` (method, L, L',
+        rope_parameters, settings) and `method`."""
+        extension = {"method": self.method, "from_length": self.length, "length": self.target, "scale": self.scale,
+                     "source": self.source.name, "rope_parameters": self.rope_parameters, "notes": self.notes,
+                     "config_fields": self.overrides, "train_length": self.train_length,
+                     "steps": cfg.steps, "batch_size": self.batch_size, "lr": self.lr, "warmup": self.warmup}
+        zoo_cfg = self.train_config(cfg)
+        return Job(self.member, self.seed, zoo_cfg, tokenizer, job_batches(self, zoo_cfg, ids, tokenizer),
+                   start=self.start, record={"extension": extension, "method": self.method},
+                   checkpoints=cfg.checkpoints, folder=self.folder_name,
+                   unit=f"{self.member}/{self.seed}/{self.method}",
+                   label=f"extend {self.member} seed {self.seed} {self.method} {self.length}->{self.target}")
+
 
 def _rope_of(folder: Path) -> tuple[dict, int]:
     """(the member's HF rope_parameters, its head dim) from config.json."""
@@ -266,156 +280,18 @@ def _rope_of(folder: Path) -> tuple[dict, int]:
     return rope, int(head_dim)
 
 
-def method_rope_parameters(method: str, rope: dict, head_dim: int, length: int, target: int, *,
-                           abf_base: float | None = None, custom: dict | None = None,
-                           yarn_ramp: str = "paper") -> tuple[dict, dict]:
-    """(the HF `rope_parameters` of a member whose own are `rope` extended by `method` from `length` to `target`
-    tokens, notes: the numbers chosen). ValueError with one sentence where HF's config cannot carry the method for
-    this rope type (p-RoPE's `proportional` type has no YaRN), or for a type whose table changes with the input.
-    `pose` keeps the rope as it is; `drope`'s removal depends on the class (`drope_config`), not on rope alone."""
-    s = target / length
-    kind = rope.get("rope_type", "default")
-    base = float(rope["rope_theta"])
-    prf = float(rope.get("partial_rotary_factor", 1.0))
-    if kind not in ("default", "proportional"):
-        raise ValueError(f"the member's rope type {kind!r} is neither default nor proportional: this step extends "
-                         "plain and p-RoPE members only")
-    # The dims the frequency exponent 2j/d runs over: the rotated dims for default (partial rotary included), the
-    # whole head for proportional (its removed bands keep their place in the exponent).
-    d = head_dim if kind == "proportional" else int(head_dim * prf)
-    out = dict(rope)
-    notes: dict[str, Any] = {"scale": s}
-    if method in ("direct", "pose"):
-        if method == "pose":
-            notes.update(chunks=2, text_window=POSE_TEXT_WINDOW * length, positions="unscaled")
-    elif method == "pi":
-        if kind == "default":
-            out["rope_type"] = "linear"
-        out["factor"] = s
-    elif method == "ntk":
-        out["rope_theta"] = base * s ** (d / (d - 2))
-        notes.update(ntk_base=out["rope_theta"], exponent_dims=d)
-    elif method == "yarn":
-        if kind == "proportional":
-            raise ValueError("HF's proportional rope type (p-RoPE) takes a PI factor but has no YaRN ramp, and its "
-                             "yarn type would rotate only a quarter-width table without p-RoPE's removed bands: "
-                             "yarn cannot be carried for this member (use pi, ntk or abf)")
-        out.update(rope_type="yarn", factor=s, original_max_position_embeddings=length)
-        notes.update(temperature=0.1 * math.log(s) + 1, rotary_dims=d, ramp=yarn_ramp)
-        if yarn_ramp == "scaled":
-            fast, slow = scaled_yarn_betas(length, base)
-            out.update(beta_fast=fast, beta_slow=slow)
-            notes.update(beta_fast=fast, beta_slow=slow)
-    elif method == "abf":
-        out["rope_theta"] = float(abf_base) if abf_base is not None else abf_default_base(base, s)
-        notes.update(abf_base=out["rope_theta"])
-    elif method == "custom":
-        out.update(custom or {})
-        new = out.get("rope_type", "default")
-        if new in ("yarn", "llama3"):
-            # HF would take it from max_position_embeddings, which the extended config sets to L'.
-            out.setdefault("original_max_position_embeddings", length)
-        if new in ("dynamic", "longrope"):
-            raise ValueError(f"rope type {new!r} rebuilds its table from each input's length, so one checkpoint's "
-                             "perplexity would depend on the lengths scored before it: not a fixed extension")
-        if kind == "proportional" and new != "proportional":
-            raise ValueError(f"p-RoPE's rope type is 'proportional'; rope_type {new!r} would drop its removed bands")
-    elif method == "drope":
-        raise ValueError("drope removes the rotation through the member's HF class: use drope_config")
-    else:
-        raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
-    return out, notes
-
-
-def drope_config(folder: Path, target: int) -> tuple[dict, dict, dict]:
-    """(rope_parameters, further config fields, notes) that turn the rotation off in every layer of the HF member
-    at `folder`, in its own class's config: `no_rope_layers` all 0 where the class has that field (SmolLM3: 1 = a
-    rotary layer), else HF's `proportional` rope type with `partial_rotary_factor` 0 (p-RoPE at p = 0: every band
-    removed, cos 1 and sin 0 over the whole head) where the class's rotary module then builds a table that turns
-    nothing (GPT-NeoX, Llama). Checked on the config alone (the class's rotary module and its own init, built on the
-    meta device). ValueError naming what HF cannot carry for any other class (one whose rotary positions are not
-    read from rope_parameters, e.g. GPT-J's own `rotary_dim` table).
-
-    GPT-NeoX's `default` type with partial_rotary_factor 0 (zero rotated dims) would say the same, but a table of
-    zero bands is not read back by posprobe's backend, so the proportional form is used for every class."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    from posprobe.backend import t5_decoder
-
-    t5_decoder.register_auto_class()
-    config = AutoConfig.from_pretrained(folder)
-    rope = dict(getattr(config, "rope_parameters", None) or {})
-    layers = getattr(config, "no_rope_layers", None)
-    if isinstance(layers, (list, tuple)) and len(layers) == config.num_hidden_layers:
-        return rope, {"no_rope_layers": [0] * len(layers)}, {"removed": "no_rope_layers", "was": list(layers)}
-    cannot = (f"HF's {config.model_type} config cannot carry a model without rotation: it has no no_rope_layers, "
-              "and")
-    if not rope:
-        raise ValueError(f"{cannot} its rotary positions are not read from rope_parameters")
-    new_rope = {**rope, "rope_type": "proportional", "partial_rotary_factor": 0.0}
-    try:
-        new = AutoConfig.from_pretrained(folder, rope_parameters=dict(new_rope), max_position_embeddings=target)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(new)
-        emb = [m for name, m in model.named_modules() if name.endswith("rotary_emb")]
-        kinds = {getattr(m, "rope_type", None) for m in emb}
-        inv_freq = ROPE_INIT_FUNCTIONS["proportional"](new, "cpu")[0]
-    except Exception as e:  # noqa: BLE001 - HF raises KeyError/ValueError/TypeError by class
-        raise ValueError(f"{cannot} its config refuses the proportional rope type: {type(e).__name__}: {e}") from None
-    if not emb or kinds != {"proportional"}:
-        raise ValueError(f"{cannot} its rotary module does not take HF's proportional rope type (it reads "
-                         f"{sorted(map(str, kinds)) or 'no rope_parameters'})")
-    if inv_freq.numel() and bool((inv_freq != 0).any()):
-        raise ValueError(f"{cannot} the proportional rope type with partial_rotary_factor 0 still turns")
-    return new_rope, {}, {"removed": "rope_type proportional, partial_rotary_factor 0",
-                          "was": {k: rope.get(k) for k in ("rope_type", "partial_rotary_factor")}}
-
-
-def _check_hf_carries(folder: Path, rope: dict, target: int) -> None:
-    """ValueError unless the member's HF config class accepts `rope` and its rope init builds a table of the member's
-    width from it (checked on the config alone, no weights)."""
-    from transformers import AutoConfig
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    from posprobe.backend import t5_decoder
-
-    t5_decoder.register_auto_class()
-    try:
-        old = AutoConfig.from_pretrained(folder)
-        new = AutoConfig.from_pretrained(folder, rope_parameters=dict(rope), max_position_embeddings=target)
-        before, after = (_inv_freq(c, ROPE_INIT_FUNCTIONS) for c in (old, new))
-    except Exception as e:  # noqa: BLE001 - HF raises KeyError/ValueError/TypeError for fields a type lacks
-        raise ValueError(f"HF's config cannot carry rope_parameters {rope}: {type(e).__name__}: {e}") from None
-    if before.shape != after.shape:
-        raise ValueError(f"rope_parameters {rope} give {after.shape[0]} rotary bands where the member has "
-                         f"{before.shape[0]}")
-
-
-def _inv_freq(config: Any, init: dict) -> Any:
-    params = config.rope_parameters
-    kind = params.get("rope_type", "default")
-    if kind == "default":
-        import torch
-
-        prf = float(params.get("partial_rotary_factor", 1.0))
-        hd = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return torch.zeros(int(hd * prf) // 2)
-    return init[kind](config, "cpu")[0]
-
-
 def plan_extension(zoo: str | Path, cfg: ExtendConfig) -> tuple[list[ExtendJob], list[dict]]:
     """(the runs, the combinations left out with their reason) for extending the zoo folder `zoo` under `cfg`.
     Members named in `cfg.members` must be runnable with every method asked; otherwise a ValueError says which and
     why, before any training. Without `cfg.members`, every rotary member gets every method HF can carry for it,
-    non-rotary members are fine-tuned directly (the controls), and what cannot run is returned as left out."""
+    non-rotary members are fine-tuned by their control method (`posprobe.zoo.methods`), and what cannot run is
+    returned as left out."""
     found = read_zoo(zoo)
     named = cfg.members is not None
     seeds = sorted({int(r["seed"]) for _, r in found}) if cfg.seeds is None else list(cfg.seeds)
     names = list(dict.fromkeys(r["member"] for _, r in found)) if not named else list(cfg.members)
     by_key = {(r["member"], int(r["seed"])): (f, r) for f, r in found}
-    missing = [f"{n}-s{s}" for n in names for s in seeds if (n, s) not in by_key]
+    missing = [member_folder_name(n, s) for n in names for s in seeds if (n, s) not in by_key]
     if missing and (named or cfg.seeds is not None):
         raise ValueError(f"{zoo} has no member folder {', '.join(missing)}")
     lengths = {int(r["widths"]["length"]) for _, r in found}
@@ -430,48 +306,41 @@ def plan_extension(zoo: str | Path, cfg: ExtendConfig) -> tuple[list[ExtendJob],
         m = member(name)
         rotary = m.family == ROTARY
         if not rotary:
-            control = LEARNED_CONTROL if m.family == LEARNED else CONTROL_METHOD
+            control = control_method(m.family)
             asked = [x for x in cfg.methods if x != control]
             if named and asked:
                 pose = (" (pose included: it reaches a model through HF's position_ids, which the ALiBi and T5 "
                         "classes do not read and NoPE has no use for)" if "pose" in asked else "")
-                table = (f" (its learned table of L = {L} rows is grown to L' = {target} by copying rows, as "
-                         "Longformer's was, then fine-tuned at L')" if control == LEARNED_CONTROL else "")
+                note = METHODS[control].control_note.format(L=L, target=target)
                 raise ValueError(f"{name} has no rotary positions ({m.family} family), so {', '.join(asked)} "
                                  f"cannot apply to it{pose}: a non-rotary member is a control, extended with "
-                                 f"--method {control} only{table}")
-        elif LEARNED_CONTROL in cfg.methods:
-            why = (f"{name} with {LEARNED_CONTROL}: copy grows a learned position table, and a rotary member has "
-                   "none (its positions are rotations)")
+                                 f"--method {control} only{f' ({note})' if note else ''}")
+        for other in (x for x in cfg.methods if rotary and not METHODS[x].rotary):
+            why = f"{name} with {other}: {METHODS[other].why_not_rotary}"
             if named:
                 raise ValueError(why)
-            left_out.append({"member": name, "method": LEARNED_CONTROL, "why": why})
-        methods = [x for x in cfg.methods if x != LEARNED_CONTROL] if rotary else [control]
+            left_out.append({"member": name, "method": other, "why": why})
+        methods = [x for x in cfg.methods if METHODS[x].rotary] if rotary else [control]
         for method in methods:
+            row = METHODS[method]
             for seed in seeds:
                 if (name, seed) not in by_key:
                     continue
                 folder, rec = by_key[(name, seed)]
-                rope, notes, overrides = None, {}, {}
-                if method == LEARNED_CONTROL:
-                    notes = {"rows": f"row t = row t mod {L}", "from_rows": L, "to_rows": target}
+                rope, overrides = None, {}
+                notes = row.notes(L, target) if row.notes is not None else {}
                 if rotary:
                     own, head_dim = _rope_of(folder)
+                    case = RopeCase(own, head_dim, L, target, cfg.abf_base, cfg.rope_parameters, cfg.yarn_ramp)
                     try:
-                        if method == "drope":
-                            rope, overrides, notes = drope_config(folder, target)
-                        else:
-                            rope, notes = method_rope_parameters(method, own, head_dim, L, target,
-                                                                 abf_base=cfg.abf_base, custom=cfg.rope_parameters,
-                                                                 yarn_ramp=cfg.yarn_ramp)
-                            _check_hf_carries(folder, rope, target)
+                        rope, overrides, notes = row.carried(folder, case)
                     except ValueError as e:
                         why = f"{name} with {method}: {e}"
                         if named:
                             raise ValueError(why) from None
                         left_out.append({"member": name, "method": method, "why": why})
                         break
-                at = L if method in AT_L else target
+                at = L if row.at_train_length else target
                 batch = cfg.batch_size or max(1, round(int(rec["batch_size"]) * L / at))
                 lr = cfg.lr if cfg.lr is not None else float(rec["lr"]) / 10
                 jobs.append(ExtendJob(name, seed, method, folder, rec, L, target, rope, batch, lr,
@@ -481,129 +350,23 @@ def plan_extension(zoo: str | Path, cfg: ExtendConfig) -> tuple[list[ExtendJob],
     return jobs, left_out
 
 
-def load_start(job: ExtendJob) -> Any:
-    """The member of `job` loaded from its folder with the method's config (float32, eager attention, training
-    mode): the starting point of the fine-tuning, weights unchanged."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from posprobe.backend import t5_decoder
-
-    t5_decoder.register_auto_class()
-    if job.rope_parameters is None:
-        config = AutoConfig.from_pretrained(job.source)
-    else:
-        config = AutoConfig.from_pretrained(job.source, rope_parameters=dict(job.rope_parameters),
-                                            max_position_embeddings=job.target, **job.overrides)
-    from transformers.utils import logging as hf_logging
-
-    bar = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # its "Loading weights" bar would break the zoo's progress line
-    try:
-        model = AutoModelForCausalLM.from_pretrained(job.source, config=config, attn_implementation="eager",
-                                                     dtype=torch.float32)
-    finally:
-        if bar:
-            hf_logging.enable_progress_bar()
-    if job.method == LEARNED_CONTROL:
-        copy_rows(model, job.target)
-    return model.train()
-
-
-def copy_rows(model: Any, target: int) -> None:
-    """Grow the learned position table of a GPT-2-class `model` in place from its L rows to `target` rows by copying:
-    row t = row t mod L (Longformer's initialisation: RoBERTa's 512 rows copied to 4,096; Beltagy et al. 2020), and
-    set the config's length to `target`, so the saved folder loads anywhere with a table of `target` rows.
-    ValueError for a model without GPT-2's `transformer.wpe` table."""
-    import torch
-
-    wpe = getattr(getattr(model, "transformer", None), "wpe", None)
-    if not isinstance(wpe, torch.nn.Embedding):
-        raise ValueError(f"copy grows GPT-2's learned table (transformer.wpe); {type(model).__name__} has none")
-    old = wpe.weight.detach()
-    rows = torch.arange(target, device=old.device) % old.shape[0]
-    new = torch.nn.Embedding(target, old.shape[1], device=old.device, dtype=old.dtype)
-    with torch.no_grad():
-        new.weight.copy_(old[rows])
-    model.transformer.wpe = new
-    model.config.n_positions = target
-
-
-def extend_member(job: ExtendJob, cfg: ExtendConfig, ids: Any, tokenizer: Any, folder: Path,
-                  state_io: tuple[Callable[[], dict | None], Callable[[dict], None]], *,
-                  on_checkpoint: Callable[[int, Any], Any] | None = None, later_steps: int = 0) -> dict:
-    """Fine-tune `job`'s member on token ids `ids` at L' through the zoo's loop and save it at `folder` (an HF
-    folder whose zoo.json says `extension`: method, L, L', rope_parameters). `on_checkpoint(step, model)` is called
-    at `cfg.checkpoints` (model in eval mode) and its values kept in the training state. Returns the loop's record
-    (losses in nats/token, seconds, tokens/s, `checkpoints`: [(step, value)])."""
-    from posprobe.zoo.train import train_member
-
-    extension = {"method": job.method, "from_length": job.length, "length": job.target, "scale": job.scale,
-                 "source": job.source.name, "rope_parameters": job.rope_parameters, "notes": job.notes,
-                 "config_fields": job.overrides, "train_length": job.train_length,
-                 "steps": cfg.steps, "batch_size": job.batch_size, "lr": job.lr, "warmup": job.warmup}
-    zoo_cfg = job.train_config(cfg)
-    return train_member(job.member, job.seed, zoo_cfg, ids, tokenizer, folder, state_io,
-                        later_steps=later_steps, start=lambda: load_start(job), checkpoints=cfg.checkpoints,
-                        batches=job_batches(job, zoo_cfg, ids, tokenizer),
-                        on_checkpoint=on_checkpoint, record={"extension": extension, "method": job.method},
-                        label=f"extend {job.member} seed {job.seed} {job.method} {job.length}->{job.target}")
-
-
-def job_batches(job: ExtendJob, zoo_cfg: ZooConfig, ids: Any, tokenizer: Any = None
-                ) -> Callable[[int], tuple] | None:
-    """The batches of `job`'s fine-tuning by step: PoSE's (ids, labels, position ids) at L, DroPE's windows of L
-    (the zoo's `batch_ids` at L), None for the others (the loop's own windows of L'); each with passkey sequences at
-    `zoo_cfg.passkey` (PoSE's keep the rows' skip-wise position ids)."""
+def job_batches(job: ExtendJob, zoo_cfg: ZooConfig, ids: Any, tokenizer: Any = None) -> Callable[[int], tuple]:
+    """The batches of `job`'s fine-tuning by step: the method's own where its row has them (PoSE's (ids, labels,
+    position ids) at L), else the zoo's text windows at the run's training length (L for drope, L' for the others);
+    each with passkey sequences at `zoo_cfg.passkey` (PoSE's keep the rows' skip-wise position ids)."""
     from posprobe.zoo.passkey import with_passkey
-    from posprobe.zoo.train import batch_ids
+    from posprobe.zoo.train import text_windows
 
-    def mixed(x: Any, step: int) -> Any:
-        return with_passkey(x, tokenizer, step, job.seed, zoo_cfg.passkey)
+    own = job.row.batches
+    if own is None:
+        return text_windows(ids, tokenizer, replace(zoo_cfg, length=job.train_length), job.seed)
 
-    if job.method == "pose":
-        def pose(step: int) -> tuple:
-            x, pos = pose_batch(ids, step, job.seed, job.batch_size, job.length, job.target)
-            x = mixed(x, step)
-            return x, x, pos
-        return pose
-    if job.method == "drope":
-        at_l = replace(zoo_cfg, length=job.length)
-        return lambda step: (lambda x: (x, x))(mixed(batch_ids(ids, step, at_l, job.seed), step))
-    return None
+    def batches(step: int) -> tuple:
+        x, pos = own(ids, step, job)
+        x = with_passkey(x, tokenizer, step, job.seed, zoo_cfg.passkey)
+        return x, x, pos
 
-
-def pose_batch(ids: Any, step: int, seed: int, batch_size: int, length: int, target: int) -> tuple[Any, Any]:
-    """PoSE's `[batch_size, length]` (token ids, position ids) of optimiser step `step`, drawn from a generator
-    seeded by (seed, step) alone (so a resumed run continues exactly), by the rule of the authors' released code
-    (dwzhu-pku/PoSE, `train_preprocess_function_pose` in src/train_pose.py, after its 2023-10 revision), N = 2 chunks:
-
-    - a text window of W = min(5L, len(ids)) tokens at a uniform start (the code reads up to 5L tokens of a document);
-    - the first chunk's length l0 ~ U{1, ..., floor((L + 1) / 2)}, the second's L - l0;
-    - the content skip v ~ U{0, ..., W - L}: chunk 1 is the window's first l0 tokens, chunk 2 its tokens
-      l0 + v ... L - 1 + v (the code's rt2 ~ U{L, ..., W}, lt2 = rt2 - (L - l0));
-    - the position skip u ~ U{0, ..., L' - L}, the first chunk's skip fixed at 0 (the revision's `lt = 0`): position
-      ids 0 ... l0 - 1, then l0 + u ... L - 1 + u, so every id lies in [0, L') and the last reaches L' - 1 when u does.
-
-    Each row's draws come in the order start, l0, v, u. Positions are used as they are (plain PoSE, no PI/YaRN)."""
-    import torch
-
-    g = torch.Generator().manual_seed(int(seed) * 1_000_003 + int(step))
-    window = min(POSE_TEXT_WINDOW * length, len(ids))
-
-    def draw(low: int, high: int) -> int:  # uniform on {low, ..., high}
-        return int(torch.randint(low, high + 1, (1,), generator=g))
-
-    rows, positions = [], []
-    for _ in range(batch_size):
-        start = draw(0, len(ids) - window)
-        l0 = draw(1, (length + 1) // 2)
-        v = draw(0, window - length)
-        u = draw(0, target - length)
-        text = ids[start:start + window]
-        rows.append(torch.cat([text[:l0], text[l0 + v:length + v]]))
-        positions.append(torch.cat([torch.arange(l0), torch.arange(l0, length) + u]))
-    return torch.stack(rows), torch.stack(positions)
+    return batches
 
 
 def steps_to_threshold(curve: list[tuple[int, float]], threshold: float) -> int | None:

@@ -7,19 +7,19 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pandas as pd
 
-from posprobe.report.checkpoint import Checkpoint, discard_work_folder, run_key, work_folder_for
+from posprobe.report.checkpoint import discard_work_folder, run_key
 from posprobe.report.result import Result
 from posprobe.report.schema import data_meta, make_meta, text_sha256
 from posprobe.zoo.config import ZooConfig
 from posprobe.zoo.folder import EVAL_FILE, TRAINING_FOLDER, member_folder_name
+from posprobe.zoo.job import Job, open_work, run_jobs
 from posprobe.zoo.members import member
 
-__all__ = ["check_device", "check_out_folder", "commit_zoo", "split_text",
-           "train_jobs", "train_zoo"]
+__all__ = ["check_device", "check_out_folder", "commit_zoo", "split_text", "train_zoo", "zoo_jobs"]
 
 def split_text(text: str, eval_text: str | None, fraction: float) -> tuple[str, str]:
     """(training text, evaluation text): `eval_text` when given, else the last `fraction` of `text` cut at a line
@@ -63,7 +63,6 @@ def train_zoo(cfg: ZooConfig, text: str, out: str | os.PathLike, *, eval_text: s
     import torch
 
     from posprobe.zoo.tokenizer import train_tokenizer
-    from posprobe.zoo.train import train_member
 
     out = Path(out)
     check_out_folder(out)
@@ -79,14 +78,18 @@ def train_zoo(cfg: ZooConfig, text: str, out: str | os.PathLike, *, eval_text: s
     key = run_key("zoo-train", model={"members": list(cfg.members)},
                   data={"train_sha256": text_sha256(train_text), "eval_sha256": text_sha256(held_out)}, config=cfg)
 
-    def train_one(name: str, seed: int, folder: Path, io: Any, later: int) -> dict:
-        return train_member(name, seed, cfg, ids, tokenizer, folder, io, later_steps=later)
-
-    records, staging, work = train_jobs(cfg, out, key, train_one, fresh=fresh)
+    ckpt, staging, work = open_work(out, key, fresh=fresh)
+    records = run_jobs(zoo_jobs(cfg, tokenizer, ids), ckpt, staging)
     result = _result(cfg, records, source, train_text, held_out, len(ids))
     commit_zoo(out, staging, {EVAL_FILE: held_out}, {TRAINING_FOLDER: result})
     discard_work_folder(work)
     return result
+
+
+def zoo_jobs(cfg: ZooConfig, tokenizer: Any, ids: Any) -> list[Job]:
+    """The jobs of `zoo train`: every member of `cfg` on windows of the token ids `ids`, seed by seed (every member
+    of the first seed before the next seed, so an early stop leaves whole seeds)."""
+    return [Job.text(name, seed, cfg, tokenizer, ids) for seed in cfg.seeds for name in cfg.members]
 
 
 def check_out_folder(out: Path) -> None:
@@ -95,29 +98,6 @@ def check_out_folder(out: Path) -> None:
         raise ValueError(f"--out {out} exists and is not empty; a zoo is written into a new folder")
     if not out.absolute().parent.is_dir():
         raise ValueError(f"--out {out}: its parent folder does not exist (create it first)")
-
-
-def train_jobs(cfg: ZooConfig, out: Path, key: str, train_one: Callable[[str, int, Path, Any, int], dict], *,
-               fresh: bool = False) -> tuple[list[dict], Path, Path]:
-    """Every member x seed of `cfg` through `train_one(name, seed, folder, state_io, later_steps) -> record`, each
-    checkpointed under `<out>.work` (run key `key`): a finished member is not trained again and an interrupted one
-    resumes. Returns (records, the staging folder of the member folders, the work folder)."""
-    work = work_folder_for(out)
-    ckpt = Checkpoint(work, key, fresh=fresh)
-    staging = work / "members"
-    staging.mkdir(exist_ok=True)
-    jobs = [(name, seed) for seed in cfg.seeds for name in cfg.members]
-    records = []
-    for i, (name, seed) in enumerate(jobs):
-        unit, done_unit = f"{name}/{seed}/state", f"{name}/{seed}/done"
-        folder = staging / member_folder_name(name, seed)
-        if ckpt.has(done_unit) and folder.is_dir():
-            records.append(ckpt.get(done_unit))
-            continue
-        io = (lambda u=unit: ckpt.get(u) if ckpt.has(u) else None, lambda s, u=unit: ckpt.put(u, s))
-        rec = train_one(name, seed, folder, io, cfg.steps * (len(jobs) - i - 1))
-        records.append(ckpt.put(done_unit, rec))
-    return records, staging, work
 
 
 def _result(cfg: ZooConfig, records: list[dict], source: str | None, train_text: str, held_out: str,

@@ -17,8 +17,9 @@ from posprobe.report.result import Result
 from posprobe.report.schema import make_meta
 from posprobe.zoo.config import TaskConfig, ZooConfig
 from posprobe.zoo.folder import TASKS_FOLDER, member_folder_name
+from posprobe.zoo.job import Job, open_work, run_jobs
 from posprobe.zoo.members import Widths, member
-from posprobe.zoo.run import check_device, check_out_folder, commit_zoo, train_jobs
+from posprobe.zoo.run import check_device, check_out_folder, commit_zoo
 
 __all__ = ["task_context", "train_task_zoo"]
 
@@ -40,7 +41,6 @@ def train_task_zoo(cfg: ZooConfig, tasks: TaskConfig, out: str | os.PathLike, *,
     task, n, in_training, accuracy = share of exact greedy answers, count), `members`, `training` (loss per scored
     answer token every 10 steps)."""
     from posprobe.zoo.tasks import task_batch, task_tokenizer
-    from posprobe.zoo.train import train_member
 
     out = Path(out)
     cfg = replace(cfg, steps=tasks.steps, batch_size=tasks.batch_size, warmup=None)
@@ -53,14 +53,15 @@ def train_task_zoo(cfg: ZooConfig, tasks: TaskConfig, out: str | os.PathLike, *,
                   config=cfg, tasks=asdict(tasks))
     record = {"tasks": list(tasks.tasks), "train_max": tasks.train_max}
 
-    def train_one(name: str, seed: int, folder: Path, io: Any, later: int) -> dict:
-        rec = train_member(name, seed, cfg, None, tokenizer, folder, io, later_steps=later, widths=widths,
-                           batches=lambda step: task_batch(tasks.tasks, tasks.train_max, cfg.batch_size, step, seed),
-                           record=record)
-        # Measured right after training and kept in the checkpoint, so a resumed run does not measure again.
-        return {**rec, "accuracy": _measure(folder, tasks, cfg.device)}
+    def batches(seed: int) -> Any:
+        return lambda step: task_batch(tasks.tasks, tasks.train_max, cfg.batch_size, step, seed)
 
-    records, staging, work = train_jobs(cfg, out, key, train_one, fresh=fresh)
+    jobs = [Job(name, seed, cfg, tokenizer, batches(seed), widths=widths, record=record)
+            for seed in cfg.seeds for name in cfg.members]
+    ckpt, staging, work = open_work(out, key, fresh=fresh)
+    # Accuracy measured right after training and kept in the checkpoint, so a resumed run does not measure again.
+    records = run_jobs(jobs, ckpt, staging, after=lambda job, folder: {"accuracy": _measure(folder, tasks,
+                                                                                            cfg.device)})
     result = _result(cfg, tasks, widths, records)
     commit_zoo(out, staging, {}, {TASKS_FOLDER: result})
     discard_work_folder(work)
@@ -68,13 +69,10 @@ def train_task_zoo(cfg: ZooConfig, tasks: TaskConfig, out: str | os.PathLike, *,
 
 
 def _measure(folder: Path, tasks: TaskConfig, device: str) -> list[dict]:
-    from transformers import AutoModelForCausalLM
-
-    from posprobe.backend import t5_decoder
+    from posprobe.backend.loading import load_causal_lm
     from posprobe.zoo.tasks import held_out_instances, task_accuracy
 
-    t5_decoder.register_auto_class()
-    model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").to(device).eval()
+    model = load_causal_lm(folder).to(device)
     rows = []
     for task in tasks.tasks:
         for n in tasks.test_lengths:

@@ -24,8 +24,8 @@ from posprobe.zoo.folder import ZOO_FILE
 from posprobe.zoo.members import Member, Widths, member
 from posprobe.zoo.passkey import with_passkey
 
-__all__ = ["TrainState", "batch_ids", "build_model", "init_weights", "next_token_labels", "train_member",
-           "used_parameters"]
+__all__ = ["TrainState", "batch_ids", "build_model", "init_weights", "next_token_labels", "text_windows",
+           "train_member", "used_parameters"]
 
 _INIT_STD = 0.02
 
@@ -109,6 +109,17 @@ class TrainState:
         if "running" in saved:
             self.running = saved["running"].to(self.running.device)
 
+    def resume(self, load: Callable[[], dict | None]) -> None:
+        """Continue from what `load()` gives (a saved state), or start at step 0 when it gives None."""
+        saved = load()
+        if saved is not None:
+            self.load_state_dict(saved)
+
+    def save(self, save: Callable[[dict], None], step: int) -> None:
+        """Record that `step` steps are done and hand the whole state to `save`."""
+        self.step = step
+        save(self.state_dict())
+
 
 def _progress_bar(label: str, cfg: ZooConfig, begin: int, tokens_per_step: int) -> Any:
     # The house's one progress tool: tokens trained (tokens/s and the member's ETA by tqdm), resumed runs starting at
@@ -130,46 +141,42 @@ def _postfix(bar: Any, step: int, total: int, loss: float | None, later_tokens: 
                            else ""), refresh=False)
 
 
-def train_member(name: str, seed: int, cfg: ZooConfig, ids: torch.Tensor, tokenizer: Any, folder: Path,
-                 state_io: tuple[Callable[[], dict | None], Callable[[dict], None]], *,
-                 later_steps: int = 0, log_every: int = 10,
-                 batches: Callable[[int], tuple[torch.Tensor, ...]] | None = None,
-                 widths: Widths | None = None, record: dict | None = None, start: Callable[[], Any] | None = None,
-                 checkpoints: tuple[int, ...] = (), on_checkpoint: Callable[[int, Any], Any] | None = None,
-                 label: str | None = None) -> dict:
-    """Train member `name` with `seed` on token ids `ids` and save it as a Hugging Face folder at `folder`
-    (written beside it and renamed into place). `state_io` = (load, save) of the training state: a saved state is
-    resumed from, and one is saved every `cfg.checkpoint_every` steps. `batches(step) -> (input ids, labels[, position
-    ids])` replaces the text windows (the synthetic tasks; zoo extend's PoSE gives position ids, passed to the
-    forward as `position_ids`), `widths` the config's shape, `record` adds fields to zoo.json.
-    `start()` builds the model to train instead of a fresh one (a saved member with a modified config: continued
-    training); `on_checkpoint(step, model)` is called after each step in `checkpoints` (0 = before the first) with
-    the model in eval mode, and what it returns is kept in the training state, so a resumed run does not call it
-    again for a step it has passed. `label` names the run on the progress line (default: member and seed).
-    Returns the member's training record: losses every `log_every` steps (nats per scored token), wall seconds of
-    this call's training, tokens/s (padding included), `checkpoints`: [(step, value of on_checkpoint)] and
+def text_windows(ids: torch.Tensor, tokenizer: Any, cfg: ZooConfig, seed: int) -> Callable[[int], tuple]:
+    """`batches(step) -> (ids, labels)` over windows of `cfg.length` tokens of `ids` (`batch_ids`), with passkey
+    sequences at `cfg.passkey` (0: none); labels are the ids (the loop shifts them)."""
+    def windows(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = with_passkey(batch_ids(ids, step, cfg, seed), tokenizer, step, seed, cfg.passkey)
+        return x, x
+
+    return windows
+
+
+def train_member(job: Any, folder: Path, state_io: tuple[Callable[[], dict | None], Callable[[dict], None]], *,
+                 on_checkpoint: Callable[[int, Any], Any] | None = None, later_steps: int = 0) -> dict:
+    """Train `job` (a `posprobe.zoo.job.Job`: member, seed, schedule, batches, start; typed loosely, as the job
+    module runs this loop) and save it as a Hugging Face folder at `folder` (written beside it and renamed into
+    place). `state_io` = (load, save) of the training state:
+    a saved state is resumed from, and one is saved every `job.config.checkpoint_every` steps. Position ids in a
+    batch (zoo extend's PoSE) are passed to the forward as `position_ids`. `on_checkpoint(step, model)` is called
+    after each step in `job.checkpoints` (0 = before the first) with the model in eval mode, and what it returns is
+    kept in the training state, so a resumed run does not call it again for a step it has passed; `later_steps`
+    (the jobs after this one) feeds the zoo's ETA.
+    Returns the member's training record: losses every `job.log_every` steps (nats per scored token), wall seconds
+    of this call's training, tokens/s (padding included), `checkpoints`: [(step, value of on_checkpoint)] and
     `checkpoint_seconds` (wall seconds in on_checkpoint, not in `seconds`)."""
-    m = member(name)
+    cfg, m, seed = job.config, member(job.member), job.seed
     device = torch.device(cfg.device)
-    widths = widths or cfg.widths
-    model = (start() if start is not None else build_model(m, cfg, tokenizer, seed, widths)).to(device)
+    model = (job.start() if job.start is not None else build_model(m, cfg, job.tokenizer, seed, job.widths)).to(device)
     opt, sched = _optimizer(model, cfg)
-    load_state, save_state = state_io
     st = TrainState(model, opt, sched, torch.zeros((), device=device))
-    saved = load_state()
-    if saved is not None:
-        st.load_state_dict(saved)
+    st.resume(state_io[0])
     begin, looking = st.step, [0.0]
     model.train()
-
-    def save_at(step: int) -> None:
-        st.step = step
-        save_state(st.state_dict())
 
     def checkpoint(step: int) -> bool:
         # The caller's look at the model after `step` steps (no gradients, no dropout in the zoo: the training that
         # follows is the same with or without it).
-        if on_checkpoint is None or step not in checkpoints or any(s == step for s, _ in st.checkpoints):
+        if on_checkpoint is None or step not in job.checkpoints or any(s == step for s, _ in st.checkpoints):
             return False
         t = time.perf_counter()
         model.eval()
@@ -179,16 +186,12 @@ def train_member(name: str, seed: int, cfg: ZooConfig, ids: torch.Tensor, tokeni
         looking[0] += time.perf_counter() - t
         return True
 
-    def text_windows(step: int) -> tuple[torch.Tensor, ...]:  # with passkey sequences at cfg.passkey (0: none)
-        x = with_passkey(batch_ids(ids, step, cfg, seed), tokenizer, step, seed, cfg.passkey)
-        return x, x
-
-    batches = batches or text_windows
+    batches, log_every = job.batches, job.log_every
     tokens_per_step = int(batches(0)[0].numel())
-    bar = _progress_bar(label or f"{name} seed {seed}", cfg, begin, tokens_per_step)
+    bar = _progress_bar(job.label, cfg, begin, tokens_per_step)
     t0 = time.perf_counter()
     if begin == 0 and checkpoint(0):
-        save_at(0)
+        st.save(state_io[1], 0)
     shifts_labels = m.architecture.shifts_labels  # a fact of the HF class (its architecture row), not the member's
     try:
         # Grad on explicitly: loading a model for analysis elsewhere in the process may have turned it off globally.
@@ -212,16 +215,16 @@ def train_member(name: str, seed: int, cfg: ZooConfig, ids: torch.Tensor, tokeni
                 bar.update(tokens_per_step)
                 looked = checkpoint(step + 1)
                 if ((step + 1) % cfg.checkpoint_every == 0 or looked) and step + 1 < cfg.steps:
-                    save_at(step + 1)
+                    st.save(state_io[1], step + 1)
     finally:
         bar.close()
     seconds = time.perf_counter() - t0 - looking[0]  # training alone: the checkpoints' looks are counted apart
     log, evals = st.log, st.checkpoints
     if not math.isfinite(log[-1][1]):
-        raise RuntimeError(f"zoo member {name} (seed {seed}) diverged: loss {log[-1][1]}; lower --lr")
-    _save_folder(model.to("cpu").eval(), tokenizer, folder, m, seed, cfg, log, widths, record or {})
+        raise RuntimeError(f"zoo member {job.member} (seed {seed}) diverged: loss {log[-1][1]}; lower --lr")
+    _save_folder(model.to("cpu").eval(), job, folder, log)
     steps_run = cfg.steps - begin
-    return {"member": name, "seed": seed, "log": log, "seconds": seconds, "steps_run": steps_run,
+    return {"member": job.member, "seed": seed, "log": log, "seconds": seconds, "steps_run": steps_run,
             "tokens_per_s": steps_run * tokens_per_step / seconds if seconds > 0 else float("nan"),
             "params": used_parameters(model, m), "checkpoints": evals, "checkpoint_seconds": looking[0]}
 
@@ -239,27 +242,23 @@ def used_parameters(model: Any, m: Member) -> int:
     return sum(p.numel() for name, p in model.named_parameters() if not (unused and unused in name))
 
 
-def _save_folder(model: Any, tokenizer: Any, folder: Path, m: Member, seed: int, cfg: ZooConfig, log: list,
-                 widths: Widths, extra: dict) -> None:
+def _save_folder(model: Any, job: Any, folder: Path, log: list) -> None:
     import json
     from dataclasses import asdict
 
-    from transformers.utils import logging as hf_logging
+    from posprobe.backend.loading import quiet_progress
 
+    m, cfg = member(job.member), job.config
     tmp = folder.with_name(f".{folder.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    bar = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # its "Writing model shards" bar would break the zoo's progress line
-    try:
+    with quiet_progress():  # its "Writing model shards" bar would break the zoo's progress line
         model.save_pretrained(tmp)
-    finally:
-        if bar:
-            hf_logging.enable_progress_bar()
-    tokenizer.save_pretrained(tmp)
+    job.tokenizer.save_pretrained(tmp)
     record = {"member": m.name, "family": m.family, "block": m.block, "model_type": m.model_type,
-              "positions": m.positions, "differences": m.differences, "seed": seed, "widths": asdict(widths),
+              "positions": m.positions, "differences": m.differences, "seed": job.seed, "widths": asdict(job.widths),
               "steps": cfg.steps, "batch_size": cfg.batch_size, "lr": cfg.lr, "warmup": cfg.warmup,
-              "final_loss": log[-1][1] if log else None, **({"passkey": cfg.passkey} if cfg.passkey else {}), **extra}
+              "final_loss": log[-1][1] if log else None, **({"passkey": cfg.passkey} if cfg.passkey else {}),
+              **job.record}
     (tmp / ZOO_FILE).write_text(json.dumps(record, indent=1), encoding="utf-8")
     if folder.exists():
         shutil.rmtree(folder)
