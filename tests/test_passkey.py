@@ -232,7 +232,7 @@ def test_zoo_extend_measures_the_window_beside_perplexity(tmp_path):
 
 
 def test_the_zoo_atlas_measures_the_window_of_members_trained_with_the_skill(tmp_path):
-    """`zoo atlas --section passkey`: each member trained with the skill gets `passkey_table` on its HF folder (rerun
+    """`zoo atlas --sections passkey`: each member trained with the skill gets `passkey_table` on its HF folder (rerun
     here: same distances from the format's shortest to prompts of max(factors) x L, same keys) and the effective
     window of that table; the learned member's distances past its L rows say so; the page's section names every
     member with its window."""

@@ -269,7 +269,8 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 def test_cli_runs_chosen_sections_and_refuses_bad_input_before_loading(zoo_atlas, tmp_path):
     out, _ = zoo_atlas
-    p = _cli(str(out / "nope-s0"), str(out / "rope-s0"), "--section", "probes", "--section", "similarity",
+    # --sections as posprobe atlas spells it; --section, the old spelling, still accepted.
+    p = _cli(str(out / "nope-s0"), str(out / "rope-s0"), "--sections", "probes", "--section", "similarity",
              "--window", "24", "--max-windows", "2", "--probe-tokens", "200", "--similarity-windows", "2",
              "--out", str(tmp_path / "za"))
     assert p.returncode == 0, p.stderr

@@ -787,7 +787,8 @@ class ZooAtlasConfig:
     5 minutes for the CPU tier's 18 members on a 2-core CPU)."""
 
     sections: tuple[str, ...] | None = option(None, f"run only these sections ({', '.join(ZOO_ATLAS_SECTIONS)}; "
-                                                    "default: all)", flag="--section")
+                                                    "default: all; --section is the same flag, as "
+                                                    "before)", flag="--sections", aliases=("--section",))
     window: int = option(64, "tokens per text window of the heads, similarity, sinks, geometry, probe, decomposition "
                              "and frequency sections (at most each model's context)")
     max_windows: int = option(8, "text windows per section")

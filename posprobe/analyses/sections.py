@@ -10,7 +10,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from posprobe.analyses.configs import SECTIONS, AtlasConfig, ZooAtlasConfig
+from posprobe.analyses.configs import SECTIONS, AtlasConfig, ExtrapolationConfig, ZooAtlasConfig
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ class CompareRun:
     #: The name the text is recorded under.
     source: str | None = None
     #: `zoo eval`'s own extrapolation settings (every ExtrapolationConfig knob); None: the atlas's bounded ones.
-    extrapolation: Any = None
+    extrapolation: ExtrapolationConfig | None = None
 
 
 #: `n(metric)`: the number the atlas table holds for (this section, metric), or None.

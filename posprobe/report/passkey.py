@@ -1,4 +1,4 @@
-"""The atlas over many models' passkey section (`posprobe zoo atlas --section passkey`): per member trained with the
+"""The atlas over many models' passkey section (`posprobe zoo atlas --sections passkey`): per member trained with the
 skill, Chen et al.'s effective window and passkey success by distance, side by side. Tables and meta only."""
 
 from __future__ import annotations
