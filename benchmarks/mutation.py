@@ -74,7 +74,7 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
                    ["tests/test_t5_decoder.py"]),
     # Brought in by issue 53 (numbers computed around the forward pass): the theory formulas, head similarity, the
     # add-or-concatenate geometry, batched cached decoding, the squish study and the zoo's factory.
-    "rope_theory": (["posprobe/rope_theory.py", "posprobe/analyses/theory.py"],
+    "rope_theory": (["posprobe/rope_theory.py", "posprobe/analyses/rope_tables.py"],
                     ["tests/test_rope_theory.py"]),
     "head_similarity": (["posprobe/analyses/head_similarity.py"],
                         ["tests/test_head_similarity.py"]),

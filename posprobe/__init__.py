@@ -73,7 +73,7 @@ _EXPORTS = {
     "run_long_context": "posprobe.analyses.long_context",
     "ExtrapolationConfig": "posprobe.analyses.configs",
     "run_extrapolation": "posprobe.analyses.extrapolation",
-    "rope_theory_table": "posprobe.analyses.theory",
+    "rope_theory_table": "posprobe.analyses.rope_tables",
     # the positional zoo: matched models per positional family
     "ZooConfig": "posprobe.zoo.config",
     "train_zoo": "posprobe.zoo.run",

@@ -97,7 +97,7 @@ def test_site_builds_strict_and_offline(built_site):
     assert "I want to" in index and 'href="atlas.html"' in index
     api = html[site / "api" / "analyses.html"]
     for path in ("posprobe.analyses.heads.run_heads", "posprobe.analyses.configs.HeadsConfig",
-                 "posprobe.analyses.retrieval.run_retrieval", "posprobe.analyses.theory.rope_theory_table"):
+                 "posprobe.analyses.retrieval.run_retrieval", "posprobe.analyses.rope_tables.rope_theory_table"):
         assert f'id="{path}"' in api, path
     assert api.count('doc-section-title">Examples') >= 14  # every run_* on the page shows its (doctested) example
     assert "critical_dimension" in html[site / "api" / "rope-theory.html"]

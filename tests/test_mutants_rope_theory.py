@@ -1,5 +1,5 @@
 """Tests written to kill the mutants benchmarks/mutation.py found alive in posprobe/rope_theory.py and
-posprobe/analyses/theory.py (#53). Each against the papers' formulas written out here with loops; pure numpy and
+posprobe/analyses/rope_tables.py (#53). Each against the papers' formulas written out here with loops; pure numpy and
 the tiny random models' facts; well under a second each."""
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def test_yarn_band_ramp_clipped_at_the_last_band():
 
 
 def test_theory_table_lengths_notes_and_messages(tiny_rope):
-    from posprobe.analyses.theory import _layers, rope_theory_table
+    from posprobe.analyses.rope_tables import _layers, rope_theory_table
 
     t = rope_theory_table(tiny_rope, context=2)  # the shortest context allowed
     assert t.set_index("quantity").loc["context L", "value"] == 2
@@ -114,7 +114,7 @@ def test_theory_table_lengths_notes_and_messages(tiny_rope):
 
 
 def test_theory_table_crossing_beyond_l_and_none(tiny_rope):
-    from posprobe.analyses.theory import rope_theory_table
+    from posprobe.analyses.rope_tables import rope_theory_table
 
     spec = RotarySpec(rotary_dim=16, base=1e4)
     first = T.first_negative_sum(spec, 10_000)

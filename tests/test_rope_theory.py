@@ -168,7 +168,7 @@ def test_each_layer_group_reads_its_own_frequencies():
     own per-layer-type inv_freq. Catches: one base for every layer (the bridge's config has one), groups merged."""
     from families import tiny_family
 
-    from posprobe.analyses.theory import rope_theory_table
+    from posprobe.analyses.rope_tables import rope_theory_table
 
     bridge, ref = tiny_family("gemma3")
     table = rope_theory_table(bridge, context=128)
@@ -190,7 +190,7 @@ def test_smollm2_theory_from_its_config(smollm2, capsys):
     """SmolLM2-135M: the numbers from its converted config (head dim 64, base 1e5, context 8,192) by the papers'
     formulas: Liu 2 ceil(32 log_1e5(8192 / 2pi)) = 40 dims, Xu's crossing 3,616 tokens (inside its context: a
     falsifiable prediction), and with --target 32768 the NTK base 1e5 4^(64/62)."""
-    from posprobe.analyses.theory import rope_theory_table
+    from posprobe.analyses.rope_tables import rope_theory_table
     from posprobe.backend.sources import gguf_cache_path, resolve
 
     # The config Hugging Face wrote when it converted the GGUF (the fixture loaded it), not posprobe's reading of it.
@@ -227,7 +227,7 @@ def test_a_yarn_scaled_model_is_refused_a_scaling_projection():
     Catches: YaRN projected onto a YaRN table (the factors applied twice, silently)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from posprobe.analyses.theory import rope_theory_table
+    from posprobe.analyses.rope_tables import rope_theory_table
     from posprobe.backend.facts import hf_facts
 
     cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
@@ -241,7 +241,7 @@ def test_a_yarn_scaled_model_is_refused_a_scaling_projection():
 
 
 def test_theory_docstring_example_runs():
-    import posprobe.analyses.theory as A
+    import posprobe.analyses.rope_tables as A
 
     failed, tried = doctest.testmod(A, verbose=False)
     assert tried >= 2 and failed == 0
@@ -251,7 +251,7 @@ def test_every_row_of_the_theory_table_written_out():
     """Every row a user reads (quantity, value, unit, and the numbers in its note) for tiny-rope at L = 256, L2 = 1024,
     recomputed here: loops for Liu, Xu and Chen, HF's `yarn` table for YaRN's kept / ramp / interpolated bands,
     gamma and temperature. Catches: a row's label, unit or number changed, s = L/2 for L, the ramp counts swapped."""
-    from posprobe.analyses.theory import rope_theory_table
+    from posprobe.analyses.rope_tables import rope_theory_table
     from posprobe.backend.loading import load_model
 
     d, base, length, target = 16, 1e4, 256, 1024
@@ -294,7 +294,7 @@ def test_every_row_of_the_theory_table_written_out():
 
 
 def test_layer_groups_are_named_as_runs_or_lists():
-    from posprobe.analyses.theory import _layers
+    from posprobe.analyses.rope_tables import _layers
 
     assert (_layers([0, 1, 2]), _layers([3]), _layers([0, 1, 2, 4]), _layers([5, 11, 17])) == (
         "0-2", "3", "0,1,2,4", "5,11,17")

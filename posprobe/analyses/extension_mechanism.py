@@ -3,7 +3,7 @@ Theorem 2.1) is about the attention score as a function of query-key distance, a
 with h_j a head's mean per-band score contribution. For every member before extension (trained at L, looked at up to
 L') and after each method (trained at L', looked at up to 2L'), the frequency pass measures each head's h_j on the
 model's own rotation (a PI member's theta_j / s, an NTK or ABF member's new base, YaRN's ramp) and
-`frequency_theory.head_bounds` turns them into a(s)'s range inside the trained length, how far it leaves that range
+`chen_bounds.head_bounds` turns them into a(s)'s range inside the trained length, how far it leaves that range
 beyond it, and Chen's two bounds; the per-band usage (share of |q.k| per band) shows which bands the fine-tune
 re-learned. A member the frequency pass does not apply to (DroPE: no rotation left; the non-rotary controls) is a row
 of `mechanism_refused` with posprobe's reason. Beside it, YaRN's temperature rationale: attention entropy against
@@ -24,7 +24,7 @@ from posprobe.analyses.configs import FrequencyConfig
 __all__ = ["MECHANISM_COLUMNS", "Looked", "attention_entropy", "entropy_table", "looked_at", "mechanism_tables",
            "uniform_entropy"]
 
-#: The theory columns kept per head (`frequency_theory.head_bounds`).
+#: The theory columns kept per head (`chen_bounds.head_bounds`).
 MECHANISM_COLUMNS = ("layer", "head", "attention", "h_max", "h_max_typical", "a_in_min", "a_in_max", "a_out_min",
                      "a_out_max", "excess", "interpolation_bound", "extrapolation_bound", "interpolation_safe",
                      "extrapolation_leaves_range", "theory_context", "theory_target")

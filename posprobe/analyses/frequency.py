@@ -17,9 +17,9 @@ import numpy as np
 import pandas as pd
 import torch
 
+from posprobe.analyses.chen_bounds import TOLERANCE, head_bounds
 from posprobe.analyses.configs import FrequencyConfig
 from posprobe.analyses.frequency_ablation import band_ablation, head_ablations, p_sweep
-from posprobe.analyses.frequency_theory import TOLERANCE, head_bounds
 from posprobe.analyses.sections import AtlasRun, AtlasSection, CompareRun, ModelEntry, register, why_not
 from posprobe.backend.facts import (
     ModelFacts,
@@ -346,7 +346,7 @@ def frequency_usage(
     query positions of each window, with all their keys (every rel_pos still occurs): their cost grows
     with queries * window instead of window**2. None measures every causal entry exactly.
 
-    `.tables["theory"]` is Chen et al.'s Theorem 2.1 per head (`frequency_theory.head_bounds`) for the trained
+    `.tables["theory"]` is Chen et al.'s Theorem 2.1 per head (`chen_bounds.head_bounds`) for the trained
     length `context` (default: the model's context) and a(s) beyond it up to `target` (default 4x context).
 
     `work`: a folder where the pass keeps its sums as it goes (`posprobe.report.checkpoint.StreamResume`); the

@@ -66,7 +66,7 @@ def _check_theory_flags(args: argparse.Namespace, early) -> None:
 
 def _theory(model, args: argparse.Namespace):
     """The theory table, or the sentence saying why a model has none (the rest of `info` still prints)."""
-    from posprobe.analyses.theory import rope_theory_table
+    from posprobe.analyses.rope_tables import rope_theory_table
     from posprobe.backend.facts import WrongModelKind
 
     try:

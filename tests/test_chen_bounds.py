@@ -25,8 +25,8 @@ from hf_util import independent_hf
 from matrix_cells import hf_rope_io
 from test_rope_types import _bridge, _hf
 
+from posprobe.analyses.chen_bounds import TOLERANCE, head_bounds
 from posprobe.analyses.frequency import frequency_usage
-from posprobe.analyses.frequency_theory import TOLERANCE, head_bounds
 from posprobe.backend.facts import model_facts
 from posprobe.rope_theory import score_by_distance
 
