@@ -19,7 +19,7 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import pandas as pd
@@ -219,64 +219,30 @@ def run_retrieval(model: Any, text: str | None = None, config: RetrievalConfig |
 
     resumed = {u for u in units if ckpt.has(u)}
     head_rows, class_rows, answer_rows, mask_rows = [], [], [], []
-    for spec, rule in rules.items():
-        per = []
-        for key, p in prompts:
-            unit = _unit(spec, key, "none", 0, -1)
-            got = ckpt.compute(unit, lambda: answer_heads(hf, tok, p, rule, budget[key[0]], chunk=cfg.chunk))
-            per.append(got)
-            answer_rows.append(_answer_row(name, spec, key, p, got, "none", 0, -1))
-            tick(spec, unit)
-        layers = per[0]["layers"]
-        means = {m: torch.stack([g[m] for g in per]).mean(0) for m in
-                 ("retrieval_score", "needle_mass", "answer_first_mass")}
-        for li, l in enumerate(layers):
-            for h in range(n_heads):
-                for m, v in means.items():
-                    head_rows.append(dict(model=name, preset=spec, layer=l, head=h, metric=m, value=float(v[li, h]),
-                                          count=len(per)))
-                kind = "retrieval" if means["retrieval_score"][li, h] > cfg.threshold else "other"
-                class_rows.append(dict(model=name, preset=spec, layer=l, head=h, kind=kind))
-        # Stability: the heads over the threshold per prompt, and on average over each needle task's prompts.
-        def over(score: torch.Tensor) -> set[tuple[int, int]]:
-            return {(layers[li], h) for li, h in (score > cfg.threshold).nonzero().tolist()}
 
-        jac, n_pairs = _mean_jaccard([over(g["retrieval_score"]) for g in per])
-        jac_tasks, n_task_pairs = _mean_jaccard([over(torch.stack([g["retrieval_score"] for (key, _), g in
-                                                                   zip(prompts, per) if key[0] == task]).mean(0))
-                                                 for task in cfg.tasks])
-        base = [g["score"] for g in per]
-        lo, hi = _ci(base, cfg)
-        mask_rows.append(dict(model=name, preset=spec, masked="none", n_masked=0, draw=-1, metric="string_match_all",
-                              value=float(np.mean(base)), ci_low=lo, ci_high=hi, count=len(base)))
-        for metric, value, count in (("retrieval_jaccard", jac, n_pairs),
-                                     ("retrieval_jaccard_tasks", jac_tasks, n_task_pairs)):
-            mask_rows.append(dict(model=name, preset=spec, masked="none", n_masked=0, draw=-1, metric=metric,
-                                  value=value, ci_low=float("nan"), ci_high=float("nan"), count=count))
-        order = sorted(((float(means["retrieval_score"][li, h]), l, h) for li, l in enumerate(layers)
-                        for h in range(n_heads)), key=lambda x: (-x[0], x[1], x[2]))
-        everyone = [(l, h) for _, l, h in order]
-        rng = random.Random(f"{cfg.seed}|{spec}")
-        for k in (k for k in cfg.mask_k if k):
-            top = everyone[:k]
-            others = everyone[k:]  # check_heads: at least k of them, so every random set has exactly k heads
-            variants = [("top", -1, top)] + [("random", d, rng.sample(others, k)) for d in range(cfg.random_draws)]
-            for kind, draw, chosen in variants:
-                masked: dict[int, tuple[int, ...]] = {}
-                for l, h in chosen:
-                    masked[l] = masked.get(l, ()) + (h,)
-                scores = []
-                for key, p in prompts:
-                    unit = _unit(spec, key, kind, k, draw)
-                    got = ckpt.compute(unit, lambda: answer_heads(
-                        hf, tok, p, rule, budget[key[0]], chunk=cfg.chunk, masked=masked, heads=False))
-                    scores.append(got["score"])
-                    answer_rows.append(_answer_row(name, spec, key, p, got, kind, k, draw))
-                    tick(f"{spec} mask {kind} {k}", unit)
-                lo, hi = _ci(scores, cfg)
-                mask_rows.append(dict(model=name, preset=spec, masked=kind, n_masked=k, draw=draw,
-                                      metric="string_match_all", value=float(np.mean(scores)), ci_low=lo, ci_high=hi,
-                                      count=len(scores)))
+    def answered(spec: str, rule: Any, key: tuple, p: Any, kind: str, k: int, draw: int,
+                 masked: dict[int, tuple[int, ...]] | None) -> dict:
+        # One prompt answered (or read back from the checkpoint), its row kept, the progress line moved on; with
+        # `masked` heads zeroed, the score alone (no per-head statistics).
+        unit = _unit(spec, key, kind, k, draw)
+        extra = {} if masked is None else {"masked": masked, "heads": False}
+        got = ckpt.compute(unit, lambda: answer_heads(hf, tok, p, rule, budget[key[0]], chunk=cfg.chunk, **extra))
+        answer_rows.append(_answer_row(name, spec, key, p, got, kind, k, draw))
+        tick(spec if masked is None else f"{spec} mask {kind} {k}", unit)
+        return got
+
+    for spec, rule in rules.items():
+        per = [answered(spec, rule, key, p, "none", 0, -1, None) for key, p in prompts]
+        means, heads, classes = _head_rows(name, spec, per, n_heads, cfg.threshold)
+        head_rows += heads
+        class_rows += classes
+        mask_rows += _unmasked_rows(name, spec, per, prompts, cfg)
+        for kind, k, draw, masked in _mask_sets(means, per[0]["layers"], n_heads, spec, cfg):
+            scores = [answered(spec, rule, key, p, kind, k, draw, masked)["score"] for key, p in prompts]
+            lo, hi = _ci(scores, cfg)
+            mask_rows.append(dict(model=name, preset=spec, masked=kind, n_masked=k, draw=draw,
+                                  metric="string_match_all", value=float(np.mean(scores)), ci_low=lo, ci_high=hi,
+                                  count=len(scores)))
     tables = {"retrieval_heads": pd.DataFrame(head_rows), "head_classes": pd.DataFrame(class_rows),
               "retrieval_answers": pd.DataFrame(answer_rows), "retrieval_masking": pd.DataFrame(mask_rows)}
     meta = make_meta("retrieval", model=facts.summary(), data=data, config=cfg,
@@ -288,6 +254,66 @@ def run_retrieval(model: Any, text: str | None = None, config: RetrievalConfig |
                      intervals=_interval_meta(cfg), beyond_context=beyond,
                      checkpoint={"folder": str(work) if work is not None else None, "resumed_units": ckpt.resumed})
     return Result(tables, meta)
+
+
+def _head_rows(name: str, spec: str, per: list[dict], n_heads: int, threshold: float
+               ) -> tuple[dict[str, torch.Tensor], list[dict], list[dict]]:
+    """(each statistic's mean over the prompts `per` as [layer, head], the heads table's rows, the class rows: a head
+    is "retrieval" when its mean retrieval score is over `threshold`)."""
+    layers = per[0]["layers"]
+    means = {m: torch.stack([g[m] for g in per]).mean(0) for m in
+             ("retrieval_score", "needle_mass", "answer_first_mass")}
+    head_rows, class_rows = [], []
+    for li, l in enumerate(layers):
+        for h in range(n_heads):
+            for m, v in means.items():
+                head_rows.append(dict(model=name, preset=spec, layer=l, head=h, metric=m, value=float(v[li, h]),
+                                      count=len(per)))
+            kind = "retrieval" if means["retrieval_score"][li, h] > threshold else "other"
+            class_rows.append(dict(model=name, preset=spec, layer=l, head=h, kind=kind))
+    return means, head_rows, class_rows
+
+
+def _unmasked_rows(name: str, spec: str, per: list[dict], prompts: list, cfg: RetrievalConfig) -> list[dict]:
+    """The masking table's rows with nothing masked: string_match_all with its interval, and the stability of the
+    retrieval sets (the heads over the threshold) across prompts and across each needle task's mean."""
+    layers = per[0]["layers"]
+
+    def over(score: torch.Tensor) -> set[tuple[int, int]]:
+        return {(layers[li], h) for li, h in (score > cfg.threshold).nonzero().tolist()}
+
+    jac, n_pairs = _mean_jaccard([over(g["retrieval_score"]) for g in per])
+    jac_tasks, n_task_pairs = _mean_jaccard([over(torch.stack([g["retrieval_score"] for (key, _), g in
+                                                               zip(prompts, per) if key[0] == task]).mean(0))
+                                             for task in cfg.tasks])
+    base = [g["score"] for g in per]
+    lo, hi = _ci(base, cfg)
+    rows = [dict(model=name, preset=spec, masked="none", n_masked=0, draw=-1, metric="string_match_all",
+                 value=float(np.mean(base)), ci_low=lo, ci_high=hi, count=len(base))]
+    for metric, value, count in (("retrieval_jaccard", jac, n_pairs),
+                                 ("retrieval_jaccard_tasks", jac_tasks, n_task_pairs)):
+        rows.append(dict(model=name, preset=spec, masked="none", n_masked=0, draw=-1, metric=metric,
+                         value=value, ci_low=float("nan"), ci_high=float("nan"), count=count))
+    return rows
+
+
+def _mask_sets(means: dict[str, torch.Tensor], layers: list[int], n_heads: int, spec: str,
+               cfg: RetrievalConfig) -> Iterator[tuple[str, int, int, dict[int, tuple[int, ...]]]]:
+    """(kind, k, draw, heads masked per layer) for every k of `cfg.mask_k`: the top k heads by mean retrieval score
+    (ties by layer, head), then `cfg.random_draws` sets of k heads drawn (seeded by seed and preset) from the rest."""
+    order = sorted(((float(means["retrieval_score"][li, h]), l, h) for li, l in enumerate(layers)
+                    for h in range(n_heads)), key=lambda x: (-x[0], x[1], x[2]))
+    everyone = [(l, h) for _, l, h in order]
+    rng = random.Random(f"{cfg.seed}|{spec}")
+    for k in (k for k in cfg.mask_k if k):
+        top = everyone[:k]
+        others = everyone[k:]  # check_heads: at least k of them, so every random set has exactly k heads
+        variants = [("top", -1, top)] + [("random", d, rng.sample(others, k)) for d in range(cfg.random_draws)]
+        for kind, draw, chosen in variants:
+            masked: dict[int, tuple[int, ...]] = {}
+            for l, h in chosen:
+                masked[l] = masked.get(l, ()) + (h,)
+            yield kind, k, draw, masked
 
 
 #: The shortest context the atlas's retrieval section runs in: a needle prompt's fixed parts and a haystack around it.
