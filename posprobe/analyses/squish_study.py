@@ -230,18 +230,7 @@ def run_squish_study(model: Any, config: SquishStudyConfig | None = None, *, tok
         if c["kind"] == "preset":
             preset_pairs(c["preset"])
     name = name or hf_model_name(hf)
-    cells: list[tuple[str, int, Instruction | None, dict]] = []
-    prompts: dict[tuple[str, int, str], list[StudyPrompt]] = {}
-    for placement in cfg.placements:
-        for distance in cfg.distances:
-            prompts[(placement, distance, "")] = [render_study_prompt(tok, placement, distance, None, q.text)
-                                                 for q in qs]
-            for inst in insts:
-                prompts[(placement, distance, inst.name)] = [
-                    render_study_prompt(tok, placement, distance, inst.text, q.text) for q in qs]
-            for c in conds:
-                targets: list[Instruction | None] = [None] if c["kind"] == "none" else list(insts)
-                cells += [(placement, distance, inst, c) for inst in targets]
+    cells, prompts = _plan(tok, cfg, insts, conds, qs)
     texts = "\n".join(p.text for ps in prompts.values() for p in ps)
     data = data_meta("built-in questions" if questions is None else "questions", n_items=len(qs), unit="questions",
                      sha256=text_sha256(texts))
@@ -268,6 +257,48 @@ def run_squish_study(model: Any, config: SquishStudyConfig | None = None, *, tok
                 print(f"\rsquish-study: {placement}, {distance} turns, {inst.name if inst else '-'}, {c['name']}: "
                       f"cell {done}/{len(units)}, ETA {left:.0f} s   ", end="" if done < len(units) else "\n",
                       file=sys.stderr)
+    answers = _answers(results, cells, units, prompts, qs, tok, name, cfg)
+    scored = pd.concat([answers[answers.condition != "none"], *_by_chance(answers, insts, qs, cfg)],
+                       ignore_index=True)
+    summary = _summary(scored)
+    cfg_meta = asdict(cfg)
+    meta = make_meta(
+        "squish-study", model=facts.summary(), data=data, config=cfg_meta,
+        instructions={i.name: i.text for i in insts}, conditions={c["name"]: c for c in conds},
+        measures={"followed": "the instruction's checker on the greedy answer",
+                  "acknowledged": "the answer mentions the instruction (its `mentions` phrases)",
+                  "kl_first": "KL(no instruction || condition) of the first answer token's distribution, nats",
+                  "ref_nll": "mean NLL of the question's reference answer after the prompt, nats/token",
+                  "span_attention": "attention of the last prompt token to the instruction's tokens, mean over "
+                                    "layers and heads (fraction)",
+                  "ci": "95 % Wilson interval of the adherence (0/1 answers)",
+                  "p_vs_normal": "exact McNemar test on the same questions against the normal condition"},
+        checkpoint={"folder": str(work) if work is not None else None, "resumed_units": ckpt.resumed})
+    return Result({"squish_answers": answers, "squish_adherence": summary}, meta)
+
+
+def _plan(tok: Any, cfg: SquishStudyConfig, insts: list[Instruction], conds: list[dict], qs: list[Question]
+          ) -> tuple[list[tuple[str, int, Instruction | None, dict]], dict[tuple[str, int, str], list[StudyPrompt]]]:
+    """(the study's cells: placement x distance x instruction x condition, None where the condition has no
+    instruction; every prompt rendered, by placement, distance and instruction name, "" for none)."""
+    cells: list[tuple[str, int, Instruction | None, dict]] = []
+    prompts: dict[tuple[str, int, str], list[StudyPrompt]] = {}
+    for placement in cfg.placements:
+        for distance in cfg.distances:
+            prompts[(placement, distance, "")] = [render_study_prompt(tok, placement, distance, None, q.text)
+                                                 for q in qs]
+            for inst in insts:
+                prompts[(placement, distance, inst.name)] = [
+                    render_study_prompt(tok, placement, distance, inst.text, q.text) for q in qs]
+            for c in conds:
+                targets: list[Instruction | None] = [None] if c["kind"] == "none" else list(insts)
+                cells += [(placement, distance, inst, c) for inst in targets]
+    return cells, prompts
+
+
+def _answers(results: dict[str, dict], cells: list, units: list[str], prompts: dict, qs: list[Question], tok: Any,
+             name: str, cfg: SquishStudyConfig) -> pd.DataFrame:
+    """One row per question of every cell: the decoded answer and the measures (the `squish_answers` table)."""
     rows = []
     for (placement, distance, inst, c), unit in zip(cells, units):
         got = results[unit]
@@ -287,8 +318,13 @@ def run_squish_study(model: Any, config: SquishStudyConfig | None = None, *, tok
                 ref_nll=got["ref_nll"][qi],
                 span_attention=got["span_attention"][qi] if got["span_attention"] is not None else float("nan"),
                 n_answer_tokens=len(ans)))
-    answers = pd.DataFrame(rows)
-    # The no-instruction answers scored by each instruction's checker: how often an answer "follows" by chance.
+    return pd.DataFrame(rows)
+
+
+def _by_chance(answers: pd.DataFrame, insts: list[Instruction], qs: list[Question], cfg: SquishStudyConfig
+               ) -> list[pd.DataFrame]:
+    """The no-instruction answers scored by each instruction's checker: how often an answer "follows" by chance
+    (one frame per instruction; none without the `none` condition)."""
     base_rows = []
     if "none" in cfg.conditions:
         for inst in insts:
@@ -298,22 +334,7 @@ def run_squish_study(model: Any, config: SquishStudyConfig | None = None, *, tok
             part["acknowledged"] = [bool(acknowledges(inst, a)) for a in part.answer]
             part["concerned"] = [inst.topic is None or q.topic == inst.topic for q in (qs[i] for i in part.question)]
             base_rows.append(part)
-    scored = pd.concat([answers[answers.condition != "none"], *base_rows], ignore_index=True)
-    summary = _summary(scored)
-    cfg_meta = asdict(cfg)
-    meta = make_meta(
-        "squish-study", model=facts.summary(), data=data, config=cfg_meta,
-        instructions={i.name: i.text for i in insts}, conditions={c["name"]: c for c in conds},
-        measures={"followed": "the instruction's checker on the greedy answer",
-                  "acknowledged": "the answer mentions the instruction (its `mentions` phrases)",
-                  "kl_first": "KL(no instruction || condition) of the first answer token's distribution, nats",
-                  "ref_nll": "mean NLL of the question's reference answer after the prompt, nats/token",
-                  "span_attention": "attention of the last prompt token to the instruction's tokens, mean over "
-                                    "layers and heads (fraction)",
-                  "ci": "95 % Wilson interval of the adherence (0/1 answers)",
-                  "p_vs_normal": "exact McNemar test on the same questions against the normal condition"},
-        checkpoint={"folder": str(work) if work is not None else None, "resumed_units": ckpt.resumed})
-    return Result({"squish_answers": answers, "squish_adherence": summary}, meta)
+    return base_rows
 
 
 def adherence_table(result: Result) -> pd.DataFrame:
