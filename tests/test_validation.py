@@ -312,3 +312,14 @@ def test_no_progress_also_silences_transformers_loading_bar(tmp_path, monkeypatc
         assert __import__("os").environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1"
     finally:
         transformers.utils.logging.enable_progress_bar()
+
+
+def test_peeked_w_pos_is_the_learned_table_or_tls_shortformer():
+    # What `geometry --max-pos` is refused by before loading: a W_pos exists for a learned table and for TL's
+    # shortformer (its table added to q and k only), not for rotary or ALiBi.
+    from posprobe.backend.peek import PeekedFacts, peek
+
+    assert peek("tiny-ape").has_w_pos and not peek("tiny-rope").has_w_pos
+    facts = {kind: PeekedFacts("m", kind, 64, False, 2, "config.json").has_w_pos
+             for kind in ("shortformer", "learned_absolute", "rotary", "alibi", "unknown")}
+    assert facts == {"shortformer": True, "learned_absolute": True, "rotary": False, "alibi": False, "unknown": False}

@@ -59,6 +59,12 @@ class PeekedFacts:
         return families.find(self.positional_kind)
 
     @property
+    def has_w_pos(self) -> bool:
+        """True where the model has a learned position table W_pos (a learned family, or TL's shortformer, which adds
+        its table to q and k only): what the W_pos views read (as `ModelFacts.has_w_pos` after loading)."""
+        return self.positional_kind == "shortformer" or (self.family is not None and self.family.learned_table)
+
+    @property
     def known_kind(self) -> bool:
         """False where the spec does not say how positions enter (kind checks wait for loading)."""
         return self.positional_kind != UNKNOWN

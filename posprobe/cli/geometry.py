@@ -17,7 +17,7 @@ def _checks(args: argparse.Namespace, config: Any, early: Any) -> int:
     checks.check_window(early, args, config.window)
     if args.max_pos is not None and early is not None and early.known_kind:
         # Only the W_pos view reads --max-pos, and only learned-position models have W_pos.
-        if early.positional_kind != "shortformer" and not (early.family is not None and early.family.learned_table):
+        if not early.has_w_pos:
             raise checks.WrongModelKind(f"--max-pos selects W_pos rows, but {early.name} uses "
                                         f"{early.positional_kind} positions (no W_pos); drop --max-pos")
         checks.check_window(early, args, args.max_pos, "--max-pos")
