@@ -175,8 +175,10 @@ def window_table(passkey: pd.DataFrame, L: int, keys: Sequence[str] = ("model",)
 def table_rows(model: Any) -> int | None:
     """The rows of a Hugging Face model's learned position table (GPT-2's `n_positions`: no position past it can be
     computed), None for a model whose positions are not a table (rotary, ALiBi, T5 buckets, NoPE)."""
-    wpe = getattr(getattr(model, "transformer", None), "wpe", None)
-    return int(wpe.num_embeddings) if wpe is not None else None
+    from posprobe.backend.model import hf_learned_table
+
+    table = hf_learned_table(model)
+    return int(table.num_embeddings) if table is not None else None
 
 
 def _compare(m: ModelEntry, run: CompareRun) -> Any:

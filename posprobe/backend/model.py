@@ -23,6 +23,13 @@ def context_length(model: Any) -> int:
     return int(model.cfg.n_ctx)
 
 
+def hf_learned_table(hf_model: Any) -> torch.nn.Embedding | None:
+    """The learned position table of a plain HF model of GPT-2's class (`transformer.wpe`, one row per position),
+    None for a model whose positions are not such a table (rotary, ALiBi, T5 buckets, NoPE, other classes)."""
+    wpe = getattr(getattr(hf_model, "transformer", None), "wpe", None)
+    return wpe if isinstance(wpe, torch.nn.Embedding) else None
+
+
 def device_of(model: Any) -> torch.device:
     """The device the model's weights live on (tensors made for it go there)."""
     return ops(model).device_of(model)

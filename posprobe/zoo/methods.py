@@ -383,8 +383,10 @@ def copy_rows(model: Any, target: int) -> None:
     ValueError for a model without GPT-2's `transformer.wpe` table."""
     import torch
 
-    wpe = getattr(getattr(model, "transformer", None), "wpe", None)
-    if not isinstance(wpe, torch.nn.Embedding):
+    from posprobe.backend.model import hf_learned_table
+
+    wpe = hf_learned_table(model)
+    if wpe is None:
         raise ValueError(f"copy grows GPT-2's learned table (transformer.wpe); {type(model).__name__} has none")
     old = wpe.weight.detach()
     rows = torch.arange(target, device=old.device) % old.shape[0]
