@@ -64,6 +64,8 @@ _EXPORTS = {
     "run_sinks": "posprobe.analyses.sinks",
     "RetrievalConfig": "posprobe.analyses.configs",
     "run_retrieval": "posprobe.analyses.retrieval",
+    "ConformConfig": "posprobe.analyses.configs",
+    "run_conform": "posprobe.analyses.conform",
     "head_similarity": "posprobe.analyses.head_similarity",
     "SquishStudyConfig": "posprobe.analyses.configs",
     "run_squish_study": "posprobe.analyses.squish_study",

@@ -116,7 +116,9 @@ class _Reached(BaseException):
 def _concrete(cmd: str, text: Path, out: Path) -> list[str]:
     # The README's placeholders for data a clone does not have: the haystack / evaluation text, an output folder,
     # and `...` for free-form arguments.
-    argv = cmd.split()[1:]
+    import shlex
+
+    argv = shlex.split(cmd)[1:]  # a JSON argument keeps its quotes' content whole
     fill = {"--text": str(text), "--eval-text": str(text), "--instruction": "Answer briefly.",
             "--prompt": "Where is the key?", "--task": "niah_single_2", "--out": str(out)}
     for i, a in enumerate(argv):
@@ -160,6 +162,7 @@ def test_readme_command_passes_every_check_before_loading(cmd, tmp_path, monkeyp
     weights load (flags, presets, lengths against the text and the context, the output folder) in a clean folder:
     flags renamed or removed, or a length the text cannot fill, fail here. The loaders are stand-ins that stop the
     run (running them all would take hours: the 16k-token ones 40 minutes each)."""
+    import posprobe.analyses.conform
     import posprobe.analyses.shift
     import posprobe.backend.loading
     import posprobe.zoo.run
@@ -179,6 +182,7 @@ def test_readme_command_passes_every_check_before_loading(cmd, tmp_path, monkeyp
     monkeypatch.setattr(posprobe.backend.loading, "load_model", reached)
     monkeypatch.setattr(posprobe.backend.loading, "load_hf_model", reached)
     monkeypatch.setattr(posprobe.analyses.shift, "prepare", reached)
+    monkeypatch.setattr(posprobe.analyses.conform, "run_conform", reached)  # reading the file is conform's loading
     monkeypatch.setattr(posprobe.zoo.run, "train_zoo", reached)  # training is the zoo's loading
     monkeypatch.setattr(posprobe.zoo.task_zoo, "train_task_zoo", reached)
     monkeypatch.chdir(tmp_path)
@@ -194,7 +198,7 @@ def test_readme_command_passes_every_check_before_loading(cmd, tmp_path, monkeyp
 #: loading above, and the atlas by tests/test_atlas.py.
 RUN_TO_COMPLETION = ("posprobe info smollm2", "posprobe info tiny-rope --json", "posprobe heads smollm2 --out DIR",
                      "posprobe geometry minilm --out DIR", "posprobe decompose minilm --out DIR",
-                     "posprobe atlas minilm --out reports/minilm-atlas")
+                     "posprobe atlas minilm --out reports/minilm-atlas", "posprobe conform smollm2 --out DIR")
 
 
 @pytest.mark.real

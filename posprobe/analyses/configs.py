@@ -840,3 +840,40 @@ class ZooAtlasConfig:
         if atlas.probe_tokens is not None:
             shared["probe_tokens"] = atlas.probe_tokens
         return cls(**{**shared, **overrides})
+
+
+# ---- an engine's positions against the proven reference (posprobe.analyses.conform) ----------------------------
+
+#: Engines `posprobe conform` reads (each a module of posprobe.backend.engines).
+CONFORM_ENGINES = ("llama.cpp",)
+#: The checks of `posprobe conform` built so far (#62: behaviour, cache boundaries and precision follow).
+CONFORM_CHECKS = ("declared",)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConformConfig:
+    """Options of `posprobe conform` (`run_conform`): an engine's rotary positions for a model checked against
+    Hugging Face's, which posprobe proves."""
+
+    engine: str = option("llama.cpp", f"the engine whose positions are checked ({', '.join(CONFORM_ENGINES)})")
+    engine_options: tuple[str, ...] = option((), "an engine option in force, KEY=VALUE (repeatable; llama.cpp: "
+                                                 "llama-cpp-python's rope keywords rope_freq_base, rope_freq_scale, "
+                                                 "rope_scaling_type, yarn_ext_factor, yarn_attn_factor, "
+                                                 "yarn_beta_fast, yarn_beta_slow, yarn_orig_ctx)",
+                                             flag="--engine-option")
+    checks: tuple[str, ...] = option(CONFORM_CHECKS, f"checks to run ({', '.join(CONFORM_CHECKS)})",
+                                     flag="--check")
+    rope_scaling: dict | None = option(None, "", cli=False)  # the CLI's --rope-scaling JSON
+
+    def __post_init__(self) -> None:
+        if self.engine not in CONFORM_ENGINES:
+            raise ValueError(f"unknown engine {self.engine!r}; posprobe conform reads {', '.join(CONFORM_ENGINES)}")
+        bad = [c for c in self.checks if c not in CONFORM_CHECKS]
+        if bad or not self.checks:
+            raise ValueError(f"unknown checks {bad}; choose from {', '.join(CONFORM_CHECKS)}")
+        object.__setattr__(self, "checks", tuple(dict.fromkeys(self.checks)))
+        from posprobe.backend.engines.llama_cpp import parse_options
+
+        parse_options(self.engine_options)  # a bad KEY=VALUE is refused with the config
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
+            raise ValueError("rope_scaling must be a JSON object of HF rope_parameters fields")

@@ -27,6 +27,7 @@ SUBCOMMANDS = {
     "retrieval": "retrieval",
     "atlas": "atlas",
     "zoo": "zoo",
+    "conform": "conform",
 }
 
 #: Subcommand name -> its page in the source tree's docs/ (the site: `mkdocs serve`); every `--help` ends with it.
@@ -47,6 +48,7 @@ DOCS_PAGES = {
     "retrieval": "docs/sinks-retrieval-long-context.md",
     "atlas": "docs/atlas.md",
     "zoo": "docs/zoo.md",
+    "conform": "docs/conform.md",
 }
 DOCS_SITE = "the site, with search and the API reference: `mkdocs serve` in a clone (bash .ci/setup --docs)"
 

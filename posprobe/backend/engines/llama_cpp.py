@@ -1,0 +1,138 @@
+"""llama.cpp as an engine: the rotation it declares for a GGUF file under its options, per layer type.
+
+The rules are llama.cpp's as of 2026 (src/llama-model.cpp `load_hparams`, src/llama-context.cpp, ggml's rope; since
+PR #18006, Dec 2025, for YaRN's attention factor and PR #18553, Jan 2026, for Gemma 3's local base), restated here
+as facts, not code:
+
+- from the file: `{arch}.rope.dimension_count` (rotated dims; default the key length), `{arch}.rope.freq_base`
+  (default 10000), `{arch}.rope.scaling.type` (default linear), `.factor` (freq_scale = 1/factor; 1 without),
+  `.attn_factor` (default 1), `.original_context_length` (default `{arch}.context_length`);
+- the options (llama-cpp-python's `Llama(...)` keywords): `rope_freq_base`, `rope_freq_scale` (0 = the file's),
+  `rope_scaling_type` (-1 = the file's, 0 none, 1 linear, 2 yarn; none forces freq_scale 1), `yarn_ext_factor`
+  (negative = 1 for yarn, else 0), `yarn_beta_fast` 32, `yarn_beta_slow` 1, `yarn_orig_ctx` (0 = the file's),
+  `yarn_attn_factor` (1; with YaRN on, llama.cpp replaces it: the factor handed to ggml is the file's attn_factor
+  times get_mscale(factor) / (1 + 0.1 ln factor), which ggml's own 1 + 0.1 ln(1/freq_scale) then cancels);
+- Gemma 3 with a sliding window: layer il is local when il % 6 < 5 (`sliding_window_pattern`, default 6); local
+  layers rotate with `{arch}.rope.freq_base_swa` (default 10000) and no scaling, whatever the options say; global
+  layers with the options' base and scale.
+Torch-free; the GGUF header is read by `posprobe.backend.peek.read_gguf_metadata`."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from posprobe.backend.engines.rope import EngineRope
+
+__all__ = ["OPTIONS", "SCALING_TYPES", "declared", "options_for_scaling", "parse_options"]
+
+#: llama-cpp-python's rope keywords and their defaults (0 / negative: "the file's").
+OPTIONS: dict[str, float] = {"rope_scaling_type": -1, "rope_freq_base": 0.0, "rope_freq_scale": 0.0,
+                             "yarn_ext_factor": -1.0, "yarn_attn_factor": 1.0, "yarn_beta_fast": 32.0,
+                             "yarn_beta_slow": 1.0, "yarn_orig_ctx": 0}
+#: llama.cpp's rope scaling types by number (LLAMA_ROPE_SCALING_TYPE_*).
+SCALING_TYPES = {-1: "unspecified", 0: "none", 1: "linear", 2: "yarn", 3: "longrope"}
+#: Architectures whose sliding-window layers rotate with their own base (llama.cpp's SWA rope hparams).
+_SWA_ROPE = ("gemma3",)
+
+
+def parse_options(pairs: list[str] | tuple[str, ...] | None) -> dict[str, float]:
+    """{option: value} from `KEY=VALUE` strings (`--engine-option`); ValueError naming a key llama.cpp's rope does not
+    have, or a value that is not a number."""
+    out: dict[str, float] = {}
+    for pair in pairs or ():
+        key, sep, value = pair.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or key not in OPTIONS:
+            raise ValueError(f"--engine-option {pair!r}: expected KEY=VALUE with KEY one of {', '.join(OPTIONS)}")
+        try:
+            out[key] = float(value)
+        except ValueError:
+            raise ValueError(f"--engine-option {pair!r}: {value!r} is not a number") from None
+    return out
+
+
+def options_for_scaling(rope: dict | None) -> dict[str, float]:
+    """llama.cpp's options for HF `rope_parameters` `rope` (the scaling under test): linear -> rope_scaling_type 1,
+    rope_freq_scale 1/factor; yarn -> type 2, 1/factor, yarn_orig_ctx = original_max_position_embeddings (and
+    beta_fast / beta_slow where given). ValueError for a rope type llama.cpp cannot take as options (llama3 and
+    longrope need per-band factor tensors in the file; dynamic has no llama.cpp form)."""
+    if not rope:
+        return {}
+    kind = str(rope.get("rope_type", rope.get("type", "default")))
+    if kind == "default":
+        return {}
+    if kind not in ("linear", "yarn"):
+        raise ValueError(f"rope type {kind!r}: llama.cpp takes linear and yarn scaling as options; {kind} needs "
+                         "per-band factors written into the GGUF file (or has no llama.cpp form)")
+    factor = float(rope.get("factor") or 0)
+    if factor <= 0:
+        raise ValueError(f"rope scaling {rope}: a {kind} scaling needs a factor > 0")
+    out = {"rope_scaling_type": 1.0 if kind == "linear" else 2.0, "rope_freq_scale": 1.0 / factor}
+    if kind == "yarn":
+        if rope.get("original_max_position_embeddings"):
+            out["yarn_orig_ctx"] = float(rope["original_max_position_embeddings"])
+        for k in ("beta_fast", "beta_slow"):
+            if rope.get(k) is not None:
+                out[f"yarn_{k}"] = float(rope[k])
+    return out
+
+
+def _get_mscale(scale: float) -> float:
+    return 1.0 if scale <= 1 else 0.1 * math.log(scale) + 1.0
+
+
+def declared(meta: dict[str, Any], options: dict[str, float] | None = None) -> dict[str, EngineRope]:
+    """{layer type: EngineRope} llama.cpp rotates the model of GGUF metadata `meta` with under `options`
+    (llama-cpp-python's keywords; missing ones at its defaults): "all" for one table, else Gemma 3's
+    "full_attention" and "sliding_attention" (HF's names for its global and local layers)."""
+    opt = {**OPTIONS, **(options or {})}
+    arch = str(meta.get("general.architecture", ""))
+
+    def key(name: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{name}", default)
+
+    heads = key("attention.head_count") or 1
+    head_dim = key("attention.key_length") or (key("embedding_length") or 0) // heads
+    n_rot = int(key("rope.dimension_count") or head_dim)
+    if n_rot <= 0:
+        raise ValueError(f"the GGUF file ({arch}) declares no rotary dims (rope.dimension_count, attention.key_length)")
+    base_train = float(key("rope.freq_base", 10000.0))
+    file_type = str(key("rope.scaling.type", "linear"))
+    factor = float(key("rope.scaling.factor") or key("rope.scale_linear") or 0.0)
+    scale_train = 1.0 / factor if factor else 1.0
+    attn_train = float(key("rope.scaling.attn_factor", 1.0))
+    ctx_train = int(key("context_length") or 0)
+    orig_file = int(key("rope.scaling.original_context_length") or ctx_train)
+
+    kind_no = int(opt["rope_scaling_type"])
+    if kind_no not in SCALING_TYPES:
+        raise ValueError(f"rope_scaling_type {kind_no}: llama.cpp has {SCALING_TYPES}")
+    kind = file_type if kind_no == -1 else SCALING_TYPES[kind_no]
+    base = float(opt["rope_freq_base"]) or base_train
+    freq_scale = float(opt["rope_freq_scale"]) or scale_train
+    if kind == "none":
+        freq_scale = 1.0
+    ext = float(opt["yarn_ext_factor"])
+    if ext < 0:
+        ext = 1.0 if kind == "yarn" else 0.0
+    orig = int(opt["yarn_orig_ctx"]) or orig_file
+    if ext != 0:
+        s = 1.0 / freq_scale
+        attn = _get_mscale(s) / (1.0 + 0.1 * math.log(s)) * attn_train
+    else:
+        attn = float(opt["yarn_attn_factor"]) * attn_train
+    said = {k: v for k, v in (options or {}).items() if v != OPTIONS.get(k)}
+    source = (f"GGUF {arch}: rope.freq_base {base_train:g}, rope.dimension_count {n_rot}, scaling {file_type}"
+              + (f" x{factor:g}" if factor else "") + f"; options {said or 'default'}")
+    common = dict(n_rot=n_rot, ext_factor=ext, attn_factor=attn, beta_fast=float(opt["yarn_beta_fast"]),
+                  beta_slow=float(opt["yarn_beta_slow"]), orig_ctx=orig, scaling=kind)
+    window = int(key("attention.sliding_window") or 0)
+    if arch not in _SWA_ROPE or window <= 0:
+        return {"all": EngineRope("all", base=base, freq_scale=freq_scale, source=source, **common)}
+    swa_base = float(key("rope.freq_base_swa", 10000.0))
+    local = {**common, "n_rot": int(key("rope.dimension_count_swa") or n_rot)}
+    return {"full_attention": EngineRope("full_attention", base=base, freq_scale=freq_scale, source=source, **common),
+            "sliding_attention": EngineRope("sliding_attention", base=swa_base, freq_scale=1.0,
+                                            source=source + f"; local layers: rope.freq_base_swa {swa_base:g}, "
+                                                            "no scaling", **local)}

@@ -1,0 +1,89 @@
+"""The Hugging Face reference of a model's rotary positions, from its config alone: per layer type, the inverse
+frequencies (rad/token) and the cos/sin multiplier (the attention factor) of HF's own rotary module for the config,
+built on the CPU (the class the config names, its `rotary_emb` instantiated from the config: no weights). posprobe
+proves these tables against HF's forward for every rope type (tests/test_rope_types.py)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+__all__ = ["hf_config_of_gguf", "hf_rope_tables", "with_rope_scaling"]
+
+
+def hf_rope_tables(config: Any) -> dict[str, tuple[Any, float]]:
+    """{layer type: (inverse frequencies `[band]` float64 numpy, cos/sin multiplier)} of HF's rotary module for
+    `config` ("all" where the model has one table for every layer, else HF's layer types, e.g. Gemma 3's
+    "full_attention" and "sliding_attention"). ValueError where the config's class has no rotary module."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from posprobe.backend import t5_decoder
+
+    t5_decoder.register_auto_class()
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    found = [m for name, m in model.named_modules() if name.endswith("rotary_emb")]
+    if not found:
+        raise ValueError(f"HF's {config.model_type} class has no rotary module: its positions are not rotations")
+    module = type(found[0])(config=getattr(found[0], "config", config))
+    types = getattr(module, "layer_types", None)
+    if types:
+        return {t: (getattr(module, f"{t}_inv_freq").double().numpy(),
+                    float(getattr(module, f"{t}_attention_scaling", 1.0))) for t in types}
+    return {"all": (module.inv_freq.double().numpy(), float(getattr(module, "attention_scaling", 1.0)))}
+
+
+def hf_config_of_gguf(path: Any) -> Any:
+    """HF's config of the GGUF file `path` (posprobe's converted folder's config.json where the file was converted
+    before, else transformers' own GGUF reader), read once per file and process: the config returned is shared, not
+    to be modified (`with_rope_scaling` copies it). ValueError where transformers cannot read the architecture."""
+    from pathlib import Path
+
+    p = Path(path)
+    return _config_of_gguf(str(p.resolve()), p.stat().st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _config_of_gguf(path: str, mtime: int) -> Any:
+    """HF's config of the GGUF file `path`: posprobe's converted folder's config.json where the file was converted
+    before (`posprobe.backend.hf.hf_folder`: instant), else transformers' own GGUF reader (its metadata only, ~10 s:
+    the tokenizer's arrays are parsed too). ValueError naming the architecture where transformers cannot read it."""
+    from pathlib import Path
+
+    from transformers import AutoConfig
+
+    from posprobe.backend.sources import gguf_cache_path
+
+    path = Path(path)
+    cached = gguf_cache_path(path)
+    try:
+        if (cached / "config.json").is_file():
+            return AutoConfig.from_pretrained(cached)
+        return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    except Exception as e:  # noqa: BLE001 - transformers raises ValueError/KeyError/OSError by architecture
+        from posprobe.backend.peek import read_gguf_metadata
+
+        arch = read_gguf_metadata(path).get("general.architecture", "?")
+        raise ValueError(f"{path.name}: Hugging Face cannot read this GGUF's architecture {arch!r} "
+                         f"({type(e).__name__}: {e}), so there is no proven reference to check an engine against"
+                         ) from None
+
+
+def with_rope_scaling(config: Any, rope: dict | None) -> Any:
+    """`config` with HF `rope_parameters` `rope` laid over its own (the scaling under test): over the one table, or
+    over the full-attention layers' where the config keeps one per layer type (Gemma 3 scales only its global
+    layers); a yarn or llama3 scaling without its original length gets the config's context. The config is copied."""
+    import copy
+
+    if not rope:
+        return config
+    new = copy.deepcopy(config)
+    params = dict(getattr(new, "rope_parameters", None) or {})
+    per_type = all(isinstance(v, dict) for v in params.values()) and params
+    own = dict(params.get("full_attention", {})) if per_type else params
+    merged = {**own, **rope}
+    if merged.get("rope_type") in ("yarn", "llama3"):
+        merged.setdefault("original_max_position_embeddings", int(new.max_position_embeddings))
+    new.rope_parameters = {**params, "full_attention": merged} if per_type else merged
+    return new

@@ -1,0 +1,46 @@
+"""`posprobe conform`: an engine's rotary positions for a model against Hugging Face's (argparse only at import)."""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = ("Check an engine's rotary positions for a model against Hugging Face's, which posprobe proves: per layer "
+        "type, the engine's declared per-band frequencies and cos/sin multiplier (llama.cpp: the GGUF metadata and "
+        "its rope options) against HF's, a mismatch named by its bug class (base off, scale off, attention factor "
+        "missing or doubled, rotated dims, layer types swapped, a YaRN ramp off).")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from posprobe.cli.args import add_config_arguments, add_output_arguments
+
+    p.add_argument("model", metavar="MODEL", help="a GGUF file or a packaged GGUF model (smollm2, gemma3-270m)")
+    p.add_argument("--rope-scaling", metavar="JSON", default=None,
+                   help="the scaling under test, as HF rope_parameters, e.g. '{\"rope_type\": \"yarn\", \"factor\": "
+                        "2}': laid over HF's config (its global layers where it has layer types) and given to the "
+                        "engine as its options (llama.cpp: linear and yarn)")
+    add_config_arguments(p, _config_class())
+    add_output_arguments(p)
+
+
+def _config_class() -> type:
+    from posprobe.analyses.configs import ConformConfig
+
+    return ConformConfig
+
+
+def run(args: argparse.Namespace) -> int:
+    from posprobe.cli import checks
+    from posprobe.cli.args import config_from_args, json_object
+
+    checks.check_out(args.out)
+    cfg = config_from_args(_config_class(), args, rope_scaling=json_object(args.rope_scaling, "--rope-scaling"))
+
+    from posprobe.analyses.conform import engine_file, run_conform
+    from posprobe.report.conform import summary_text
+
+    engine_file(args.model, cfg.engine)  # not a GGUF: refused before HF is imported
+    result = run_conform(args.model, cfg)
+    print(summary_text(result))
+    paths = result.save(args.out, figure_formats=args.figures, csv=args.csv)
+    print(f"wrote {paths['report']}")
+    return 0
