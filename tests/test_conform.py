@@ -21,6 +21,8 @@ import pytest
 from posprobe.analyses.configs import ConformConfig
 from posprobe.analyses.conform import run_conform
 
+DECLARED = ("declared",)  # this file checks the declared positions; tests/test_conform_behaviour.py the behaviour
+
 
 @pytest.fixture(scope="module")
 def gguf_meta():
@@ -49,12 +51,12 @@ def test_the_files_declare_what_llama_cpp_reads(gguf_meta):
 
 
 def test_llama_cpp_conforms_on_both_packaged_files():
-    s = run_conform("smollm2")
+    s = run_conform("smollm2", ConformConfig(checks=DECLARED))
     row = s.tables["declared"].iloc[0]
     assert s.meta["verdict"] == "conforms" and row["engine_bands"] == row["hf_bands"] == 32
     bands = s.tables["declared_bands"]
     assert bands["hf_inv_freq"].iloc[1] == pytest.approx(1e5 ** (-2 / 64), rel=1e-6)  # base 1e5, 64 dims
-    g = run_conform("gemma3-270m")
+    g = run_conform("gemma3-270m", ConformConfig(checks=DECLARED))
     d = g.tables["declared"].set_index("layer_type")
     assert g.meta["verdict"] == "conforms" and list(d.index) == ["full_attention", "sliding_attention"]
     assert (d.loc["full_attention", "engine_base"], d.loc["sliding_attention", "engine_base"]) == (1e6, 1e4)
@@ -70,7 +72,7 @@ def test_llama_cpp_conforms_on_both_packaged_files():
     ("gemma3-270m", ("rope_freq_scale=0.125",), None, "scale off", "x0.125"),
 ])
 def test_planted_engine_options_are_named(spec, options, scaling, bug, says):
-    got = run_conform(spec, ConformConfig(engine_options=options, rope_scaling=scaling))
+    got = run_conform(spec, ConformConfig(checks=DECLARED, engine_options=options, rope_scaling=scaling))
     bad = got.tables["declared"][got.tables["declared"]["verdict"] == "differs"]
     assert list(bad["bug_class"]) == [bug] and says in bad["why"].iloc[0], bad["why"].tolist()
     assert got.meta["verdict"] == f"differs: {bug}"
@@ -79,26 +81,27 @@ def test_planted_engine_options_are_named(spec, options, scaling, bug, says):
 def test_the_scaling_under_test_reaches_both_sides():
     # YaRN x2 on SmolLM2 (HF's yarn against llama.cpp's yarn options): the same bands and the same multiplier,
     # 1 + 0.1 ln 2 (Peng et al.); linear x8 on Gemma 3 reaches the global layers only, on both sides.
-    y = run_conform("smollm2", ConformConfig(rope_scaling={"rope_type": "yarn", "factor": 2.0}))
+    y = run_conform("smollm2", ConformConfig(checks=DECLARED, rope_scaling={"rope_type": "yarn", "factor": 2.0}))
     row = y.tables["declared"].iloc[0]
     assert y.meta["verdict"] == "conforms" and row["hf_multiplier"] == pytest.approx(1 + 0.1 * math.log(2))
     assert y.meta["engine_options"] == {"rope_scaling_type": 2.0, "rope_freq_scale": 0.5}
-    g = run_conform("gemma3-270m", ConformConfig(rope_scaling={"rope_type": "linear", "factor": 8.0}))
+    g = run_conform("gemma3-270m", ConformConfig(checks=DECLARED, rope_scaling={"rope_type": "linear", "factor": 8.0}))
     d = g.tables["declared"].set_index("layer_type")
     assert g.meta["verdict"] == "conforms"
     assert (d.loc["full_attention", "engine_freq_scale"], d.loc["sliding_attention", "engine_freq_scale"]) == (
         0.125, 1.0)
     with pytest.raises(ValueError, match="llama3 needs per-band factors"):
-        run_conform("smollm2", ConformConfig(rope_scaling={"rope_type": "llama3", "factor": 8.0}))
+        run_conform("smollm2", ConformConfig(checks=DECLARED, rope_scaling={"rope_type": "llama3", "factor": 8.0}))
 
 
 def test_the_command_prints_the_verdict_and_refuses_bad_input(tmp_path, capsys):
     from posprobe.cli import main
 
-    assert main(["conform", "smollm2", "--out", str(tmp_path / "ok")]) == 0
+    assert main(["conform", "smollm2", "--check", "declared", "--out", str(tmp_path / "ok")]) == 0
     out = capsys.readouterr().out
     assert "conforms" in out.splitlines()[0] and (tmp_path / "ok" / "report.html").is_file()
-    assert main(["conform", "smollm2", "--engine-option", "rope_freq_base=101000", "--out", str(tmp_path / "b")]) == 0
+    assert main(["conform", "smollm2", "--check", "declared", "--engine-option", "rope_freq_base=101000",
+                 "--out", str(tmp_path / "b")]) == 0
     out = capsys.readouterr().out
     assert "differs: base off" in out and "engine base 101000" in out
     for flags, why in ((["--engine-option", "freq=1"], "expected KEY=VALUE"),

@@ -844,10 +844,8 @@ class ZooAtlasConfig:
 
 # ---- an engine's positions against the proven reference (posprobe.analyses.conform) ----------------------------
 
-#: Engines `posprobe conform` reads (each a module of posprobe.backend.engines).
-CONFORM_ENGINES = ("llama.cpp",)
-#: The checks of `posprobe conform` built so far (#62: behaviour, cache boundaries and precision follow).
-CONFORM_CHECKS = ("declared",)
+#: The checks of `posprobe conform` built so far (#62: cache boundaries and precision follow).
+CONFORM_CHECKS = ("declared", "behaviour")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -855,7 +853,8 @@ class ConformConfig:
     """Options of `posprobe conform` (`run_conform`): an engine's rotary positions for a model checked against
     Hugging Face's, which posprobe proves."""
 
-    engine: str = option("llama.cpp", f"the engine whose positions are checked ({', '.join(CONFORM_ENGINES)})")
+    engine: str = option("llama.cpp", "the engine whose positions are checked (llama.cpp; posprobe.backend.engines."
+                                      "ENGINES lists them)")
     engine_options: tuple[str, ...] = option((), "an engine option in force, KEY=VALUE (repeatable; llama.cpp: "
                                                  "llama-cpp-python's rope keywords rope_freq_base, rope_freq_scale, "
                                                  "rope_scaling_type, yarn_ext_factor, yarn_attn_factor, "
@@ -863,17 +862,25 @@ class ConformConfig:
                                              flag="--engine-option")
     checks: tuple[str, ...] = option(CONFORM_CHECKS, f"checks to run ({', '.join(CONFORM_CHECKS)})",
                                      flag="--check")
+    lengths: tuple[int, ...] = option((2048,), "behaviour: input lengths in tokens, each one pass through the engine "
+                                               "and the reference (repeatable)", flag="--length")
+    bins: int = option(16, "behaviour: position bins per length in the table and the figure")
+    threads: int | None = option(None, "behaviour: the engine's CPU threads (default: llama-cpp-python's)",
+                                 flag="--engine-threads")
     rope_scaling: dict | None = option(None, "", cli=False)  # the CLI's --rope-scaling JSON
 
     def __post_init__(self) -> None:
-        if self.engine not in CONFORM_ENGINES:
-            raise ValueError(f"unknown engine {self.engine!r}; posprobe conform reads {', '.join(CONFORM_ENGINES)}")
+        from posprobe.backend.engines import engine_module
+
+        engine = engine_module(self.engine)  # an unknown engine is refused naming the known ones
         bad = [c for c in self.checks if c not in CONFORM_CHECKS]
         if bad or not self.checks:
             raise ValueError(f"unknown checks {bad}; choose from {', '.join(CONFORM_CHECKS)}")
         object.__setattr__(self, "checks", tuple(dict.fromkeys(self.checks)))
-        from posprobe.backend.engines.llama_cpp import parse_options
-
-        parse_options(self.engine_options)  # a bad KEY=VALUE is refused with the config
+        engine.parse_options(self.engine_options)  # a bad KEY=VALUE is refused with the config
+        at_least(self, 2, "bins")
+        if not self.lengths or min(self.lengths) < 4 * self.bins:
+            raise ValueError(f"lengths must be >= 4 x bins ({4 * self.bins} tokens); got {self.lengths}")
+        object.__setattr__(self, "lengths", tuple(sorted(set(int(n) for n in self.lengths))))
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
             raise ValueError("rope_scaling must be a JSON object of HF rope_parameters fields")

@@ -160,10 +160,12 @@ def quiet_progress() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-def load_causal_lm(folder: str | os.PathLike, *, config: Any = None, train: bool = False) -> Any:
-    """A zoo member (or any HF causal-LM folder) as its plain Hugging Face class: float32, eager attention, in eval
-    mode (training mode with `train`), HF's bars silenced; `config` replaces the folder's own (a method's
-    rope_parameters). The decoder-only T5-bias class is registered first."""
+def load_causal_lm(folder: str | os.PathLike, *, config: Any = None, train: bool = False,
+                   attention: str = "eager") -> Any:
+    """A zoo member (or any HF causal-LM folder) as its plain Hugging Face class: float32, `attention` ("eager", or
+    "sdpa" where long inputs would not fit eager's weights), in eval mode (training mode with `train`), HF's bars
+    silenced; `config` replaces the folder's own (a method's rope_parameters). The decoder-only T5-bias class is
+    registered first."""
     from transformers import AutoModelForCausalLM
 
     from posprobe.backend import t5_decoder
@@ -171,7 +173,7 @@ def load_causal_lm(folder: str | os.PathLike, *, config: Any = None, train: bool
     t5_decoder.register_auto_class()
     kw = {} if config is None else {"config": config}
     with quiet_progress():
-        model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager", dtype=torch.float32, **kw)
+        model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation=attention, dtype=torch.float32, **kw)
     return model.train() if train else model.eval()
 
 

@@ -18,6 +18,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the scaling under test, as HF rope_parameters, e.g. '{\"rope_type\": \"yarn\", \"factor\": "
                         "2}': laid over HF's config (its global layers where it has layer types) and given to the "
                         "engine as its options (llama.cpp: linear and yarn)")
+    p.add_argument("--text", metavar="PATH", default=None,
+                   help="behaviour: the text whose token ids both sides read (default: posprobe's built-in corpus)")
     add_config_arguments(p, _config_class())
     add_output_arguments(p)
 
@@ -34,12 +36,17 @@ def run(args: argparse.Namespace) -> int:
 
     checks.check_out(args.out)
     cfg = config_from_args(_config_class(), args, rope_scaling=json_object(args.rope_scaling, "--rope-scaling"))
+    text = checks.read_text_early(args.text)
 
     from posprobe.analyses.conform import engine_file, run_conform
+    from posprobe.backend.engines import engine_module
     from posprobe.report.conform import summary_text
 
     engine_file(args.model, cfg.engine)  # not a GGUF: refused before HF is imported
-    result = run_conform(args.model, cfg)
+    missing = engine_module(cfg.engine).missing_package() if "behaviour" in cfg.checks else None
+    if missing:
+        raise ValueError(f"{missing}; or run --check declared alone")
+    result = run_conform(args.model, cfg, text=text)
     print(summary_text(result))
     paths = result.save(args.out, figure_formats=args.figures, csv=args.csv)
     print(f"wrote {paths['report']}")

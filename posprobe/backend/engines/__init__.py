@@ -3,3 +3,21 @@ rotary positions (per layer type), and how it scores token ids. One module per e
 reference of the same model's positions (`reference.py`); the declared rotation of an engine as one record
 (`rope.py`: `EngineRope`, its per-band frequencies by the engine's own formulas). The comparison lives in
 `posprobe.analyses.conform`. Torch-free at import."""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+__all__ = ["ENGINES", "engine_module"]
+
+#: Engine name -> its module: an engine is one module with `parse_options`, `options_for_scaling`, `declared`,
+#: `missing_package` and `next_token_logprobs` (llama_cpp.py's), and one row here.
+ENGINES = {"llama.cpp": "posprobe.backend.engines.llama_cpp"}
+
+
+def engine_module(name: str) -> ModuleType:
+    """The module of engine `name`; ValueError naming the engines there are."""
+    if name not in ENGINES:
+        raise ValueError(f"unknown engine {name!r}; posprobe conform reads {', '.join(ENGINES)}")
+    return importlib.import_module(ENGINES[name])

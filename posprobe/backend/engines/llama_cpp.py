@@ -24,7 +24,8 @@ from typing import Any
 
 from posprobe.backend.engines.rope import EngineRope
 
-__all__ = ["OPTIONS", "SCALING_TYPES", "declared", "options_for_scaling", "parse_options"]
+__all__ = ["OPTIONS", "SCALING_TYPES", "declared", "missing_package", "next_token_logprobs", "options_for_scaling",
+           "parse_options"]
 
 #: llama-cpp-python's rope keywords and their defaults (0 / negative: "the file's").
 OPTIONS: dict[str, float] = {"rope_scaling_type": -1, "rope_freq_base": 0.0, "rope_freq_scale": 0.0,
@@ -136,3 +137,42 @@ def declared(meta: dict[str, Any], options: dict[str, float] | None = None) -> d
             "sliding_attention": EngineRope("sliding_attention", base=swa_base, freq_scale=1.0,
                                             source=source + f"; local layers: rope.freq_base_swa {swa_base:g}, "
                                                             "no scaling", **local)}
+
+
+#: The options llama-cpp-python takes as integers.
+_INT_OPTIONS = ("rope_scaling_type", "yarn_orig_ctx")
+
+
+def missing_package() -> str | None:
+    """None where llama-cpp-python imports, else one sentence naming the package and how to install it."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return ("llama.cpp runs through llama-cpp-python, which is not installed: pip install llama-cpp-python "
+                "(it builds llama.cpp from its source distribution, about 3-10 minutes on a CPU; bash .ci/setup "
+                "--test installs it)")
+    return None
+
+
+def next_token_logprobs(path: Any, ids: list[int], options: dict[str, float] | None = None, *,
+                        threads: int | None = None) -> Any:
+    """llama.cpp's log-probabilities of the next token at every position of token ids `ids` (`[len(ids), vocab]`,
+    float32 numpy), one uncached pass through llama-cpp-python (`logits_all`, batches of 512 positions) with
+    `options` (llama-cpp-python's rope keywords) in force."""
+    import numpy as np
+    from llama_cpp import Llama
+
+    kw = {k: (int(v) if k in _INT_OPTIONS else float(v)) for k, v in (options or {}).items()}
+    llm = Llama(model_path=str(path), n_ctx=len(ids), n_batch=512, n_ubatch=512, logits_all=True, verbose=False,
+                n_threads=threads, **kw)
+    try:
+        llm.reset()
+        llm.eval(list(ids))
+        out = llm.scores[: len(ids)]  # llama-cpp-python's own float32 array: kept (no copy) after close()
+    finally:
+        llm.close()
+    for a in range(0, len(out), 512):  # log-softmax in float64 a block of rows at a time (memory: one block)
+        block = out[a:a + 512].astype(np.float64)
+        block -= block.max(axis=1, keepdims=True)
+        out[a:a + 512] = block - np.log(np.exp(block).sum(axis=1, keepdims=True))
+    return out

@@ -87,3 +87,21 @@ def with_rope_scaling(config: Any, rope: dict | None) -> Any:
         merged.setdefault("original_max_position_embeddings", int(new.max_position_embeddings))
     new.rope_parameters = {**params, "full_attention": merged} if per_type else merged
     return new
+
+
+def reference_model(path: Any, rope: dict | None = None) -> tuple[Any, Any]:
+    """(HF model, tokenizer) of the GGUF file `path` as posprobe loads it (dequantised once, cached: the same file
+    the engine reads), float32, eval mode, with HF `rope_parameters` `rope` laid over its config (the scaling
+    under test; `with_rope_scaling`)."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from posprobe.backend.hf import hf_folder
+    from posprobe.backend.loading import load_causal_lm
+    from posprobe.backend.sources import resolve
+
+    folder = hf_folder(resolve(str(Path(path))))
+    config = with_rope_scaling(hf_config_of_gguf(path), rope) if rope else None
+    # SDPA: HF's own attention path that does not hold [head, n, n] weights (the behaviour check runs 8k+ tokens).
+    return load_causal_lm(folder, config=config, attention="sdpa"), AutoTokenizer.from_pretrained(folder)
