@@ -60,8 +60,6 @@ __all__ = ["ABF_REFERENCE", "DEFAULT_METHODS", "METHOD_NAMES", "POSE_TEXT_WINDOW
 
 #: Every method's name, in the registry's order.
 METHOD_NAMES = tuple(METHODS)
-#: The methods that fine-tune at the member's own length L (the others at L').
-AT_L = tuple(n for n, m in METHODS.items() if m.at_train_length)
 DEFAULT_METHODS = tuple(n for n, m in METHODS.items() if m.default)
 #: Passkey prompts per distance when the zoo was trained with the skill and none were asked for.
 PASSKEY_TRIALS = 10
