@@ -10,6 +10,7 @@ Planted bugs seen failing (each by editing posprobe/, running this file, then re
 - llama.cpp's local layers given the global base (`swa_base = base`): Gemma 3's sliding layers `layer types swapped`.
 - The scaling under test not given to the engine (`options_for_scaling` returning {}): the YaRN x2 run `differs`.
 - A YaRN ext_factor left at 0 for an explicit yarn type: the YaRN x2 run `differs`.
+- `check_proven` not called: the Phi-3 and rope_freqs files below run and report a verdict.
 """
 
 from __future__ import annotations
@@ -114,3 +115,35 @@ def test_the_command_prints_the_verdict_and_refuses_bad_input(tmp_path, capsys):
     assert main(["conform", "tiny-rope", "--out", str(tmp_path / "bad")]) == 2
     assert "runs GGUF files" in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()
+
+
+def _gguf(path, arch: str, tensors: tuple[str, ...] = ("token_embd.weight",), **kv) -> None:
+    # A minimal GGUF file written by the `gguf` package (llama.cpp's own writer): metadata and tiny tensors.
+    import numpy as np
+    from gguf import GGUFWriter
+
+    w = GGUFWriter(str(path), arch)
+    for k, v in kv.items():
+        w.add_string(k, v) if isinstance(v, str) else w.add_float32(k, v)
+    for t in tensors:
+        w.add_tensor(t, np.ones(4, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_files_and_scalings_the_declared_check_does_not_build_are_refused(tmp_path):
+    # A rotation llama.cpp builds from something the check does not read would give a verdict that looks like a
+    # result: refused with one sentence before HF's config is read.
+    _gguf(tmp_path / "phi3.gguf", "phi3")
+    with pytest.raises(ValueError, match="'phi3' is not among them"):
+        run_conform(tmp_path / "phi3.gguf", ConformConfig(checks=DECLARED))
+    _gguf(tmp_path / "l31.gguf", "llama", ("token_embd.weight", "rope_freqs.weight"))
+    with pytest.raises(ValueError, match=r"per-band rope factors \(rope_freqs.weight\)"):
+        run_conform(tmp_path / "l31.gguf", ConformConfig(checks=DECLARED))
+    _gguf(tmp_path / "lr.gguf", "llama", **{"llama.rope.scaling.type": "longrope"})
+    with pytest.raises(ValueError, match="'longrope' is not built"):
+        run_conform(tmp_path / "lr.gguf", ConformConfig(checks=DECLARED))
+    with pytest.raises(ValueError, match="per-band factor tensors"):
+        run_conform("smollm2", ConformConfig(checks=DECLARED, engine_options=("rope_scaling_type=3",)))

@@ -123,8 +123,10 @@ def run_conform(model: str | Path, config: ConformConfig | None = None, *, text:
     # given explicitly win: a planted engine bug on top of a correct scaling).
     options = {**engine.options_for_scaling(cfg.rope_scaling), **engine.parse_options(cfg.engine_options)}
     meta_gguf = read_gguf_metadata(path)
+    engine.check_proven(path, meta_gguf)  # a file whose rotation would be built wrongly: refused before any work
+    ropes = engine.declared(meta_gguf, options)  # so is a scaling option it does not build
     hf_config = with_rope_scaling(hf_config_of_gguf(path), cfg.rope_scaling)
-    summary, bands = declared_tables(engine.declared(meta_gguf, options), hf_rope_tables(hf_config))
+    summary, bands = declared_tables(ropes, hf_rope_tables(hf_config))
     tables = {"declared": summary, "declared_bands": bands}
     bugs = [b for b in dict.fromkeys(summary["bug_class"]) if b != "ok"]
     if "behaviour" in cfg.checks:

@@ -174,12 +174,21 @@ def read_gguf_metadata(path: Path, *, max_array: int = 64) -> dict[str, Any]:
     the `gguf` package's reader decodes them and every tensor record, ~3 s for SmolLM2, where this
     takes a few milliseconds.
     """
+    return _read_header(path, max_array, names=False)[0]
+
+
+def gguf_tensor_names(path: Path) -> list[str]:
+    """The names of the tensors a GGUF file holds, read from its header (milliseconds; no tensor data read)."""
+    return _read_header(path, 64, names=True)[1]
+
+
+def _read_header(path: Path, max_array: int, *, names: bool) -> tuple[dict[str, Any], list[str]]:
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         if buf[:4] != b"GGUF":
             raise ValueError("not a GGUF file (bad magic)")
         (version,) = struct.unpack_from("<I", buf, 4)
         end = "<" if version < 0x10000 else ">"  # a big-endian file reads its small version byte-swapped
-        _, kv_count = struct.unpack_from(end + "QQ", buf, 8)
+        n_tensors, kv_count = struct.unpack_from(end + "QQ", buf, 8)
         off = 24
         meta: dict[str, Any] = {}
 
@@ -212,7 +221,13 @@ def read_gguf_metadata(path: Path, *, max_array: int = 64) -> dict[str, Any]:
         for _ in range(kv_count):
             key, off = string(off)
             (vtype,) = struct.unpack_from(end + "I", buf, off)
-            val, off = value(vtype, off + 4, True)
+            val, off = value(vtype, off + 4, names is False)
             if val is not None:
                 meta[key] = val
-        return meta
+        tensors = []
+        for _ in range(n_tensors if names else 0):  # name, n_dims, dims (u64 each), type (u32), offset (u64)
+            name, off = string(off)
+            (n_dims,) = struct.unpack_from(end + "I", buf, off)
+            off += 4 + 8 * n_dims + 4 + 8
+            tensors.append(name)
+        return meta, tensors

@@ -11,8 +11,8 @@ from types import ModuleType
 
 __all__ = ["ENGINES", "engine_module"]
 
-#: Engine name -> its module: an engine is one module with `parse_options`, `options_for_scaling`, `declared`,
-#: `missing_package` and `next_token_logprobs` (llama_cpp.py's), and one row here.
+#: Engine name -> its module: an engine is one module with `check_proven`, `parse_options`, `options_for_scaling`,
+#: `declared`, `missing_package` and `next_token_logprobs` (llama_cpp.py's), and one row here.
 ENGINES = {"llama.cpp": "posprobe.backend.engines.llama_cpp"}
 
 

@@ -24,8 +24,8 @@ from typing import Any
 
 from posprobe.backend.engines.rope import EngineRope
 
-__all__ = ["OPTIONS", "SCALING_TYPES", "declared", "missing_package", "next_token_logprobs", "options_for_scaling",
-           "parse_options"]
+__all__ = ["OPTIONS", "PROVEN_ARCHITECTURES", "SCALING_TYPES", "check_proven", "declared", "missing_package",
+           "next_token_logprobs", "options_for_scaling", "parse_options"]
 
 #: llama-cpp-python's rope keywords and their defaults (0 / negative: "the file's").
 OPTIONS: dict[str, float] = {"rope_scaling_type": -1, "rope_freq_base": 0.0, "rope_freq_scale": 0.0,
@@ -33,8 +33,38 @@ OPTIONS: dict[str, float] = {"rope_scaling_type": -1, "rope_freq_base": 0.0, "ro
                              "yarn_beta_slow": 1.0, "yarn_orig_ctx": 0}
 #: llama.cpp's rope scaling types by number (LLAMA_ROPE_SCALING_TYPE_*).
 SCALING_TYPES = {-1: "unspecified", 0: "none", 1: "linear", 2: "yarn", 3: "longrope"}
+#: GGUF architectures whose rope rules posprobe restates and has checked on real files (SmolLM2, Gemma 3); another
+#: architecture may read keys or tensors of its own (Phi-3's LongRoPE factors, DeepSeek's YaRN multiplier).
+PROVEN_ARCHITECTURES = ("llama", "gemma3")
+#: llama.cpp scaling types whose rotation this module builds (llama3 and longrope come from per-band tensors).
+_BUILT = ("none", "linear", "yarn")
 #: Architectures whose sliding-window layers rotate with their own base (llama.cpp's SWA rope hparams).
 _SWA_ROPE = ("gemma3",)
+
+
+def check_proven(path: Any, meta: dict[str, Any]) -> None:
+    """ValueError, before any work, for a GGUF file whose rotation the declared check would not build as llama.cpp
+    does: an architecture outside `PROVEN_ARCHITECTURES`, a scaling type other than none/linear/yarn, or per-band
+    rope factor tensors (`rope_freqs`: Llama 3.1's scaling; `rope_factors_*`: LongRoPE), which llama.cpp applies and
+    this module does not read."""
+    from pathlib import Path
+
+    from posprobe.backend.peek import gguf_tensor_names
+
+    name = Path(path).name
+    arch = str(meta.get("general.architecture", ""))
+    if arch not in PROVEN_ARCHITECTURES:
+        raise ValueError(f"{name}: posprobe conform restates llama.cpp's rope rules for the "
+                         f"{', '.join(PROVEN_ARCHITECTURES)} architectures (checked on SmolLM2 and Gemma 3); "
+                         f"{arch!r} is not among them, so its declared rotation could be built wrongly")
+    kind = str(meta.get(f"{arch}.rope.scaling.type", "none"))
+    if kind not in _BUILT:
+        raise ValueError(f"{name}: rope scaling type {kind!r} is not built by the declared check "
+                         f"({', '.join(_BUILT)} are)")
+    factors = [t for t in gguf_tensor_names(Path(path)) if t.startswith(("rope_freqs", "rope_factors"))]
+    if factors:
+        raise ValueError(f"{name} carries per-band rope factors ({', '.join(factors)}) that llama.cpp applies and "
+                         "the declared check does not read yet")
 
 
 def parse_options(pairs: list[str] | tuple[str, ...] | None) -> dict[str, float]:
@@ -110,6 +140,9 @@ def declared(meta: dict[str, Any], options: dict[str, float] | None = None) -> d
     if kind_no not in SCALING_TYPES:
         raise ValueError(f"rope_scaling_type {kind_no}: llama.cpp has {SCALING_TYPES}")
     kind = file_type if kind_no == -1 else SCALING_TYPES[kind_no]
+    if kind not in _BUILT:
+        raise ValueError(f"rope scaling {kind!r}: llama.cpp builds it from per-band factor tensors, which the declared "
+                         f"check does not read ({', '.join(_BUILT)} are built)")
     base = float(opt["rope_freq_base"]) or base_train
     freq_scale = float(opt["rope_freq_scale"]) or scale_train
     if kind == "none":
