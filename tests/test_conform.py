@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import math
 
+import pandas as pd
 import pytest
 
 from posprobe.analyses.configs import ConformConfig
 from posprobe.analyses.conform import run_conform
+from posprobe.report.schema import unknown_columns
 
 DECLARED = ("declared",)  # this file checks the declared positions; tests/test_conform_behaviour.py the behaviour
 
@@ -57,7 +59,13 @@ def test_llama_cpp_conforms_on_both_packaged_files():
     assert s.meta["verdict"] == "conforms" and row["engine_bands"] == row["hf_bands"] == 32
     bands = s.tables["declared_bands"]
     assert bands["hf_inv_freq"].iloc[1] == pytest.approx(1e5 ** (-2 / 64), rel=1e-6)  # base 1e5, 64 dims
-    g = run_conform("gemma3-270m", ConformConfig(checks=DECLARED))
+    g = run_conform("gemma3-270m", ConformConfig(checks=(*DECLARED, "precision")))
+    p = g.tables["precision"].set_index(["layer_type", "mode"])["first_fast_neighbour_position"]
+    # per layer type: bf16 from 257, fp16 from 2,049, float32 and llama.cpp's own float32 product never (4 x 32,768)
+    for lt in ("full_attention", "sliding_attention"):
+        assert p[(lt, "bfloat16")] == 257 and p[(lt, "float16")] == 2049
+        assert pd.isna(p[(lt, "float32")]) and pd.isna(p[(lt, "llama.cpp (its own)")])
+    assert all(unknown_columns(t) == [] for t in g.tables.values())
     d = g.tables["declared"].set_index("layer_type")
     assert g.meta["verdict"] == "conforms" and list(d.index) == ["full_attention", "sliding_attention"]
     assert (d.loc["full_attention", "engine_base"], d.loc["sliding_attention", "engine_base"]) == (1e6, 1e4)

@@ -844,8 +844,10 @@ class ZooAtlasConfig:
 
 # ---- an engine's positions against the proven reference (posprobe.analyses.conform) ----------------------------
 
-#: The checks of `posprobe conform` built so far (#62: cache boundaries and precision follow).
-CONFORM_CHECKS = ("declared", "behaviour")
+#: The checks of `posprobe conform`: declared positions, behaviour against position, cache boundaries, precision.
+CONFORM_CHECKS = ("declared", "behaviour", "cache", "precision")
+#: The checks that run the engine (need its package; the scaling under test in the engine's own options).
+ENGINE_RUNS = ("behaviour", "cache")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -867,6 +869,12 @@ class ConformConfig:
     bins: int = option(16, "behaviour: position bins per length in the table and the figure")
     threads: int | None = option(None, "behaviour: the engine's CPU threads (default: llama-cpp-python's)",
                                  flag="--engine-threads")
+    cache_at: int | None = option(None, "cache: the position checked around (positions at-4 .. at+4, at+16, at+64; "
+                                        "default: the switch of a length-dependent scaling under test, HF's "
+                                        "dynamic or longrope, else the longest --length)")
+    cache_chunk: int = option(1, "cache: tokens per cached step after the prefill (1: decoding one token at a time; "
+                                 "more: chunked prefill)")
+    precision_end: int | None = option(None, "precision: scan positions 0 .. this (default 4 x the model's context)")
     rope_scaling: dict | None = option(None, "", cli=False)  # the CLI's --rope-scaling JSON
 
     def __post_init__(self) -> None:
@@ -884,3 +892,9 @@ class ConformConfig:
         object.__setattr__(self, "lengths", tuple(sorted(set(int(n) for n in self.lengths))))
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
             raise ValueError("rope_scaling must be a JSON object of HF rope_parameters fields")
+        at_least(self, 1, "cache_chunk")
+        if self.cache_at is not None and self.cache_at < 8:
+            raise ValueError(f"cache_at must be >= 8 (a prefill of at-4 tokens, then the positions around it); got "
+                             f"{self.cache_at}")
+        if self.precision_end is not None and self.precision_end < 16:
+            raise ValueError(f"precision_end must be >= 16 positions; got {self.precision_end}")

@@ -8,8 +8,10 @@ its options (for llama.cpp the GGUF metadata and its rope options, `posprobe.bac
 per-band frequencies and a cos/sin multiplier per layer type by the engine's own formulas, against HF's rotary
 module for HF's config of the same file; a mismatch named by its bug class. Check 2, `behaviour`
 (`posprobe.analyses.conform_behaviour`): the same token ids through the engine and through the HF reference (the
-same file dequantised), KL and top-1 agreement by position against the quantisation floor. Cache boundaries and
-precision follow (#62)."""
+same file dequantised), KL and top-1 agreement by position against the quantisation floor. Check 3, `cache`
+(`posprobe.analyses.conform_cache`): cached against uncached scores around the position where a rope type switches,
+on the reference and on the engine. Check 4, `precision` (`posprobe.analyses.conform_precision`): rotary phase error
+against position in float32 / bf16 / fp16 and in the engine's own arithmetic, per layer type."""
 
 from __future__ import annotations
 
@@ -57,21 +59,14 @@ def _check_memory(lengths: tuple[int, ...], vocab: int) -> None:
                          f"{free / 1024 ** 3:.1f} GiB free here; give a shorter --length")
 
 
-def _behaviour(engine: Any, path: Path, cfg: ConformConfig, options: dict, text: str | None) -> tuple[Any, Any]:
+def _behaviour(engine: Any, path: Path, cfg: ConformConfig, options: dict, hf: Any, ids: list[int]
+               ) -> tuple[Any, Any]:
     import numpy as np
     import pandas as pd
     import torch
 
     from posprobe.analyses.conform_behaviour import behaviour_tables, position_metrics
-    from posprobe.backend.engines.reference import reference_model
-    from posprobe.data import builtin_corpus
 
-    hf, tok = reference_model(path, cfg.rope_scaling)
-    ids = tok(text if text is not None else builtin_corpus())["input_ids"]
-    if len(ids) < max(cfg.lengths):
-        raise ValueError(f"the text has {len(ids)} tokens; --length {max(cfg.lengths)} needs as many (give a longer "
-                         "--text or a shorter --length)")
-    _check_memory(cfg.lengths, int(hf.config.vocab_size))
     bins, rows = [], []
     for n in cfg.lengths:
         scored = engine.next_token_logprobs(path, ids[:n], options, threads=cfg.threads)
@@ -88,19 +83,68 @@ def _behaviour(engine: Any, path: Path, cfg: ConformConfig, options: dict, text:
     return pd.concat(bins, ignore_index=True), pd.DataFrame(rows)
 
 
+def _cache(engine: Any | None, path: Path, cfg: ConformConfig, options: dict, hf: Any, ids: list[int], at: int
+           ) -> tuple[Any, Any]:
+    import pandas as pd
+
+    from posprobe.analyses.conform_cache import OFFSETS, cache_tables
+    from posprobe.backend.engines.reference import cached_logprobs, switch_position, uncached_logprobs
+
+    positions = [at + o for o in OFFSETS]
+    start, ids = positions[0], ids[: positions[-1] + 1]
+    pick = [p - start for p in positions]
+    per_prefix = switch_position(hf.config) is not None
+    how = (f"uncached: {'one pass per prefix' if per_prefix else 'one pass'}; cached: a prefill of {start} tokens, "
+           f"then steps of {cfg.cache_chunk}")
+    tables, rows = [], []
+    t, r = cache_tables("reference", uncached_logprobs(hf, ids, positions, per_prefix=per_prefix),
+                        cached_logprobs(hf, ids, start, chunk=cfg.cache_chunk)[pick], at=at, positions=positions,
+                        how=how)
+    tables.append(t)
+    rows.append(r)
+    if engine is not None:
+        u, c = engine.cache_pair(path, ids, start, options, chunk=cfg.cache_chunk, threads=cfg.threads)
+        t, r = cache_tables(cfg.engine, u[pick], c[pick], at=at, positions=positions,
+                            how=f"uncached: one pass in one batch; cached: a prefill of {start} tokens, then steps "
+                                f"of {cfg.cache_chunk}")
+        tables.append(t)
+        rows.append(r)
+    return pd.concat(tables, ignore_index=True), pd.DataFrame(rows)
+
+
+def _engine_options(engine: Any, cfg: ConformConfig) -> dict | None:
+    # The scaling under test in the engine's options (options given explicitly win: a planted engine bug on top of a
+    # correct scaling); None where the engine has no form of it and only HF's side is checked (cache, precision).
+    try:
+        scaled = engine.options_for_scaling(cfg.rope_scaling)
+    except ValueError as e:
+        if set(cfg.checks) & {"declared", "behaviour"}:
+            raise ValueError(f"{e}; --check cache --check precision check HF's own rotation for it without the "
+                             "engine") from None
+        return None
+    return {**scaled, **engine.parse_options(cfg.engine_options)}
+
+
 def run_conform(model: str | Path, config: ConformConfig | None = None, *, text: str | None = None) -> Result:
     """Check the engine's rotary positions for `model` (a GGUF path or a packaged GGUF model) under `config`.
 
     `config.rope_scaling` (HF rope_parameters, e.g. {"rope_type": "yarn", "factor": 2}) is the scaling under test:
-    laid over HF's config and turned into the engine's options (`engine_options` given explicitly win).
+    laid over HF's config and turned into the engine's options (`engine_options` given explicitly win); a scaling
+    the engine has no form of (HF's dynamic, longrope) is checked on HF's side only, by the cache and precision
+    checks.
 
     Returns a Result with tables `declared` (per layer type: verdict "conforms" / "differs", bug class and one
     sentence, both sides' multipliers, the largest relative band difference) and `declared_bands` (per layer type
-    and band: the engine's and HF's inverse frequency in rad/token and their ratio); with the behaviour check
-    (`config.checks`, needs llama-cpp-python) also `behaviour` (per length and position bin: KL(HF || engine) in
-    nats, top-1 agreement) and `behaviour_summary` (per length: floor and last-quarter KL, growth, the verdict
-    position-flat / grows with position / differs everywhere), on `text` (default: posprobe's built-in corpus).
-    meta["verdict"] is "conforms" or "differs: <what>".
+    and band: the engine's and HF's inverse frequency in rad/token and their ratio); with the behaviour check (needs
+    llama-cpp-python) `behaviour` (per length and position bin: KL(HF || engine) in nats, top-1 agreement) and
+    `behaviour_summary` (per length: floor and last-quarter KL, growth, the verdict position-flat / grows with
+    position / differs everywhere), on `text` (default: posprobe's built-in corpus); with the cache check `cache`
+    (per side and position around the switch: KL(uncached || cached) in nats, top-1 agreement) and `cache_summary`
+    (per side: the verdict cache-consistent / cached differs past the switch); with the precision check
+    `precision` (per layer type and way of computing the phases: the first position two neighbours rotate
+    identically, the first the fastest band reads a neighbour, the largest phase error in rad) and
+    `precision_curve` (the errors against position). meta["verdict"] is "conforms" or "differs: <what>" (the
+    engine's); meta["reference_findings"] lists what the HF reference itself does (its cache past a switch).
 
     Examples:
         >>> from posprobe import ConformConfig, run_conform
@@ -109,40 +153,90 @@ def run_conform(model: str | Path, config: ConformConfig | None = None, *, text:
         >>> got = run_conform("smollm2", ConformConfig(checks=("declared",), engine_options=("rope_freq_base=101000",)))
         >>> got.tables["declared"].loc[0, ["verdict", "bug_class"]].tolist()
         ['differs', 'base off']
+        >>> p = run_conform("smollm2", ConformConfig(checks=("precision",))).tables["precision"]
+        >>> int(p.set_index("mode").loc["bfloat16", "first_identical_position"])  # bf16 cannot tell 257 from 256
+        257
     """
+    from posprobe.analyses.configs import ENGINE_RUNS
     from posprobe.backend.engines import engine_module
-    from posprobe.backend.engines.reference import hf_config_of_gguf, hf_rope_tables, with_rope_scaling
+    from posprobe.backend.engines.reference import hf_config_of_gguf, hf_rope_tables, switch_position, with_rope_scaling
+    from posprobe.backend.engines.rope import engine_table
     from posprobe.backend.peek import read_gguf_metadata
 
     cfg = config or ConformConfig()
     engine = engine_module(cfg.engine)
     path = engine_file(model, cfg.engine)
-    if "behaviour" in cfg.checks and engine.missing_package() is not None:
-        raise ValueError(f"{engine.missing_package()}; or run --check declared alone")
-    # The scaling under test reaches both sides: HF's rope_parameters, and the engine's options for it (options
-    # given explicitly win: a planted engine bug on top of a correct scaling).
-    options = {**engine.options_for_scaling(cfg.rope_scaling), **engine.parse_options(cfg.engine_options)}
+    options = _engine_options(engine, cfg)
+    runs = options is not None and bool(set(cfg.checks) & set(ENGINE_RUNS))
+    if runs and engine.missing_package() is not None:
+        raise ValueError(f"{engine.missing_package()}; or run --check declared --check precision alone")
     meta_gguf = read_gguf_metadata(path)
     engine.check_proven(path, meta_gguf)  # a file whose rotation would be built wrongly: refused before any work
-    ropes = engine.declared(meta_gguf, options)  # so is a scaling option it does not build
+    ropes = engine.declared(meta_gguf, options) if options is not None else {}  # so is an option it does not build
     hf_config = with_rope_scaling(hf_config_of_gguf(path), cfg.rope_scaling)
-    summary, bands = declared_tables(ropes, hf_rope_tables(hf_config))
-    tables = {"declared": summary, "declared_bands": bands}
-    bugs = [b for b in dict.fromkeys(summary["bug_class"]) if b != "ok"]
-    if "behaviour" in cfg.checks:
-        tables["behaviour"], tables["behaviour_summary"] = _behaviour(engine, path, cfg, options, text)
-        bugs += [f"behaviour {v} at {n} tokens" for n, v in zip(tables["behaviour_summary"]["length"],
-                                                                  tables["behaviour_summary"]["verdict"])
-                 if v != "position-flat"]
+    hf_tables = hf_rope_tables(hf_config)
+    tables: dict[str, Any] = {}
+    bugs: list[str] = []
+    if "declared" in cfg.checks:
+        tables["declared"], tables["declared_bands"] = declared_tables(ropes, hf_tables)
+        bugs += [b for b in dict.fromkeys(tables["declared"]["bug_class"]) if b != "ok"]
+    at = cfg.cache_at or switch_position(hf_config) or max(cfg.lengths)
+    if {"behaviour", "cache"} & set(cfg.checks):
+        ids, hf = _reference_ids(path, cfg, text, at)
+        if "behaviour" in cfg.checks:
+            tables["behaviour"], tables["behaviour_summary"] = _behaviour(engine, path, cfg, options, hf, ids)
+            bugs += [f"behaviour {v} at {n} tokens" for n, v in zip(tables["behaviour_summary"]["length"],
+                                                                      tables["behaviour_summary"]["verdict"])
+                     if v != "position-flat"]
+        if "cache" in cfg.checks:
+            tables["cache"], tables["cache_summary"] = _cache(engine if runs else None, path, cfg, options or {},
+                                                              hf, ids, at)
+    if "precision" in cfg.checks:
+        import pandas as pd
+
+        from posprobe.analyses.conform_precision import precision_tables
+
+        context = max(int(hf_config.max_position_embeddings), max(cfg.lengths))
+        own = {lt: (engine_table(r)[0], engine.phases(r)) for lt, r in ropes.items()}
+        tables["precision"], tables["precision_curve"] = precision_tables(
+            hf_tables, context=context, end=cfg.precision_end, engine=own, engine_name=cfg.engine)
+        mine = tables["precision"][tables["precision"]["mode"] == f"{cfg.engine} (its own)"]
+        bugs += [f"precision: {lt} phases read a neighbour from position {int(p)}"
+                 for lt, p in zip(mine["layer_type"], mine["first_fast_neighbour_position"]) if pd.notna(p)]
+    findings = []
+    if "cache_summary" in tables:
+        for r in tables["cache_summary"].itertuples():
+            if r.verdict != "cache-consistent":
+                (findings if r.side == "reference" else bugs).append(f"cache: {r.side} {r.verdict} at {r.at}")
     verdict = "conforms" if not bugs else "differs: " + ", ".join(bugs)
+    if options is None:  # only HF's side ran: there is no engine verdict to give
+        verdict = f"not checked: {cfg.engine} has no form of the scaling under test; HF's side only"
     arch = meta_gguf.get("general.architecture")
+    reads = "behaviour" in cfg.checks or "cache" in cfg.checks
     meta = make_meta("conform", model={"name": str(model), "positional_kind": ROTARY, "file": path.name,
                                        "architecture": arch, "hf_model_type": hf_config.model_type},
-                     data={"source": ("built-in corpus" if text is None else "text")
-                           if "behaviour" in cfg.checks else "the model's own file (the declared check reads no text)",
-                           "n_items": max(cfg.lengths) if "behaviour" in cfg.checks else len(summary),
-                           "unit": "tokens" if "behaviour" in cfg.checks else "layer types"},
+                     data={"source": ("built-in corpus" if text is None else "text") if reads
+                           else "the model's own file (the declared and precision checks read no text)",
+                           "n_items": max(max(cfg.lengths), at + 65) if reads else len(hf_tables),
+                           "unit": "tokens" if reads else "layer types"},
                      config=cfg, engine=cfg.engine, engine_options=options, rope_scaling=cfg.rope_scaling,
-                     verdict=verdict,
+                     verdict=verdict, reference_findings=findings,
                      title=f"{cfg.engine} against Hugging Face: {Path(str(model)).name}")
     return Result(tables, meta)
+
+
+def _reference_ids(path: Path, cfg: ConformConfig, text: str | None, at: int) -> tuple[list[int], Any]:
+    # The HF reference and the token ids both sides read, refused before any pass where the text is too short or
+    # the log-probabilities would not fit.
+    from posprobe.backend.engines.reference import reference_model
+    from posprobe.data import builtin_corpus
+
+    hf, tok = reference_model(path, cfg.rope_scaling)
+    ids = tok(text if text is not None else builtin_corpus())["input_ids"]
+    need = max(max(cfg.lengths) if "behaviour" in cfg.checks else 0, at + 65 if "cache" in cfg.checks else 0)
+    if len(ids) < need:
+        raise ValueError(f"the text has {len(ids)} tokens; the checks need {need} (--length {max(cfg.lengths)}, "
+                         f"--cache-at {at} + 64): give a longer --text, a shorter --length or another --cache-at")
+    if "behaviour" in cfg.checks:
+        _check_memory(cfg.lengths, int(hf.config.vocab_size))
+    return ids, hf

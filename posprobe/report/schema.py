@@ -156,6 +156,55 @@ COLUMNS: dict[str, str] = {
     "masked": "which heads were masked: none, top (the highest retrieval scores), random (seeded draw of others)",
     "n_masked": "number of heads masked",
     "draw": "index of a random draw (-1: not random)",
+    # an engine's positions against HF's (analyses.conform)
+    "layer_type": "the layer type a rotation is for: all (one table), or HF's names (full_attention, "
+                  "sliding_attention)",
+    "verdict": "the check's verdict on this row (conforms / differs; position-flat / grows with position / differs "
+               "everywhere; cache-consistent / cached differs past the switch / everywhere)",
+    "bug_class": "the declared mismatch's class (ok, base off, scale off, attention factor missing / doubled / off, "
+                 "rotated dims, layer types swapped, scaling on every layer type, ramp off, frequencies off)",
+    "why": "one sentence with the numbers behind the verdict",
+    "engine_bands": "rotary bands (pairs of dims) the engine rotates",
+    "hf_bands": "rotary bands HF's rotary module rotates",
+    "engine_base": "the engine's rope base for this layer type",
+    "engine_freq_scale": "the engine's frequency scale (1 / linear or YaRN factor; 1: none)",
+    "engine_ext_factor": "the engine's YaRN mix factor (0: YaRN off)",
+    "engine_multiplier": "the engine's cos/sin multiplier (attention factor)",
+    "hf_multiplier": "HF's cos/sin multiplier (attention_scaling)",
+    "max_rel_diff": "largest relative difference of a band's inverse frequency or of the multiplier, engine vs HF",
+    "engine_inv_freq": "the engine's inverse frequency of the band (rad/token)",
+    "hf_inv_freq": "HF's inverse frequency of the band (rad/token)",
+    "bin": "index of a position bin (equal bins of the input)",
+    "first_position": "first position in the bin (tokens from the start)",
+    "last_position": "last position in the bin",
+    "kl": "mean KL divergence of next-token distributions (nats): KL(HF || engine) for behaviour, KL(uncached || "
+          "cached) for cache",
+    "top1_agreement": "fraction of positions whose top-1 next tokens agree (0..1)",
+    "positions": "positions in the bin",
+    "floor_kl": "KL where no position effect is expected (nats): behaviour, the first quarter's mean after 16 "
+                "positions; cache, the largest before the switch",
+    "late_kl": "KL past the expected effect (nats): behaviour, the last quarter's mean; cache, the largest at and past "
+               "the switch",
+    "growth": "late_kl / floor_kl",
+    "top1_first": "top-1 agreement in the first quarter",
+    "top1_last": "top-1 agreement in the last quarter",
+    "side": "which side was scored through its cache: the HF reference, or the engine by name",
+    "position": "position in the input (tokens from 0)",
+    "offset": "position minus the switch position `at` (tokens)",
+    "at": "the switch position checked around (HF's dynamic L, longrope's original context, or the user's)",
+    "how": "how the uncached and the cached scores were made",
+    "first_over": "first position whose cached KL passes the bar (empty: none)",
+    "first_identical_position": "first position whose rotation equals its predecessor's in every band (empty: none "
+                                "up to scanned_to)",
+    "first_fast_neighbour_position": "first position at which the fastest band is off by half a token or more (empty: "
+                                     "none up to scanned_to)",
+    "fast_position_error_in_context": "the fastest band's largest position error within the context (tokens)",
+    "max_phase_error_in_context": "largest phase error over bands within the context (rad, wrapped to [0, pi])",
+    "max_phase_error": "largest phase error over bands up to scanned_to (rad; inf where the dtype overflows)",
+    "context": "the model's context the errors are read within (tokens)",
+    "scanned_to": "last position scanned",
+    "phase_error": "largest phase error over bands at the position (rad, wrapped to [0, pi])",
+    "fast_position_error": "the fastest band's position error at the position (tokens)",
 }
 
 #: The names that appear as values of a `metric` column, one definition each (same name, same number in every

@@ -25,7 +25,7 @@ from typing import Any
 from posprobe.backend.engines.rope import EngineRope
 
 __all__ = ["OPTIONS", "PROVEN_ARCHITECTURES", "SCALING_TYPES", "check_proven", "declared", "missing_package",
-           "next_token_logprobs", "options_for_scaling", "parse_options"]
+           "cache_pair", "next_token_logprobs", "options_for_scaling", "parse_options", "phases"]
 
 #: llama-cpp-python's rope keywords and their defaults (0 / negative: "the file's").
 OPTIONS: dict[str, float] = {"rope_scaling_type": -1, "rope_freq_base": 0.0, "rope_freq_scale": 0.0,
@@ -192,7 +192,6 @@ def next_token_logprobs(path: Any, ids: list[int], options: dict[str, float] | N
     """llama.cpp's log-probabilities of the next token at every position of token ids `ids` (`[len(ids), vocab]`,
     float32 numpy), one uncached pass through llama-cpp-python (`logits_all`, batches of 512 positions) with
     `options` (llama-cpp-python's rope keywords) in force."""
-    import numpy as np
     from llama_cpp import Llama
 
     kw = {k: (int(v) if k in _INT_OPTIONS else float(v)) for k, v in (options or {}).items()}
@@ -204,8 +203,69 @@ def next_token_logprobs(path: Any, ids: list[int], options: dict[str, float] | N
         out = llm.scores[: len(ids)]  # llama-cpp-python's own float32 array: kept (no copy) after close()
     finally:
         llm.close()
-    for a in range(0, len(out), 512):  # log-softmax in float64 a block of rows at a time (memory: one block)
-        block = out[a:a + 512].astype(np.float64)
+    return _log_softmax_rows(out)
+
+
+def _log_softmax_rows(scores: Any) -> Any:
+    # llama.cpp's float32 logits -> log-probabilities in place, in float64 a block of rows at a time (memory: one
+    # block)
+    import numpy as np
+
+    for a in range(0, len(scores), 512):
+        block = scores[a:a + 512].astype(np.float64)
         block -= block.max(axis=1, keepdims=True)
-        out[a:a + 512] = block - np.log(np.exp(block).sum(axis=1, keepdims=True))
-    return out
+        scores[a:a + 512] = block - np.log(np.exp(block).sum(axis=1, keepdims=True))
+    return scores
+
+
+def cache_pair(path: Any, ids: list[int], start: int, options: dict[str, float] | None = None, *, chunk: int = 1,
+               threads: int | None = None) -> tuple[Any, Any]:
+    """(uncached, cached) llama.cpp log-probabilities of the next token (float32 numpy `[len(ids) - start, vocab]`
+    each) at positions `start .. len(ids) - 1` of token ids `ids`: uncached, one pass over all of `ids` in one batch
+    (n_batch = n_ubatch = len(ids)); cached, a prefill of `ids[:start]`, then steps of `chunk` tokens through the KV
+    cache; `options` (llama-cpp-python's rope keywords) in force on both."""
+    from llama_cpp import Llama
+
+    n = len(ids)
+    kw = {k: (int(v) if k in _INT_OPTIONS else float(v)) for k, v in (options or {}).items()}
+    llm = Llama(model_path=str(path), n_ctx=n, n_batch=n, n_ubatch=n, logits_all=True, verbose=False,
+                n_threads=threads, **kw)
+    try:
+        llm.reset()
+        llm.eval(list(ids))
+        uncached = llm.scores[start:n].copy()
+        llm.reset()
+        llm.eval(list(ids[:start]))
+        for a in range(start, n, chunk):
+            llm.eval(list(ids[a:a + chunk]))
+        cached = llm.scores[start:n].copy()
+    finally:
+        llm.close()
+    return _log_softmax_rows(uncached), _log_softmax_rows(cached)
+
+
+def phases(rope: EngineRope) -> Any:
+    """positions -> the phases `[position, band]` (rad, float64 of float32 values) llama.cpp's CPU rope computes for
+    `rope` (ggml's `ggml_rope_cache_init`: theta starts at the position in float32 and is multiplied by
+    s = base^(-2/n_rot) (float32) once per band; each band's phase is freq_scale * theta / freq_factor, mixed with
+    theta / freq_factor by YaRN's ramp, in float32)."""
+    import numpy as np
+
+    from posprobe.backend.engines.rope import yarn_mix
+
+    s = np.float32(rope.base) ** np.float32(-2.0 / rope.n_rot)
+    fs = np.float32(rope.freq_scale)
+    mix = yarn_mix(rope).astype(np.float32)
+    ff = (np.ones(rope.n_rot // 2) if rope.freq_factors is None else np.asarray(rope.freq_factors)).astype(np.float32)
+
+    def of(positions: Any) -> Any:
+        theta = np.asarray(positions).astype(np.float32)
+        out = np.empty((len(theta), rope.n_rot // 2), dtype=np.float32)
+        for j in range(rope.n_rot // 2):
+            extrap = theta / ff[j]
+            interp = fs * extrap
+            out[:, j] = interp * (np.float32(1) - mix[j]) + extrap * mix[j] if rope.ext_factor else interp
+            theta = theta * s
+        return out.astype(np.float64)
+
+    return of

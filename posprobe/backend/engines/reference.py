@@ -8,7 +8,11 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-__all__ = ["hf_config_of_gguf", "hf_rope_tables", "with_rope_scaling"]
+__all__ = ["LENGTH_DEPENDENT", "cached_logprobs", "hf_config_of_gguf", "hf_rope_tables", "switch_position",
+           "uncached_logprobs", "with_rope_scaling"]
+
+#: HF rope types whose rotation depends on the input's length (`dynamic_rope_update`).
+LENGTH_DEPENDENT = ("dynamic", "longrope")
 
 
 def hf_rope_tables(config: Any) -> dict[str, tuple[Any, float]]:
@@ -73,7 +77,9 @@ def _config_of_gguf(path: str, mtime: int) -> Any:
 def with_rope_scaling(config: Any, rope: dict | None) -> Any:
     """`config` with HF `rope_parameters` `rope` laid over its own (the scaling under test): over the one table, or
     over the full-attention layers' where the config keeps one per layer type (Gemma 3 scales only its global
-    layers); a yarn or llama3 scaling without its original length gets the config's context. The config is copied."""
+    layers); a yarn, llama3 or longrope scaling without its original length gets the config's context; a dynamic one
+    with `original_max_position_embeddings` gets it as max_position_embeddings (where HF's dynamic NTK reads its L).
+    The config is copied."""
     import copy
 
     if not rope:
@@ -83,8 +89,11 @@ def with_rope_scaling(config: Any, rope: dict | None) -> Any:
     per_type = all(isinstance(v, dict) for v in params.values()) and params
     own = dict(params.get("full_attention", {})) if per_type else params
     merged = {**own, **rope}
-    if merged.get("rope_type") in ("yarn", "llama3"):
+    if merged.get("rope_type") in ("yarn", "llama3", "longrope"):
         merged.setdefault("original_max_position_embeddings", int(new.max_position_embeddings))
+    if merged.get("rope_type") == "dynamic" and merged.get("original_max_position_embeddings"):
+        # HF's dynamic NTK reads its L from max_position_embeddings: the length it was given goes there
+        new.max_position_embeddings = int(merged["original_max_position_embeddings"])
     new.rope_parameters = {**params, "full_attention": merged} if per_type else merged
     return new
 
@@ -105,3 +114,65 @@ def reference_model(path: Any, rope: dict | None = None) -> tuple[Any, Any]:
     config = with_rope_scaling(hf_config_of_gguf(path), rope) if rope else None
     # SDPA: HF's own attention path that does not hold [head, n, n] weights (the behaviour check runs 8k+ tokens).
     return load_causal_lm(folder, config=config, attention="sdpa"), AutoTokenizer.from_pretrained(folder)
+
+
+def _rope_parameters(config: Any) -> list[dict]:
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    if params and all(isinstance(v, dict) for v in params.values()):
+        return list(params.values())
+    return [params]
+
+
+def switch_position(config: Any) -> int | None:
+    """The position at which HF's rotation for `config` switches with the input's length (dynamic NTK: its L,
+    max_position_embeddings; longrope: original_max_position_embeddings): the first position scored by a pass longer
+    than that; None for a static rotation."""
+    for p in _rope_parameters(config):
+        kind = p.get("rope_type", "default")
+        if kind == "dynamic":
+            return int(config.max_position_embeddings)
+        if kind == "longrope":
+            return int(p.get("original_max_position_embeddings") or config.max_position_embeddings)
+    return None
+
+
+def uncached_logprobs(model: Any, ids: list[int], positions: list[int], *, per_prefix: bool) -> Any:
+    """HF's next-token log-probabilities (float64 numpy `[len(positions), vocab]`) at `positions` of token ids `ids`
+    without a cache: one pass per prefix `ids[:p + 1]` (`per_prefix`: what a length-dependent rotation needs), else
+    one pass over `ids[:max(positions) + 1]` (a causal model with a static rotation scores each position alike).
+    Each pass starts from the rotary table the model was loaded with (HF's dynamic module keeps its last one)."""
+    import torch
+
+    from posprobe.backend.hf import fresh_rope_state
+
+    def run(n: int) -> Any:
+        fresh_rope_state(model)
+        return model(torch.tensor([ids[:n]]), use_cache=False).logits[0]
+
+    with torch.no_grad():
+        logits = (torch.stack([run(p + 1)[-1] for p in positions]) if per_prefix
+                  else run(max(positions) + 1)[positions])
+        return torch.log_softmax(logits.double(), dim=-1).numpy()
+
+
+def cached_logprobs(model: Any, ids: list[int], start: int, *, chunk: int = 1) -> Any:
+    """HF's next-token log-probabilities (float64 numpy `[len(ids) - start, vocab]`) at positions `start ..
+    len(ids) - 1` through its own cache (the one its forward returns: sliding layers keep their window): a prefill
+    of `ids[:start]` from the loaded rotary table, then steps of `chunk` tokens (1: decoding)."""
+    import torch
+
+    from posprobe.backend.hf import cache_kwargs, fresh_rope_state
+
+    def returned(out: Any) -> Any:  # transformers 5.24 renamed the output's past_key_values to cache
+        cache = out.get("cache")
+        return cache if cache is not None else out.get("past_key_values")
+
+    rows = []
+    with torch.no_grad():
+        fresh_rope_state(model)
+        cache = returned(model(torch.tensor([ids[:start]]), use_cache=True))
+        for a in range(start, len(ids), chunk):
+            out = model(torch.tensor([ids[a:a + chunk]]), **cache_kwargs(model, cache))
+            cache = returned(out)
+            rows.append(torch.log_softmax(out.logits[0].double(), dim=-1))
+    return torch.cat(rows).numpy()

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["EngineRope", "engine_table"]
+__all__ = ["EngineRope", "engine_table", "yarn_mix"]
 
 
 @dataclass(frozen=True)
@@ -57,9 +57,18 @@ def engine_table(rope: EngineRope) -> tuple[np.ndarray, float]:
         theta = theta / np.asarray(rope.freq_factors, dtype=np.float64)
     if rope.ext_factor == 0:
         return theta * rope.freq_scale, float(rope.attn_factor)
-    low = max(0.0, math.floor(_corr_dim(rope.n_rot, rope.orig_ctx, rope.beta_fast, rope.base)))
-    high = min(rope.n_rot - 1.0, math.ceil(_corr_dim(rope.n_rot, rope.orig_ctx, rope.beta_slow, rope.base)))
-    ramp = 1.0 - np.clip((j - low) / max(0.001, high - low), 0.0, 1.0)
-    mix = ramp * rope.ext_factor
+    mix = yarn_mix(rope)
     mscale = rope.attn_factor * (1.0 + 0.1 * math.log(1.0 / rope.freq_scale))
     return theta * (rope.freq_scale * (1 - mix) + mix), float(mscale)
+
+
+def yarn_mix(rope: EngineRope) -> np.ndarray:
+    """YaRN's per-band mix `[n_rot / 2]` (1: the band keeps its unscaled frequency, 0: fully interpolated) of
+    `rope`, ext_factor times ggml's ramp between the bands that turn beta_fast and beta_slow times within the original
+    context; zeros without YaRN."""
+    j = np.arange(rope.n_rot // 2, dtype=np.float64)
+    if rope.ext_factor == 0:
+        return np.zeros_like(j)
+    low = max(0.0, math.floor(_corr_dim(rope.n_rot, rope.orig_ctx, rope.beta_fast, rope.base)))
+    high = min(rope.n_rot - 1.0, math.ceil(_corr_dim(rope.n_rot, rope.orig_ctx, rope.beta_slow, rope.base)))
+    return (1.0 - np.clip((j - low) / max(0.001, high - low), 0.0, 1.0)) * rope.ext_factor
