@@ -66,6 +66,8 @@ _EXPORTS = {
     "run_retrieval": "posprobe.analyses.retrieval",
     "ConformConfig": "posprobe.analyses.configs",
     "run_conform": "posprobe.analyses.conform",
+    "EngineAdapter": "posprobe.backend.engines.adapter",
+    "EngineRope": "posprobe.backend.engines.rope",
     "head_similarity": "posprobe.analyses.head_similarity",
     "SquishStudyConfig": "posprobe.analyses.configs",
     "run_squish_study": "posprobe.analyses.squish_study",

@@ -24,7 +24,7 @@ from posprobe.backend.families import ROTARY
 from posprobe.report.result import Result
 from posprobe.report.schema import make_meta
 
-__all__ = ["engine_file", "run_conform"]
+__all__ = ["engine_file", "reference_path", "run_conform"]
 
 
 def engine_file(model: str | Path, engine: str) -> Path:
@@ -41,6 +41,17 @@ def engine_file(model: str | Path, engine: str) -> Path:
         raise ValueError(f"{model}: {engine} runs GGUF files; give a .gguf path or a packaged GGUF model (smollm2, "
                          "gemma3-270m)")
     return Path(path)
+
+
+def reference_path(model: str | Path) -> Path:
+    """The file or folder of the HF reference an adapter's engine is checked against: a GGUF file (a path, or a
+    packaged GGUF model) or a local HF folder (with config.json); ValueError naming what is wrong."""
+    p = Path(str(model))
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise ValueError(f"{model}: a folder without config.json is no Hugging Face model")
+        return p
+    return engine_file(model, "an engine adapter")
 
 
 def _check_memory(lengths: tuple[int, ...], vocab: int) -> None:
@@ -83,8 +94,8 @@ def _behaviour(engine: Any, path: Path, cfg: ConformConfig, options: dict, hf: A
     return pd.concat(bins, ignore_index=True), pd.DataFrame(rows)
 
 
-def _cache(engine: Any | None, path: Path, cfg: ConformConfig, options: dict, hf: Any, ids: list[int], at: int
-           ) -> tuple[Any, Any]:
+def _cache(engine: Any | None, name: str, path: Path, cfg: ConformConfig, options: dict, hf: Any, ids: list[int],
+           at: int) -> tuple[Any, Any]:
     import pandas as pd
 
     from posprobe.analyses.conform_cache import OFFSETS, cache_tables
@@ -102,9 +113,14 @@ def _cache(engine: Any | None, path: Path, cfg: ConformConfig, options: dict, hf
                         how=how)
     tables.append(t)
     rows.append(r)
-    if engine is not None:
-        u, c = engine.cache_pair(path, ids, start, options, chunk=cfg.cache_chunk, threads=cfg.threads)
-        t, r = cache_tables(cfg.engine, u[pick], c[pick], at=at, positions=positions,
+    try:
+        pair = None if engine is None else engine.cache_pair(path, ids, start, options, chunk=cfg.cache_chunk,
+                                                             threads=cfg.threads)
+    except NotImplementedError:  # an adapter without cached scoring: HF's side alone
+        pair = None
+    if pair is not None:
+        u, c = pair
+        t, r = cache_tables(name, u[pick], c[pick], at=at, positions=positions,
                             how=f"uncached: one pass in one batch; cached: a prefill of {start} tokens, then steps "
                                 f"of {cfg.cache_chunk}")
         tables.append(t)
@@ -125,8 +141,13 @@ def _engine_options(engine: Any, cfg: ConformConfig) -> dict | None:
     return {**scaled, **engine.parse_options(cfg.engine_options)}
 
 
-def run_conform(model: str | Path, config: ConformConfig | None = None, *, text: str | None = None) -> Result:
+def run_conform(model: str | Path, config: ConformConfig | None = None, *, text: str | None = None,
+                engine: Any = None) -> Result:
     """Check the engine's rotary positions for `model` (a GGUF path or a packaged GGUF model) under `config`.
+
+    `engine`: an `EngineAdapter` (`posprobe.backend.engines.adapter`: any engine, plugged in by its user) run in
+    place of `config.engine`; `model` is then the HF reference it is checked against (a GGUF file, a packaged GGUF
+    model or a local HF folder).
 
     `config.rope_scaling` (HF rope_parameters, e.g. {"rope_type": "yarn", "factor": 2}) is the scaling under test:
     laid over HF's config and turned into the engine's options (`engine_options` given explicitly win); a scaling
@@ -159,21 +180,22 @@ def run_conform(model: str | Path, config: ConformConfig | None = None, *, text:
     """
     from posprobe.analyses.configs import ENGINE_RUNS
     from posprobe.backend.engines import engine_module
-    from posprobe.backend.engines.reference import hf_config_of_gguf, hf_rope_tables, switch_position, with_rope_scaling
+    from posprobe.backend.engines.reference import hf_rope_tables, reference_config, switch_position, with_rope_scaling
     from posprobe.backend.engines.rope import engine_table
     from posprobe.backend.peek import read_gguf_metadata
 
     cfg = config or ConformConfig()
-    engine = engine_module(cfg.engine)
-    path = engine_file(model, cfg.engine)
+    name = getattr(engine, "name", None) or cfg.engine
+    path = engine_file(model, cfg.engine) if engine is None else reference_path(model)
+    engine = engine if engine is not None else engine_module(cfg.engine)
     options = _engine_options(engine, cfg)
     runs = options is not None and bool(set(cfg.checks) & set(ENGINE_RUNS))
     if runs and engine.missing_package() is not None:
         raise ValueError(f"{engine.missing_package()}; or run --check declared --check precision alone")
-    meta_gguf = read_gguf_metadata(path)
+    meta_gguf = read_gguf_metadata(path) if path.suffix == ".gguf" else {}
     engine.check_proven(path, meta_gguf)  # a file whose rotation would be built wrongly: refused before any work
     ropes = engine.declared(meta_gguf, options) if options is not None else {}  # so is an option it does not build
-    hf_config = with_rope_scaling(hf_config_of_gguf(path), cfg.rope_scaling)
+    hf_config = with_rope_scaling(reference_config(path), cfg.rope_scaling)
     hf_tables = hf_rope_tables(hf_config)
     tables: dict[str, Any] = {}
     bugs: list[str] = []
@@ -189,8 +211,8 @@ def run_conform(model: str | Path, config: ConformConfig | None = None, *, text:
                                                                       tables["behaviour_summary"]["verdict"])
                      if v != "position-flat"]
         if "cache" in cfg.checks:
-            tables["cache"], tables["cache_summary"] = _cache(engine if runs else None, path, cfg, options or {},
-                                                              hf, ids, at)
+            tables["cache"], tables["cache_summary"] = _cache(engine if runs else None, name, path, cfg,
+                                                              options or {}, hf, ids, at)
     if "precision" in cfg.checks:
         import pandas as pd
 
@@ -199,8 +221,8 @@ def run_conform(model: str | Path, config: ConformConfig | None = None, *, text:
         context = max(int(hf_config.max_position_embeddings), max(cfg.lengths))
         own = {lt: (engine_table(r)[0], engine.phases(r)) for lt, r in ropes.items()}
         tables["precision"], tables["precision_curve"] = precision_tables(
-            hf_tables, context=context, end=cfg.precision_end, engine=own, engine_name=cfg.engine)
-        mine = tables["precision"][tables["precision"]["mode"] == f"{cfg.engine} (its own)"]
+            hf_tables, context=context, end=cfg.precision_end, engine=own, engine_name=name)
+        mine = tables["precision"][tables["precision"]["mode"] == f"{name} (its own)"]
         bugs += [f"precision: {lt} phases read a neighbour from position {int(p)}"
                  for lt, p in zip(mine["layer_type"], mine["first_fast_neighbour_position"]) if pd.notna(p)]
     findings = []
@@ -210,8 +232,8 @@ def run_conform(model: str | Path, config: ConformConfig | None = None, *, text:
                 (findings if r.side == "reference" else bugs).append(f"cache: {r.side} {r.verdict} at {r.at}")
     verdict = "conforms" if not bugs else "differs: " + ", ".join(bugs)
     if options is None:  # only HF's side ran: there is no engine verdict to give
-        verdict = f"not checked: {cfg.engine} has no form of the scaling under test; HF's side only"
-    arch = meta_gguf.get("general.architecture")
+        verdict = f"not checked: {name} has no form of the scaling under test; HF's side only"
+    arch = meta_gguf.get("general.architecture", hf_config.model_type)
     reads = "behaviour" in cfg.checks or "cache" in cfg.checks
     meta = make_meta("conform", model={"name": str(model), "positional_kind": ROTARY, "file": path.name,
                                        "architecture": arch, "hf_model_type": hf_config.model_type},
@@ -219,9 +241,9 @@ def run_conform(model: str | Path, config: ConformConfig | None = None, *, text:
                            else "the model's own file (the declared and precision checks read no text)",
                            "n_items": max(max(cfg.lengths), at + 65) if reads else len(hf_tables),
                            "unit": "tokens" if reads else "layer types"},
-                     config=cfg, engine=cfg.engine, engine_options=options, rope_scaling=cfg.rope_scaling,
+                     config=cfg, engine=name, engine_options=options, rope_scaling=cfg.rope_scaling,
                      verdict=verdict, reference_findings=findings,
-                     title=f"{cfg.engine} against Hugging Face: {Path(str(model)).name}")
+                     title=f"{name} against Hugging Face: {Path(str(model)).name}")
     return Result(tables, meta)
 
 

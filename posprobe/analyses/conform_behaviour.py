@@ -9,8 +9,9 @@ the first `SKIP`); a rotation error differs more the further the position, the s
   scale, a wrong base by far; no quantisation does this);
 - `grows with position`: mean KL in the last quarter over the first quarter's above `GROWTH` (a small base error,
   a frequency or a scaling that only long distances see);
-- `position-flat`: neither (the engine behaves as the reference up to its quantisation floor; a small base error
-  may still hide here: the declared check is the one that sees it).
+- `position-flat`: neither, or the last quarter's KL under `EXACT` nats (an unquantised engine agrees to float
+  noise, whose ratio means nothing); the engine behaves as the reference up to its quantisation floor (a small base
+  error may still hide here: the declared check is the one that sees it).
 Torch-free (numpy on the two log-probability arrays)."""
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-__all__ = ["AGREEMENT_FLOOR", "GROWTH", "SKIP", "behaviour_tables", "position_metrics"]
+__all__ = ["AGREEMENT_FLOOR", "EXACT", "GROWTH", "SKIP", "behaviour_tables", "position_metrics"]
 
 #: First positions left out of the floor and the trend (the first tokens' distributions are broad and noisy).
 SKIP = 16
@@ -27,6 +28,9 @@ AGREEMENT_FLOOR = 0.85
 #: Last quarter's mean KL over the first quarter's above which divergence grows with position (SmolLM2 4-bit at
 #: 2,048 tokens: 0.94-0.96 for a correct or a 1 %-off base, 1.44 for a base 10 % off).
 GROWTH = 1.25
+#: KL (nats) under which an engine agrees with the reference to float noise whatever the ratio (HF in eager against
+#: HF in SDPA, float32: ~1e-11).
+EXACT = 1e-6
 
 
 def position_metrics(hf_logprobs: np.ndarray, engine_logprobs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -58,7 +62,7 @@ def behaviour_tables(kl: np.ndarray, top1: np.ndarray, *, length: int, bins: int
     if agree_first < AGREEMENT_FLOOR:
         verdict, why = "differs everywhere", (f"top-1 agreement {agree_first:.3f} in the first quarter (KL "
                                               f"{floor:.4g} nats): a gross error, no quantisation floor is this far")
-    elif growth > GROWTH:
+    elif growth > GROWTH and late > EXACT:
         verdict, why = "grows with position", (f"KL {floor:.4g} -> {late:.4g} nats from the first to the last "
                                                f"quarter (x{growth:.2f}), top-1 agreement {agree_first:.3f} -> "
                                                f"{agree_last:.3f}: the signature of a rotation error")

@@ -8,8 +8,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-__all__ = ["LENGTH_DEPENDENT", "cached_logprobs", "hf_config_of_gguf", "hf_rope_tables", "switch_position",
-           "uncached_logprobs", "with_rope_scaling"]
+__all__ = ["LENGTH_DEPENDENT", "cached_logprobs", "hf_config_of_gguf", "hf_rope_tables", "reference_config",
+           "switch_position", "uncached_logprobs", "with_rope_scaling"]
 
 #: HF rope types whose rotation depends on the input's length (`dynamic_rope_update`).
 LENGTH_DEPENDENT = ("dynamic", "longrope")
@@ -74,6 +74,18 @@ def _config_of_gguf(path: str, mtime: int) -> Any:
                          ) from None
 
 
+def reference_config(path: Any) -> Any:
+    """HF's config of the reference model at `path`: a GGUF file (`hf_config_of_gguf`, shared: not to be modified)
+    or a local HF folder."""
+    from pathlib import Path
+
+    if Path(path).suffix == ".gguf":
+        return hf_config_of_gguf(path)
+    from posprobe.backend.loading import load_config
+
+    return load_config(path)
+
+
 def with_rope_scaling(config: Any, rope: dict | None) -> Any:
     """`config` with HF `rope_parameters` `rope` laid over its own (the scaling under test): over the one table, or
     over the full-attention layers' where the config keeps one per layer type (Gemma 3 scales only its global
@@ -100,8 +112,8 @@ def with_rope_scaling(config: Any, rope: dict | None) -> Any:
 
 def reference_model(path: Any, rope: dict | None = None) -> tuple[Any, Any]:
     """(HF model, tokenizer) of the GGUF file `path` as posprobe loads it (dequantised once, cached: the same file
-    the engine reads), float32, eval mode, with HF `rope_parameters` `rope` laid over its config (the scaling
-    under test; `with_rope_scaling`)."""
+    the engine reads) or of the local HF folder `path`, float32, eval mode, with HF `rope_parameters` `rope` laid
+    over its config (the scaling under test; `with_rope_scaling`)."""
     from pathlib import Path
 
     from transformers import AutoTokenizer
@@ -111,7 +123,7 @@ def reference_model(path: Any, rope: dict | None = None) -> tuple[Any, Any]:
     from posprobe.backend.sources import resolve
 
     folder = hf_folder(resolve(str(Path(path))))
-    config = with_rope_scaling(hf_config_of_gguf(path), rope) if rope else None
+    config = with_rope_scaling(reference_config(path), rope) if rope else None
     # SDPA: HF's own attention path that does not hold [head, n, n] weights (the behaviour check runs 8k+ tokens).
     return load_causal_lm(folder, config=config, attention="sdpa"), AutoTokenizer.from_pretrained(folder)
 
