@@ -855,12 +855,13 @@ class ConformConfig:
     """Options of `posprobe conform` (`run_conform`): an engine's rotary positions for a model checked against
     Hugging Face's, which posprobe proves."""
 
-    engine: str = option("llama.cpp", "the engine whose positions are checked (llama.cpp; posprobe.backend.engines."
-                                      "ENGINES lists them)")
+    engine: str = option("llama.cpp", "the engine whose positions are checked (llama.cpp, transformer-lens; "
+                                      "posprobe.backend.engines.ENGINES lists them)")
     engine_options: tuple[str, ...] = option((), "an engine option in force, KEY=VALUE (repeatable; llama.cpp: "
                                                  "llama-cpp-python's rope keywords rope_freq_base, rope_freq_scale, "
                                                  "rope_scaling_type, yarn_ext_factor, yarn_attn_factor, "
-                                                 "yarn_beta_fast, yarn_beta_slow, yarn_orig_ctx)",
+                                                 "yarn_beta_fast, yarn_beta_slow, yarn_orig_ctx; transformer-lens: "
+                                                 "backend=bridge or backend=hooked)",
                                              flag="--engine-option")
     checks: tuple[str, ...] = option(CONFORM_CHECKS, f"checks to run ({', '.join(CONFORM_CHECKS)})",
                                      flag="--check")

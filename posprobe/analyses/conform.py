@@ -194,7 +194,8 @@ def run_conform(model: str | Path, config: ConformConfig | None = None, *, text:
         raise ValueError(f"{engine.missing_package()}; or run --check declared --check precision alone")
     meta_gguf = read_gguf_metadata(path) if path.suffix == ".gguf" else {}
     engine.check_proven(path, meta_gguf)  # a file whose rotation would be built wrongly: refused before any work
-    ropes = engine.declared(meta_gguf, options) if options is not None else {}  # so is an option it does not build
+    # so is an option it does not build
+    ropes = engine.declared(meta_gguf, options, path=path) if options is not None else {}
     hf_config = with_rope_scaling(reference_config(path), cfg.rope_scaling)
     hf_tables = hf_rope_tables(hf_config)
     tables: dict[str, Any] = {}

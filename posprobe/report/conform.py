@@ -31,7 +31,9 @@ def summary_text(result: Any) -> str:
              f"{m.get('verdict')}"]
     for r in result.tables.get("declared", pd.DataFrame()).itertuples():
         why = f": {r.why}" if isinstance(r.why, str) and r.why else ""
-        lines.append(f"[declared] {r.layer_type}: {r.verdict} ({r.bug_class}){why}")
+        said = getattr(r, "source", None)
+        by = f" [declared by {said}]" if r.verdict != "conforms" and isinstance(said, str) and said else ""
+        lines.append(f"[declared] {r.layer_type}: {r.verdict} ({r.bug_class}){why}{by}")
     for r in result.tables.get("behaviour_summary", pd.DataFrame()).itertuples():
         lines.append(f"[behaviour] {r.length} tokens: {r.verdict}: {r.why}")
     for r in result.tables.get("cache_summary", pd.DataFrame()).itertuples():

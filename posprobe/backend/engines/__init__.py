@@ -12,9 +12,10 @@ from types import ModuleType
 __all__ = ["ENGINES", "engine_module"]
 
 #: Engine name -> its module: an engine is one module with `check_proven`, `parse_options`, `options_for_scaling`,
-#: `declared`, `phases` (its own arithmetic of the phases), `missing_package`, `next_token_logprobs` and
-#: `cache_pair` (uncached and cached scores) (llama_cpp.py's), and one row here.
-ENGINES = {"llama.cpp": "posprobe.backend.engines.llama_cpp"}
+#: `declared` (given the GGUF metadata, the options and the file's path), `phases` (its own arithmetic of the
+#: phases), `missing_package`, `next_token_logprobs` and `cache_pair` (uncached and cached scores) (llama_cpp.py's),
+#: and one row here.
+ENGINES = {"llama.cpp": "posprobe.backend.engines.llama_cpp", "transformer-lens": "posprobe.backend.engines.tl"}
 
 
 def engine_module(name: str) -> ModuleType:

@@ -76,7 +76,8 @@ class EngineAdapter:
         """{}: the scaling in force is the engine's own (declared in `ropes`)."""
         return {}
 
-    def declared(self, meta: dict[str, Any], options: dict | None = None) -> dict[str, EngineRope]:
+    def declared(self, meta: dict[str, Any], options: dict | None = None, *, path: Any = None
+                 ) -> dict[str, EngineRope]:
         """The rotation the adapter declares per layer type."""
         return dict(self.ropes)
 

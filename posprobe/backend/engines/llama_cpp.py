@@ -113,7 +113,8 @@ def _get_mscale(scale: float) -> float:
     return 1.0 if scale <= 1 else 0.1 * math.log(scale) + 1.0
 
 
-def declared(meta: dict[str, Any], options: dict[str, float] | None = None) -> dict[str, EngineRope]:
+def declared(meta: dict[str, Any], options: dict[str, float] | None = None, *, path: Any = None
+             ) -> dict[str, EngineRope]:
     """{layer type: EngineRope} llama.cpp rotates the model of GGUF metadata `meta` with under `options`
     (llama-cpp-python's keywords; missing ones at its defaults): "all" for one table, else Gemma 3's
     "full_attention" and "sliding_attention" (HF's names for its global and local layers)."""
