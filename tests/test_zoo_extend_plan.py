@@ -359,3 +359,37 @@ def test_pose_reads_a_text_of_exactly_one_window_from_its_start():
             breaks = [i for i in range(1, L) if row[i] != row[i - 1] + 1]
             first = breaks[0] if breaks else L
             assert len(breaks) <= 1 and row[:first] == list(range(first))
+
+
+def test_default_checkpoints_keep_those_within_the_steps():
+    # issue #64: --steps 20 with the default checkpoints was refused; the defaults within the steps are kept, the last
+    # step added, and checkpoints the user names past the steps are still refused.
+    assert ExtendConfig(steps=20).checkpoints == (0, 20)
+    assert ExtendConfig(steps=60).checkpoints == (0, 25, 50, 60)
+    assert ExtendConfig().checkpoints == (0, 25, 50, 100, 200)
+    with pytest.raises(ValueError, match="checkpoints must lie in 0..steps"):
+        ExtendConfig(steps=20, checkpoints=(0, 50))
+
+
+def test_the_fine_tuning_text_is_found_again_where_the_zoo_was_trained_on_a_file(tmp_path):
+    import hashlib
+    import json
+
+    from posprobe.analyses.context_extension import training_text
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("a\n" * 10, encoding="utf-8")
+    part = "a\n" * 5  # zoo train's split at eval_fraction 0.5: the first half, cut at a line break
+    zoo = tmp_path / "zoo"
+    (zoo / "training").mkdir(parents=True)
+    (zoo / "training" / "meta.json").write_text(json.dumps({
+        "data": {"source": str(corpus), "sha256": hashlib.sha256(part.encode()).hexdigest()},
+        "config": {"eval_fraction": 0.5}}), encoding="utf-8")
+    assert training_text(zoo, None, None) == (part, str(corpus))
+    corpus.write_text("b\n" * 10, encoding="utf-8")
+    with pytest.raises(ValueError, match="has changed since"):
+        training_text(zoo, None, None)
+    corpus.unlink()
+    with pytest.raises(ValueError, match="which is not here"):
+        training_text(zoo, None, None)
+    assert training_text(zoo, "given", "x.txt") == ("given", "x.txt")

@@ -43,8 +43,9 @@ EXTEND_KEYS = ("model", "member", "family", "block", "seed", "method", "step")
 
 
 def training_text(zoo: str | os.PathLike, text: str | None, source: str | None) -> tuple[str, str]:
-    """(fine-tuning text, its source): `text` as given, else the zoo's own training text where it can be had again
-    (posprobe's built-in corpus, recognised by the sha256 in `<zoo>/training/meta.json`); ValueError otherwise."""
+    """(fine-tuning text, its source): `text` as given, else the zoo's own training text where it can be had again:
+    posprobe's built-in corpus, or the file the zoo was trained on (`zoo train --text PATH`) where it is still there,
+    each recognised by the sha256 in `<zoo>/training/meta.json`; ValueError saying which it is otherwise."""
     if text is not None:
         if not text.strip():
             raise ValueError("the fine-tuning text is empty")
@@ -52,16 +53,24 @@ def training_text(zoo: str | os.PathLike, text: str | None, source: str | None) 
     meta_file = Path(zoo) / TRAINING_FOLDER / "meta.json"
     meta = json.loads(meta_file.read_text(encoding="utf-8")) if meta_file.is_file() else {}
     data = meta.get("data") or {}
-    if data.get("source") == "built-in corpus":
+    origin = data.get("source")
+    frac = float((meta.get("config") or {}).get("eval_fraction", 0.1))
+    why = "that cannot be found again here"
+    if origin == "built-in corpus":
         from posprobe.data import builtin_corpus
 
-        corpus = builtin_corpus()
-        frac = float((meta.get("config") or {}).get("eval_fraction", 0.1))
-        for candidate in (split_text(corpus, None, frac)[0], corpus):
+        whole: str | None = builtin_corpus()
+    elif origin and Path(origin).is_file():
+        whole = Path(origin).read_text(encoding="utf-8")
+        why = "which has changed since (its sha256 differs)"
+    else:
+        whole = None
+        why = "which is not here" if origin else why
+    if whole is not None:
+        for candidate in (split_text(whole, None, frac)[0], whole):  # the split's training part, or all of it
             if text_sha256(candidate) == data.get("sha256"):
-                return candidate, "built-in corpus"
-    raise ValueError(f"pass --text: the fine-tuning text (the zoo was trained on {data.get('source') or 'a text'} "
-                     "that cannot be found again here)")
+                return candidate, origin
+    raise ValueError(f"pass --text: the fine-tuning text (the zoo was trained on {origin or 'a text'}, {why})")
 
 
 class _Scorer:

@@ -66,6 +66,10 @@ PASSKEY_TRIALS = 10
 Method = Literal[METHOD_NAMES]  # type: ignore[valid-type]  # the CLI's choices, from the rows
 
 
+#: The checkpoints of `zoo extend` when none are given: those within the steps are kept (the last step is added).
+DEFAULT_CHECKPOINTS = (0, 25, 50, 100, 200)
+
+
 @dataclass(frozen=True, kw_only=True)
 class ExtendConfig:
     """What `posprobe zoo extend` does: every chosen member x seed of a zoo continued from its length L to L' under
@@ -85,8 +89,9 @@ class ExtendConfig:
     seeds: tuple[int, ...] | None = option(None, "seeds to extend (repeatable; default: every seed in the zoo)",
                                            flag="--seed")
     steps: int = option(200, "fine-tuning steps per member and method (Chen et al.: PI recovers within 200)")
-    checkpoints: tuple[int, ...] = option((0, 25, 50, 100, 200), "steps at which each run is evaluated (0 = the "
-                                                                 "method at inference only; the last step always)")
+    checkpoints: tuple[int, ...] | None = option(None, "steps at which each run is evaluated (0 = the method at "
+                                                       "inference only; the last step always; default: 0, 25, 50, "
+                                                       "100, 200 where within the steps)")
     batch_size: int | None = option(None, "sequences of L' tokens per step (pose, drope: of L tokens; default: the "
                                           "member's pre-training batch x L / L' (pose, drope: x 1), the same tokens "
                                           "per step)")
@@ -159,7 +164,10 @@ class ExtendConfig:
                 raise ValueError(f"{name} must be >= {1 if name == 'batch_size' else 0}, got {v}")
         if self.warmup is not None and self.warmup >= self.steps:
             raise ValueError(f"warmup must be < steps; got {self.warmup} with {self.steps} steps")
-        cps = tuple(sorted({int(c) for c in self.checkpoints} | {self.steps}))
+        given = self.checkpoints
+        if given is None:
+            given = [c for c in DEFAULT_CHECKPOINTS if c <= self.steps]
+        cps = tuple(sorted({int(c) for c in given} | {self.steps}))
         if any(c < 0 or c > self.steps for c in cps):
             raise ValueError(f"checkpoints must lie in 0..steps ({self.steps}); got {self.checkpoints}")
         object.__setattr__(self, "checkpoints", cps)
