@@ -275,7 +275,7 @@ def test_cli_runs_chosen_sections_and_refuses_bad_input_before_loading(zoo_atlas
              "--out", str(tmp_path / "za"))
     assert p.returncode == 0, p.stderr
     assert "probe_mae_last" in p.stdout and "nope" in p.stdout and "wrote" in p.stdout
-    assert "zoo atlas: probes [1/2]" in p.stderr
+    assert "atlas: probes [1/2]" in p.stderr
     assert (tmp_path / "za" / "head_similarity_layer.parquet").is_file()
     p = _cli(str(out), "--section", "shfit", "--out", str(tmp_path / "bad"))
     assert p.returncode != 0 and "shfit" in p.stderr and "Loading" not in p.stderr

@@ -64,7 +64,7 @@ def test_every_model_and_section_is_an_outcome_in_order(reads_models):
     # the models stay in memory only for a cross-model section that reads them
     assert seen["loaded"] == (["tiny-rope", "tiny-ape"] if reads_models else [])
     assert set(timings) == {"counts", "picky", "cross"} and all(v >= 0 for v in timings.values())
-    assert said[0] == "zoo atlas: counts [1/3] tiny-rope ..." and said[-1] == "zoo atlas: cross of " + (
+    assert said[0] == "atlas: counts [1/3] tiny-rope ..." and said[-1] == "atlas: cross of " + (
         "2 models ..." if reads_models else "0 models ...")
     assert not any("no-such-model-anywhere" in s for s in said)  # nothing is run on a model that did not load
 
@@ -136,7 +136,10 @@ def test_run_zoo_atlas_assembles_what_its_sections_returned(monkeypatch, capsys)
     assert meta["data"]["sha256"] == hashlib.sha256(text.encode("utf-8")).hexdigest()
     assert meta["data"]["source"] == "mine" and meta["data"]["n_items"] == len(text)
     assert meta["data"]["unit"] == "characters" and meta["analysis"] == "zoo-atlas"
-    assert meta["model"] == {"name": "zoo", "positional_kind": "several", "models": ["tiny-rope", "tiny-ape"]}
+    # two models a user named, no zoo: the models' own names and their vocabulary (issue #66)
+    assert meta["model"] == {"name": "tiny-rope, tiny-ape", "positional_kind": "several",
+                             "models": ["tiny-rope", "tiny-ape"]}
+    assert meta["vocabulary"] == "models"
     assert r.tables["models"].spec.tolist() == ["tiny-rope", "tiny-ape"]
     assert meta["sections"] == ["heads", "sinks"] and set(meta["seconds"]) == {"heads", "sinks"}
     assert meta["training_data"] is None and meta["headline"] == {"heads": {"tiny-rope": {"n": 1}}}
@@ -154,7 +157,7 @@ def test_run_zoo_atlas_assembles_what_its_sections_returned(monkeypatch, capsys)
     assert ratios[["member", "factor", "ppl_ratio"]].values.tolist() == [["tiny-ape", 1.0, 1.0], ["tiny-ape", 2.0, 1.5]]
     assert r.tables["models"].model.tolist() == ["tiny-rope", "tiny-ape"]
     err = capsys.readouterr().err
-    assert "zoo atlas: heads [1/2] tiny-rope ..." in err and "zoo atlas: sinks [2/2] tiny-ape ..." in err
+    assert "atlas: heads [1/2] tiny-rope ..." in err and "atlas: sinks [2/2] tiny-ape ..." in err
     r2 = am.run_zoo_atlas(["tiny-rope"], ZooAtlasConfig(sections=("heads",), progress=False), text=text)
     assert r2.meta["data"]["source"] == "text" and capsys.readouterr().err == ""
 

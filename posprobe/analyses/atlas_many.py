@@ -40,7 +40,7 @@ from posprobe.report.result import Result
 from posprobe.report.schema import data_meta, make_meta, text_sha256
 from posprobe.zoo.folder import member_info, resolve_text, training_tables, zoo_models
 
-__all__ = ["ZOO_ATLAS_SECTIONS", "ZooAtlasConfig", "evaluate_zoo", "ratio_summary", "run_zoo_atlas"]
+__all__ = ["ZOO_ATLAS_SECTIONS", "ZooAtlasConfig", "collapse_layers", "evaluate_zoo", "ratio_summary", "run_zoo_atlas"]
 
 
 def _training(models: list[ModelEntry], run: CompareRun) -> tuple[dict[str, pd.DataFrame], dict[str, str]]:
@@ -101,11 +101,14 @@ def run_zoo_atlas(paths: list[str], config: ZooAtlasConfig | None = None, *, tex
     if "perplexity" in tables:  # ppl(xL) / ppl(L) per member over its seeds, as `zoo eval` gives it
         tables["ratios"] = ratio_summary(tables["perplexity"])
     tables["models"] = pd.DataFrame([_model_row(m) for m in models])
+    zoo = "seed" in tables["models"] and bool(tables["models"]["seed"].notna().any())
     tables["refused"] = pd.DataFrame(refused, columns=["model", "section", "why"])
     for name, df in tables.items():
         tables[name] = df.reset_index(drop=True)
-    meta = make_meta("zoo-atlas", model={"name": "zoo", "positional_kind": "several",
-                                         "models": [m.spec for m in models]},
+    # One vocabulary by what was compared: a zoo's members and seeds, or the models a user named.
+    name = "zoo" if zoo else ", ".join(m.label for m in models)
+    meta = make_meta("zoo-atlas", model={"name": name, "positional_kind": "several",
+                                         "models": [m.spec for m in models]}, vocabulary="zoo" if zoo else "models",
                      data=data_meta(source, n_items=len(text), unit="characters", sha256=text_sha256(text)),
                      config=cfg, sections=wanted, seconds=timings, headline=headline,
                      training_data=training_data(paths) if "training" in declared else None,
@@ -158,7 +161,7 @@ def compare_models(specs: list[tuple[str, dict | None]], declared: dict[str, Atl
             if m.model is None:
                 outcomes.append(Outcome(name, m.label, m, why=m.why))
                 continue
-            say(f"zoo atlas: {name} [{i + 1}/{len(specs)}] {m.label} ...")
+            say(f"atlas: {name} [{i + 1}/{len(specs)}] {m.label} ...")
             t0 = time.perf_counter()
             try:
                 got = sec.compare(m, run)
@@ -176,7 +179,7 @@ def compare_models(specs: list[tuple[str, dict | None]], declared: dict[str, Atl
     for name, sec in declared.items():
         if sec.across is None:
             continue
-        say(f"zoo atlas: {name} of {sum(m.model is not None for m in models)} models ...")
+        say(f"atlas: {name} of {sum(m.model is not None for m in models)} models ...")
         t0 = time.perf_counter()
         tabs, why = sec.across(models, run)
         timings[name] += time.perf_counter() - t0
@@ -195,11 +198,21 @@ def _tag(df: pd.DataFrame, m: ModelEntry) -> pd.DataFrame:
     return df.assign(model=m.label, **member_info(m.label, m.record))
 
 
+def collapse_layers(parts: list[str] | tuple[str, ...]) -> str:
+    """Per-layer descriptions collapsed by kind, with counts, in the order first seen: "rotary ..., base 1e+06 ×3;
+    rotary ..., sliding window 512 ×15" (one description: itself; "×n" only where n > 1)."""
+    counts: dict[str, int] = {}
+    for p in parts:
+        counts[p] = counts.get(p, 0) + 1
+    return "; ".join(f"{p} ×{n}" if n > 1 else p for p, n in counts.items())
+
+
 def _model_row(m: ModelEntry) -> dict:
     row = {"model": m.label, "spec": m.spec, **member_info(m.label, m.record)}
     if m.facts is not None:
         row.update(positional_kind=m.facts.positional_kind, n_ctx=m.facts.n_ctx, n_layers=m.facts.n_layers,
-                   n_heads=m.facts.n_heads, layers="; ".join(m.facts.layer_positions), status="loaded", why="")
+                   n_heads=m.facts.n_heads, layers=collapse_layers(m.facts.layer_positions),
+                   layers_per_layer="; ".join(m.facts.layer_positions), status="loaded", why="")
     else:
         row.update(status="refused", why=m.why)
     return row

@@ -73,7 +73,7 @@ def _many(args: argparse.Namespace, config: Any) -> int:
         text, source = builtin_corpus(), BUILTIN_CORPUS_SOURCE
     from posprobe.analyses.atlas_many import run_zoo_atlas
     from posprobe.cli.zoo import print_and_save
-    from posprobe.report.zoo_atlas import headline_table
+    from posprobe.report.zoo_atlas import printed
 
     result = run_zoo_atlas(models, many, text=text, source=source, device=args.device)
-    return print_and_save(result, args, headline_table, "atlas")
+    return print_and_save(result, args, printed, "atlas")

@@ -184,7 +184,7 @@ def _atlas(args: argparse.Namespace) -> int:
     from posprobe.analyses.configs import ZooAtlasConfig
 
     return _across_models(args, ZooAtlasConfig, ("posprobe.analyses.atlas_many", "run_zoo_atlas"),
-                          ("posprobe.report.zoo_atlas", "headline_table"))
+                          ("posprobe.report.zoo_atlas", "printed"))
 
 
 def _across_models(args: argparse.Namespace, config_cls: type, run: tuple[str, str], table: tuple[str, str]) -> int:
@@ -209,7 +209,8 @@ def _across_models(args: argparse.Namespace, config_cls: type, run: tuple[str, s
 def print_and_save(result: Any, args: argparse.Namespace, summary: Any, tag: str) -> int:
     """A result over several models on stdout (its summary table, then every model refused at all with why, each
     line tagged `[tag]`), saved to --out; returns the exit code 0."""
-    print(summary(result).to_string(index=False))
+    said = summary(result)
+    print(said if isinstance(said, str) else said.to_string(index=False))
     for model, why in refused_models(result):
         print(f"[{tag}] refused {model}: {why}")
     paths = result.save(args.out, figure_formats=args.figures, csv=args.csv)

@@ -12,13 +12,37 @@ import pandas as pd
 
 from posprobe.report.style import COLORS, caption, style
 
-__all__ = ["by_member", "compare_caption", "layer_name", "line_figure", "member_of", "member_order", "pct",
-           "refused_rows", "refused_text", "spread", "table"]
+__all__ = ["by_member", "compare_caption", "layer_name", "line_figure", "member_of", "member_order", "over_seeds",
+           "pct", "refused_rows", "refused_text", "seeded", "spread", "table", "unit"]
 
 
 def table(result: Any, name: str) -> pd.DataFrame:
     """The result's table `name`, or an empty frame."""
     return result.tables.get(name, pd.DataFrame())
+
+
+def seeded(result: Any) -> bool:
+    """Whether the models compared are a zoo's members with seeds (a zoo's words: members, seeds) rather than models
+    a user named (models): meta "vocabulary" where the atlas recorded it, else a seed in the models table."""
+    said = result.meta.get("vocabulary")
+    if said is not None:
+        return said == "zoo"
+    for name in ("models", "perplexity"):  # the atlas's models; `zoo eval` has its perplexity rows only
+        seeds = table(result, name).get("seed")
+        if seeds is not None and seeds.notna().any():
+            return True
+    return False
+
+
+def unit(result: Any, plural: bool = False) -> str:
+    """"member(s)" for a zoo's members, "model(s)" for models a user named."""
+    word = "member" if seeded(result) else "model"
+    return word + ("s" if plural else "")
+
+
+def over_seeds(result: Any, text: str = " (mean over seeds)") -> str:
+    """`text` where the models have seeds, else an empty string."""
+    return text if seeded(result) else ""
 
 
 def member_order(result: Any) -> list[str]:
@@ -87,7 +111,8 @@ def compare_caption(result: Any, note: str, *, meta: dict | None = None, **optio
     """The caption of a side-by-side figure: the result's (or `meta`'s) data and options, `note`, and how the seeds
     are drawn."""
     # `meta`: the record the caption names in place of the result's own (the training figure's training text).
-    return caption(meta or result.meta, options, note=note + " Lines: mean over seeds; bars: lowest and highest seed.")
+    seeds = over_seeds(result, " Lines: mean over seeds; bars: lowest and highest seed.")
+    return caption(meta or result.meta, options, note=note + seeds)
 
 
 def layer_name(layer: int) -> str:

@@ -7,7 +7,7 @@ from typing import Any
 
 import pandas as pd
 
-from posprobe.report.compare import compare_caption, member_of, member_order, refused_text, spread, table
+from posprobe.report.compare import compare_caption, member_of, member_order, refused_text, spread, table, unit
 from posprobe.report.html import Section, table_html
 from posprobe.report.style import COLORS, caption, reference_line, style
 
@@ -134,7 +134,7 @@ def compare_section(result: Any) -> Section | None:
     per_model = share.groupby(["member", "model"], as_index=False).value.mean()
     fig = px.strip(share, x="member", y="value", category_orders={"member": order},
                    title="Layer 0: share of the score variance carried by positional terms, per head",
-                   labels={"value": "positional share of score variance"})
+                   labels={"value": "positional share of score variance", "member": unit(result)})
     fig = style(fig, caption=compare_caption(result, "Exact split on learned tables (word/position terms), "
                                                      "data-driven split elsewhere (positional mean, content, residual "
                                                      "terms)."))
@@ -143,7 +143,7 @@ def compare_section(result: Any) -> Section | None:
     text = ("Layer-0 score variance carried by positional terms (mean over heads): "
             + ", ".join(f"{m} {spread(per_model[per_model.member == m].value)}" for m in order
                         if m in set(per_model.member))
-            + f". Exact word/position split on {', '.join(exact) or 'no member'}; the others by the data-driven "
-            "split (positional mean over the corpus; the ALiBi term is the bias itself).")
+            + f". Exact word/position split on {', '.join(exact) or 'no ' + unit(result)}; the others by the "
+            "data-driven split (positional mean over the corpus; the ALiBi term is the bias itself).")
     return Section("Layer-0 score decomposition", html=f"<p>{html.escape(text)}{refused_text(result, 'decomposition')}"
                                                   "</p>", figures=[fig])

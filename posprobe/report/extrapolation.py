@@ -10,7 +10,7 @@ from typing import Any
 
 import pandas as pd
 
-from posprobe.report.compare import table
+from posprobe.report.compare import over_seeds, seeded, table
 from posprobe.report.html import Section, table_html
 from posprobe.report.style import COLORS, REFERENCE_COLOR, caption, style
 
@@ -39,8 +39,8 @@ def figures(result: Any) -> list:
     df = result.tables["perplexity"]
     curves = _curves(df)
     cap = caption(result.meta, {"protocols": (result.meta.get("config") or {}).get("protocols")},
-                  note="Lines: mean over seeds; bars: lowest and highest seed. A learned-position model stops at its "
-                       "table's last row.")
+                  note=("Lines: mean over seeds; bars: lowest and highest seed. " if seeded(result) else "")
+                  + "A learned-position model stops at its table's last row.")
     out = []
     for protocol, part in curves.groupby("protocol", sort=False):
         fig = go.Figure()
@@ -139,8 +139,9 @@ def compare_section(result: Any) -> Section | None:
     chunks = r[(r.protocol == r.protocol.iloc[0]) & (r.factor == r.factor.max())]
     ok = chunks[chunks.status == "ok"].sort_values("ppl_ratio")
     cannot = chunks[chunks.status == "cannot run"].member.tolist()
-    text = (f"ppl({chunks.factor.max():g}L) / ppl(L), {chunks.protocol.iloc[0]} protocol, mean over seeds, from most "
-            "to least robust: " + ", ".join(f"{x.member} {x.ppl_ratio:.2f}" for x in ok.itertuples()) + "."
+    seeds = over_seeds(result, ", mean over seeds")
+    text = (f"ppl({chunks.factor.max():g}L) / ppl(L), {chunks.protocol.iloc[0]} protocol{seeds}, from most to least "
+            "robust: " + ", ".join(f"{x.member} {x.ppl_ratio:.2f}" for x in ok.itertuples()) + "."
             + (f" Cannot run past L: {', '.join(cannot)} (a learned table has L rows)." if cannot else ""))
     return Section("Perplexity past the training length", html=f"<p>{text}</p>" + table_html(ratio_table(sub)),
                    figures=figures(sub))

@@ -7,7 +7,7 @@ from typing import Any
 
 import pandas as pd
 
-from posprobe.report.compare import compare_caption, member_order, refused_text, table
+from posprobe.report.compare import compare_caption, member_order, over_seeds, refused_text, seeded, table, unit
 from posprobe.report.html import Section, table_html
 from posprobe.report.style import COLORS, caption, layer_head_heatmap, style
 
@@ -158,14 +158,15 @@ def compare_section(result: Any) -> Section | None:
     n_models = cls.groupby("member").model.nunique()
     counts = cls.groupby(["member", "kind"]).size().div(n_models, level="member").rename("heads").reset_index()
     fig = px.bar(counts, x="member", y="heads", color="kind", category_orders={"member": order},
-                 color_discrete_sequence=list(COLORS), title="Head classes per member (mean over seeds)")
+                 color_discrete_sequence=list(COLORS), title=f"Head classes per {unit(result)}{over_seeds(result)}",
+                 labels={"member": unit(result)})
     figs = [style(fig, caption=compare_caption(result, "Classes by posprobe's head-signature rules (heads report)."))]
     win = heads[heads.metric == "window"] if len(heads) else heads
     sentences = []
     if len(win):
         box = px.box(win, x="member", y="value", points="all", category_orders={"member": order},
                      title="Attention window per head: the distance holding 90% of the attention",
-                     labels={"value": "window (tokens back)"})
+                     labels={"value": "window (tokens back)", "member": unit(result)})
         note = ("Per head: the smallest d whose offsets 0..d hold 90% of the mean attention; heads wider than the "
                 "window measured are left out.")
         figs.append(style(box, caption=compare_caption(result, note)))
@@ -204,10 +205,11 @@ def similarity_section(result: Any) -> Section | None:
     fig = go.Figure(go.Heatmap(z=mat.values, x=order, y=order, colorscale="Viridis_r",
                                colorbar=dict(title="JSD (nats)"),
                                hovertemplate="%{y} heads vs nearest %{x} head: %{z:.3f}<extra></extra>"))
-    fig.update_layout(title="Head similarity: mean JSD to the nearest head of the other member, same layer",
-                      xaxis_title="other member (B)", yaxis_title="member (A)")
-    fig = style(fig, caption=caption(result.meta, None, note="Diagonal: a member's seeds against each other. Lower "
-                                                             "= more alike."), height=560)
+    word = unit(result)
+    fig.update_layout(title=f"Head similarity: mean JSD to the nearest head of the other {word}, same layer",
+                      xaxis_title=f"other {word} (B)", yaxis_title=f"{word} (A)")
+    diagonal = "Diagonal: a member's seeds against each other. " if seeded(result) else ""
+    fig = style(fig, caption=caption(result.meta, None, note=f"{diagonal}Lower = more alike."), height=560)
     sentences = []
     for m in order:
         row = mat.loc[m].drop(m, errors="ignore").dropna().sort_values()
@@ -216,9 +218,10 @@ def similarity_section(result: Any) -> Section | None:
         own = mat.loc[m, m] if m in mat.columns else float("nan")
         sentences.append(f"{m}: nearest {row.index[0]} ({row.iloc[0]:.3f}), farthest {row.index[-1]} "
                          f"({row.iloc[-1]:.3f})" + (f", its other seed {own:.3f}" if own == own else ""))
-    text = ("For every head of member A, the Jensen-Shannon divergence (nats) of its attention to the nearest head of "
-            "member B in the same layer on the same inputs, averaged over heads, layers and seeds: "
+    over = over_seeds(result, " and seeds")
+    text = (f"For every head of {word} A, the Jensen-Shannon divergence (nats) of its attention to the nearest head of "
+            f"{word} B in the same layer on the same inputs, averaged over heads, layers{over}: "
             + "; ".join(sentences) + ". Kazemnejad et al. (2023, Fig. 4) found NoPE's heads as close to T5-bias "
             "heads as to another NoPE seed and far from rotary and absolute ones." + refused_text(result,
                                                                                                   "similarity"))
-    return Section("Head similarity across members", html=f"<p>{text}</p>", figures=[fig])
+    return Section(f"Head similarity across {unit(result, plural=True)}", html=f"<p>{text}</p>", figures=[fig])

@@ -156,6 +156,19 @@ COLUMNS: dict[str, str] = {
     "masked": "which heads were masked: none, top (the highest retrieval scores), random (seeded draw of others)",
     "n_masked": "number of heads masked",
     "draw": "index of a random draw (-1: not random)",
+    # the atlas over many models (analyses.atlas_many): its models table and the columns every side-by-side table has
+    "spec": "the model spec as given (a zoo member folder, a packaged name, a path)",
+    "member": "the zoo member the model is a seed of (a model a user named: its own label)",
+    "family": "the zoo member's positional family (empty outside a zoo)",
+    "block": "the zoo member's block: the HF class its positions come with (empty outside a zoo)",
+    "seed": "the zoo member's training seed (empty outside a zoo)",
+    "positional_kind": "the model's positional kind (rotary, learned_absolute, sinusoidal, alibi, t5_relative, nope)",
+    "n_ctx": "the model's context length (tokens)",
+    "n_layers": "layers",
+    "n_heads": "attention heads per layer",
+    "layers": "the layers' positional encodings, collapsed by kind with their counts (×n)",
+    "layers_per_layer": "each layer's positional encoding, one description per layer, '; '-separated",
+    "status": "loaded, or refused (with why)",
     # an engine's positions against HF's (analyses.conform)
     "layer_type": "the layer type a rotation is for: all (one table), or HF's names (full_attention, "
                   "sliding_attention)",

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from posprobe.report.compare import compare_caption, line_figure, member_order, refused_text, spread, table
+from posprobe.report.compare import compare_caption, line_figure, member_order, refused_text, spread, table, unit
 from posprobe.report.html import Section
 from posprobe.report.style import COLORS, REFERENCE_COLOR, caption, reference_line, small_multiples_grid, style
 
@@ -343,6 +343,6 @@ def compare_section(result: Any) -> Section | None:
                                  compare_caption(result, "posprobe's built-in template pairs (not BLiMP).")))
     text = ("Perplexity of the same text windows started at position k, over perplexity at k = 0: "
             + "; ".join(sentences) + ". A learned table sees other rows at k > 0 and may degrade (Sinha et al. 2022); "
-            "rotary members are the control: a common shift of queries and keys cannot change their scores, so any "
-            "change there is numerical." + refused_text(result, "shift"))
+            f"rotary {unit(result, plural=True)} are the control: a common shift of queries and keys cannot change "
+            "their scores, so any change there is numerical." + refused_text(result, "shift"))
     return Section("Shift test: the same text at start position k", html=f"<p>{text}</p>", figures=figs)

@@ -7,7 +7,7 @@ from typing import Any
 
 import pandas as pd
 
-from posprobe.report.compare import compare_caption, member_order, pct, refused_text, table
+from posprobe.report.compare import compare_caption, member_order, pct, refused_text, table, unit
 from posprobe.report.html import Section, table_html
 from posprobe.report.style import COLORS, caption, layer_head_heatmap, style
 
@@ -268,7 +268,7 @@ def compare_section(result: Any) -> Section | None:
     order = member_order(result)
     fig = px.bar(share.groupby(["member", "condition"], as_index=False).value.mean(), x="member", y="value",
                  color="condition", barmode="group", category_orders={"member": order},
-                 color_discrete_sequence=list(COLORS), labels={"value": "sink share"},
+                 color_discrete_sequence=list(COLORS), labels={"value": "sink share", "member": unit(result)},
                  title="Attention sinks: share of (sequence, head) pairs with Sink_1^0.3 (Gu et al. 2025)")
     # A share is a fraction: a fixed 0..1 axis, so a zoo without sinks shows bars at 0, not an empty -1..1 frame.
     fig.update_yaxes(range=[0, 1], tickformat=".0%")

@@ -10,14 +10,16 @@ from typing import Any
 
 import pandas as pd
 
-from posprobe.report.compare import member_order, table
+from posprobe.report.compare import member_order, seeded, table
 from posprobe.report.heads import similarity_matrix  # noqa: F401 - read from here by notebooks
 from posprobe.report.html import Section
 
 
 def title(result: Any) -> str:
-    """Report title."""
-    return "Zoo atlas: every positional analysis across the members"
+    """Report title: a zoo's (its members) or several models' (the models a user named)."""
+    if seeded(result):
+        return "Zoo atlas: every positional analysis across the members"
+    return f"Atlas of {len(table(result, 'models'))} models side by side: every positional analysis"
 
 
 #: Each section's page function for results saved before sections named theirs in meta "pages" (since then the
@@ -47,10 +49,15 @@ def sections(result: Any) -> list[Section]:
     """Models, one section per analysis that ran, and every (model, section) that was refused with why."""
     m = result.meta
     models = table(result, "models")
+    seeds = " Members are averaged over their seeds." if seeded(result) else ""
     intro = (f"<p>{len(models)} models on {html.escape(str(m['data']['source']))}; every analysis with the same text "
-             "and bounds on each. Members are averaged over their seeds. Seconds per section: "
-             + ", ".join(f"{k} {v:.0f}" for k, v in (m.get("seconds") or {}).items()) + ".</p>")
-    out = [Section("Models", html=intro, table=models.drop(columns=["spec"], errors="ignore"))]
+             f"and bounds on each.{seeds} Seconds per section: "
+             + ", ".join(f"{k} {v:.0f}" for k, v in (m.get("seconds") or {}).items()) + ". Layers are described by "
+             "kind with their counts; the table saved beside the page (models) has each layer's.</p>")
+    shown = models.drop(columns=["spec", "layers_per_layer"], errors="ignore")
+    if not seeded(result):  # a zoo's columns, empty for models a user named
+        shown = shown.drop(columns=["member", "family", "block", "seed"], errors="ignore")
+    out = [Section("Models", html=intro, table=shown)]
     pages = m.get("pages") or _SAVED_BEFORE_PAGES
     for name in m.get("sections") or []:
         sec = _page(pages[name])(result) if pages.get(name) else None  # a section without a page: tables only
@@ -98,4 +105,53 @@ def headline_table(result: Any) -> pd.DataFrame:
     if len(t := table(result, "decomposition")):
         d = t[(t.metric == "var_share") & (t.term == "positional")]
         put("positional_share_l0", d.groupby("member").value.mean())
-    return out.reset_index().round(3)
+    out = out.reset_index().round(3)
+    return out if seeded(result) else out.rename(columns={"member": "model"})
+
+
+#: Each headline column in words: (section, what it is, unit, which way is "better" in the comparison: "low" / "high"
+#: / None).
+_SAYS = {"train_loss": ("training", "final training loss", "nats/token", "low"),
+         "ppl_L": ("extrapolation", "perplexity at L", "", "low"),
+         "shift_ppl_ratio": ("shift", "text perplexity at the largest shift over k = 0", "", None),
+         "probe_mae_first": ("probes", "a linear probe's absolute-position error after the first block", "positions",
+                             "low"),
+         "probe_mae_last": ("probes", "the same after the last block", "positions", "low"),
+         "sink_text": ("sinks", "share of (sequence, head) pairs that sink on the first token of text (Gu et al.)",
+                       "", None),
+         "positional_share_l0": ("decomposition", "layer-0 positional share of the score variance", "", None)}
+
+
+def printed(result: Any) -> str:
+    """What the atlas over many models prints: for a zoo, the headline table per member; for models a user named,
+    per section one sentence comparing them with the numbers (a ratio that is 1 by construction said as such), then
+    the table."""
+    head = headline_table(result)
+    if seeded(result):
+        return head.to_string(index=False)
+    kinds = table(result, "models").set_index("model")["positional_kind"].to_dict() if len(
+        table(result, "models")) else {}
+    lines = []
+    for col in head.columns[1:]:
+        section, what, units, better = _SAYS.get(col, (col, col, "", None))
+        if col.startswith("ratio_"):
+            section, what, better = "extrapolation", f"ppl({col[6:]}) / ppl(L)", "low"
+        cells, values = [], {}
+        for model, v in zip(head["model"], head[col]):
+            relative = kinds.get(model) in ("rotary", "alibi", "t5_relative", "nope")
+            if col == "shift_ppl_ratio" and relative and v == v and abs(float(v) - 1.0) < 1e-3:
+                cells.append(f"{model} invariant under the shift ({kinds[model].replace('_', ' ')}: scores see "
+                             "offsets only)")
+                continue
+            if v is None or v != v:
+                cells.append(f"{model} n/a")
+                continue
+            cells.append(f"{model} {v:.3g}" + (f" {units}" if units else ""))
+            if isinstance(v, (int, float)):
+                values[model] = float(v)
+        best = ""
+        if better and len(values) > 1 and len(set(values.values())) > 1:
+            pick = min(values, key=values.get) if better == "low" else max(values, key=values.get)
+            best = f" (lowest: {pick})" if better == "low" else f" (highest: {pick})"
+        lines.append(f"[{section}] {what}: " + ", ".join(cells) + best)
+    return "\n".join(lines + ["", head.to_string(index=False)])
