@@ -50,6 +50,21 @@ def test_zoo_commands_refuse_a_spec_that_is_not_a_model_before_any_load(folders,
     assert not (folders / "out").exists() and not (folders / "out.work").exists()
 
 
+def test_a_refusal_stays_one_line_on_a_busy_machine(folders, capsys, monkeypatch):
+    """Catches: the busy-machine warning printed before the spec is checked (the refusal then took two lines, and the
+    test above failed whenever the suite ran without xdist on a loaded 2-core machine: issue #64)."""
+    import os
+
+    import torch
+
+    monkeypatch.setattr(os, "getloadavg", lambda: (64.0, 64.0, 64.0))  # every core busy, whatever the machine
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    for command in ("eval", "atlas"):
+        _refused(capsys, ["zoo", command, "./not-here", "--text", __file__, "--out", "out"], "No such file or folder",
+                 "./not-here")
+
+
 def test_a_mistyped_relative_path_is_not_read_as_a_hub_repo_id(folders):
     """Catches: 'reports/x' (a local folder's child that does not exist) resolved as the repo id 'reports/x'."""
     from posprobe.backend.sources import ModelLoadError, looks_like_repo_id, resolve_local

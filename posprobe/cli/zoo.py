@@ -200,7 +200,9 @@ def _across_models(args: argparse.Namespace, config_cls: type, run: tuple[str, s
     text = checks.read_text_early(args.text)
     fn, summary = (getattr(importlib.import_module(mod), name) for mod, name in (run, table))
     from posprobe.cli.threads import warn_if_busy
+    from posprobe.zoo.folder import zoo_models
 
+    zoo_models(args.models)  # a spec that is no model: refused in one line, before the busy warning or any load
     warn_if_busy()
     result = fn(args.models, config, text=text, source=args.text, device=args.device)
     return print_and_save(result, args, summary, "zoo")
