@@ -51,33 +51,43 @@ def head_bounds(bands: pd.DataFrame, facts: ModelFacts, *, context: int | None =
     stop = int(target or BEYOND * length)
     if length < 2 or stop <= length:
         raise ValueError(f"the theory needs a context L >= 2 and a target L' > L; got L = {length}, L' = {stop}")
-    rows = []
-    for layer, d in bands[bands.band >= 0].groupby("layer"):
-        spec = facts.rotary[int(layer)]
-        wide = d.pivot_table(index=["head", "kv_head"], columns=["metric", "band"], values="value")
-        h = wide["h_re"].to_numpy() + 1j * wide["h_im"].to_numpy()  # [head, band]
-        theta = np.asarray(angular_frequency(spec))
-        listed = d[d.metric == "h_re"].drop_duplicates("band").sort_values("band").frequency.to_numpy()
-        if listed.shape != theta.shape or not np.allclose(listed, theta, rtol=1e-9, atol=0):
+    d = bands[bands.band >= 0]
+    if not len(d):
+        return pd.DataFrame()
+    # One pivot for every layer, and a(s), B(s) once per distinct rotation (every layer of most models shares one):
+    # the theory costs a few hundredths of the frequency pass, not a pivot and 8k-distance sums per layer (#64).
+    wide = d.pivot_table(index=["layer", "head", "kv_head"], columns=["metric", "band"], values="value")
+    listed = d[d.metric == "h_re"].drop_duplicates(["layer", "band"]).sort_values(["layer", "band"])
+    groups: dict[bytes, list[int]] = {}
+    for layer, f in listed.groupby("layer"):
+        theta = np.asarray(angular_frequency(facts.rotary[int(layer)]))
+        if f.frequency.shape != theta.shape or not np.allclose(f.frequency.to_numpy(), theta, rtol=1e-9, atol=0):
             raise ValueError(f"layer {layer}: the table's band frequencies are not this model's rotation (another "
                              "model's table, or one measured at another length under a length-dependent rope type)")
-        typical = wide["h_typical"].to_numpy().max(1)
-        h_max = np.abs(h).max(1)
+        groups.setdefault(theta.tobytes(), []).append(int(layer))
+    per_layer: dict[int, pd.DataFrame] = {}
+    for layers in groups.values():
+        spec = facts.rotary[layers[0]]
+        theta = np.asarray(angular_frequency(spec))
+        w = wide.loc[layers]
+        h = w["h_re"].to_numpy() + 1j * w["h_im"].to_numpy()  # [layer x head, band]
+        typical = w["h_typical"].to_numpy().max(1)
         in_lo, in_hi = score_range(h, theta, 0, length)
         out_lo, out_hi = score_range(h, theta, length, stop)
         B = chen_B(spec, np.arange(length, stop)).max()
+        interp = interpolation_bound(spec, typical)
         excess = np.maximum(np.maximum(out_hi - in_hi, in_lo - out_lo), 0.0)
-        interp = np.array([interpolation_bound(spec, t) for t in typical])
-        # A local (sliding-window) layer never attends past its window: its a(s) beyond it is moot, not a prediction.
-        attention = facts.attn_types[int(layer)] if facts.attn_types else "global"
-        for i, (head, kv_head) in enumerate(wide.index):
-            rows.append(dict(model=facts.name, layer=int(layer), head=int(head), kv_head=int(kv_head),
-                             attention=attention, h_max=h_max[i], h_max_typical=typical[i], a_in_min=in_lo[i],
-                             a_in_max=in_hi[i],
-                             a_out_min=out_lo[i], a_out_max=out_hi[i], excess=excess[i],
-                             interpolation_bound=interp[i], extrapolation_bound=2 * typical[i] * B,
-                             interpolation_safe=bool(interp[i] <= TOLERANCE),
-                             extrapolation_leaves_range=bool(excess[i] > TOLERANCE),
-                             theory_context=length, theory_target=stop))
-    return pd.DataFrame(rows)
-
+        block = pd.DataFrame(dict(
+            model=facts.name, layer=w.index.get_level_values("layer").astype(int),
+            head=w.index.get_level_values("head").astype(int), kv_head=w.index.get_level_values("kv_head").astype(int),
+            attention="global", h_max=np.abs(h).max(1), h_max_typical=typical, a_in_min=in_lo, a_in_max=in_hi,
+            a_out_min=out_lo, a_out_max=out_hi, excess=excess, interpolation_bound=interp,
+            extrapolation_bound=2 * typical * B, interpolation_safe=interp <= TOLERANCE,
+            extrapolation_leaves_range=excess > TOLERANCE, theory_context=length, theory_target=stop))
+        for layer, part in block.groupby("layer", sort=False):
+            per_layer[int(layer)] = part
+    out = pd.concat([per_layer[k] for k in sorted(per_layer)], ignore_index=True)
+    # A local (sliding-window) layer never attends past its window: its a(s) beyond it is moot, not a prediction.
+    if facts.attn_types:
+        out["attention"] = [facts.attn_types[int(lay)] for lay in out.layer]
+    return out
