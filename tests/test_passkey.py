@@ -172,6 +172,9 @@ def test_passkey_table_and_a_learned_table(tok):
     assert (df["trials"].iloc[:2] == 3).all() and df["success_rate"].iloc[:2].between(0, 1).all()
     again = passkey_table(model, tok, [short, short + 8], trials=3)
     assert again[["successes", "prefix_tokens"]].equals(df[["successes", "prefix_tokens"]].iloc[:2])
+    for r in df.iloc[:2].itertuples():  # each rate's 95 % Wilson interval, from its own successes of 3 trials
+        assert (r.success_low, r.success_high) == pytest.approx(_wilson(r.successes, 3), abs=1e-12)
+    assert math.isnan(df["success_low"].iloc[2])  # no trials beyond the table: no interval
 
 
 def test_zoo_extend_measures_the_window_beside_perplexity(tmp_path):
@@ -265,3 +268,31 @@ def test_the_zoo_atlas_measures_the_window_of_members_trained_with_the_skill(tmp
     assert set(learned[learned["length"] + 5 <= 64]["status"]) == {"ok"}
     text = compare_section(result).html
     assert "rope-llama" in text and "learned" in text and "effective window" in text
+
+
+def _wilson(k: int, n: int) -> tuple[float, float]:
+    # The Wilson score interval written out here, with scipy's normal quantile (independent of posprobe's code).
+    from scipy.stats import norm
+
+    z = norm.ppf(0.975)
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z / (1 + z * z / n) * (p * (1 - p) / n + z * z / (4 * n * n)) ** 0.5
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def test_success_rates_carry_wilson_intervals_per_distance_and_pooled_within_and_beyond_L():
+    """#63: every success rate comes with its 95 % Wilson interval; inside and beyond L over the trials pooled there.
+    Planted: the pooled interval taken from the mean rate with one distance's trials fails."""
+    import pandas as pd
+
+    from posprobe.analyses.passkey import window_table
+
+    rows = [(8, 10, 10), (16, 9, 10), (32, 4, 10), (64, 1, 10)]  # distance, successes, trials; L = 16
+    df = pd.DataFrame([{"model": "m", "distance": d, "successes": k, "trials": n, "success_rate": k / n,
+                        "status": "ok"} for d, k, n in rows])
+    w = window_table(df, 16).iloc[0]
+    assert w["success_within_L"] == pytest.approx(0.95)
+    assert (w["success_within_L_low"], w["success_within_L_high"]) == pytest.approx(_wilson(19, 20), abs=1e-12)
+    assert (w["success_beyond_L_low"], w["success_beyond_L_high"]) == pytest.approx(_wilson(5, 20), abs=1e-12)
+    assert w["success_within_L_low"] < 0.95 < w["success_within_L_high"] <= 1.0

@@ -24,7 +24,7 @@ import pandas as pd
 
 from posprobe.analyses.configs import ExtrapolationConfig
 from posprobe.analyses.extension_mechanism import entropy_table, looked_at, mechanism_tables
-from posprobe.analyses.passkey import distance_grid, passkey_table, table_rows, window_table
+from posprobe.analyses.passkey import PASSKEY_COLUMNS, distance_grid, passkey_table, table_rows, window_table
 from posprobe.report.checkpoint import discard_work_folder, run_key
 from posprobe.report.result import Result
 from posprobe.report.schema import data_meta, make_meta, text_sha256
@@ -233,8 +233,7 @@ def _result(config: ExtendConfig, jobs: list[ExtendJob], left_out: list[dict], b
     plan += [{"member": r["member"], "seed": None, "method": r["method"], "status": "left out", "why": r["why"],
               "rope_parameters": "", "batch_size": None, "lr": None, "warmup": None, "notes": ""} for r in left_out]
     curves_df = pd.DataFrame(curves)
-    passkey_df = pd.DataFrame(passkey, columns=[*tag(jobs[0], UNEXTENDED), "step", "tokens", "distance", "length",
-                                                "trials", "successes", "success_rate", "prefix_tokens", "status"])
+    passkey_df = pd.DataFrame(passkey, columns=[*tag(jobs[0], UNEXTENDED), "step", "tokens", *PASSKEY_COLUMNS])
     windows = window_table(passkey_df, L, EXTEND_KEYS)
     summary = summary_table(curves_df, L, target)
     if len(windows):

@@ -23,10 +23,11 @@ from typing import Any, Iterable, Mapping, Sequence
 import pandas as pd
 
 from posprobe.analyses.sections import AtlasSection, CompareRun, ModelEntry, register
+from posprobe.core.stats import wilson_ci
 from posprobe.data.needles import SHORT_PASSKEY, PasskeyFormat, PasskeyPrompt, passkey_at, passkey_filler
 from posprobe.report import passkey as passkey_report
 
-__all__ = ["SUCCESS_FLOOR", "distance_grid", "effective_window", "greedy_prefix", "passkey_table",
+__all__ = ["PASSKEY_COLUMNS", "SUCCESS_FLOOR", "distance_grid", "effective_window", "greedy_prefix", "passkey_table",
            "passkey_trial", "shortest_distance", "table_rows", "window_table"]
 
 #: Chen et al.'s success floor.
@@ -117,13 +118,19 @@ def greedy_prefix(model: Any, items: Sequence[tuple[Sequence[int], Sequence[int]
     return out
 
 
+#: The columns of `passkey_table`.
+PASSKEY_COLUMNS = ["distance", "length", "trials", "successes", "success_rate", "success_low", "success_high",
+                   "prefix_tokens", "status"]
+
+
 def passkey_table(model: Any, tokenizer: Any, distances: Sequence[int], trials: int, seed: int = 0, *,
                   fmt: PasskeyFormat = SHORT_PASSKEY, max_length: int | None = None, batch_size: int = 16
                   ) -> pd.DataFrame:
     """Passkey success by distance: `trials` prompts per distance (keys drawn from (seed, distance, trial) alone),
     one row per distance: `distance`, `length` (prompt tokens), `trials`, `successes`, `success_rate` (exact greedy
-    answer), `prefix_tokens` (mean answer tokens right before the first miss). Distances whose prompt exceeds
-    `max_length` (a learned table) get NaN rates and status "beyond the position table"."""
+    answer) with its 95 % Wilson interval (`success_low`, `success_high`), `prefix_tokens` (mean answer tokens right
+    before the first miss). Distances whose prompt exceeds `max_length` (a learned table) get NaN rates and status
+    "beyond the position table"."""
     rows, items, spans = [], [], []
     for d in distances:
         prompts = [_trial(tokenizer, int(d), f"{seed}|{d}|{t}", fmt) for t in range(trials)]
@@ -138,9 +145,9 @@ def passkey_table(model: Any, tokenizer: Any, distances: Sequence[int], trials: 
         hits = [g == len(items[i][1]) for i, g in zip(range(a, b), got[a:b])]
         r["successes"] = sum(hits)
         r["success_rate"] = sum(hits) / len(hits) if hits else float("nan")
+        r["success_low"], r["success_high"] = wilson_ci(sum(hits), len(hits))
         r["prefix_tokens"] = sum(got[a:b]) / len(hits) if hits else float("nan")
-    return pd.DataFrame(rows, columns=["distance", "length", "trials", "successes", "success_rate", "prefix_tokens",
-                                       "status"])
+    return pd.DataFrame(rows, columns=PASSKEY_COLUMNS)
 
 
 def _trial(tokenizer: Any, distance: int, tag: str, fmt: PasskeyFormat) -> PasskeyPrompt:
@@ -163,13 +170,18 @@ def window_table(passkey: pd.DataFrame, L: int, keys: Sequence[str] = ("model",)
     for k, g in passkey[passkey["status"] == "ok"].groupby(keys, sort=False):
         rates = dict(zip(g["distance"].astype(int), g["success_rate"].astype(float)))
         ew = effective_window(rates)
-        within, beyond = g[g["distance"] <= L]["success_rate"], g[g["distance"] > L]["success_rate"]
-        rows.append({**dict(zip(keys, k)), "effective_window": ew, "window_over_L": ew / L,
-                     "longest_distance": int(g["distance"].max()),
-                     "success_within_L": float(within.mean()) if len(within) else float("nan"),
-                     "success_beyond_L": float(beyond.mean()) if len(beyond) else float("nan")})
+        row = {**dict(zip(keys, k)), "effective_window": ew, "window_over_L": ew / L,
+               "longest_distance": int(g["distance"].max())}
+        for side, part in (("within", g[g["distance"] <= L]), ("beyond", g[g["distance"] > L])):
+            rate = part["success_rate"]
+            row[f"success_{side}_L"] = float(rate.mean()) if len(rate) else float("nan")
+            pooled = (int(part["successes"].sum()), int(part["trials"].sum())) if {"successes", "trials"} <= set(
+                part) else (0, 0)
+            row[f"success_{side}_L_low"], row[f"success_{side}_L_high"] = wilson_ci(*pooled)
+        rows.append(row)
     return pd.DataFrame(rows, columns=[*keys, "effective_window", "window_over_L", "longest_distance",
-                                       "success_within_L", "success_beyond_L"])
+                                       "success_within_L", "success_within_L_low", "success_within_L_high",
+                                       "success_beyond_L", "success_beyond_L_low", "success_beyond_L_high"])
 
 
 def table_rows(model: Any) -> int | None:

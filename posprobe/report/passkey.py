@@ -9,9 +9,19 @@ from posprobe.report.compare import compare_caption, line_figure, member_order, 
 from posprobe.report.html import Section
 
 
+def _rate(g: Any, side: str) -> str:
+    # One seed: the rate with its 95 % Wilson interval over the trials pooled there; several: mean [lowest-highest].
+    col = f"success_{side}_L"
+    if len(g) == 1 and f"{col}_low" in g and g[f"{col}_low"].notna().all():
+        r = g.iloc[0]
+        return f"{r[col]:.2f} (95 % CI {r[col + '_low']:.2f}–{r[col + '_high']:.2f})"
+    return spread(g[col])
+
+
 def compare_section(result: Any) -> Section | None:
     """Per member (mean over seeds [lowest–highest]): the effective window in tokens and as a multiple of L, the mean
-    success within and beyond L, and success by distance as one line per member. None where no model measured it."""
+    success within and beyond L (one seed: with its 95 % Wilson interval), and success by distance as one line per
+    member. None where no model measured it."""
     w = table(result, "passkey_window")
     if not len(w):
         refused = refused_text(result, "passkey")
@@ -22,8 +32,8 @@ def compare_section(result: Any) -> Section | None:
     for name in [m for m in order if m in set(w.member)]:
         g = w[w.member == name]
         parts.append(f"{name} {spread(g['effective_window'], '{:.0f}')} tokens "
-                     f"({spread(g['window_over_L'])} L; success within L {spread(g['success_within_L'])}, "
-                     f"beyond {spread(g['success_beyond_L'])})")
+                     f"({spread(g['window_over_L'])} L; success within L {_rate(g, 'within')}, "
+                     f"beyond {_rate(g, 'beyond')})")
     text = ("Chen et al.'s effective window (the longest distance with at least 20 % exact greedy answers there and at "
             "every shorter distance), mean over seeds: " + "; ".join(parts) + "." + refused_text(result, "passkey"))
     pk = table(result, "passkey")

@@ -169,6 +169,13 @@ COLUMNS: dict[str, str] = {
     "layers": "the layers' positional encodings, collapsed by kind with their counts (×n)",
     "layers_per_layer": "each layer's positional encoding, one description per layer, '; '-separated",
     "status": "loaded, or refused (with why)",
+    # passkey retrieval's intervals (analyses.passkey)
+    "success_low": "lower end of the 95 % Wilson interval of the success rate (successes of trials)",
+    "success_high": "upper end of the 95 % Wilson interval of the success rate",
+    "success_within_L_low": "lower end of the 95 % Wilson interval of the trials pooled over distances <= L",
+    "success_within_L_high": "upper end of the 95 % Wilson interval of the trials pooled over distances <= L",
+    "success_beyond_L_low": "lower end of the 95 % Wilson interval of the trials pooled over distances > L",
+    "success_beyond_L_high": "upper end of the 95 % Wilson interval of the trials pooled over distances > L",
     # an engine's positions against HF's (analyses.conform)
     "layer_type": "the layer type a rotation is for: all (one table), or HF's names (full_attention, "
                   "sliding_attention)",
