@@ -112,6 +112,9 @@ def run_atlas(model: Any, text: str | None = None, config: AtlasConfig | None = 
     atlas with its parts. The shift test scores a decoder bridge through the Hugging Face model it wraps
     (native position ids, pair packing; the same weights, not reloaded). Progress goes to stderr by stage.
 
+    `config`: the analysis's options (None: its Config's defaults); `source`: what meta.json's data record names as
+    the text (default: "built-in text" or "text").
+
     Examples:
         >>> import posprobe as pp
         >>> cfg = pp.AtlasConfig(quick=True, sections=("facts", "heads"), progress=False)  # all: AtlasConfig()

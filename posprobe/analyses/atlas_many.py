@@ -66,6 +66,9 @@ def run_zoo_atlas(paths: list[str], config: ZooAtlasConfig | None = None, *, tex
     family, block, seed (NaN outside a zoo), plus `models` (one row per model) and `refused` (model, section, why).
     Progress goes to stderr by model and section.
 
+    `source`: what meta.json's data record names as the text (default: "built-in text" or "text"); `device`: where
+    the model runs ("cpu", "cuda", ...).
+
     Examples:
         >>> import posprobe as pp
         >>> from posprobe.data import BUILTIN_TEXT

@@ -185,6 +185,9 @@ def run_brittleness(model: Any, data: str | Sequence[Sequence[int]] | None = Non
     over windows in ci_low / ci_high, NaN with fewer than two windows; count = windows). Every check (buckets,
     sigmas, window lengths, rotary model, vocabulary, context, memory) runs before the first forward pass.
 
+    `name`: the model's name in the tables (default: the model's own); `source`: what meta.json's data record names
+    as the text (default: "built-in text" or "text").
+
     Examples:
         >>> import posprobe as pp
         >>> cfg = pp.BrittlenessConfig(window=32, max_windows=2, sigmas=(1.0,), buckets=("near:2",), n_bootstrap=50,

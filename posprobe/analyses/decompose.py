@@ -520,6 +520,9 @@ def run_decompose(model: Any, config: DecomposeConfig | None = None, *, source: 
     Rows: the per-head summary (metric = var_share, var_ratio, mean_abs, rel_pos_fraction, rank) and
     the term maps of the chosen head (metric = "score", query_pos/key_pos/rel_pos set), in score units.
 
+    `config`: the analysis's options (None: its Config's defaults); `source`: what meta.json's data record names as
+    the text (default: "built-in text" or "text").
+
     Examples:
         >>> import posprobe as pp
         >>> result = pp.run_decompose(pp.load_model("tiny-ape"), pp.DecomposeConfig(max_windows=4, progress=False))

@@ -53,6 +53,10 @@ def run_extrapolation(model: Any, text: str, config: ExtrapolationConfig | None 
     protocol x length: nll in nats/token, ppl, ppl_ratio = ppl / ppl at L (same protocol), count of scored tokens,
     status "ok" or "cannot run" with `why`).
 
+    `config`: the analysis's options (None: its Config's defaults); `source`: what meta.json's data record names as
+    the text (default: "built-in text" or "text"); `label`: the model's name in the tables (default: the model's
+    own).
+
     Examples:
         >>> import posprobe as pp
         >>> from posprobe.data import BUILTIN_TEXT

@@ -104,6 +104,9 @@ def run_frequency(model: Any, text: str | None = None, config: FrequencyConfig |
     ablations (loss change in nats/token) when `config.ablate`. Returns a FrequencyUsage result.
     `work`/`fresh`: the corpus pass's checkpoint folder, as in `frequency_usage`.
 
+    `config`: the analysis's options (None: its Config's defaults); `source`: what meta.json's data record names as
+    the text (default: "built-in text" or "text").
+
     Examples:
         >>> import posprobe as pp
         >>> cfg = pp.FrequencyConfig(window=32, max_windows=2, batch_size=2, ablate=False, progress=False)

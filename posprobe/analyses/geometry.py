@@ -253,6 +253,8 @@ def run_geometry(model: Any, text: str | None = None, config: GeometryConfig | N
     """W_pos geometry (learned-position models) and the residual-stream view over windows of `text`
     (default: the built-in text), as one `geometry` table (column `source` tells the views apart).
 
+    `config`: the analysis's options (None: its Config's defaults).
+
     Examples:
         >>> import posprobe as pp
         >>> cfg = pp.GeometryConfig(window=32, max_windows=4, progress=False)

@@ -251,6 +251,9 @@ def run_heads(model: Any, text: str | None = None, config: HeadsConfig | None = 
     """Head signatures over windows of `text` (default: posprobe's built-in text), each window framed
     the way the model expects (BOS, or CLS ... SEP for encoders); `work`/`fresh` as in `head_signatures`.
 
+    `config`: the analysis's options (None: its Config's defaults); `source`: what meta.json's data record names as
+    the text (default: "built-in text" or "text").
+
     Examples:
         >>> import posprobe as pp
         >>> result = pp.run_heads(pp.load_model("tiny-rope"), None, pp.HeadsConfig(max_windows=2, progress=False))

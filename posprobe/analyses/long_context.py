@@ -149,6 +149,10 @@ def run_long_context(model: Any, text: str | None, config: LongContextConfig | N
     uninterrupted run's exactly. Another model, text or config there is refused; `fresh=True` discards it first.
     The folder is left in place (delete it with `discard_work_folder` once the result is saved).
 
+    `config`: the analysis's options (None: its Config's defaults); `name`: the model's name in the tables
+    (default: the model's own); `source`: what meta.json's data record names as the text (default: "built-in text"
+    or "text"); `fresh`: discard what `work` holds and start again.
+
     Examples:
         >>> import posprobe as pp
         >>> from posprobe.data import BUILTIN_TEXT

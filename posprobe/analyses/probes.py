@@ -44,6 +44,9 @@ def run_probes(model: Any, text: str | None = None, config: ProbeConfig | None =
     the built-in text); the result's meta records the data in the common schema. `work`/`fresh` as in
     `position_probes`.
 
+    `config`: the analysis's options (None: its Config's defaults); `source`: what meta.json's data record names as
+    the text (default: "built-in text" or "text").
+
     Examples:
         >>> import posprobe as pp
         >>> cfg = pp.ProbeConfig(window=32, max_windows=8, max_tokens=200, n_splits=2, inner_splits=2, progress=False)

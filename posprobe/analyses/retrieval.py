@@ -161,6 +161,10 @@ def run_retrieval(model: Any, text: str | None = None, config: RetrievalConfig |
     (`posprobe.report.checkpoint`); calling again with the same folder resumes, and the tables equal an
     uninterrupted run's exactly. Another model, text or config there is refused; `fresh=True` discards it first.
 
+    `config`: the analysis's options (None: its Config's defaults); `name`: the model's name in the tables
+    (default: the model's own); `source`: what meta.json's data record names as the text (default: "built-in text"
+    or "text"); `fresh`: discard what `work` holds and start again.
+
     Examples:
         >>> import posprobe as pp
         >>> cfg = pp.RetrievalConfig(lengths=(400,), depths=(0.5,), tasks=("niah_single_1",), mask_k=(0,),

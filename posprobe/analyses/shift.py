@@ -368,6 +368,13 @@ def run_shift_test(
     windows are kept as they complete; the same call resumes from it to the same tables (another model, data or
     config there is refused; `fresh=True` discards it first; not under torchrun, where it is ignored).
 
+    `pairs`: the minimal pairs (`load_blimp`, `builtin_pairs` or your own); `text`: a text whose perplexity is
+    measured at each k; `config`: the analysis's options (None: its Config's defaults); `data_source`: what
+    meta.json's data record names as the pairs (default: "custom pairs"; the built-in pairs name themselves);
+    `backend`: "hf" (position ids passed to Hugging Face's forward), "tl" (TransformerLens hooks) or "auto" (HF
+    where the weights are on disk); `device`: where the model runs ("cpu", "cuda", ...); `dtype`: the weights' dtype
+    when `model` is a spec posprobe loads; `fresh`: discard what `work` holds and start again.
+
     Examples:
         >>> import posprobe as pp
         >>> cfg = pp.ShiftConfig(ks=(0, 50), n_bootstrap=50, progress=False)

@@ -240,6 +240,9 @@ def run_sinks(model: Any, text: str | None = None, config: SinksConfig | None = 
     attention on the first token, each zeroed alone and labelled by the change of the text loss (low-effect,
     loss-rises, loss-falls: `posprobe.analyses.dormant`; meta["ablation"] holds the definitions).
 
+    `config`: the analysis's options (None: its Config's defaults); `source`: what meta.json's data record names as
+    the text (default: "built-in text" or "text").
+
     Examples:
         >>> import posprobe as pp
         >>> cfg = pp.SinksConfig(length=16, random_samples=2, max_windows=2, progress=False)

@@ -82,6 +82,9 @@ def _decode(model: Any, ids: torch.Tensor) -> str:
 def run_squish(model: Any, instruction: str, prompt: str, config: SquishConfig | None = None) -> Result:
     """`squish_generate` with its options from a SquishConfig (what `posprobe squish` calls).
 
+    `prompt`: the text that follows the squished `instruction` in the same user turn (instruction, newline, prompt);
+    `config`: the analysis's options (None: its Config's defaults).
+
     Examples:
         >>> import posprobe as pp
         >>> cfg = pp.SquishConfig(max_new_tokens=3, variant="keys")  # the instruction's keys all at position 0
@@ -187,6 +190,9 @@ def loss_by_position(model: Any, windows: Sequence[Sequence[int]], presets: Sequ
 def run_surgery_eval(model: Any, text: str, config: SurgeryEvalConfig | None = None, *,
                      source: str | None = None) -> Result:
     """Loss by position (nats/token) under each surgery preset on windows of `text`: one `surgery_eval` table.
+
+    `config`: the analysis's options (None: its Config's defaults); `source`: what meta.json's data record names as
+    the text (default: "built-in text" or "text").
 
     Examples:
         >>> import posprobe as pp

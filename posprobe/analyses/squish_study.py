@@ -197,6 +197,9 @@ def run_squish_study(model: Any, config: SquishStudyConfig | None = None, *, tok
     built-in ones. Every prompt is rendered, every instruction located and every checker tried before the first
     forward. `work`: a folder keeping each finished cell; calling again resumes with the same tables.
 
+    `config`: the analysis's options (None: its Config's defaults); `name`: the model's name in the tables
+    (default: the model's own); `fresh`: discard what `work` holds and start again.
+
     Examples:
         >>> import posprobe as pp
         >>> model = pp.load_model("tiny-rope")  # random weights; a chat template makes the byte tokenizer a chat one

@@ -126,6 +126,8 @@ def printed(result: Any) -> str:
     """What the atlas over many models prints: for a zoo, the headline table per member; for models a user named,
     per section one sentence comparing them with the numbers (a ratio that is 1 by construction said as such), then
     the table."""
+    from posprobe.backend.families import find
+
     head = headline_table(result)
     if seeded(result):
         return head.to_string(index=False)
@@ -138,7 +140,8 @@ def printed(result: Any) -> str:
             section, what, better = "extrapolation", f"ppl({col[6:]}) / ppl(L)", "low"
         cells, values = [], {}
         for model, v in zip(head["model"], head[col]):
-            relative = kinds.get(model) in ("rotary", "alibi", "t5_relative", "nope")
+            family = find(str(kinds.get(model)))  # the family says whether a common shift can change its scores
+            relative = family is not None and family.shift_invariant
             if col == "shift_ppl_ratio" and relative and v == v and abs(float(v) - 1.0) < 1e-3:
                 cells.append(f"{model} invariant under the shift ({kinds[model].replace('_', ' ')}: scores see "
                              "offsets only)")
