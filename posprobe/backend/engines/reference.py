@@ -8,11 +8,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-__all__ = ["LENGTH_DEPENDENT", "cached_logprobs", "hf_config_of_gguf", "hf_rope_tables", "reference_config",
+__all__ = ["cached_logprobs", "hf_config_of_gguf", "hf_rope_tables", "reference_config",
            "switch_position", "uncached_logprobs", "with_rope_scaling"]
-
-#: HF rope types whose rotation depends on the input's length (`dynamic_rope_update`).
-LENGTH_DEPENDENT = ("dynamic", "longrope")
 
 
 def hf_rope_tables(config: Any) -> dict[str, tuple[Any, float]]:
