@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -127,6 +129,85 @@ def test_pair_logprobs_compute_shared_prefix_once(tiny_hf, monkeypatch):
     pairs = _pairs(tok)[:2]
     scorer.pair_logprobs(pairs, batch_size=2)  # one row per batch: no padding in the count
     assert sum(seen) < sum(len(x.ids) for p in pairs for x in p)
+
+
+def test_prefixes_shared_across_pairs_are_computed_once(tiny_hf, monkeypatch):
+    """The packed rows hold each distinct (id, position) prefix once: counted here from the items themselves."""
+    model, tok = tiny_hf
+    scorer = HFScorer(model, tok)
+    seen = []
+    real = scorer._hidden_and_head
+    monkeypatch.setattr(scorer, "_hidden_and_head", lambda ids, *a: (seen.append(ids.numel()), real(ids, *a))[1])
+    pairs = [tuple(_items(tok, t)) for t in (("The cat sat.", "The cat sits."), ("The cats sat.", "The dog sat."),
+                                             ("Who did Ann see?", "Who did Ann?"))]
+    got = scorer.pair_logprobs(pairs, batch_size=64)  # everything in one row: no padding in the count
+    distinct = {(x.ids[:n], x.positions[:n]) for p in pairs for x in p for n in range(1, len(x.ids) + 1)}
+    assert seen == [len(distinct)]
+    for (a, b), (la, lb) in zip(pairs, got):
+        torch.testing.assert_close(la, plain_logprobs(model, a), rtol=0, atol=1e-9)
+        torch.testing.assert_close(lb, plain_logprobs(model, b), rtol=0, atol=1e-9)
+
+
+def test_many_pairs_in_small_batches_match_plain_forward(tiny_hf):
+    """Rows cut by the token budget and batches cut by the sequence count still give each sequence its own path."""
+    from posprobe.core import scoring
+
+    model, tok = tiny_hf
+    words = ["The", "A", "Who", "Many"]
+    texts = [f"{w} {v} {o}" for w in words for v in ("cat", "cats", "dog") for o in ("sat.", "sits on it.")]
+    pairs = [tuple(_items(tok, (texts[i], texts[(i * 7 + 3) % len(texts)]), k=k)) for i in range(len(texts))
+             for k in (0, 5)]
+    old = scoring.ROW_TOKENS
+    scoring.ROW_TOKENS = 40
+    try:
+        got = HFScorer(model, tok).pair_logprobs(pairs, batch_size=5)
+    finally:
+        scoring.ROW_TOKENS = old
+    for (a, b), (la, lb) in zip(pairs, got):
+        torch.testing.assert_close(la, plain_logprobs(model, a), rtol=0, atol=1e-9)
+        torch.testing.assert_close(lb, plain_logprobs(model, b), rtol=0, atol=1e-9)
+
+
+def test_a_length_dependent_rotation_scores_each_sequence_alone():
+    """HF's dynamic NTK rotates a whole forward with the table of its longest position: a sequence packed beside a
+    longer one would be rotated with the longer one's table. Planted (trees allowed here): 9e-4 nats off."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from posprobe.backend.tiny import byte_tokenizer
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=259, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                      rope_scaling={"rope_type": "dynamic", "factor": 2.0}, tie_word_embeddings=False)
+    model, tok = _perturb(LlamaForCausalLM(cfg).double(), 3), byte_tokenizer()
+    pairs = [tuple(_items(tok, ("The cat sat on the mat today.", "The cat sat on the mat.")))]
+    # The reference is a copy of the untouched model per sequence: HF's dynamic NTK keeps the largest table built.
+    pristine = copy.deepcopy(model)
+    scorer = HFScorer(model, tok)
+    assert scorer.one_row_per_forward
+    for (a, b), (la, lb) in zip(pairs, scorer.pair_logprobs(pairs)):
+        torch.testing.assert_close(la, plain_logprobs(copy.deepcopy(pristine), a), rtol=0, atol=1e-9)
+        torch.testing.assert_close(lb, plain_logprobs(copy.deepcopy(pristine), b), rtol=0, atol=1e-9)
+
+
+def test_a_real_sliding_window_holds_beside_tree_rows():
+    """A Mistral with a 6-token window: sequences within it share tree rows (the tree mask replaces HF's), longer
+    ones keep HF's sliding mask, never a tree batch's. Planted (tree and plain rows in one batch): fails."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from posprobe.backend.tiny import byte_tokenizer
+
+    torch.manual_seed(0)
+    cfg = MistralConfig(vocab_size=259, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                        sliding_window=6, tie_word_embeddings=False)
+    model, tok = _perturb(MistralForCausalLM(cfg).double(), 4), byte_tokenizer()
+    pairs = [tuple(_items(tok, t)) for t in (("ab", "ac"), ("abc", "abd"), ("The cat sat on it.", "The cat sat."))]
+    scorer = HFScorer(model, tok)
+    assert scorer.window == 6
+    for (a, b), (la, lb) in zip(pairs, scorer.pair_logprobs(pairs, batch_size=64)):
+        torch.testing.assert_close(la, plain_logprobs(model, a), rtol=0, atol=1e-9)
+        torch.testing.assert_close(lb, plain_logprobs(model, b), rtol=0, atol=1e-9)
 
 
 def test_sliding_window_falls_back_to_separate_rows(tiny_hf):
