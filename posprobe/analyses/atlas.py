@@ -108,12 +108,21 @@ def skip_reasons(facts: ModelFacts, engine_runs: bool = False) -> dict[str, str]
 
 def run_atlas(model: Any, text: str | None = None, config: AtlasConfig | None = None, *,
               source: str | None = None) -> AtlasResult:
-    """Run every applicable section on `model` over `text` (default: the built-in text) and return the
-    atlas with its parts. The shift test scores a decoder bridge through the Hugging Face model it wraps
-    (native position ids, pair packing; the same weights, not reloaded). Progress goes to stderr by stage.
+    """Run every applicable section on `model` over `text` and return the atlas with its parts. The shift test
+    scores a decoder bridge through the Hugging Face model it wraps (native position ids, pair packing; the same
+    weights, not reloaded). Progress goes to stderr by stage.
 
-    `config`: the analysis's options (None: its Config's defaults); `source`: what meta.json's data record names as
-    the text (default: "built-in text" or "text").
+    Args:
+        model: a TransformerLens model; sections that do not apply to it are skipped, with the reason in meta.
+        text: the text the sections read (default: posprobe's built-in corpus).
+        config: the analysis's options: sections, quick tour, windows (None: its Config's defaults).
+        source: what meta.json's data record names as the text (default: "posprobe built-in corpus (CC0)" or
+            "text").
+
+    Returns:
+        An AtlasResult: the `atlas` table (section, metric, value: each section's headline numbers, plus
+            `ablation_retrieval` and `relative_views` where those sections ran), and each section's own Result in
+            `parts`.
 
     Examples:
         >>> import posprobe as pp

@@ -60,14 +60,21 @@ register(AtlasSection("training", "Training", None, None, None, across=_training
 
 def run_zoo_atlas(paths: list[str], config: ZooAtlasConfig | None = None, *, text: str | None = None,
                   source: str | None = None, device: str = "cpu") -> Result:
-    """Every section of `config` on every model of `paths` (zoo folders stand for their members; member folders and
-    other model specs for themselves) over `text` (default: the zoo's held-out eval.txt). Returns a Result
-    (analysis "zoo-atlas") whose tables are the sections' own tables concatenated over models with columns member,
-    family, block, seed (NaN outside a zoo), plus `models` (one row per model) and `refused` (model, section, why).
-    Progress goes to stderr by model and section.
+    """Every section of `config` on every model of `paths`. Progress goes to stderr by model and section.
 
-    `source`: what meta.json's data record names as the text (default: "built-in text" or "text"); `device`: where
-    the model runs ("cpu", "cuda", ...).
+    Args:
+        paths: zoo folders (standing for their members), member folders and other model specs (for themselves).
+        config: the sections and their options (None: its Config's defaults).
+        text: the text the sections read (default: the zoo's held-out eval.txt; none and no zoo folder is a
+            ValueError).
+        source: what meta.json's data record names as the text (default: the eval.txt's path when the text is
+            the zoo's own, else "text").
+        device: where the model runs ("cpu", "cuda", ...).
+
+    Returns:
+        A Result (analysis "zoo-atlas") whose tables are the sections' own tables concatenated over models with
+            columns member, family, block, seed (NaN outside a zoo), plus `models` (one row per model),
+            `refused` (model, section, why) and, with the extrapolation section, `ratios`.
 
     Examples:
         >>> import posprobe as pp
@@ -223,10 +230,22 @@ def _model_row(m: ModelEntry) -> dict:
 
 def evaluate_zoo(paths: list[str], config: ExtrapolationConfig | None = None, *, text: str | None = None,
                  source: str | None = None, device: str = "cpu") -> Result:
-    """Perplexity vs evaluation length for every model in `paths` (zoo folders, member folders, other model
-    specs) on `text` (default: the zoo's held-out eval.txt). Each zoo member is evaluated at its own training
-    length L. Returns a Result with tables `perplexity` (every model x protocol x length, with the member's family,
-    block and seed) and `ratios` (ppl(xL) / ppl(L) per member, protocol and factor: mean, min and max over seeds).
+    """Perplexity vs evaluation length for every model in `paths`. Each zoo member is evaluated at its own
+    training length L; one model is in memory at a time, and a model that is refused is a row with the reason.
+
+    Args:
+        paths: zoo folders (standing for their members), member folders, other model specs; one that is none of
+            these is a ValueError before any model loads.
+        config: the extrapolation options: lengths, protocols, token budget (None: its Config's defaults).
+        text: the evaluation text (default: the zoo's held-out eval.txt; none and no zoo folder is a ValueError).
+        source: what meta.json's data record names as the text (default: the eval.txt's path when the text is
+            the zoo's own; None when `text` is given without it).
+        device: where the models run ("cpu", "cuda", ...).
+
+    Returns:
+        A Result (analysis "zoo-eval") with tables `perplexity` (every model x protocol x length, with the
+            member's family, block and seed; status and why for a refused model) and `ratios` (ppl(xL) / ppl(L)
+            per member, protocol and factor: mean, min and max over seeds).
 
     Examples:
         >>> import posprobe as pp

@@ -173,20 +173,29 @@ def run_brittleness(model: Any, data: str | Sequence[Sequence[int]] | None = Non
                     source: str | None = None, **options: Any) -> Result:
     """Loss (nats/token) vs Gaussian noise (tokens) on the key positions of the pairs in each distance bucket.
 
-    `model`: a plain Hugging Face RoPE causal LM with its `tokenizer` (`load_hf_model`), or a TransformerBridge (the
-    HF model inside runs; the tokenizer defaults to the bridge's). `data`: a text (cut into `window`-token windows,
-    the tokenizer's own BOS first where it adds one), a list of token-id windows (used whole: `window` and
-    `max_windows` then do not apply), or None for posprobe's built-in corpus. `options` override fields of `config`
-    (`run_brittleness(m, text, tokenizer=tok, sigmas=(0, 4), buckets=("near:4",))`).
+    Every check (buckets, sigmas, window lengths, rotary model, vocabulary, context, memory) runs before the first
+    forward pass.
 
-    Returns a Result with tables `brittleness` (model, bucket, sigma, window, nll: mean over the window's predicted
-    tokens, n_pairs_jittered, count: predicted tokens) and `brittleness_summary` (per bucket and sigma: nll mean over
-    windows, delta_nll = mean increase over sigma 0 on the same windows with a 95% percentile-bootstrap interval
-    over windows in ci_low / ci_high, NaN with fewer than two windows; count = windows). Every check (buckets,
-    sigmas, window lengths, rotary model, vocabulary, context, memory) runs before the first forward pass.
+    Args:
+        model: a plain Hugging Face RoPE causal LM with its `tokenizer` (`load_hf_model`), or a TransformerBridge
+            (the HF model inside runs; the tokenizer defaults to the bridge's).
+        data: a text (cut into `window`-token windows, the tokenizer's own BOS first where it adds one), a list
+            of token-id windows (used whole: `window` and `max_windows` then do not apply), or None for
+            posprobe's built-in corpus.
+        config: the analysis's options (None: its Config's defaults).
+        tokenizer: the tokenizer of a plain Hugging Face `model` (default for a bridge: the bridge's).
+        name: the model's name in the tables (default: the model's own).
+        source: what meta.json's data record names as the data (default: "posprobe built-in corpus (CC0)",
+            "text" or "token windows").
+        **options: override fields of `config`
+            (`run_brittleness(m, text, tokenizer=tok, sigmas=(0, 4), buckets=("near:4",))`).
 
-    `name`: the model's name in the tables (default: the model's own); `source`: what meta.json's data record names
-    as the text (default: "built-in text" or "text").
+    Returns:
+        A Result with tables `brittleness` (model, bucket, sigma, window, nll: mean over the window's predicted
+            tokens, n_pairs_jittered, count: predicted tokens) and `brittleness_summary` (per bucket and sigma:
+            nll mean over windows, delta_nll = mean increase over sigma 0 on the same windows with a 95%
+            percentile-bootstrap interval over windows in ci_low / ci_high, NaN with fewer than two windows;
+            count = windows).
 
     Examples:
         >>> import posprobe as pp

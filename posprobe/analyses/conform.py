@@ -143,29 +143,35 @@ def _engine_options(engine: Any, cfg: ConformConfig) -> dict | None:
 
 def run_conform(model: str | Path, config: ConformConfig | None = None, *, text: str | None = None,
                 engine: Any = None) -> Result:
-    """Check the engine's rotary positions for `model` (a GGUF path or a packaged GGUF model) under `config`.
-
-    `engine`: an `EngineAdapter` (`posprobe.backend.engines.adapter`: any engine, plugged in by its user) run in
-    place of `config.engine`; `model` is then the HF reference it is checked against (a GGUF file, a packaged GGUF
-    model or a local HF folder).
+    """Check the engine's rotary positions for `model` under `config`.
 
     `config.rope_scaling` (HF rope_parameters, e.g. {"rope_type": "yarn", "factor": 2}) is the scaling under test:
     laid over HF's config and turned into the engine's options (`engine_options` given explicitly win); a scaling
     the engine has no form of (HF's dynamic, longrope) is checked on HF's side only, by the cache and precision
     checks.
 
-    Returns a Result with tables `declared` (per layer type: verdict "conforms" / "differs", bug class and one
-    sentence, both sides' multipliers, the largest relative band difference) and `declared_bands` (per layer type
-    and band: the engine's and HF's inverse frequency in rad/token and their ratio); with the behaviour check (needs
-    llama-cpp-python) `behaviour` (per length and position bin: KL(HF || engine) in nats, top-1 agreement) and
-    `behaviour_summary` (per length: floor and last-quarter KL, growth, the verdict position-flat / grows with
-    position / differs everywhere), on `text` (default: posprobe's built-in corpus); with the cache check `cache`
-    (per side and position around the switch: KL(uncached || cached) in nats, top-1 agreement) and `cache_summary`
-    (per side: the verdict cache-consistent / cached differs past the switch); with the precision check
-    `precision` (per layer type and way of computing the phases: the first position two neighbours rotate
-    identically, the first the fastest band reads a neighbour, the largest phase error in rad) and
-    `precision_curve` (the errors against position). meta["verdict"] is "conforms" or "differs: <what>" (the
-    engine's); meta["reference_findings"] lists what the HF reference itself does (its cache past a switch).
+    Args:
+        model: a GGUF path or a packaged GGUF model; with `engine`, the HF reference the engine is checked
+            against (a GGUF file, a packaged GGUF model or a local HF folder).
+        config: the checks, engine, lengths and scaling (None: its Config's defaults).
+        text: the text of the behaviour and cache checks (default: posprobe's built-in corpus).
+        engine: an `EngineAdapter` (`posprobe.backend.engines.adapter`: any engine, plugged in by its user) run in
+            place of `config.engine` (None: `config.engine`).
+
+    Returns:
+        A Result with tables `declared` (per layer type: verdict "conforms" / "differs", bug class and one
+            sentence, both sides' multipliers, the largest relative band difference) and `declared_bands` (per
+            layer type and band: the engine's and HF's inverse frequency in rad/token and their ratio); with the
+            behaviour check (needs llama-cpp-python) `behaviour` (per length and position bin: KL(HF || engine) in
+            nats, top-1 agreement) and `behaviour_summary` (per length: floor and last-quarter KL, growth, the
+            verdict position-flat / grows with position / differs everywhere), on `text`; with the cache check
+            `cache` (per side and position around the switch: KL(uncached || cached) in nats, top-1 agreement)
+            and `cache_summary` (per side: the verdict cache-consistent / cached differs past the switch); with
+            the precision check `precision` (per layer type and way of computing the phases: the first position
+            two neighbours rotate identically, the first the fastest band reads a neighbour, the largest phase
+            error in rad) and `precision_curve` (the errors against position). meta["verdict"] is "conforms" or
+            `"differs: <what>"` (the engine's); meta["reference_findings"] lists what the HF reference itself does
+            (its cache past a switch).
 
     Examples:
         >>> from posprobe import ConformConfig, run_conform

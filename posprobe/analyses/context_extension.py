@@ -107,19 +107,33 @@ class _Scorer:
 
 def extend_zoo(zoo: str | os.PathLike, config: ExtendConfig, out: str | os.PathLike, *, text: str | None = None,
                source: str | None = None, eval_text: str | None = None, fresh: bool = False) -> Result:
-    """Extend the members of the zoo folder `zoo` under `config` and write the extended members to `out` (new or
-    empty): `<out>/<member>-s<seed>-<method>/` (HF folders) and `<out>/extend/` (the Result). Every refusal is
-    raised before any training. `text`: the fine-tuning text (default: the zoo's own when it can be found again);
-    `eval_text`: default the zoo's held-out eval.txt. Interrupted runs resume from `<out>.work` (`fresh` discards it).
+    """Extend the members of the zoo folder `zoo` under `config` and write the extended members to `out`:
+    `<out>/<member>-s<seed>-<method>/` (HF folders) and `<out>/extend/` (the Result). Every refusal is
+    raised before any training.
 
-    Returns a Result with tables `curves` (member x seed x method x checkpoint x protocol x length: ppl, nll,
-    `vs_unextended_L` = ppl / the unextended member's ppl at L), `summary` (per member, seed, method, protocol: ppl
-    at L, L', 2L' at step 0 and at the last step, in-window cost, steps-to-threshold), `plan` (each run's HF
-    rope_parameters and settings, and what was left out and why), `yarn_bands` (gamma per band), `training` (loss
-    every 10 steps) and `runs` (training seconds and tokens/s; scoring seconds at the checkpoints, apart); with
-    passkey trials (`config.passkey_trials`, default 10 when the zoo was trained with `--passkey`) also `passkey`
-    (member x seed x method x checkpoint x distance: success rate of the exact greedy answer) and `effective_window`
-    (per checkpoint; the unextended members as method "unextended"), and the summary's `ew_*` columns."""
+    Args:
+        zoo: the zoo folder whose members are extended.
+        config: the extension's options: methods, target length L', steps, evaluation and passkey settings.
+        out: the folder the extended members and the Result are written to (new or empty; its parent must exist).
+        text: the fine-tuning text (default: the zoo's own when it can be found again, recognised by its sha256;
+            ValueError otherwise).
+        source: what meta.json's data record names as the fine-tuning text when `text` is given (default "text").
+        eval_text: the evaluation text (default: the zoo's held-out eval.txt); it must hold at least
+            2L' + L/2 tokens.
+        fresh: discard what an interrupted run left in `<out>.work` (by default the run resumes from there).
+
+    Returns:
+        A Result with tables `curves` (member x seed x method x checkpoint x protocol x length: ppl, nll,
+            `vs_unextended_L` = ppl / the unextended member's ppl at L), `summary` (per member, seed, method,
+            protocol: ppl at L, L', 2L' at step 0 and at the last step, in-window cost, steps-to-threshold),
+            `plan` (each run's HF rope_parameters and settings, and what was left out and why), `yarn_bands`
+            (gamma per band), `training` (loss every 10 steps) and `runs` (training seconds and tokens/s; scoring
+            seconds at the checkpoints, apart); with passkey trials (`config.passkey_trials`, default 10 when the
+            zoo was trained with `--passkey`) also `passkey` (member x seed x method x checkpoint x distance:
+            success rate of the exact greedy answer) and `effective_window` (per checkpoint; the unextended
+            members as method "unextended"), and the summary's `ew_*` columns; with `config.mechanism` also
+            `mechanism`, `band_usage`, `mechanism_refused` and `attention_entropy`.
+    """
     import torch
     from transformers import AutoTokenizer
 

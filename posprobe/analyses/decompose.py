@@ -281,6 +281,14 @@ def decompose_layer0(model: Any, tokens: Int[torch.Tensor, "batch pos"]) -> Deco
     Learned-absolute models only (GPT-2-like decoders; BERT-like encoders at the embedding LayerNorm,
     with the one-segment token-type embedding as its own part "t", grouped under "bias").
     Works with raw and TL-processed (folded LN, centred) weights. RoPE models raise WrongModelKind.
+
+    Args:
+        model: a learned-absolute TransformerLens model.
+        tokens: the token ids, `[batch, pos]`.
+
+    Returns:
+        A `Decomposition` of layer 0 with parts w, p (and t), float64 pair terms in score units that sum to
+            the model's scores.
     """
     facts = model_facts(model)
     require_supported(facts, "The score decomposition")
@@ -334,7 +342,18 @@ def positional_mean(
     model: Any, token_rows: Int[torch.Tensor, "batch pos"], layers: Sequence[int], *, batch_size: int = 8,
     progress: bool = True,
 ) -> dict[int, Float[torch.Tensor, "pos d_model"]]:
-    """Corpus mean of resid_pre at each position, per layer (float64, residual-stream units)."""
+    """Corpus mean of resid_pre at each position, per layer (float64, residual-stream units).
+
+    Args:
+        model: a TransformerLens model.
+        token_rows: the corpus windows, `[batch, pos]` token ids of equal length.
+        layers: the layers whose resid_pre is averaged.
+        batch_size: rows per forward pass.
+        progress: show a tqdm bar.
+
+    Returns:
+        {layer: `[pos, d_model]` float64 mean}, ready for `decompose_layer`'s `positional_mean`.
+    """
     rows = _as_tokens(token_rows)
     reducer = mean_by_position("resid_pre", layers)
     state = stream(model, batches(rows.to(device_of(model)), batch_size), [reducer],
@@ -349,9 +368,19 @@ def decompose_layer(
 ) -> Decomposition:
     """Data-driven split of layer `layer`'s scores into mean/positional/context/remainder pair terms.
 
-    `positional_mean[t]` is the corpus mean of resid_pre at position t (see `positional_mean()`);
-    it must cover the sequence length. Float64 terms in score units; they sum to the model's scores.
     RoPE models: each part's q/k are rotated with the layer's own rotation.
+
+    Args:
+        model: a TransformerLens model whose position information is carried in the residual stream or by RoPE
+            (else WrongModelKind).
+        tokens: the token ids, `[batch, pos]`.
+        layer: the layer whose attention scores are split.
+        positional_mean: `[pos, d_model]`, where `positional_mean[t]` is the corpus mean of resid_pre at
+            position t of this layer (see `positional_mean()`); it must cover the sequence length.
+
+    Returns:
+        A `Decomposition` of float64 terms in score units (parts m, p, c, r, plus the family's own score bias
+            where it has one); they sum to the model's scores.
     """
     facts = model_facts(model)
     require_supported(facts, "The score decomposition")
@@ -424,11 +453,18 @@ def relative_fraction(
 def head_summary(dec: Decomposition, *, row_centred: bool = True) -> pd.DataFrame:
     """Per-head term summary, tidy: model, layer, head, term, metric, value.
 
-    metrics: `var_share` = cov(term, score) / var(score) over unmasked entries (shares sum to 1;
-    with `row_centred` each query row's mean is removed first, as softmax ignores it), `var_ratio`
-    = var(term) / var(score), `mean_abs` = mean |term| (score units); for term "pp",
-    `rel_pos_fraction` (see `relative_fraction`); for term "positional" (every term with a p part)
-    `var_share` and `rank` (1 = the head whose score variance is most positional).
+    Args:
+        dec: a `Decomposition` (from `decompose_layer0` or `decompose_layer`).
+        row_centred: remove each query row's mean from terms and scores before the variances, as softmax
+            ignores it (False: remove the mean over all unmasked entries of the head).
+
+    Returns:
+        A tidy DataFrame with columns model, layer, head, term, metric, value. metrics: `var_share` =
+            cov(term, score) / var(score) over unmasked entries (shares sum to 1), `var_ratio`
+            = var(term) / var(score), `mean_abs` = mean |term| (score units); for term "pp",
+            `rel_pos_fraction` (see `relative_fraction`); for term "positional" (every term with a p part, plus
+            the family's own score bias such as ALiBi's) `var_share` and `rank` (1 = the head whose score
+            variance is most positional).
     """
     terms = dec.terms()
     total = sum(terms.values())
@@ -517,11 +553,17 @@ def decompose_heads(model: Any, config: DecomposeConfig) -> tuple[Decomposition,
 def run_decompose(model: Any, config: DecomposeConfig | None = None, *, source: str | None = None) -> Result:
     """Everything `posprobe decompose` writes, as a Result with one `decompose` table + meta.
 
-    Rows: the per-head summary (metric = var_share, var_ratio, mean_abs, rel_pos_fraction, rank) and
-    the term maps of the chosen head (metric = "score", query_pos/key_pos/rel_pos set), in score units.
+    Args:
+        model: a TransformerLens model (as `load_model` returns); the exact layer-0 split on learned-absolute
+            models, the data-driven split otherwise.
+        config: the analysis's options, the text among them (None: its Config's defaults).
+        source: what meta.json's data record names as the text (default: "built-in text" or "text").
 
-    `config`: the analysis's options (None: its Config's defaults); `source`: what meta.json's data record names as
-    the text (default: "built-in text" or "text").
+    Returns:
+        A Result with one `decompose` table (columns model, layer, head, term, metric, query_pos, key_pos,
+            rel_pos, value): the per-head summary (metric = var_share, var_ratio, mean_abs, rel_pos_fraction,
+            rank) and the term maps of the chosen head (metric = "score", query_pos/key_pos/rel_pos set), in
+            score units; meta holds the method, layer, head, sentence tokens and max_abs_error.
 
     Examples:
         >>> import posprobe as pp

@@ -49,13 +49,20 @@ def _losses(model: Any, rows: torch.Tensor, batch_size: int, keep_last: int | No
 
 def run_extrapolation(model: Any, text: str, config: ExtrapolationConfig | None = None, *,
                       source: str | None = None, label: str | None = None) -> Result:
-    """Perplexity vs evaluation length for `model` on `text`. Returns a Result with table `perplexity` (one row per
-    protocol x length: nll in nats/token, ppl, ppl_ratio = ppl / ppl at L (same protocol), count of scored tokens,
-    status "ok" or "cannot run" with `why`).
+    """Perplexity vs evaluation length for `model` on `text`.
 
-    `config`: the analysis's options (None: its Config's defaults); `source`: what meta.json's data record names as
-    the text (default: "built-in text" or "text"); `label`: the model's name in the tables (default: the model's
-    own).
+    Args:
+        model: a TransformerLens causal LM (not an encoder) with a fixed position table.
+        text: the evaluation text; it must hold the longest runnable length plus the stride in tokens.
+        config: the analysis's options: training length L, factors, protocols, token budget (None: its Config's
+            defaults).
+        source: what meta.json's data record names as the text (default None: not named).
+        label: the model's name in the tables (default: the model's own).
+
+    Returns:
+        A Result with table `perplexity` (one row per protocol x length: model, protocol, length, factor, nll in
+            nats/token, ppl, ppl_ratio = ppl / ppl at L (same protocol), count of scored tokens, status "ok" or
+            "cannot run" with `why`).
 
     Examples:
         >>> import posprobe as pp

@@ -100,12 +100,21 @@ class FrequencyUsage(Result):
 
 def run_frequency(model: Any, text: str | None = None, config: FrequencyConfig | None = None, *,
                   source: str | None = None, work: str | Path | None = None, fresh: bool = False) -> FrequencyUsage:
-    """Per-band RoPE usage of every head over windows of `text` (default: the built-in text), plus band
-    ablations (loss change in nats/token) when `config.ablate`. Returns a FrequencyUsage result.
-    `work`/`fresh`: the corpus pass's checkpoint folder, as in `frequency_usage`.
+    """Per-band RoPE usage of every head over windows of `text`, plus band ablations (loss change in nats/token)
+    when `config.ablate`.
 
-    `config`: the analysis's options (None: its Config's defaults); `source`: what meta.json's data record names as
-    the text (default: "built-in text" or "text").
+    Args:
+        model: a TransformerLens model whose attention rotates q and k (RoPE).
+        text: the text cut into windows (default: the built-in text).
+        config: the analysis's options (None: its Config's defaults); its window must fit the model's context.
+        source: what meta.json's data record names as the text (default: "built-in text" or "text").
+        work: the corpus pass's checkpoint folder, as in `frequency_usage` (None: no checkpoint).
+        fresh: discard what `work` holds first, as in `frequency_usage`.
+
+    Returns:
+        A FrequencyUsage result: `frequency_usage`'s tables `bands`, `profile`, `heads` and `theory`, plus
+            `ablation` (`band_ablation`'s rows for `p_sweep` and the top heads' `head_ablations`) with
+            `config.ablate`.
 
     Examples:
         >>> import posprobe as pp
@@ -333,28 +342,37 @@ def frequency_usage(
 ) -> FrequencyUsage:
     """Stream `token_rows` through a RoPE model once and measure per-band usage of every head.
 
-    Returns a FrequencyUsage: `.df` rows (model, layer, head, kv_head, band, frequency [rad/token],
-    wavelength [tokens], metric, value) with metrics q_norm, k_norm (mean 2-norm of the band pair;
-    k_norm is the kv head's, repeated on the query heads sharing it), mean_contrib, mean_abs_contrib
-    (mean over causal entries of the band's partial score, in score units = logits before softmax)
-    and abs_share (band's share of the sum of absolute contributions); band -1 is the unrotated
-    remainder (partial rotary). h_re, h_im: Chen et al.'s h_j = q_j conj(k_j) / scale of the head's mean pair (the
-    unrotated band pairs as complex numbers, averaged over positions >= 1); h_typical: mean |q_j| x mean |k_j| / scale
-    (score units). `.profile` gives mean_contrib / mean_abs_contrib per rel_pos bin
-    (rel_pos = lower bin edge, rel_pos_hi inclusive upper edge). `.heads` has one row per head: pattern
-    signatures (self_mass, prev_mass, first_mass: mean attention over queries 1..), eta2 (share of score
-    variance explained by rel_pos bin), fast_share (abs share of bands with wavelength <= window) and kind.
+    Args:
+        model: a TransformerLens model whose attention rotates q and k (RoPE); not on mps (float64 sums).
+        token_rows: the windows, `[batch, pos]` token ids of equal length (pos >= 2, at most the model's context).
+        batch_size: rows per forward pass.
+        layers: the rotary layers to measure (None: every rotary layer).
+        queries: limits the score statistics (contributions, shares, profile, eta2) to the last `queries`
+            query positions of each window, with all their keys (every rel_pos still occurs): their cost grows
+            with queries * window instead of window**2. None measures every causal entry exactly; >= 1.
+        progress: show a tqdm bar.
+        work: a folder where the pass keeps its sums as it goes (`posprobe.report.checkpoint.StreamResume`); the
+            same call resumes from there to the same tables; another model, rows or settings there is refused
+            (None: no checkpoint).
+        fresh: discard what `work` holds first.
+        context: the trained length L of `.tables["theory"]` (Chen et al.'s Theorem 2.1 per head,
+            `chen_bounds.head_bounds`; default: the model's context; >= 2).
+        target: a(s) beyond L is followed up to `target` tokens (> L; default 4L).
 
-    `queries` limits the score statistics (contributions, shares, profile, eta2) to the last `queries`
-    query positions of each window, with all their keys (every rel_pos still occurs): their cost grows
-    with queries * window instead of window**2. None measures every causal entry exactly.
-
-    `.tables["theory"]` is Chen et al.'s Theorem 2.1 per head (`chen_bounds.head_bounds`) for the trained
-    length `context` (default: the model's context) and a(s) beyond it up to `target` (default 4x context).
-
-    `work`: a folder where the pass keeps its sums as it goes (`posprobe.report.checkpoint.StreamResume`); the
-    same call resumes from there to the same tables; another model, rows or settings there is refused, and
-    `fresh=True` discards it first.
+    Returns:
+        A FrequencyUsage: `.df` rows (model, layer, head, kv_head, band, frequency [rad/token],
+            wavelength [tokens], metric, value) with metrics q_norm, k_norm (mean 2-norm of the band pair;
+            k_norm is the kv head's, repeated on the query heads sharing it), mean_contrib, mean_abs_contrib
+            (mean over causal entries of the band's partial score, in score units = logits before softmax)
+            and abs_share (band's share of the sum of absolute contributions); band -1 is the unrotated
+            remainder (partial rotary). h_re, h_im: Chen et al.'s h_j = q_j conj(k_j) / scale of the head's mean
+            pair (the unrotated band pairs as complex numbers, averaged over positions >= 1); h_typical:
+            mean |q_j| x mean |k_j| / scale (score units). `.profile` gives mean_contrib / mean_abs_contrib per
+            rel_pos bin (rel_pos = lower bin edge, rel_pos_hi inclusive upper edge). `.heads` has one row per
+            head: pattern signatures (self_mass, prev_mass, first_mass: mean attention over queries 1..), eta2
+            (share of score variance explained by rel_pos bin), fast_share (abs share of bands with wavelength
+            <= window) and kind. `.tables["theory"]` is Chen et al.'s Theorem 2.1 per head for L = `context` and
+            a(s) up to `target`.
     """
     facts = model_facts(model)
     require_rotated_qk(facts, "Per-frequency RoPE usage")

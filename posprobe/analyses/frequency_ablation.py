@@ -150,9 +150,20 @@ def band_ablation(
 ) -> pd.DataFrame:
     """Mean next-token loss (nats/token) on `token_rows` without and with each ablation.
 
-    One row per condition (the first, "none", is the unablated model): model, condition, variant,
-    mode, layer / head (-1 = all), bands (comma list), n_bands, fraction_kept, metric="loss", value,
-    base_loss, delta_loss (= value - base_loss).
+    Args:
+        model: a TransformerLens causal LM whose attention rotates q and k (RoPE); an encoder or a model without
+            an LM head is a ValueError.
+        token_rows: the evaluation windows, `[batch, pos]` token ids of equal length (pos >= 2, at most the
+            model's context).
+        ablations: the conditions to measure, each a `BandAblation` (e.g. from `p_sweep` or `head_ablations`);
+            bands, heads, layers and mode are checked before any forward.
+        batch_size: rows per forward pass.
+        progress: show a tqdm bar over the batches of all conditions.
+
+    Returns:
+        A DataFrame with one row per condition (the first, "none", is the unablated model): model, condition,
+            variant, mode, layer / head (-1 = all), bands (comma list), n_bands, fraction_kept, metric="loss",
+            value, base_loss, delta_loss (= value - base_loss); losses in nats/token.
     """
     facts = model_facts(model)
     require_rotated_qk(facts, "Band ablation")
@@ -187,7 +198,16 @@ def band_ablation(
 
 def p_sweep(facts: ModelFacts, ps: Sequence[float] = (0.75, 0.5, 0.25, 0.0)) -> list[BandAblation]:
     """Model-wide unrotation sweep: for each p, "drop-low" keeps the fastest round(p * n_bands) bands
-    rotating (p-RoPE), "drop-high" keeps the slowest ones instead."""
+    rotating (p-RoPE), "drop-high" keeps the slowest ones instead.
+
+    Args:
+        facts: the model's `ModelFacts` (`model_facts(model)`); its first rotary layer gives n_bands.
+        ps: the fractions of bands kept rotating, each in [0, 1] (else ValueError).
+
+    Returns:
+        Two `BandAblation`s per p, `"drop-low p=<p>"` then `"drop-high p=<p>"`, each unrotating the complementary
+            bands in every head of every layer, with `fraction_kept` = p.
+    """
     nb = facts.first_rotary.n_bands
     out = []
     for p in ps:
@@ -202,7 +222,18 @@ def p_sweep(facts: ModelFacts, ps: Sequence[float] = (0.75, 0.5, 0.25, 0.0)) -> 
 
 
 def head_ablations(facts: ModelFacts, heads: Sequence[tuple[int, int]], fraction: float = 0.25) -> list[BandAblation]:
-    """Per head: unrotate its fastest `fraction` of bands ("fast"), its slowest ("slow"), or all ("all")."""
+    """Per head: unrotate its fastest `fraction` of bands ("fast"), its slowest ("slow"), or all ("all").
+
+    Args:
+        facts: the model's `ModelFacts` (`model_facts(model)`); its first rotary layer gives n_bands.
+        heads: the (layer, head) pairs to ablate, one at a time.
+        fraction: the share of the head's bands in the "fast" and "slow" sets: max(1, round(fraction * n_bands))
+            bands.
+
+    Returns:
+        Three `BandAblation`s per head, in the order of `heads`, named `"L<layer>H<head> fast|slow|all"` (variant
+            fast, slow, all; mode "unrotate").
+    """
     nb = facts.first_rotary.n_bands
     k = max(1, round(fraction * nb))
     sets = {"fast": range(k), "slow": range(nb - k, nb), "all": range(nb)}

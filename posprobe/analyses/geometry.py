@@ -172,7 +172,17 @@ def wpos_geometry(model: Any, *, n_components: int = 6, max_pos: int | None = No
     """Geometry of the learned position embedding W_pos (first `max_pos` rows; all by default).
 
     Raises WrongModelKind for models without W_pos (RoPE, NoPE, ...): use `residual_geometry` there.
-    Result df columns: model, source ("W_pos"), layer (NA), metric, k, pos, pos2, value."""
+
+    Args:
+        model: a TransformerLens model with a learned position table.
+        n_components: the number of principal components analysed.
+        max_pos: analyse the first `max_pos` rows of W_pos (None: the model's context, all rows).
+        max_cos_pos: the cosine matrix covers the first `max_cos_pos` positions.
+
+    Returns:
+        A Result with one `geometry` table; df columns: model, source ("W_pos"), layer (NA), metric, k, pos,
+            pos2, value (metrics as in `matrix_geometry`).
+    """
     facts = model_facts(model)
     try:
         require_learned(facts, "W_pos geometry")
@@ -216,8 +226,23 @@ def residual_geometry(model: Any, token_rows: Sequence[Sequence[int]] | Int[torc
     """Geometry of the positional part of the residual stream: the mean of `point` at each position
     over the token rows (content averages out; what is left depends on position only), for each layer.
 
-    `skip_first` drops leading positions (e.g. BOS / attention-sink rows whose huge norm dominates PCA).
-    Result df columns: model, source ("<point> mean"), layer, metric, k, pos, pos2, value."""
+    Args:
+        model: a TransformerLens model.
+        token_rows: the windows, `[batch, pos]` token ids of equal length.
+        layer: one layer or several.
+        point: the capture point averaged (e.g. "resid_pre", "resid_post").
+        n_components: the number of principal components analysed.
+        skip_first: drops leading positions (e.g. BOS / attention-sink rows whose huge norm dominates PCA); at
+            least 4 positions must be left.
+        max_cos_pos: the cosine matrix covers the first `max_cos_pos` positions kept.
+        batch_size: rows per forward pass.
+        progress: show a tqdm bar.
+
+    Returns:
+        A Result with one `geometry` table; df columns: model, source (`"<point> mean"`), layer, metric, k, pos,
+            pos2, value (metrics as in `matrix_geometry`: explained_variance, pc_score, norm, mean_norm, cosine,
+            sin_period, sin_r2, sin_amplitude, sin_phase).
+    """
     facts = model_facts(model)
     layers = [layer] if isinstance(layer, int) else list(layer)
     means = position_means(model, token_rows, layers, point, batch_size=batch_size, progress=progress)
@@ -250,10 +275,19 @@ def residual_geometry(model: Any, token_rows: Sequence[Sequence[int]] | Int[torc
 
 def run_geometry(model: Any, text: str | None = None, config: GeometryConfig | None = None, *,
                  source: str | None = None) -> Result:
-    """W_pos geometry (learned-position models) and the residual-stream view over windows of `text`
-    (default: the built-in text), as one `geometry` table (column `source` tells the views apart).
+    """W_pos geometry (learned-position models) and the residual-stream view over windows of `text`,
+    as one `geometry` table (column `source` tells the views apart).
 
-    `config`: the analysis's options (None: its Config's defaults).
+    Args:
+        model: a TransformerLens model.
+        text: the text cut into windows (default: the built-in text).
+        config: the analysis's options (None: its Config's defaults; layers default to the first, middle and
+            last).
+        source: what meta.json's data record names as the text (default: "built-in text" or "text").
+
+    Returns:
+        A Result with the `geometry` table (`wpos_geometry`'s and `residual_geometry`'s rows) and, on a model
+            with W_pos, `pos_token_subspace` (the overlap of the position and token embedding subspaces).
 
     Examples:
         >>> import posprobe as pp

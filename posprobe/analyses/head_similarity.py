@@ -50,9 +50,22 @@ def jsd_sums(pa: torch.Tensor, pb: torch.Tensor) -> torch.Tensor:
 def head_similarity(model_a: Any, model_b: Any, token_rows: Sequence[Sequence[int]] | torch.Tensor, *,
                     layers: Sequence[int] | None = None, batch_size: int = 4) -> Result:
     """Per layer and head of `model_a`, the nearest head of `model_b` by mean Jensen-Shannon divergence (nats) of
-    their attention patterns on the same `token_rows`. Tables `head_similarity` (layer, head, nearest_head, jsd_min,
-    jsd_mean: the mean over B's heads) and `head_similarity_layer` (layer, jsd_min averaged over A's heads: Kazemnejad
-    et al.'s Fig. 4 number). Raises ValueError before any forward when the models differ in depth or vocabulary."""
+    their attention patterns on the same `token_rows`. Raises ValueError before any forward when the models differ
+    in depth or vocabulary.
+
+    Args:
+        model_a: the TransformerLens model whose heads are matched.
+        model_b: the model searched for the nearest head, in the same layer; same depth and vocabulary as
+            `model_a`.
+        token_rows: the inputs, `[batch, pos]` token ids of equal length (pos >= 2, within both contexts).
+        layers: the layers compared (None: all; else a non-empty subset of 0..n_layers-1).
+        batch_size: rows per forward pass.
+
+    Returns:
+        A Result with tables `head_similarity` (layer, head, nearest_head, jsd_min, jsd_mean: the mean over B's
+            heads) and `head_similarity_layer` (layer, jsd_min averaged over A's heads: Kazemnejad et al.'s
+            Fig. 4 number); divergences in nats, mean over query positions 1..n-1 and rows.
+    """
     fa, fb = model_facts(model_a), model_facts(model_b)
     for f in (fa, fb):  # a pattern posprobe has not proven equal to HF's would give a divergence that means nothing
         require_attention_supported(f, "Head similarity")

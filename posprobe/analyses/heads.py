@@ -248,11 +248,20 @@ def head_signatures(model: Any, token_rows: Any, config: HeadsConfig | None = No
 
 def run_heads(model: Any, text: str | None = None, config: HeadsConfig | None = None, *,
               source: str | None = None, work: str | Path | None = None, fresh: bool = False) -> Result:
-    """Head signatures over windows of `text` (default: posprobe's built-in text), each window framed
-    the way the model expects (BOS, or CLS ... SEP for encoders); `work`/`fresh` as in `head_signatures`.
+    """Head signatures over windows of `text`, each window framed the way the model expects (BOS, or
+    CLS ... SEP for encoders).
 
-    `config`: the analysis's options (None: its Config's defaults); `source`: what meta.json's data record names as
-    the text (default: "built-in text" or "text").
+    Args:
+        model: a TransformerLens model (decoder or encoder).
+        text: the text cut into windows (default: posprobe's built-in text).
+        config: the analysis's options (None: its Config's defaults).
+        source: what meta.json's data record names as the text (default: "built-in text" or "text").
+        work: the corpus pass's checkpoint folder, as in `head_signatures` (None: no checkpoint).
+        fresh: discard what `work` holds first, as in `head_signatures`.
+
+    Returns:
+        `head_signatures`'s Result: tables `heads` (layer, head, metric, value), `head_classes` (layer, head,
+            kind, classes) and `offsets` (mean attention by rel_pos, top heads).
 
     Examples:
         >>> import posprobe as pp

@@ -133,25 +133,31 @@ def _keys(cfg: LongContextConfig) -> dict[tuple[int, float, int], str]:
 def run_long_context(model: Any, text: str | None, config: LongContextConfig | None = None, *, tokenizer: Any = None,
                      name: str | None = None, source: str | None = None, work: str | Path | None = None,
                      fresh: bool = False) -> Result:
-    """Loss by position and passkey retrieval per preset and length; a Result with tables `long_context`,
-    `long_context_summary` and (with passkey lengths) `passkey`, `passkey_accuracy`.
+    """Loss by position and passkey retrieval per preset and length.
 
-    `model`: a plain Hugging Face causal LM and its `tokenizer` (`load_hf_model`), or a TransformerBridge over a
-    RoPE decoder (`load_model`; its wrapped HF model runs, with the same numbers; the tokenizer defaults to the
-    bridge's, which, as TL does, puts BOS first). Batch of one sequence;
-    every check (presets, learned positions, text length, memory) runs before the first forward pass. `text` is
-    required (the CLI's --text): the loss is measured on its windows, which posprobe's short built-in text cannot
-    fill at these lengths. meta["beyond_context"] lists the lengths (loss and passkey) past the model's context
+    Batch of one sequence; every check (presets, learned positions, text length, memory) runs before the first
+    forward pass. meta["beyond_context"] lists the lengths (loss and passkey) past the model's context
     (max_position_embeddings), which `trained_ctx` may set apart from.
 
-    `work`: a folder where each window's losses and each passkey trial are kept as they complete
-    (`posprobe.report.checkpoint`); calling again with the same folder resumes, and the tables equal an
-    uninterrupted run's exactly. Another model, text or config there is refused; `fresh=True` discards it first.
-    The folder is left in place (delete it with `discard_work_folder` once the result is saved).
+    Args:
+        model: a plain Hugging Face causal LM and its `tokenizer` (`load_hf_model`), or a TransformerBridge over a
+            RoPE decoder (`load_model`; its wrapped HF model runs, with the same numbers).
+        text: required (the CLI's --text; None is a ValueError): the loss is measured on its windows, which
+            posprobe's short built-in text cannot fill at these lengths.
+        config: the analysis's options (None: its Config's defaults).
+        tokenizer: the tokenizer of a plain HF `model`; for a bridge it defaults to the bridge's, which, as TL
+            does, puts BOS first.
+        name: the model's name in the tables (default: the model's own).
+        source: what meta.json's data record names as the text (default: "text").
+        work: a folder where each window's losses and each passkey trial are kept as they complete
+            (`posprobe.report.checkpoint`); calling again with the same folder resumes, and the tables equal an
+            uninterrupted run's exactly. Another model, text or config there is refused. The folder is left in
+            place (delete it with `discard_work_folder` once the result is saved). None: no checkpoint.
+        fresh: discard what `work` holds and start again.
 
-    `config`: the analysis's options (None: its Config's defaults); `name`: the model's name in the tables
-    (default: the model's own); `source`: what meta.json's data record names as the text (default: "built-in text"
-    or "text"); `fresh`: discard what `work` holds and start again.
+    Returns:
+        A Result with tables `long_context`, `long_context_summary` and (with passkey lengths) `passkey`,
+            `passkey_accuracy`.
 
     Examples:
         >>> import posprobe as pp

@@ -40,12 +40,20 @@ def text_rows(model: Any, text: str, window: int = 64, max_windows: int | None =
 
 def run_probes(model: Any, text: str | None = None, config: ProbeConfig | None = None, *,
                source: str | None = None, work: str | Path | None = None, fresh: bool = False) -> Result:
-    """Position probes over `config.max_windows` windows of `config.window` tokens of `text` (default:
-    the built-in text); the result's meta records the data in the common schema. `work`/`fresh` as in
-    `position_probes`.
+    """Position probes over `config.max_windows` windows of `config.window` tokens of `text`; the result's meta
+    records the data in the common schema.
 
-    `config`: the analysis's options (None: its Config's defaults); `source`: what meta.json's data record names as
-    the text (default: "built-in text" or "text").
+    Args:
+        model: a TransformerLens model.
+        text: the text cut into windows (default: the built-in text).
+        config: the analysis's options (None: its Config's defaults).
+        source: what meta.json's data record names as the text (default: "built-in text" or "text").
+        work: the checkpoint folder, as in `position_probes` (None: no checkpoint).
+        fresh: discard what `work` holds first, as in `position_probes`.
+
+    Returns:
+        `position_probes`'s Result: one `probes` table (model, point, layer, condition, fold, metric, value,
+            alpha).
 
     Examples:
         >>> import posprobe as pp
@@ -240,12 +248,21 @@ def position_probes(model: Any, token_rows: Sequence[Sequence[int]] | torch.Tens
                     fresh: bool = False) -> Result:
     """Probe absolute position from the residual stream at every (point, layer).
 
-    Returns a Result whose df has one row per model, point, layer, condition (probe/control/chance), fold,
-    metric (mae: mean absolute error in positions; accuracy: fraction of held-out tokens in the right
-    bucket), value. Folds group by token row; `report.probes.fold_summary(result.df)` gives mean and std over folds.
-    `work`: a folder where each (point, layer)'s fold scores are kept as they complete; the same call resumes from
-    there (capturing only the residuals still needed) to the same table; another model, rows or config there is
-    refused, and `fresh=True` discards it first.
+    Args:
+        model: a TransformerLens model.
+        token_rows: the windows, `[batch, pos]` token ids of equal length (at most the model's context); enough
+            rows that each training fold has >= 2.
+        config: the probe's options: points, layers, buckets, folds, token sample (None: its Config's defaults).
+        work: a folder where each (point, layer)'s fold scores are kept as they complete; the same call resumes
+            from there (capturing only the residuals still needed) to the same table; another model, rows or
+            config there is refused (None: no checkpoint).
+        fresh: discard what `work` holds first.
+
+    Returns:
+        A Result whose df (table `probes`) has one row per model, point, layer, condition
+            (probe/control/chance), fold, metric (mae: mean absolute error in positions; accuracy: fraction of
+            held-out tokens in the right bucket), value, and alpha (the ridge penalty picked; NaN for chance).
+            Folds group by token row; `report.probes.fold_summary(result.df)` gives mean and std over folds.
     """
     from posprobe.backend.facts import model_facts
 

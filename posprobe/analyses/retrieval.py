@@ -147,23 +147,31 @@ def _interval_meta(cfg: RetrievalConfig) -> dict[str, Any]:
 def run_retrieval(model: Any, text: str | None = None, config: RetrievalConfig | None = None, *, tokenizer: Any = None,
                   name: str | None = None, source: str | None = None, work: str | Path | None = None,
                   fresh: bool = False) -> Result:
-    """Retrieval heads per preset, and needle accuracy with heads masked. A Result with tables `retrieval_heads`
-    (per preset, layer, head: retrieval_score, needle_mass, answer_first_mass), `head_classes` (retrieval / other),
-    `retrieval_answers` (every prompt and masking variant) and `retrieval_masking` (accuracy with CI per preset,
-    masked set and k; the Jaccard stability of the retrieval sets across prompts).
+    """Retrieval heads per preset, and needle accuracy with heads masked.
 
-    `model`: a plain HF causal LM with its `tokenizer`, or a TransformerBridge over a RoPE decoder (its HF model
-    runs). `text`: the haystack of text-haystack tasks; None: posprobe's built-in text (as the CLI). Every check
-    (presets, mask_k against the model's heads, prompt lengths, memory) runs before the first forward. Lengths past
-    the model's context (max_position_embeddings) run, and are listed in meta["beyond_context"] and the summary.
+    Every check (presets, mask_k against the model's heads, prompt lengths, memory) runs before the first forward.
+    Lengths past the model's context (max_position_embeddings) run, and are listed in meta["beyond_context"] and the
+    summary.
 
-    `work`: a folder where every answer (with its per-head statistics) is kept as it completes
-    (`posprobe.report.checkpoint`); calling again with the same folder resumes, and the tables equal an
-    uninterrupted run's exactly. Another model, text or config there is refused; `fresh=True` discards it first.
+    Args:
+        model: a plain HF causal LM with its `tokenizer`, or a TransformerBridge over a RoPE decoder (its HF model
+            runs).
+        text: the haystack of text-haystack tasks; None: posprobe's built-in text (as the CLI).
+        config: the analysis's options (None: its Config's defaults).
+        tokenizer: the tokenizer of a plain HF `model` (required there); for a bridge it defaults to the
+            bridge's.
+        name: the model's name in the tables (default: the model's own).
+        source: what meta.json's data record names as the text (default: "built-in text" or "text").
+        work: a folder where every answer (with its per-head statistics) is kept as it completes
+            (`posprobe.report.checkpoint`); calling again with the same folder resumes, and the tables equal an
+            uninterrupted run's exactly. Another model, text or config there is refused. None: no checkpoint.
+        fresh: discard what `work` holds and start again.
 
-    `config`: the analysis's options (None: its Config's defaults); `name`: the model's name in the tables
-    (default: the model's own); `source`: what meta.json's data record names as the text (default: "built-in text"
-    or "text"); `fresh`: discard what `work` holds and start again.
+    Returns:
+        A Result with tables `retrieval_heads` (per preset, layer, head: retrieval_score, needle_mass,
+            answer_first_mass), `head_classes` (retrieval / other), `retrieval_answers` (every prompt and masking
+            variant) and `retrieval_masking` (accuracy with CI per preset, masked set and k; the Jaccard stability
+            of the retrieval sets across prompts).
 
     Examples:
         >>> import posprobe as pp

@@ -43,11 +43,18 @@ def _layers(layers: list[int]) -> str:
 
 
 def rope_theory_table(model: Any, *, context: int | None = None, target: int | None = None) -> pd.DataFrame:
-    """The RoPE theory table of `model` (a loaded model or its ModelFacts): one row per (layer group, quantity) with
-    columns layers, rotary_dim, base, quantity, value, unit, note. `context` is the trained length L in tokens
-    (default: the model's context); with `target` L' > L, rows for PI, NTK-aware and YaRN at s = L'/L are added.
-    WrongModelKind for a model without rotary layers; ValueError for a bad length, or for a scaling projection on
-    a layer whose rope type already rescaled its table."""
+    """The RoPE theory table of `model`. WrongModelKind for a model without rotary layers; ValueError for a bad
+    length, or for a scaling projection on a layer whose rope type already rescaled its table.
+
+    Args:
+        model: a loaded model or its ModelFacts.
+        context: the trained length L in tokens (default: the model's context; >= 2).
+        target: a length L' > L in tokens: rows for PI, NTK-aware and YaRN at s = L'/L are added (None: none).
+
+    Returns:
+        A DataFrame with one row per (layer group, quantity) and columns layers, rotary_dim, base, quantity,
+            value, unit, note.
+    """
     facts = model if isinstance(model, ModelFacts) else model_facts(model)
     groups = _groups(facts) if facts.is_rotary else []
     if not groups:

@@ -363,17 +363,31 @@ def run_shift_test(
 ) -> ShiftResult:
     """Shift test of `model` (spec or TL object) on minimal pairs and/or text; returns a ShiftResult.
 
-    Without pairs or text, the built-in template pairs are used. All checks (k past the context,
-    empty data, negative k) happen before any scoring. `work`: a folder where blocks of scored pairs and
-    windows are kept as they complete; the same call resumes from it to the same tables (another model, data or
-    config there is refused; `fresh=True` discards it first; not under torchrun, where it is ignored).
+    All checks (k past the context, empty data, negative k) happen before any scoring.
 
-    `pairs`: the minimal pairs (`load_blimp`, `builtin_pairs` or your own); `text`: a text whose perplexity is
-    measured at each k; `config`: the analysis's options (None: its Config's defaults); `data_source`: what
-    meta.json's data record names as the pairs (default: "custom pairs"; the built-in pairs name themselves);
-    `backend`: "hf" (position ids passed to Hugging Face's forward), "tl" (TransformerLens hooks) or "auto" (HF
-    where the weights are on disk); `device`: where the model runs ("cpu", "cuda", ...); `dtype`: the weights' dtype
-    when `model` is a spec posprobe loads; `fresh`: discard what `work` holds and start again.
+    Args:
+        model: a model spec (as `load_model` takes) or a loaded TL object, with learned, sinusoidal, rotary or
+            ALiBi positions.
+        pairs: the minimal pairs (`load_blimp`, `builtin_pairs` or your own). Without pairs or text, the built-in
+            template pairs are used, 50 per paradigm.
+        text: a text whose perplexity is measured at each k.
+        config: the analysis's options (None: its Config's defaults).
+        data_source: what meta.json's data record names as the pairs (default: "custom pairs"; the built-in
+            pairs name themselves).
+        backend: "hf" (position ids passed to Hugging Face's forward), "tl" (TransformerLens hooks) or "auto" (HF
+            where the weights are on disk).
+        device: where the model runs ("cpu", "cuda", ...).
+        dtype: the weights' dtype when `model` is a spec posprobe loads.
+        work: a folder where blocks of scored pairs and windows are kept as they complete; the same call resumes
+            from it to the same tables (another model, data or config there is refused; not under torchrun, where
+            it is ignored). None: no checkpoint.
+        fresh: discard what `work` holds and start again.
+
+    Returns:
+        A ShiftResult with the non-empty ones of the tables `shift_pairs` (one row per k and pair, log-probs in
+            nats), `shift_summary` (accuracy with bootstrap CI, margin, flips, McNemar p vs k=0 per k and level),
+            `shift_tokens` (per-token loss of the text windows by k and position) and `shift_drift` (encoders:
+            cosine of representations to k=0).
 
     Examples:
         >>> import posprobe as pp

@@ -225,23 +225,30 @@ def _random_rows(model: Any, cfg: SinksConfig) -> torch.Tensor:
 
 def run_sinks(model: Any, text: str | None = None, config: SinksConfig | None = None, *,
               source: str | None = None) -> Result:
-    """Sink_1^epsilon per layer and per head on random-token sequences and on windows of `text` (default: the
-    built-in text), with the first token's key/value norm ratios and query cosines. A Result with tables
-    `sink_heads` (condition, layer, head, metric, value) and `sink_share` (condition, layer, metric, value,
-    count); meta["sink_share"] holds the share over all layers per condition (Gu et al.'s headline number).
-    With `massive_top`, also `massive_activations` (per condition and layer the largest |residual activations|
-    with position, token, dimension and ratio to the median; `posprobe.analyses.massive`) and, where a layer has
-    one above `massive_ratio` x median and `massive_abs` (Sun et al.'s definition), `massive_intervention` (loss
-    and first-token attention with them zeroed or set to their mean; meta["massive"] says where and which dims).
-    With `control`, `sink_control`: the share and the first token's attention on the text windows as they are, with
-    the first token moved to position n // 2,
-    and with it replaced by "the" or a newline (`control_variants`); meta["control"] says what the model's positional
-    mechanism alone predicts for the position variants. With `ablate_heads`, `head_ablation`: the heads with the most
-    attention on the first token, each zeroed alone and labelled by the change of the text loss (low-effect,
-    loss-rises, loss-falls: `posprobe.analyses.dormant`; meta["ablation"] holds the definitions).
+    """Sink_1^epsilon per layer and per head on random-token sequences and on windows of `text`, with the first
+    token's key/value norm ratios and query cosines.
 
-    `config`: the analysis's options (None: its Config's defaults); `source`: what meta.json's data record names as
-    the text (default: "built-in text" or "text").
+    Args:
+        model: a TransformerLens model.
+        text: the text cut into windows (default: the built-in text).
+        config: the analysis's options (None: its Config's defaults); its `massive_top`, `control` and
+            `ablate_heads` add the tables below.
+        source: what meta.json's data record names as the text (default: "built-in text" or "text").
+
+    Returns:
+        A Result with tables `sink_heads` (condition, layer, head, metric, value) and `sink_share` (condition,
+            layer, metric, value, count); meta["sink_share"] holds the share over all layers per condition (Gu et
+            al.'s headline number). With `massive_top`, also `massive_activations` (per condition and layer the
+            largest |residual activations| with position, token, dimension and ratio to the median;
+            `posprobe.analyses.massive`) and, where a layer has one above `massive_ratio` x median and
+            `massive_abs` (Sun et al.'s definition), `massive_intervention` (loss and first-token attention with
+            them zeroed or set to their mean; meta["massive"] says where and which dims). With `control`,
+            `sink_control`: the share and the first token's attention on the text windows as they are, with the
+            first token moved to position n // 2, and with it replaced by "the" or a newline (`control_variants`);
+            meta["control"] says what the model's positional mechanism alone predicts for the position variants.
+            With `ablate_heads`, `head_ablation`: the heads with the most attention on the first token, each
+            zeroed alone and labelled by the change of the text loss (low-effect, loss-rises, loss-falls:
+            `posprobe.analyses.dormant`; meta["ablation"] holds the definitions).
 
     Examples:
         >>> import posprobe as pp

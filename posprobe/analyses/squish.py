@@ -82,8 +82,17 @@ def _decode(model: Any, ids: torch.Tensor) -> str:
 def run_squish(model: Any, instruction: str, prompt: str, config: SquishConfig | None = None) -> Result:
     """`squish_generate` with its options from a SquishConfig (what `posprobe squish` calls).
 
-    `prompt`: the text that follows the squished `instruction` in the same user turn (instruction, newline, prompt);
-    `config`: the analysis's options (None: its Config's defaults).
+    Args:
+        model: a TransformerLens causal LM with rotary layers.
+        instruction: the text whose keys are squished.
+        prompt: the text that follows the squished `instruction` in the same user turn (instruction, newline,
+            prompt).
+        config: the analysis's options (None: its Config's defaults); with neither `to` nor `range_` set the
+            instruction's keys go to position 0.
+
+    Returns:
+        `squish_generate`'s Result: one `squish` table (metrics attn_mass, kl, and with a reference ref_nll,
+            effect_kept) and meta with each run's continuation.
 
     Examples:
         >>> import posprobe as pp
@@ -108,12 +117,29 @@ def squish_generate(model: Any, instruction: str, prompt: str, *, to: float | No
                ) -> Result:
     """Generate with and without key squishing of the instruction span; return a Result (`squish` table + meta).
 
-    `variant`: "cache", "keys", "qk" (see `key_squish`) or several (the baseline is computed once). Metrics:
-    "attn_mass" per layer (generated queries onto the span, each run on its own output); "kl" per query_pos:
-    KL(baseline || squished) of next-token distributions, teacher-forced on the baseline's output;
-    with `reference`: "ref_nll" (mean nats per token) for baseline, each variant and the prompt
-    without the instruction, and "effect_kept" = (lp_variant - lp_none) / (lp_base - lp_none) on
-    summed log-probs (1 = instruction's effect intact, 0 = as if absent).
+    Args:
+        model: a TransformerLens causal LM with rotary layers.
+        instruction: the text whose tokens' keys are squished (not empty).
+        prompt: the text that follows the instruction in the same user turn (instruction, newline, prompt).
+        to: the one position every instruction key gets (see `key_squish`).
+        range_: (lo, hi): instruction keys spread linearly over [lo, hi] instead (wins over `to`).
+        query_start: where the tokens after the instruction restart (None: unchanged).
+        variant: "cache", "keys", "qk" (see `key_squish`) or several (the baseline is computed once).
+        max_new_tokens: the number of tokens generated per run (each run stops early at the tokenizer's EOS).
+        reference: a continuation to score under each condition (None: no reference metrics).
+        temperature: 0 (greedy) or the sampling temperature, as in `generate`.
+        top_k: when sampling, only the `top_k` most likely tokens (None: all).
+        seed: the sampling seed.
+        chat: wrap the user turn in the tokenizer's chat template (None: when the tokenizer has one).
+
+    Returns:
+        A Result with one `squish` table (model, variant, metric, layer, query_pos, value; -1 where not
+            applicable) and meta (prompt text, span, plans, each run's decoded continuation). Metrics:
+            "attn_mass" per layer (generated queries onto the span, each run on its own output); "kl" per
+            query_pos: KL(baseline || squished) of next-token distributions, teacher-forced on the baseline's
+            output; with `reference`: "ref_nll" (mean nats per token) for baseline, each variant and the prompt
+            without the instruction, and "effect_kept" = (lp_variant - lp_none) / (lp_base - lp_none) on
+            summed log-probs (1 = instruction's effect intact, 0 = as if absent).
     """
     require_rotary(model_facts(model), "Key squishing")
     variants = (variant,) if isinstance(variant, str) else tuple(variant)
@@ -191,8 +217,15 @@ def run_surgery_eval(model: Any, text: str, config: SurgeryEvalConfig | None = N
                      source: str | None = None) -> Result:
     """Loss by position (nats/token) under each surgery preset on windows of `text`: one `surgery_eval` table.
 
-    `config`: the analysis's options (None: its Config's defaults); `source`: what meta.json's data record names as
-    the text (default: "built-in text" or "text").
+    Args:
+        model: a TransformerLens model with rotary layers.
+        text: the text cut into windows (`config.window` tokens, at most the model's context).
+        config: the analysis's options (None: its Config's defaults); every preset is checked before any forward.
+        source: what meta.json's data record names as the text (default: "text").
+
+    Returns:
+        A Result with one `surgery_eval` table: model, preset, variant (the squish variant, else
+            "every-position"), window, query_pos, metric ("nll": of token query_pos + 1, in nats), value.
 
     Examples:
         >>> import posprobe as pp

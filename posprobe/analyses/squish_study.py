@@ -186,19 +186,29 @@ def _summary(answers: pd.DataFrame) -> pd.DataFrame:
 def run_squish_study(model: Any, config: SquishStudyConfig | None = None, *, tokenizer: Any = None,
                      instructions: Sequence[Instruction] | None = None, questions: Sequence[Question] | None = None,
                      name: str | None = None, work: str | None = None, fresh: bool = False) -> Result:
-    """The study: tables `squish_answers` (one row per question x placement x distance x instruction x condition:
-    the answer, followed, acknowledged, kl_first in nats, ref_nll in nats/token, span_attention as a fraction, and
-    `concerned`: False where a topic instruction meets a question of another topic, whose `followed` then counts a
-    leak) and `squish_adherence` (per cell, concerned and unconcerned questions apart: adherence with a 95 % Wilson
-    interval, the exact McNemar p against `normal`, and the cell means).
+    """The squish study: instructions followed or not, per placement, distance and condition.
 
-    `model`: a plain HF chat model with its `tokenizer`, or a TransformerBridge (its HF model runs). `instructions`
-    default to the built-in suite (`config.instructions` picks by name), `questions` to the first `config.questions`
-    built-in ones. Every prompt is rendered, every instruction located and every checker tried before the first
-    forward. `work`: a folder keeping each finished cell; calling again resumes with the same tables.
+    Every prompt is rendered, every instruction located and every checker tried before the first forward.
 
-    `config`: the analysis's options (None: its Config's defaults); `name`: the model's name in the tables
-    (default: the model's own); `fresh`: discard what `work` holds and start again.
+    Args:
+        model: a plain HF chat model with its `tokenizer`, or a TransformerBridge (its HF model runs).
+        config: the analysis's options (None: its Config's defaults).
+        tokenizer: the tokenizer of a plain HF `model` (required there); for a bridge it defaults to the
+            bridge's.
+        instructions: the instructions tested (default: the built-in suite; `config.instructions` picks by name).
+        questions: the questions asked (default: the first `config.questions` built-in ones).
+        name: the model's name in the tables (default: the model's own).
+        work: a folder keeping each finished cell; calling again resumes with the same tables (None: no
+            checkpoint).
+        fresh: discard what `work` holds and start again.
+
+    Returns:
+        A Result with tables `squish_answers` (one row per question x placement x distance x instruction x
+            condition: the answer, followed, acknowledged, kl_first in nats, ref_nll in nats/token,
+            span_attention as a fraction, and `concerned`: False where a topic instruction meets a question of
+            another topic, whose `followed` then counts a leak) and `squish_adherence` (per cell, concerned and
+            unconcerned questions apart: adherence with a 95 % Wilson interval, the exact McNemar p against
+            `normal`, and the cell means).
 
     Examples:
         >>> import posprobe as pp

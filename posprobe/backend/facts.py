@@ -125,7 +125,14 @@ def model_facts(model: Any) -> ModelFacts:
     whose bridge forward is known not to be Hugging Face's: every analysis asks for the facts first.
 
     Read once per model and kept on it (every analysis asks, an atlas a dozen times); read again where what they
-    are read from has changed (the name, context, source, head or positional type set on the model)."""
+    are read from has changed (the name, context, source, head or positional type set on the model).
+
+    Args:
+        model: a TransformerLens model (as `load_model` returns).
+
+    Returns:
+        The model's `ModelFacts`.
+    """
     key = _facts_key(model)
     kept = model.__dict__.get("_posprobe_facts")
     if kept is not None and kept[0] == key:
@@ -186,8 +193,16 @@ def _read_facts(model: Any) -> ModelFacts:
 
 def hf_facts(hf_model: Any, name: str | None = None) -> ModelFacts:
     """Positional facts of a plain Hugging Face model, read through `backend.hf` (the long-context harness and
-    the shift test's HF path). `rotary` is None where the rope type's table is not static (dynamic,
-    longrope): the model's own forward still runs, posprobe's rotation does not claim to reproduce it."""
+    the shift test's HF path).
+
+    Args:
+        hf_model: a plain Hugging Face model (as `load_hf_model` returns).
+        name: the model's name in the facts (default: the config's `_name_or_path`, else the class name).
+
+    Returns:
+        The model's `ModelFacts`. `rotary` is None where the rope type's table is not static (dynamic,
+            longrope): the model's own forward still runs, posprobe's rotation does not claim to reproduce it.
+    """
     cfg = hf.text_config(hf_model)
     kind = hf.positional_kind(hf_model)
     layers = len(hf.attention_modules(hf_model)) or int(getattr(cfg, "num_hidden_layers", 0))

@@ -50,17 +50,28 @@ def load_model(
     """Return a TransformerLens model for `spec`: a `TransformerBridge` (default; TL 3.9 and 4.x), or with
     `backend="hooked"` a TL 3 `HookedTransformer` / `HookedEncoder` (legacy adapter; needs TL < 4).
 
-    spec: a Hugging Face / TL model name ("gpt2"), a local Hugging Face folder, a `.gguf` file (dequantised
-    once and cached under `posprobe.backend.sources.cache_dir()`), a packaged alias ("smollm2",
-    "gemma3-270m", "minilm"), a built-in random spec ("tiny-ape", "tiny-rope"), or a model object you
-    already hold (a TransformerBridge, a HookedTransformer/HookedEncoder; returned unchanged).
-    `device_map` spreads a model over several devices with accelerate, Hugging Face's own mechanism
-    (e.g. "auto", or {"model.embed_tokens": 0, "model.layers": 1, ...}); `device` is then ignored and
-    tensors posprobe makes go to the device of the first weights. `n_ctx` caps the context length.
-    `process_weights` (hooked backend only) applies TL's LN folding and centring, which never changes q, k or
-    attention scores. Encoders loaded as a bridge carry
-    `has_lm_head=False` (the bridge gives BERT a randomly initialised MLM head whose logits mean nothing).
-    The model is in eval mode; `model.posprobe_source` records where it came from.
+    Args:
+        spec: a Hugging Face / TL model name ("gpt2"), a local Hugging Face folder, a `.gguf` file (dequantised
+            once and cached under `posprobe.backend.sources.cache_dir()`), a packaged alias ("smollm2",
+            "gemma3-270m", "minilm"), a built-in random spec ("tiny-ape", "tiny-rope"), or a model object you
+            already hold (a TransformerBridge, a HookedTransformer/HookedEncoder; returned unchanged).
+        device: where the model is put ("cpu", "cuda", ...); ignored with `device_map`.
+        dtype: the weights' dtype, a name ("float32", "bfloat16", ...) or a torch.dtype.
+        n_ctx: caps the context length (None: the model's own).
+        process_weights: (hooked backend only) applies TL's LN folding and centring, which never changes q, k or
+            attention scores.
+        n_devices: the number of devices TL splits the layers over (1: one device).
+        seed: the seed of a built-in random spec's weights.
+        backend: "bridge" (default) or "hooked".
+        device_map: spreads a model over several devices with accelerate, Hugging Face's own mechanism
+            (e.g. "auto", or {"model.embed_tokens": 0, "model.layers": 1, ...}); `device` is then ignored and
+            tensors posprobe makes go to the device of the first weights. Needs a Hugging Face model on the
+            bridge backend.
+
+    Returns:
+        The model, in eval mode; `model.posprobe_source` records where it came from. Encoders loaded as a bridge
+            carry `has_lm_head=False` (the bridge gives BERT a randomly initialised MLM head whose logits mean
+            nothing).
 
     Examples:
         >>> import posprobe as pp
@@ -133,7 +144,18 @@ def release_freed_heap() -> bool:
 def load_hf_model(
     spec: str | os.PathLike, *, dtype: str | torch.dtype = "float32", device: str = "cpu"
 ) -> tuple[Any, Any]:
-    """Return (Hugging Face model, tokenizer) for a folder, GGUF file or packaged alias (no TL)."""
+    """Return (Hugging Face model, tokenizer) for a folder, GGUF file or packaged alias (no TL).
+
+    Args:
+        spec: a local Hugging Face folder, a `.gguf` file or a packaged alias; a spec without Hugging Face weights
+            on disk is a ModelLoadError.
+        dtype: the weights' dtype, a name ("float32", "bfloat16", ...) or a torch.dtype.
+        device: where the model is put ("cpu", "cuda", ...).
+
+    Returns:
+        (model, tokenizer): the Hugging Face model in eval mode, with `model.posprobe_name` set to the source's
+            name, and its AutoTokenizer.
+    """
     from transformers import AutoTokenizer
 
     source = resolve(spec)

@@ -41,9 +41,20 @@ def capture(
 ) -> dict[tuple[str, int], torch.Tensor]:
     """Run one forward pass with hooks only at `points` x `layers`; return {(point, layer): tensor}.
 
-    Tensors keep TL's layouts (`batch pos head_index d_head`, `batch head_index query_pos key_pos`,
-    `batch pos d_model`), restricted to `heads` where the point has a head axis. Layers after the
-    last requested one are not run (decoders). Hooks are removed on exit, also on error.
+    Layers after the last requested one are not run (decoders). Hooks are removed on exit, also on error.
+
+    Args:
+        model: a TransformerLens model (as `load_model` returns).
+        tokens: the token ids, `[batch, pos]`, moved to the model's device.
+        points: the capture points to hook ("q", "rot_k", "scores", "pattern", "resid_pre", ...; see
+            `posprobe.backend.vocab.POINTS`); an unknown name is a ValueError.
+        layers: the layers to hook (None: every layer); one out of range is a ValueError.
+        heads: keep only these heads where the point has a head axis (None: all heads).
+
+    Returns:
+        {(point, layer): tensor}, detached, in TL's layouts (`batch pos head_index d_head`,
+            `batch head_index query_pos key_pos`, `batch pos d_model`), restricted to `heads` where the point
+            has a head axis.
     """
     layers = list(range(n_layers(model))) if layers is None else list(layers)
     if not layers or not points:
@@ -184,10 +195,23 @@ def stream(
 ) -> list[dict]:
     """Feed every batch through the model once, letting each reducer fold its hooks' activations.
 
-    Memory stays bounded by one batch's activations plus the reducers' states. `context`, if given,
-    is entered around each forward (e.g. a position plan). Returns each reducer's state.
-    `resume` (a `posprobe.report.checkpoint.StreamResume`): restore the states after the batches an earlier run
-    finished, skip those batches, and save the states as the pass goes.
+    Memory stays bounded by one batch's activations plus the reducers' states.
+
+    Args:
+        model: a TransformerLens model (as `load_model` returns); layers after the last one a reducer reads are
+            not run.
+        token_batches: the batches of token ids, each `[batch, pos]`; none at all is a ValueError.
+        reducers: the statistics to fold; each reads its (point, layer) hooks and updates its own `state`.
+        total: the number of batches, for the progress bar only (None: unknown).
+        progress: show a tqdm bar.
+        desc: the progress bar's label.
+        context: if given, a zero-argument callable whose context manager is entered around each forward
+            (e.g. a position plan).
+        resume: a `posprobe.report.checkpoint.StreamResume`: restore the states after the batches an earlier
+            run finished, skip those batches, and save the states as the pass goes (None: no checkpoint).
+
+    Returns:
+        Each reducer's state, in the order of `reducers` (the same dicts the reducers hold).
     """
     needed = sorted({(p, l) for r in reducers for p in r.points for l in r.layers}, key=lambda x: (x[1], x[0]))
     if not needed:
@@ -240,7 +264,17 @@ def stream(
 
 
 def mean_by_position(point: str, layers: Sequence[int]) -> Reducer:
-    """Reducer: running mean/var of `point` at each position, per layer (`state[layer]` RunningMean)."""
+    """Reducer: running mean/var of `point` at each position, per layer (`state[layer]` RunningMean).
+
+    Args:
+        point: the capture point to average (e.g. "resid_pre"); the mean is over the batch axis, so it keeps
+            each position apart.
+        layers: the layers to read it at.
+
+    Returns:
+        A `Reducer` for `stream`, whose state maps each layer to a `RunningMean` (float64 mean, var and count,
+            of shape `[pos, ...]` of the point).
+    """
 
     def fn(p: str, layer: int, x: torch.Tensor, state: dict) -> None:
         state.setdefault(layer, RunningMean()).update(x)

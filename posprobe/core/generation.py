@@ -104,9 +104,26 @@ def generate(model: Any, tokens: Int[torch.Tensor, "batch pos"], *, max_new_toke
              stop_token: int | None = None) -> Generation:
     """Greedy (temperature 0) or sampled (temperature, top-k, seeded) continuation under a plan.
 
-    With `use_cache`, one forward over the prompt fills TL's KV cache and each new token is one
-    single-token forward; the plan is extended to prompt + max_new_tokens before the first forward.
-    Stops early once every row has produced `stop_token` (rows already stopped keep emitting it).
+    Args:
+        model: a TransformerLens causal LM.
+        tokens: the prompt's token ids, `[batch, pos]` (a single row may be given as `[pos]`); prompt +
+            max_new_tokens must fit the model's context (else PositionError).
+        max_new_tokens: the number of tokens to generate (>= 1).
+        plan: the positions: a PositionPlan covering exactly the prompt (the new tokens continue after it,
+            `plan.extended`), a builder `plan(n)` giving the plan for n tokens, or None (unmodified model).
+        temperature: 0 (the default) picks the argmax; above 0 samples from softmax(logits / temperature).
+        top_k: when sampling, draw only among the `top_k` most likely tokens (None: all).
+        seed: the seed of the sampling generator (unused when greedy).
+        use_cache: one forward over the prompt fills TL's KV cache and each new token is one single-token
+            forward; the plan is extended to prompt + max_new_tokens before the first forward. False: a full
+            forward over the sequence for every new token.
+        stop_token: stop early once every row has produced this token (rows already stopped keep emitting
+            it); None: always generate max_new_tokens.
+
+    Returns:
+        A Generation: `tokens` (`[batch, prompt + new]`), `new_tokens`, `step_logits` (`[batch, new, d_vocab]`,
+            the logits each new token was chosen from) and the `plan` used (extended to the full length; None
+            without one).
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1; got {max_new_tokens}")

@@ -211,10 +211,22 @@ def long_attention(model: Any, rule: PairRule, *, chunk: int = 256,
                    record: Callable[[int, torch.Tensor], None] | None = None,
                    masked: dict[int, tuple[int, ...]] | None = None, keep_keys: bool = False) -> Iterator[None]:
     """Within the block, `model` (plain HF, batch 1) attends under `rule`; call it with position ids all 0
-    (`zero_positions`). `record(layer, weights)` receives the last query's attention weights `[head, key_pos]` of
-    every forward; `masked` zeroes the listed query heads' outputs per layer before the output projection;
-    `keep_keys` keeps rotated keys between the forwards of one growing sequence (KV-cache decoding: each step
-    rotates only its new key). Restores the model's own attention implementation on exit, even after errors."""
+    (`zero_positions`). Restores the model's own attention implementation on exit, even after errors.
+
+    Args:
+        model: a plain Hugging Face causal LM, run with batch 1.
+        rule: the preset as per-pair rotation rules (`preset_pairs`); preset "none" (identity) is a ValueError:
+            it runs the model's own forward.
+        chunk: queries per chunk of the chunked attention (>= 1); memory O(chunk x T) per head.
+        record: `record(layer, weights)` receives the last query's attention weights `[head, key_pos]` of every
+            forward (None: nothing recorded).
+        masked: {layer: query heads} whose outputs are zeroed before the output projection (None: none).
+        keep_keys: keep rotated keys between the forwards of one growing sequence (KV-cache decoding: each step
+            rotates only its new key).
+
+    Yields:
+        None; the model attends under `rule` within the `with` block.
+    """
     if rule.identity:
         raise ValueError("preset 'none' runs the model's own forward; long_attention is for the other presets")
     if chunk < 1:

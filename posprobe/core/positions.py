@@ -68,7 +68,15 @@ def learned_positions(
     """Within the block, token t of every forward gets the learned embedding W_pos[position_ids[t]] (or, on a
     fixed-sinusoidal model such as XGLM, the sinusoid of position_ids[t], set in HF's own position module).
 
-    Checked against n_ctx before any forward pass. A shift by k is `arange(L) + k`.
+    Args:
+        model: a TransformerLens model with a learned position table (W_pos) or a fixed-sinusoidal one; any other
+            positional kind is refused.
+        position_ids: the position of each token, `[pos]` (the same for every row) or `[batch, pos]`; its length
+            must equal the sequence length of each forward (else PositionError). Checked against n_ctx before
+            any forward pass. A shift by k is `arange(L) + k`.
+
+    Yields:
+        The model, with the positions in force within the `with` block.
     """
     facts = model_facts(model)
     if facts.family is not None and facts.family.fixed_table:
@@ -376,8 +384,17 @@ def rope_positions(model: Any, plan: PositionPlan | None = None, *, q_pos: Seque
                    k_pos: Sequence[float] | torch.Tensor | None = None) -> Iterator[PositionPlan]:
     """Within the block, rotate queries and keys of a RoPE model to the plan's positions.
 
-    Give a PositionPlan, or `q_pos` and `k_pos` directly. Works with TL's KV cache (generation):
-    the plan must cover the full length (see `PositionPlan.extended`). Yields the plan in force.
+    Works with TL's KV cache (generation): the plan must cover the full length (see `PositionPlan.extended`).
+
+    Args:
+        model: a TransformerLens model with rotary layers (as `load_model` returns).
+        plan: the query and key positions (and key views, layers) to apply. Give a PositionPlan, or `q_pos` and
+            `k_pos` directly; a plan naming layers the model lacks is a PositionError.
+        q_pos: the query position of each token (float), used only when `plan` is None.
+        k_pos: the key position of each token (float), used only when `plan` is None.
+
+    Yields:
+        The plan in force (the one given, or the one built from `q_pos` and `k_pos`), within the `with` block.
 
     Examples:
         >>> import torch, posprobe as pp

@@ -149,14 +149,29 @@ def parse_with(preset: Preset, spec: str) -> dict[str, float | int]:
 
 
 def preset_plan(spec: str, model: Any, n: int) -> Any:
-    """The per-query `PositionPlan` of a preset spec such as "yarn:scale=4,original=64" over `n` tokens of
-    `model` (presets that change frequencies read the model's rotary facts), labelled with the spec."""
+    """The per-query `PositionPlan` of a preset spec over `n` tokens of `model`, labelled with the spec.
+
+    Args:
+        spec: a preset spec such as "yarn:scale=4,original=64".
+        model: the model the plan is for (presets that change frequencies read the model's rotary facts).
+        n: the number of tokens the plan covers.
+
+    Returns:
+        The `PositionPlan`, labelled with the spec's canonical form ("none" for the identity preset).
+    """
     preset, params = parse(spec)
     return replace(preset.plan(model, n, params), label=canonical(spec) if preset.name != "none" else "none")
 
 
 def preset_pairs(spec: str) -> Any:
-    """The per-pair `PairRule` of a preset spec (the long-context engine's form), labelled with the spec."""
+    """The per-pair `PairRule` of a preset spec (the long-context engine's form), labelled with the spec.
+
+    Args:
+        spec: a preset spec such as "none", "pi:scale=2" or "yarn:scale=4,original=64".
+
+    Returns:
+        The `PairRule`, labelled with the spec's canonical form ("none" for the identity preset).
+    """
     preset, params = parse(spec)
     return replace(preset.pairs(params), label=canonical(spec) if preset.name != "none" else "none")
 

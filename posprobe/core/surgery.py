@@ -44,15 +44,28 @@ def key_squish(n: int, span: tuple[int, int], *, to: float | None = 0.0, range_:
                query_start: float | None = None, variant: str = "cache") -> PositionPlan:
     """Keys of tokens `span = (a, b)` (b exclusive) squished; other tokens keep or move their positions.
 
-    Span key j gets `to` (all the same), or with `range_ = (lo, hi)` (which wins over `to`) the linear map
-    `lo + (j - a) * (hi - lo) / (b - a - 1)`. Tokens before the span keep q = k = i. Tokens after it
-    get q = k = query_start + (i - b) (default query_start = b: unchanged). The variant says what the span's own
-    tokens do:
-    "cache": span queries see every key at its normal position (a KeyView), so the span reads itself unmodified,
-    as if it had been encoded first and then its cached keys re-positioned; later tokens see the squished keys.
-    "keys": every query, the span's own included, sees the squished span keys; span queries stay at i.
-    "qk": span queries AND keys at the squished positions (q = k, no view): what Hugging Face does with
-    `position_ids` set to the squished positions on the span's tokens.
+    Tokens before the span keep q = k = i.
+
+    Args:
+        n: the plan length in tokens (positions 0 .. n-1); the span must satisfy 0 <= a < b <= n.
+        span: (a, b), the token indices whose keys are squished, b exclusive.
+        to: the one position every span key j gets (all the same); ignored when `range_` is given. `to` and
+            `range_` both None is a ValueError.
+        range_: (lo, hi): span key j gets the linear map `lo + (j - a) * (hi - lo) / (b - a - 1)` (wins over
+            `to`; a one-token span gets lo).
+        query_start: where the tokens after the span restart: they get q = k = query_start + (i - b)
+            (None, the default, means query_start = b: unchanged).
+        variant: what the span's own tokens do (a name outside these, or the renamed "global", is a ValueError):
+            "cache": span queries see every key at its normal position (a KeyView), so the span reads itself
+            unmodified, as if it had been encoded first and then its cached keys re-positioned; later tokens see
+            the squished keys.
+            "keys": every query, the span's own included, sees the squished span keys; span queries stay at i.
+            "qk": span queries AND keys at the squished positions (q = k, no view): what Hugging Face does with
+            `position_ids` set to the squished positions on the span's tokens.
+
+    Returns:
+        The `PositionPlan` (positions as float64 tensors of length n), labelled `"squish-<variant>:<how>"`, with
+            meta preset, variant, span, squish and query_start.
     """
     a, b = span
     if not 0 <= a < b <= n:
@@ -258,7 +271,18 @@ def evicted(i: torch.Tensor, j: torch.Tensor, sink: int, window: int) -> Bool[to
 
 @contextmanager
 def apply_plan(model: Any, plan: PositionPlan) -> Iterator[PositionPlan]:
-    """`rope_positions(model, plan)` plus meta["score_scale"] (YaRN temperature) and meta["keep"] (eviction)."""
+    """`rope_positions(model, plan)` plus meta["score_scale"] (YaRN temperature) and meta["keep"] (eviction).
+
+    Args:
+        model: a TransformerLens model with rotary layers (as `load_model` returns). A score edit (scale or
+            eviction) on a model whose attention runs inside Hugging Face's own module is a NotImplementedError.
+        plan: the positions to apply. `plan.meta["score_scale"]` (default 1.0) multiplies the attention scores of
+            the rotary layers; `plan.meta["keep"] = (sink, window)` masks the keys StreamingLLM has evicted
+            (sink <= j <= i - window) in every layer of `plan.layers` (None: all layers).
+
+    Yields:
+        The plan in force, within the `with` block.
+    """
     scale = float(plan.meta.get("score_scale", 1.0))
     keep = plan.meta.get("keep")
     if (scale != 1.0 or keep is not None) and not score_edits_apply(model):

@@ -186,10 +186,15 @@ def _balanced_order(items: list[_Item], rng: random.Random) -> list[int]:
 def builtin_pairs(*, max_pairs: int | None = None, seed: int = 0) -> list[MinimalPair]:
     """Generate posprobe's own minimal pairs (no download), ``posprobe_*`` paradigms.
 
-    Returns ``BUILTIN_PAIRS_PER_PARADIGM`` pairs per paradigm (or ``max_pairs``, capped at
-    the template pool), a seeded, condition-balanced sample kept in generation order.
-    Smaller ``max_pairs`` gives a subset of larger ones for the same seed. ``pair_id`` is
-    the index in the paradigm's full template pool, so it is stable across seeds.
+    Args:
+        max_pairs: pairs per paradigm (None: ``BUILTIN_PAIRS_PER_PARADIGM``), capped at the template pool; >= 1.
+            Smaller ``max_pairs`` gives a subset of larger ones for the same seed.
+        seed: the seed of the per-paradigm sample.
+
+    Returns:
+        ``BUILTIN_PAIRS_PER_PARADIGM`` (or ``max_pairs``) `MinimalPair`s per paradigm, a seeded,
+            condition-balanced sample kept in generation order. ``pair_id`` is the index in the paradigm's full
+            template pool, so it is stable across seeds.
     """
     check_max_pairs(max_pairs)
     n = BUILTIN_PAIRS_PER_PARADIGM if max_pairs is None else max_pairs

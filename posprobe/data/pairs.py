@@ -73,9 +73,16 @@ def load_blimp(
 ) -> list[MinimalPair]:
     """Load BLiMP minimal pairs from a folder of ``<paradigm>.jsonl`` files or one file.
 
-    Paradigm names are file names without ``.jsonl`` (equal to ``UID`` in the official
-    release). ``max_pairs`` applies per paradigm as a seeded random sample kept in file
-    order. Returns the pairs, files in sorted name order.
+    Args:
+        path: a folder of ``<paradigm>.jsonl`` files or one such file.
+        paradigms: load only these paradigms (None: all). Paradigm names are file names without ``.jsonl``
+            (equal to ``UID`` in the official release); an unknown one is a DataError.
+        fields: keep only the pairs of these BLiMP fields (e.g. "syntax"; None: all).
+        max_pairs: applies per paradigm as a seeded random sample kept in file order (None: every pair; >= 1).
+        seed: the seed of that sample.
+
+    Returns:
+        The `MinimalPair`s, files in sorted name order; none left after filtering is a DataError.
     """
     check_max_pairs(max_pairs)
     root = Path(path)

@@ -46,10 +46,20 @@ def train_zoo(cfg: ZooConfig, text: str, out: str | os.PathLike, *, eval_text: s
               source: str | None = None, fresh: bool = False) -> Result:
     """Train `cfg.members` x `cfg.seeds` on `text` and write the zoo to `out` (which must not exist or be empty).
 
-    Interrupted runs keep their state in `<out>.work` and resume when the same call is repeated (`fresh` discards
-    it). Returns the training Result (tables `members`: one row per trained member with parameters, seconds,
-    tokens/s and final loss in nats/token; `training`: the loss curve every 10 steps), also saved in
-    `<out>/training/`.
+    Args:
+        cfg: the zoo's members, seeds, model shape, optimiser, steps and device.
+        text: the training text; without `eval_text`, its last `cfg.eval_fraction` (cut at a line break) is held
+            out for evaluation (never seen by the tokenizer or the training) and written as `<out>/eval.txt`.
+        out: the folder the zoo is written to (new or empty; its parent must exist).
+        eval_text: the held-out evaluation text (None: cut from `text`).
+        source: what meta.json's data record names as the training text (default: "built-in corpus").
+        fresh: interrupted runs keep their state in `<out>.work` and resume when the same call is repeated;
+            `fresh` discards it.
+
+    Returns:
+        The training Result (tables `members`: one row per trained member with parameters, seconds, tokens/s and
+            final loss in nats/token; `training`: the loss curve every 10 steps), also saved in
+            `<out>/training/`.
 
     Examples:
         >>> from posprobe import ZooConfig, train_zoo

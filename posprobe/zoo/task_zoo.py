@@ -36,10 +36,19 @@ def train_task_zoo(cfg: ZooConfig, tasks: TaskConfig, out: str | os.PathLike, *,
     """Train `cfg.members` x `cfg.seeds` on the mixture of `tasks.tasks` (instance lengths 1..train_max, the same
     rows in the same order for every member) at the config's width, depth, heads and optimiser, for `tasks.steps`
     steps of `tasks.batch_size` instances (the config's text-tier steps, batch, length and vocabulary do not apply;
-    warmup is 5% of the steps), and write
-    the zoo to `out`. Returns the Result (analysis "zoo-tasks"): `accuracy` (model, member, family, block, seed,
-    task, n, in_training, accuracy = share of exact greedy answers, count), `members`, `training` (loss per scored
-    answer token every 10 steps)."""
+    warmup is 5% of the steps), and write the zoo to `out`.
+
+    Args:
+        cfg: the zoo's members, seeds, model shape, optimiser and device.
+        tasks: the tasks, their training lengths, steps and batch size.
+        out: the folder the zoo is written to (new or empty; its parent must exist).
+        fresh: discard what an interrupted run left in `<out>.work` (by default the run resumes from there).
+
+    Returns:
+        The Result (analysis "zoo-tasks"): `accuracy` (model, member, family, block, seed, task, n, in_training,
+            accuracy = share of exact greedy answers, count), `members`, `training` (loss per scored answer token
+            every 10 steps).
+    """
     from posprobe.zoo.tasks import task_batch, task_tokenizer
 
     out = Path(out)
