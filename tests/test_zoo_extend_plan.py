@@ -393,3 +393,23 @@ def test_the_fine_tuning_text_is_found_again_where_the_zoo_was_trained_on_a_file
     with pytest.raises(ValueError, match="which is not here"):
         training_text(zoo, None, None)
     assert training_text(zoo, "given", "x.txt") == ("given", "x.txt")
+
+
+def test_a_zoo_trained_from_python_on_its_own_text_is_not_called_the_built_in_corpus(tmp_path):
+    """train_zoo(text) without `source` recorded "built-in corpus" for any text, and zoo extend then looked for the
+    built-in corpus (review of #64). Planted (the old default back): the source reads "built-in corpus"."""
+    import json
+
+    from posprobe.analyses.context_extension import training_text
+    from posprobe.data import builtin_corpus
+    from posprobe.zoo import ZooConfig, train_zoo
+
+    cfg = ZooConfig(members=("rope-llama",), d_model=16, n_layers=1, n_heads=2, length=16, vocab_size=280, steps=2,
+                    progress=False)
+    train_zoo(cfg, builtin_corpus()[:30_000], tmp_path / "own")
+    meta = json.loads((tmp_path / "own" / "training" / "meta.json").read_text(encoding="utf-8"))
+    assert meta["data"]["source"] == "text"
+    with pytest.raises(ValueError, match="trained on a text given without a file name, that cannot be found again"):
+        training_text(tmp_path / "own", None, None)
+    train_zoo(cfg, builtin_corpus(), tmp_path / "builtin")
+    assert training_text(tmp_path / "builtin", None, None)[1] == "built-in corpus"

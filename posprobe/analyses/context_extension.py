@@ -65,7 +65,9 @@ def training_text(zoo: str | os.PathLike, text: str | None, source: str | None) 
         why = "which has changed since (its sha256 differs)"
     else:
         whole = None
-        why = "which is not here" if origin else why
+        # "text": train_zoo's record of a text given without a file name (nothing on disk to look for)
+        why = "which is not here" if origin and origin != "text" else why
+        origin = "a text given without a file name" if origin == "text" else origin
     if whole is not None:
         for candidate in (split_text(whole, None, frac)[0], whole):  # the split's training part, or all of it
             if text_sha256(candidate) == data.get("sha256"):

@@ -52,7 +52,8 @@ def train_zoo(cfg: ZooConfig, text: str, out: str | os.PathLike, *, eval_text: s
             out for evaluation (never seen by the tokenizer or the training) and written as `<out>/eval.txt`.
         out: the folder the zoo is written to (new or empty; its parent must exist).
         eval_text: the held-out evaluation text (None: cut from `text`).
-        source: what meta.json's data record names as the training text (default: "built-in corpus").
+        source: what meta.json's data record names as the training text (default: "built-in corpus" when `text`
+            is posprobe's built-in corpus, else "text").
         fresh: interrupted runs keep their state in `<out>.work` and resume when the same call is repeated;
             `fresh` discards it.
 
@@ -90,6 +91,10 @@ def train_zoo(cfg: ZooConfig, text: str, out: str | os.PathLike, *, eval_text: s
 
     ckpt, staging, work = open_work(out, key, fresh=fresh)
     records = run_jobs(zoo_jobs(cfg, tokenizer, ids), ckpt, staging)
+    if source is None:  # a text of the caller's is not the built-in corpus: zoo extend would look for the wrong text
+        from posprobe.data import builtin_corpus
+
+        source = "built-in corpus" if text == builtin_corpus() else "text"
     result = _result(cfg, records, source, train_text, held_out, len(ids))
     commit_zoo(out, staging, {EVAL_FILE: held_out}, {TRAINING_FOLDER: result})
     discard_work_folder(work)
