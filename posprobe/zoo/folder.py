@@ -4,7 +4,7 @@
   `zoo.json` (member, family, block, seed, widths, training; `extension` on a member `zoo extend` made);
 - `<zoo>/eval.txt`: the held-out evaluation text (what `zoo eval` and `zoo atlas` read by default);
 - `<zoo>/training/`: the training Result (tables `members`, `training`; meta, report); a task zoo's `<zoo>/tasks/`
-  (accuracy by task and instance length);
+  (accuracy by task and instance length); a sink control's `<zoo>/sink-control/` (Bigram-Backcopy members' sinks);
 - `zoo extend` writes `<out>/<member>-s<seed>-<method>/` member folders of the same kind.
 Readers and writers of any of these import the names below; torch-free, below the analyses."""
 
@@ -15,9 +15,9 @@ from pathlib import Path
 
 from posprobe.report.result import Result
 
-__all__ = ["EVAL_FILE", "MEMBER_COLUMNS", "TASKS_FOLDER", "TRAINING_FOLDER", "ZOO_FILE", "default_text",
-           "extended_folder_name", "member_folder_name", "member_info", "read_zoo", "resolve_text", "training_tables",
-           "zoo_models"]
+__all__ = ["EVAL_FILE", "MEMBER_COLUMNS", "SINK_CONTROL_FOLDER", "TASKS_FOLDER", "TRAINING_FOLDER", "ZOO_FILE",
+           "default_text", "extended_folder_name", "member_folder_name", "member_info", "read_zoo", "resolve_text",
+           "training_tables", "zoo_models"]
 
 #: The file in every member folder that says what it is (family, block, seed, widths, training).
 ZOO_FILE = "zoo.json"
@@ -27,6 +27,8 @@ EVAL_FILE = "eval.txt"
 TRAINING_FOLDER = "training"
 #: The subfolder holding a task zoo's Result (accuracy by task and instance length, training curves).
 TASKS_FOLDER = "tasks"
+#: The subfolder holding a sink control's Result (`posprobe zoo sink-control`: sinks of Bigram-Backcopy members).
+SINK_CONTROL_FOLDER = "sink-control"
 #: The columns that say which zoo member a row belongs to.
 MEMBER_COLUMNS = ("member", "family", "block", "seed")
 

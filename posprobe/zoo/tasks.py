@@ -15,7 +15,7 @@ import random
 from typing import Any
 
 from posprobe.zoo.config import TASK_NAMES
-from posprobe.zoo.tokenizer import EOT, PAD
+from posprobe.zoo.tokenizer import EOT, PAD, character_tokenizer
 
 __all__ = ["TASKS", "UNK", "encode_instance", "instance", "sequence_length", "task_batch", "task_tokenizer",
            "task_accuracy", "held_out_instances"]
@@ -38,15 +38,7 @@ def _vocab() -> dict[str, int]:
 def task_tokenizer() -> Any:
     """A character-level `PreTrainedTokenizerFast` over the tasks' fixed vocabulary (ids 0/1 = EOT/PAD as in every
     zoo vocabulary, then `<unk>`, one token per task, digits, lowercase letters, '+', '='), saved with every member."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.WordLevel(_vocab(), unk_token=UNK))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # one token per character
-    tok.decoder = decoders.Fuse()
-    tok.add_special_tokens([EOT, PAD, UNK] + [f"<{t}>" for t in TASKS])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOT, eos_token=EOT, pad_token=PAD, unk_token=UNK,
-                                   model_max_length=1_000_000_000)
+    return character_tokenizer(_vocab(), [EOT, PAD, UNK] + [f"<{t}>" for t in TASKS], UNK)
 
 
 def instance(task: str, n: int, rng: random.Random) -> tuple[str, str]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["EOT", "PAD", "train_tokenizer"]
+__all__ = ["EOT", "PAD", "character_tokenizer", "train_tokenizer"]
 
 #: Document separator (also BOS/EOS) and padding; ids 0 and 1 of every zoo vocabulary.
 EOT = "<|endoftext|>"
@@ -28,6 +28,31 @@ def train_tokenizer(text: str, vocab_size: int) -> Any:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(_lines(text), trainer=trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOT, eos_token=EOT, pad_token=PAD,
+                                   model_max_length=1_000_000_000)
+
+
+def character_tokenizer(vocab: dict[str, int], special: list[str], unk: str) -> Any:
+    """A `PreTrainedTokenizerFast` reading one token per character over the fixed `vocab` (token -> id; ids 0/1 must
+    be EOT/PAD, as in every zoo vocabulary), with the multi-character tokens `special` (EOT, PAD, `unk`, ...) kept
+    whole; a character outside `vocab` reads as `unk`. Every member and seed of a synthetic task reads the same ids.
+
+    Args:
+        vocab: every token and its id.
+        special: the tokens that are not single characters (written as they are, never split).
+        unk: the token of characters outside `vocab`.
+
+    Returns:
+        The tokenizer (BOS = EOS = EOT, padding PAD)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    if vocab.get(EOT) != 0 or vocab.get(PAD) != 1:
+        raise ValueError("a zoo vocabulary has EOT at id 0 and PAD at id 1")
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=unk))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # one token per character
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(list(special))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOT, eos_token=EOT, pad_token=PAD, unk_token=unk,
                                    model_max_length=1_000_000_000)
 
 
