@@ -88,6 +88,8 @@ _EXPORTS = {
     "TaskConfig": "posprobe.zoo.config",
     "ExtendConfig": "posprobe.zoo.extend",
     "extend_zoo": "posprobe.analyses.context_extension",
+    "extend_study": "posprobe.analyses.extend_study",
+    "extend_study_table": "posprobe.analyses.extend_study",
     # analysis building blocks
     "frequency_usage": "posprobe.analyses.frequency",
     "FrequencyUsage": "posprobe.analyses.frequency",

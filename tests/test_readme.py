@@ -163,6 +163,7 @@ def test_readme_command_passes_every_check_before_loading(cmd, tmp_path, monkeyp
     flags renamed or removed, or a length the text cannot fill, fail here. The loaders are stand-ins that stop the
     run (running them all would take hours: the 16k-token ones 40 minutes each)."""
     import posprobe.analyses.conform
+    import posprobe.analyses.extend_study
     import posprobe.analyses.shift
     import posprobe.backend.loading
     import posprobe.zoo.run
@@ -183,6 +184,7 @@ def test_readme_command_passes_every_check_before_loading(cmd, tmp_path, monkeyp
     monkeypatch.setattr(posprobe.backend.loading, "load_hf_model", reached)
     monkeypatch.setattr(posprobe.analyses.shift, "prepare", reached)
     monkeypatch.setattr(posprobe.analyses.conform, "run_conform", reached)  # reading the file is conform's loading
+    monkeypatch.setattr(posprobe.analyses.extend_study, "extend_study", reached)  # reading the runs is its loading
     monkeypatch.setattr(posprobe.zoo.run, "train_zoo", reached)  # training is the zoo's loading
     monkeypatch.setattr(posprobe.zoo.task_zoo, "train_task_zoo", reached)
     monkeypatch.chdir(tmp_path)

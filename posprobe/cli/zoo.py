@@ -34,6 +34,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(t, ZooConfig)
     # Unset flags stay None, so a --config file's values are not overwritten by the fields' defaults.
     t.set_defaults(**{f.name: None for f in fields(ZooConfig)})
+    from posprobe.zoo.corpus import CorpusConfig
+
+    add_config_arguments(t, CorpusConfig)  # a `datasets` corpus instead of --text (docs/zoo.md#research-tier)
+    t.add_argument("--budget-steps", type=int, default=None, metavar="N",
+                   help="timed warm-up steps per member before training, for the estimated hours printed with N, D "
+                        "and 6ND (default: 3, 0 on the cpu tier; 0: no warm-up)")
     t.add_argument("--out", metavar="DIR", required=True, help="new folder for the zoo (its parent must exist)")
     t.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     add_resume_arguments(t)
@@ -61,7 +67,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                    "lengths up to 3L; a killed run resumes when the same command is repeated.")
     k.add_argument("--device", default=None, help="cpu, cuda, cuda:N, mps or auto (default: the tier's)")
     add_config_arguments(k, TaskConfig)
-    add_config_arguments(k, ZooConfig, skip=("length", "vocab_size", "eval_fraction", "steps", "batch_size"))
+    add_config_arguments(k, ZooConfig, skip=("length", "vocab_size", "eval_fraction", "steps", "batch_size", "tokens"))
     k.set_defaults(**{f.name: None for f in fields(ZooConfig)})
     k.add_argument("--out", metavar="DIR", required=True, help="new folder for the task zoo (its parent must exist)")
     k.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
@@ -93,6 +99,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="new folder for the extended members and the result (its parent must exist)")
     x.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
     add_resume_arguments(x)
+    st = sub.add_parser("extend-study", epilog=docs_epilog("docs/zoo-extend.md"),
+                        help="several zoo extend runs side by side: passkey success within and beyond L with 95% "
+                             "intervals, windows per seed, the bands turning within L and L/s, the fast-band share",
+                        description="The head-dim x L table over `zoo extend` output folders trained with the "
+                                    "passkey skill (benchmarks/pi_study.sh makes them): one row per head dim, L, "
+                                    "fine-tuning, method and checkpoint, pooled over seeds.")
+    st.add_argument("runs", nargs="+", metavar="RUN", help="folders written by posprobe zoo extend")
+    st.add_argument("--steps", choices=("last", "all"), default="last",
+                    help="each method at its last checkpoint (default) or at every checkpoint")
+    st.add_argument("--out", metavar="DIR", required=True, help="new folder for the table (its parent must exist)")
+    c = sub.add_parser("sink-control", help="a positive control for sinks: members trained on Bigram-Backcopy "
+                                            "(Guo et al. 2024), their Sink_1^0.3, value drain and residual peak",
+                       description="Members of 1-3 layers trained on the Bigram-Backcopy task (a bigram chain whose "
+                                   "trigger characters are followed by a copy of the character before them), where "
+                                   "attention sinks on the first token are known to form; Gu et al.'s Sink_1^0.3, the "
+                                   "first token's value and residual norms and each head's active/dormant split, "
+                                   "measured at step 0, on the way and at the end. A killed run resumes when the same "
+                                   "command is repeated.")
+    from posprobe.zoo.backcopy import BackcopyConfig
+
+    c.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps (default: cpu)")
+    add_config_arguments(c, BackcopyConfig)
+    c.add_argument("--out", metavar="DIR", required=True, help="new folder for the control zoo (its parent must exist)")
+    c.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
+    add_resume_arguments(c)
     sub.add_parser("list", help="the members, their families and blocks", description="The zoo's members.")
 
 
@@ -110,7 +141,12 @@ def run(args: argparse.Namespace) -> int:
         return _tasks(args)
     if command == "extend":
         return _extend(args)
-    raise ValueError("choose a zoo command: train, eval, atlas, tasks, extend or list (posprobe zoo --help)")
+    if command == "extend-study":
+        return _extend_study(args)
+    if command == "sink-control":
+        return _sink_control(args)
+    raise ValueError("choose a zoo command: train, eval, atlas, tasks, extend, extend-study, sink-control or list "
+                     "(posprobe zoo --help)")
 
 
 def _list() -> int:
@@ -144,6 +180,7 @@ def _train(args: argparse.Namespace) -> int:
     checks.check_out(args.out)
     flags = _zoo_flags(args)
     cfg = load_config_file(args.config, **flags) if args.config else ZooConfig(**flags)
+    corpus = _corpus(args)
     text = checks.read_text_early(args.text)
     eval_text = checks.read_text_early(args.eval_text)
     out = Path(args.out)
@@ -154,14 +191,36 @@ def _train(args: argparse.Namespace) -> int:
 
     check_device(cfg)
     warn_if_busy()
-    if text is None:
-        print("zoo: training on posprobe's built-in corpus (~13,600 words): a smoke run; pass --text for a real "
-              "corpus", file=sys.stderr)
-    result = train_zoo(cfg, text if text is not None else builtin_corpus(), out, eval_text=eval_text,
-                       source=args.text or "built-in corpus", fresh=args.fresh)
+    if text is None and corpus is None:
+        print("zoo: training on posprobe's built-in corpus (~13,600 words): a smoke run; pass --text or --dataset "
+              "for a real corpus", file=sys.stderr)
+    result = train_zoo(cfg, corpus or (text if text is not None else builtin_corpus()), out, eval_text=eval_text,
+                       source=args.text or (None if corpus else "built-in corpus"), fresh=args.fresh,
+                       budget_steps=args.budget_steps)
     print(summary_text(result))
     print(f"wrote {out} ({len(result.tables['members'])} members) and {out / 'training' / 'report.html'}")
     return 0
+
+
+def _corpus(args: argparse.Namespace) -> Any:
+    # The `datasets` corpus the flags name (None without --dataset), checked before anything heavy: --text and
+    # --dataset together, corpus flags without --dataset, `datasets` missing, local files absent.
+    from posprobe.cli.args import config_from_args
+    from posprobe.zoo.corpus import CorpusConfig, check_corpus
+
+    if args.budget_steps is not None and (args.budget_steps < 0 or args.budget_steps == 1):
+        raise ValueError(f"--budget-steps must be 0 (no warm-up) or >= 2 (the first is not timed), got "
+                         f"{args.budget_steps}")
+    if not args.dataset:
+        if args.data_files or args.dataset_config:
+            raise ValueError("--data-files and --dataset-config need --dataset (json, text, parquet, csv or a hub "
+                             "dataset name)")
+        return None
+    if args.text:
+        raise ValueError("give --text or --dataset, not both")
+    corpus = config_from_args(CorpusConfig, args)
+    check_corpus(corpus)
+    return corpus
 
 
 def summary_text(result) -> str:
@@ -253,6 +312,46 @@ def _tasks(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sink_control(args: argparse.Namespace) -> int:
+    from posprobe.cli import checks
+    from posprobe.cli.args import config_from_args, resolve_device
+    from posprobe.zoo.backcopy import BackcopyConfig
+
+    checks.check_out(args.out)
+    cfg = config_from_args(BackcopyConfig, args, device=resolve_device(args.device), progress=not args.no_progress)
+
+    from posprobe.analyses.sink_control import run_sink_control
+    from posprobe.cli.threads import warn_if_busy
+
+    warn_if_busy()
+    result = run_sink_control(cfg, args.out, fresh=args.fresh)
+    print(sink_control_table(result).to_string(index=False))
+    print(f"wrote {args.out} ({len(result.tables['members'])} members) and {args.out}/sink-control/report.html")
+    return 0
+
+
+def sink_control_table(result: Any) -> Any:
+    """One row per model, layer and head at step 0 and at the last step.
+
+    Args:
+        result: a `run_sink_control` Result.
+
+    Returns:
+        A DataFrame: Gu et al.'s sink rate, the mean attention on the first token over all queries and over
+        non-trigger queries, trigger queries' attention on the previous token, the first token's value-norm ratio and
+        the layer's residual-norm ratio (first token / median of the others)."""
+    h = result.tables["sink_heads"]
+    h = h[h.step.isin([0, h.step.max()])]
+    wide = h.pivot_table(index=["model", "step", "layer", "head"], columns="metric", values="value").reset_index()
+    r = result.tables["residual_norms"]
+    r = r[r.metric == "ratio"][["model", "step", "layer", "value"]].rename(columns={"value": "resid_ratio"})
+    wide = wide.merge(r, on=["model", "step", "layer"], how="left")
+    cols = {"sink_rate": "sink_rate", "first_attention": "first_attn", "dormant_first_attention": "nontrigger_first",
+            "active_previous_attention": "trigger_prev", "first_value_norm_ratio": "value_ratio",
+            "resid_ratio": "resid_ratio"}
+    return wide[["model", "step", "layer", "head", *cols]].rename(columns=cols).round(3)
+
+
 def _extend(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -280,3 +379,15 @@ def _extend(args: argparse.Namespace) -> int:
           f"{Path(args.out) / 'extend' / 'report.html'}")
     return 0
 
+
+
+def _extend_study(args: argparse.Namespace) -> int:
+    from posprobe.analyses.extend_study import extend_study, printed_study
+    from posprobe.cli import checks
+
+    checks.check_out(args.out)
+    result = extend_study(args.runs, steps=args.steps)  # reads tables only: every refusal before anything is written
+    print(printed_study(result.tables["study"]))
+    result.save(args.out)
+    print(f"wrote {args.out}")
+    return 0

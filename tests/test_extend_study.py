@@ -1,0 +1,106 @@
+"""The extension study's table (`posprobe.analyses.extend_study`) against the raw passkey rows of a real `zoo extend`
+run, recomputed here: pooled successes / trials within and beyond L with scipy's Wilson interval, the windows per
+seed, the bands whose period fits in L and in L / s counted by brute force from the saved config.json, and the
+fast-band share summed by hand from `band_usage`. Planted, each seen failing: `<` for `<=` at L, bands counted
+over L * s, the fast share taken over the slow bands. (The mean of per-distance rates equals the pooled rate here:
+every distance has the same trials, so that swap is not a bug this table could show.)"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+from scipy.stats import binomtest
+
+from posprobe.zoo.config import ZooConfig
+
+TINY = dict(d_model=32, n_layers=2, n_heads=2, length=64, vocab_size=300, batch_size=8, steps=4, warmup=1,
+            checkpoint_every=10, progress=False)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    from posprobe.analyses.context_extension import extend_zoo
+    from posprobe.data import builtin_corpus
+    from posprobe.zoo.extend import ExtendConfig
+    from posprobe.zoo.run import train_zoo
+
+    tmp = tmp_path_factory.mktemp("study")
+    train_zoo(ZooConfig(**TINY, members=("rope-llama",), seeds=(0, 1), passkey=0.5), builtin_corpus(), tmp / "zoo")
+    cfg = ExtendConfig(methods=("direct", "pi"), length=128, steps=2, checkpoints=(0, 2), eval_tokens=256,
+                       sliding="never", passkey_step=16, passkey_trials=3, progress=False)
+    extend_zoo(tmp / "zoo", cfg, tmp / "ext")
+    return tmp / "ext"
+
+
+def _wilson(k: int, n: int) -> tuple[float, float]:
+    ci = binomtest(k, n).proportion_ci(confidence_level=0.95, method="wilson")
+    return ci.low, ci.high
+
+
+def test_the_study_table_equals_the_raw_rows_recomputed(run):
+    from posprobe.analyses.extend_study import extend_study_table
+
+    df = extend_study_table([run], steps="all")
+    pk = pd.read_parquet(run / "extend" / "passkey.parquet")
+    ew = pd.read_parquet(run / "extend" / "effective_window.parquet")
+    usage = pd.read_parquet(run / "extend" / "band_usage.parquet")
+    mech = pd.read_parquet(run / "extend" / "mechanism.parquet")
+    cfg = json.loads((run / "rope-llama-s0-direct" / "config.json").read_text())
+    d = cfg["hidden_size"] // cfg["num_attention_heads"]
+    base = (cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta"))
+    periods = [2 * math.pi * base ** (2 * j / d) for j in range(d // 2)]
+    assert set(zip(df["method"], df["step"])) == {("unextended", 0), ("direct", 0), ("direct", 2), ("pi", 0),
+                                                  ("pi", 2)}
+    for _, row in df.iterrows():
+        assert (row["head_dim"], row["L"], row["target"], row["scale"]) == (d, 64, 128, 2.0)
+        assert row["fine_tuning"] == "text" and row["seeds"] == 2
+        at = pk[(pk["method"] == row["method"]) & (pk["step"] == row["step"]) & (pk["status"] == "ok")]
+        for side, part in (("within", at[at["distance"] <= 64]), ("beyond", at[at["distance"] > 64])):
+            k, n = int(part["successes"].sum()), int(part["trials"].sum())
+            assert n > 0 and row[f"trials_{side}_L"] == n
+            assert row[f"success_{side}_L"] == pytest.approx(k / n, abs=1e-12)
+            lo, hi = _wilson(k, n)
+            assert (row[f"success_{side}_L_low"], row[f"success_{side}_L_high"]) == (pytest.approx(lo, abs=1e-9),
+                                                                                     pytest.approx(hi, abs=1e-9))
+        w = ew[(ew["method"] == row["method"]) & (ew["step"] == row["step"])].sort_values("seed")
+        assert row["window_seeds"] == " ".join(str(int(x)) for x in w["effective_window"])
+        assert row["window_mean"] == pytest.approx(w["effective_window"].mean())
+        assert row["bands"] == d // 2
+        assert row["bands_within_L"] == sum(p <= 64 for p in periods)
+        assert row["bands_within_L_over_s"] == sum(p <= 32 for p in periods)
+        if row["step"] == 2 or row["method"] == "unextended":
+            shares = []
+            for seed in (0, 1):
+                u = usage[(usage["method"] == row["method"]) & (usage["seed"] == seed)]
+                per_layer = [g.loc[g["band"] < row["bands_within_L"], "value"].sum() / g["value"].sum()
+                             for _, g in u.groupby("layer")]
+                shares.append(sum(per_layer) / len(per_layer))
+            assert row["fast_share"] == pytest.approx(sum(shares) / 2, abs=1e-12)
+            bounds = [mech[(mech["method"] == row["method"]) & (mech["seed"] == s)]["interpolation_bound"].max()
+                      for s in (0, 1)]
+            assert row["interpolation_bound"] == pytest.approx(sum(bounds) / 2, abs=1e-12)
+        else:  # the mechanism is measured on the last checkpoint only
+            assert math.isnan(row["fast_share"]) and math.isnan(row["interpolation_bound"])
+        before = [mech[(mech["method"] == "unextended") & (mech["seed"] == s)]["interpolation_bound"].max()
+                  for s in (0, 1)]
+        assert row["interpolation_bound_unextended"] == pytest.approx(sum(before) / 2, abs=1e-12)
+        assert row["interpolation_bound_unextended"] > 0
+    last = extend_study_table([run])
+    assert set(zip(last["method"], last["step"])) == {("unextended", 0), ("direct", 2), ("pi", 2)}
+
+
+def test_the_command_prints_the_table_and_refuses_a_folder_without_trials(run, tmp_path):
+    out = subprocess.run([sys.executable, "-m", "posprobe", "zoo", "extend-study", str(run), "--out",
+                          str(tmp_path / "study")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "bands within L" in out.stdout and "pi" in out.stdout
+    assert (tmp_path / "study" / "study.parquet").is_file()
+    bad = subprocess.run([sys.executable, "-m", "posprobe", "zoo", "extend-study", str(tmp_path), "--out",
+                          str(tmp_path / "again")], capture_output=True, text=True)
+    assert bad.returncode == 2 and "not a `zoo extend` output folder" in bad.stderr
+    assert not (tmp_path / "again").exists()
