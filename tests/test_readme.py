@@ -120,9 +120,10 @@ def _concrete(cmd: str, text: Path, out: Path) -> list[str]:
 
     argv = shlex.split(cmd)[1:]  # a JSON argument keeps its quotes' content whole
     fill = {"--text": str(text), "--eval-text": str(text), "--instruction": "Answer briefly.",
-            "--prompt": "Where is the key?", "--task": "niah_single_2", "--out": str(out)}
+            "--prompt": "Where is the key?", "--task": "niah_single_2", "--out": str(out), "--data-files": str(text)}
     for i, a in enumerate(argv):
-        if i and argv[i - 1] in fill and (a in ("...", "DIR") or argv[i - 1] in ("--text", "--eval-text", "--out")):
+        if i and argv[i - 1] in fill and (a in ("...", "DIR") or argv[i - 1] in ("--text", "--eval-text", "--out",
+                                                                                 "--data-files")):
             argv[i] = fill[argv[i - 1]]
     assert "..." not in argv, f"placeholder left in {cmd!r}"
     return argv

@@ -168,8 +168,9 @@ def test_only_result_save_writes_results():
     writers = {h.split(":")[0] for h in hits}
     assert writers <= {"posprobe/report/result.py", "posprobe/report/html.py", "posprobe/backend/tiny.py",
                        "posprobe/data/blimp_hub.py", "posprobe/backend/loading.py",
-                       # the zoo writes Hugging Face model folders (zoo.json beside config.json) and its eval text
-                       "posprobe/zoo/train.py", "posprobe/zoo/run.py"}, writers
+                       # the zoo writes Hugging Face model folders (zoo.json beside config.json) and its eval text,
+                       # and a corpus's token cache in the work folder (resumable mid-stream)
+                       "posprobe/zoo/train.py", "posprobe/zoo/run.py", "posprobe/zoo/corpus.py"}, writers
 
 
 def test_public_names_stay_callable_after_every_analysis_is_imported():

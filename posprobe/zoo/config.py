@@ -4,6 +4,7 @@ files. Torch-free: the CLI builds its flags from these fields and checks them be
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal
@@ -14,12 +15,19 @@ from posprobe.zoo.members import Widths, member, member_names
 __all__ = ["TIERS", "TaskConfig", "ZooConfig", "load_config_file"]
 
 #: Sizes and schedules per tier. cpu: every member in about a minute on 2 cores (~25k tokens/s each);
-#: gpu: minutes per member on one GPU (same code path, wider and longer).
+#: gpu: minutes per member on one GPU (same code path, wider and longer); research: Gu et al. 2025's 60M LLaMA for the
+#: llama block (sail-sg/Attention-Sink, configs/tinyllama_60m.yaml and lit_gpt/config.py "tinyllama_60M": 10 layers,
+#: d 768, 8 heads, context 2,048, vocabulary 50,432, 20,000 steps of 512 x 2,048 tokens, lr 4e-4 held after 100
+#: warmup steps (min_lr = lr)), GPT-2 small's depth and heads (12, 12) for the gpt block. Keys that are not ZooConfig
+#: fields: warmup_share (warmup = this share of the steps; default WARMUP_SHARE).
 TIERS: dict[str, dict[str, Any]] = {
     "cpu": dict(d_model=128, n_layers=4, n_heads=4, length=128, vocab_size=512, batch_size=16, steps=800,
                 lr=2e-3, device="cpu"),
     "gpu": dict(d_model=512, n_layers=8, n_heads=8, length=512, vocab_size=8192, batch_size=32, steps=4000,
                 lr=1e-3, device="cuda"),
+    "research": dict(d_model=768, n_layers=10, n_heads=8, length=2048, vocab_size=50432, batch_size=512,
+                     steps=20000, lr=4e-4, device="cuda", warmup_share=100 / 20000, min_lr_share=1.0, micro_batch=8,
+                     gpt_n_layers=12, gpt_n_heads=12),
 }
 _TIERED = ("d_model", "n_layers", "n_heads", "length", "vocab_size", "batch_size", "steps", "lr", "device")
 #: Default warmup: this share of the steps.
@@ -35,8 +43,9 @@ class ZooConfig:
                                       flag="--member")
     seeds: tuple[int, ...] = option((0,), "training seeds (repeatable): each member is trained once per seed",
                                     flag="--seed")
-    tier: Literal["cpu", "gpu"] = option("cpu", "size tier: cpu (every member in about a minute on 2 cores) or "
-                                                "gpu (minutes per member on one GPU)")
+    tier: Literal["cpu", "gpu", "research"] = option(
+        "cpu", "size tier: cpu (every member in about a minute on 2 cores), gpu (minutes per member on one GPU) or "
+               "research (Gu et al. 2025's 60M LLaMA and GPT-2 small's depth: hours per member on one GPU)")
     d_model: int | None = option(None, "residual width (default: the tier's)")
     n_layers: int | None = option(None, "blocks (default: the tier's)")
     n_heads: int | None = option(None, "attention heads per block (default: the tier's)")
@@ -44,8 +53,21 @@ class ZooConfig:
     vocab_size: int | None = option(None, "byte-level BPE vocabulary size (default: the tier's)")
     batch_size: int | None = option(None, "sequences of L tokens per step (default: the tier's)")
     steps: int | None = option(None, "optimiser steps per member (default: the tier's)")
+    tokens: float | None = option(None, "training tokens per member D, instead of --steps: steps = ceil(D / (batch "
+                                        "x L)), e.g. 5e9")
     lr: float | None = option(None, "peak learning rate of AdamW (default: the tier's)")
-    warmup: int | None = option(None, "linear warmup steps before the cosine decay (default: 5% of the steps)")
+    warmup: int | None = option(None, "linear warmup steps before the cosine decay (default: 5% of the steps; the "
+                                      "research tier: 0.5%, Gu et al.'s 100 of 20,000)")
+    min_lr_share: float | None = option(None, "the cosine decays to this share of --lr (default: the tier's: 0; "
+                                              "research: 1, the rate held after warmup as Gu et al.'s min_lr = lr)")
+    micro_batch: int | None = option(None, "sequences per forward and backward pass; a step accumulates the "
+                                           "gradients of batch / micro-batch of them (default: the whole batch; "
+                                           "research: 8)")
+    gpt_n_layers: int | None = option(None, "blocks of the gpt-block members (learned, sinusoidal, alibi, rope, "
+                                            "partial) (default: --n-layers when given, else the tier's: research 12, "
+                                            "GPT-2 small)")
+    gpt_n_heads: int | None = option(None, "heads of the gpt-block members (default: --n-heads when given, else the "
+                                           "tier's: research 12, GPT-2 small)")
     weight_decay: float = option(0.1, "AdamW weight decay on matrices (not on norms, biases)")
     grad_clip: float = option(1.0, "gradient norm clip")
     checkpoint_every: int = option(100, "steps between checkpoints (a killed run resumes from the last)")
@@ -66,19 +88,42 @@ class ZooConfig:
             raise ValueError(f"seeds must be >= 0 and at least one; got {self.seeds}")
         for name in self.members:
             member(name)  # unknown names fail here, before any work
+        tier = TIERS[self.tier]
+        for name, given in (("gpt_n_layers", "n_layers"), ("gpt_n_heads", "n_heads")):
+            if getattr(self, name) is None:  # the gpt block follows --n-layers / --n-heads when they are given
+                object.__setattr__(self, name, getattr(self, given) or tier.get(name) or tier[given])
+        if self.tokens is not None and self.steps is not None:
+            raise ValueError("give the steps or the tokens per member, not both (--steps, --tokens)")
         for name in _TIERED:
             if getattr(self, name) is None:
-                object.__setattr__(self, name, TIERS[self.tier][name])
+                object.__setattr__(self, name, tier[name])
+        if self.min_lr_share is None:
+            object.__setattr__(self, "min_lr_share", tier.get("min_lr_share", 0.0))
+        if self.micro_batch is None and "micro_batch" in tier:  # None: the whole batch in one pass
+            object.__setattr__(self, "micro_batch", min(tier["micro_batch"], self.batch_size))
+        if self.tokens is not None:
+            if not self.tokens >= 1:
+                raise ValueError(f"tokens must be >= 1, got {self.tokens}")
+            # The budget becomes steps (what the loop, its records and a resume read); tokens is cleared, so that
+            # `dataclasses.replace` of the config does not meet both.
+            object.__setattr__(self, "steps", math.ceil(self.tokens / (self.batch_size * self.length)))
+            object.__setattr__(self, "tokens", None)
         if self.warmup is None:
-            object.__setattr__(self, "warmup", int(round(WARMUP_SHARE * self.steps)))
-        for name in ("d_model", "n_layers", "n_heads", "length", "batch_size", "steps", "checkpoint_every"):
-            if getattr(self, name) < 1:
+            object.__setattr__(self, "warmup", int(round(tier.get("warmup_share", WARMUP_SHARE) * self.steps)))
+        for name in ("d_model", "n_layers", "n_heads", "length", "batch_size", "steps", "checkpoint_every",
+                     "micro_batch", "gpt_n_layers", "gpt_n_heads"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.length < 2:
             raise ValueError(f"length must be >= 2 tokens, got {self.length}")
-        if self.d_model % self.n_heads or (self.d_model // self.n_heads) % 8:
-            raise ValueError(f"d_model {self.d_model} must split into {self.n_heads} heads of a multiple of 8 dims "
-                             "(partial rotary and p-RoPE rotate a quarter of each head in pairs)")
+        for heads in dict.fromkeys((self.n_heads, self.gpt_n_heads)):
+            if self.d_model % heads or (self.d_model // heads) % 8:
+                raise ValueError(f"d_model {self.d_model} must split into {heads} heads of a multiple of 8 dims "
+                                 "(partial rotary and p-RoPE rotate a quarter of each head in pairs)")
+        if self.micro_batch is not None and self.batch_size % self.micro_batch:
+            raise ValueError(f"micro_batch {self.micro_batch} must divide batch_size {self.batch_size}")
+        if not 0 <= self.min_lr_share <= 1:
+            raise ValueError(f"min_lr_share must be in [0, 1], got {self.min_lr_share}")
         if not 0 <= self.warmup < self.steps:
             raise ValueError(f"warmup must be in [0, steps); got {self.warmup} with {self.steps} steps")
         if self.lr <= 0 or self.weight_decay < 0 or self.grad_clip <= 0:
@@ -95,6 +140,21 @@ class ZooConfig:
         """The block shape every member shares."""
         return Widths(d_model=self.d_model, n_layers=self.n_layers, n_heads=self.n_heads, length=self.length,
                       vocab_size=self.vocab_size)
+
+    def widths_for(self, name: str) -> Widths:
+        """The block shape of member `name`: the config's widths, with `gpt_n_layers` and `gpt_n_heads` for a
+        member of the gpt block (the research tier's GPT-2-small depth).
+
+        Args:
+            name: a member's name (`posprobe.zoo.members.MEMBERS`).
+
+        Returns:
+            Its Widths."""
+        w = self.widths
+        if member(name).block != "gpt":
+            return w
+        return Widths(d_model=w.d_model, n_layers=self.gpt_n_layers, n_heads=self.gpt_n_heads, length=w.length,
+                      vocab_size=w.vocab_size)
 
     @property
     def tokens_per_step(self) -> int:

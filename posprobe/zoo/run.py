@@ -15,6 +15,7 @@ from posprobe.report.checkpoint import discard_work_folder, run_key
 from posprobe.report.result import Result
 from posprobe.report.schema import data_meta, make_meta, text_sha256
 from posprobe.zoo.config import ZooConfig
+from posprobe.zoo.corpus import CorpusConfig
 from posprobe.zoo.folder import EVAL_FILE, TRAINING_FOLDER, member_folder_name
 from posprobe.zoo.job import Job, open_work, run_jobs
 from posprobe.zoo.members import member
@@ -42,20 +43,25 @@ def check_device(cfg: ZooConfig) -> None:
                              f"{torch.__version__}); pass --device cpu to run it here (slow), or use --tier cpu")
 
 
-def train_zoo(cfg: ZooConfig, text: str, out: str | os.PathLike, *, eval_text: str | None = None,
-              source: str | None = None, fresh: bool = False) -> Result:
+def train_zoo(cfg: ZooConfig, text: str | CorpusConfig, out: str | os.PathLike, *, eval_text: str | None = None,
+              source: str | None = None, fresh: bool = False, budget_steps: int | None = None) -> Result:
     """Train `cfg.members` x `cfg.seeds` on `text` and write the zoo to `out` (which must not exist or be empty).
 
     Args:
         cfg: the zoo's members, seeds, model shape, optimiser, steps and device.
         text: the training text; without `eval_text`, its last `cfg.eval_fraction` (cut at a line break) is held
-            out for evaluation (never seen by the tokenizer or the training) and written as `<out>/eval.txt`.
+            out for evaluation (never seen by the tokenizer or the training) and written as `<out>/eval.txt`. Or a
+            `CorpusConfig`: a Hugging Face `datasets` corpus (a hub dataset streamed, or local files), read once into
+            a token cache in `<out>.work` (resumed mid-stream after a kill), its first documents held out.
         out: the folder the zoo is written to (new or empty; its parent must exist).
         eval_text: the held-out evaluation text (None: cut from `text`).
         source: what meta.json's data record names as the training text (default: "built-in corpus" when `text`
             is posprobe's built-in corpus, else "text").
         fresh: interrupted runs keep their state in `<out>.work` and resume when the same call is repeated;
             `fresh` discards it.
+        budget_steps: timed warm-up steps per member of the zoo's loop before training (the first not counted; the
+            model discarded), for the estimated hours printed with N, D and 6·N·D on stderr (when `cfg.progress`)
+            and kept in the Result's `meta["budget"]`; None: 3, or 0 on the cpu tier; 0: no warm-up, no hours.
 
     Returns:
         The training Result (tables `members`: one row per trained member with parameters, seconds, tokens/s and
@@ -78,24 +84,41 @@ def train_zoo(cfg: ZooConfig, text: str, out: str | os.PathLike, *, eval_text: s
     out = Path(out)
     check_out_folder(out)
     check_device(cfg)
-    train_text, held_out = split_text(text, eval_text, cfg.eval_fraction)
-    if not train_text.strip():
-        raise ValueError("the training text is empty")
-    tokenizer = train_tokenizer(train_text, cfg.vocab_size)
-    ids = torch.tensor(tokenizer(train_text)["input_ids"], dtype=torch.long)
+    if budget_steps is not None and (budget_steps < 0 or budget_steps == 1):
+        raise ValueError(f"budget_steps must be 0 (no warm-up) or >= 2 (the first is not timed), got {budget_steps}")
+    if isinstance(text, CorpusConfig):  # a `datasets` corpus, read once into a token cache in the work folder
+        from posprobe.zoo.corpus import check_hub, prepare_corpus
+
+        check_hub(text)  # one sentence before anything is written
+        key = run_key("zoo-train", model={"members": list(cfg.members)}, data={"corpus": text.key()}, config=cfg)
+        ckpt, staging, work = open_work(out, key, fresh=fresh)
+        limit = int(text.corpus_tokens or cfg.steps * cfg.tokens_per_step)
+        corpus = prepare_corpus(text, cfg.vocab_size, limit, work / "corpus", eval_text=eval_text,
+                                progress=cfg.progress)
+        tokenizer, ids, held_out, train_sha = corpus.tokenizer, corpus.ids, corpus.eval_text, corpus.sha256
+        source = source or text.source
+    else:
+        train_text, held_out = split_text(text, eval_text, cfg.eval_fraction)
+        if not train_text.strip():
+            raise ValueError("the training text is empty")
+        tokenizer = train_tokenizer(train_text, cfg.vocab_size)
+        ids = torch.tensor(tokenizer(train_text)["input_ids"], dtype=torch.long)
+        train_sha = text_sha256(train_text)
     if len(ids) < cfg.length:
         raise ValueError(f"the training text has {len(ids)} tokens, too short for one window of L={cfg.length} "
                          "tokens; give more text (--text) or a shorter --length")
-    key = run_key("zoo-train", model={"members": list(cfg.members)},
-                  data={"train_sha256": text_sha256(train_text), "eval_sha256": text_sha256(held_out)}, config=cfg)
-
-    ckpt, staging, work = open_work(out, key, fresh=fresh)
+    if not isinstance(text, CorpusConfig):
+        key = run_key("zoo-train", model={"members": list(cfg.members)},
+                      data={"train_sha256": train_sha, "eval_sha256": text_sha256(held_out)}, config=cfg)
+        ckpt, staging, work = open_work(out, key, fresh=fresh)
+    budget = _budget(cfg, tokenizer, ids, budget_steps)
     records = run_jobs(zoo_jobs(cfg, tokenizer, ids), ckpt, staging)
     if source is None:  # a text of the caller's is not the built-in corpus: zoo extend would look for the wrong text
         from posprobe.data import builtin_corpus
 
         source = "built-in corpus" if text == builtin_corpus() else "text"
-    result = _result(cfg, records, source, train_text, held_out, len(ids))
+    result = _result(cfg, records, source, train_sha, held_out, len(ids))
+    result.meta["budget"] = budget
     commit_zoo(out, staging, {EVAL_FILE: held_out}, {TRAINING_FOLDER: result})
     discard_work_folder(work)
     return result
@@ -104,7 +127,22 @@ def train_zoo(cfg: ZooConfig, text: str, out: str | os.PathLike, *, eval_text: s
 def zoo_jobs(cfg: ZooConfig, tokenizer: Any, ids: Any) -> list[Job]:
     """The jobs of `zoo train`: every member of `cfg` on windows of the token ids `ids`, seed by seed (every member
     of the first seed before the next seed, so an early stop leaves whole seeds)."""
-    return [Job.text(name, seed, cfg, tokenizer, ids) for seed in cfg.seeds for name in cfg.members]
+    return [Job.text(name, seed, cfg, tokenizer, ids, widths=cfg.widths_for(name)) for seed in cfg.seeds
+            for name in cfg.members]
+
+
+def _budget(cfg: ZooConfig, tokenizer: Any, ids: Any, steps: int | None) -> list[dict]:
+    # N, D, 6ND and (after `steps` timed warm-up steps per member; default 3 but on the cpu tier) the hours, printed
+    # on stderr before training when progress is on; kept in the training Result's meta.
+    from dataclasses import asdict
+
+    from posprobe.zoo.budget import print_budget, zoo_budget
+
+    steps = (0 if cfg.tier == "cpu" else 3) if steps is None else steps
+    budgets = zoo_budget(cfg, lambda wcfg: zoo_jobs(wcfg, tokenizer, ids), steps)
+    if cfg.progress:
+        print_budget(cfg, budgets, cfg.device)
+    return [{**asdict(b), "flops": b.flops, "hours": b.hours} for b in budgets]
 
 
 def check_out_folder(out: Path) -> None:
@@ -115,7 +153,7 @@ def check_out_folder(out: Path) -> None:
         raise ValueError(f"--out {out}: its parent folder does not exist (create it first)")
 
 
-def _result(cfg: ZooConfig, records: list[dict], source: str | None, train_text: str, held_out: str,
+def _result(cfg: ZooConfig, records: list[dict], source: str | None, train_sha: str, held_out: str,
             n_tokens: int) -> Result:
     rows, curve = [], []
     for r in records:
@@ -129,7 +167,7 @@ def _result(cfg: ZooConfig, records: list[dict], source: str | None, train_text:
                    "lr": lr} for s, loss, lr in r["log"]]
     meta = make_meta("zoo-train", model={"name": "zoo", "positional_kind": "several", "members": list(cfg.members)},
                      data=data_meta(source or "built-in corpus", n_items=n_tokens, unit="training tokens",
-                                    sha256=text_sha256(train_text)),
+                                    sha256=train_sha),
                      config=cfg, eval_sha256=text_sha256(held_out), tokens_per_step=cfg.tokens_per_step)
     return Result({"members": pd.DataFrame(rows), "training": pd.DataFrame(curve)}, meta)
 

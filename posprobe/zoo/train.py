@@ -24,7 +24,7 @@ from posprobe.zoo.folder import ZOO_FILE
 from posprobe.zoo.members import Member, Widths, member
 from posprobe.zoo.passkey import with_passkey
 
-__all__ = ["TrainState", "batch_ids", "build_model", "init_weights", "next_token_labels", "text_windows",
+__all__ = ["TrainState", "accumulate", "batch_ids", "build_model", "init_weights", "next_token_labels", "text_windows",
            "train_member", "used_parameters"]
 
 _INIT_STD = 0.02
@@ -69,12 +69,15 @@ def batch_ids(ids: torch.Tensor, step: int, cfg: ZooConfig, seed: int) -> torch.
 
 
 def _optimizer(model: Any, cfg: ZooConfig) -> tuple[torch.optim.Optimizer, Any]:
-    from transformers import get_cosine_schedule_with_warmup
+    from transformers import get_cosine_schedule_with_warmup, get_cosine_with_min_lr_schedule_with_warmup
 
     decay = [p for p in model.parameters() if p.ndim >= 2]
     other = [p for p in model.parameters() if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                              {"params": other, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+    if cfg.min_lr_share:  # the research tier: Gu et al.'s cosine to min_lr (= lr: the rate held after warmup)
+        return opt, get_cosine_with_min_lr_schedule_with_warmup(opt, cfg.warmup, cfg.steps,
+                                                                 min_lr_rate=cfg.min_lr_share)
     return opt, get_cosine_schedule_with_warmup(opt, cfg.warmup, cfg.steps)
 
 
@@ -198,14 +201,13 @@ def train_member(job: Any, folder: Path, state_io: tuple[Callable[[], dict | Non
         with torch.enable_grad():
             for step in range(begin, cfg.steps):
                 x, labels, *positions = (t.to(device) for t in batches(step))
-                kw = {"position_ids": positions[0]} if positions else {}  # PoSE's skip-wise ids (zoo extend)
-                loss = model(input_ids=x, labels=labels if shifts_labels else next_token_labels(labels), **kw).loss
-                loss.backward()
+                loss = accumulate(model, x, labels if shifts_labels else next_token_labels(labels), positions,
+                                  cfg.micro_batch)
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
                 opt.step()
                 sched.step()
                 opt.zero_grad(set_to_none=True)
-                st.running += loss.detach()
+                st.running += loss
                 if (step + 1) % log_every == 0 or step + 1 == cfg.steps:
                     n = (step % log_every) + 1
                     mean = float(st.running) / n  # one host sync per logged interval, not per step
@@ -227,6 +229,37 @@ def train_member(job: Any, folder: Path, state_io: tuple[Callable[[], dict | Non
     return {"member": job.member, "seed": seed, "log": log, "seconds": seconds, "steps_run": steps_run,
             "tokens_per_s": steps_run * tokens_per_step / seconds if seconds > 0 else float("nan"),
             "params": used_parameters(model, m), "checkpoints": evals, "checkpoint_seconds": looking[0]}
+
+
+def accumulate(model: Any, x: torch.Tensor, labels: torch.Tensor, positions: list, micro_batch: int | None) -> Any:
+    """Forward and backward of one step's batch, in micro-batches of `micro_batch` rows (None or the whole batch: one
+    pass), each loss divided by their count so that the gradients sum to the batch mean's (exactly the mean when
+    every row scores as many tokens: the text zoo's full windows).
+
+    Args:
+        model: the Hugging Face causal LM in training mode.
+        x: input ids `[batch, pos]`.
+        labels: what the model's loss is given (the loop has shifted them for a class that does not).
+        positions: [] or [position ids `[batch, pos]`] (zoo extend's PoSE), passed as `position_ids`.
+        micro_batch: rows per forward and backward pass (None: all).
+
+    Returns:
+        The step's loss (detached): the batch's, or the mean of the micro-batches'."""
+    n = x.shape[0]
+    if micro_batch is None or micro_batch >= n:
+        kw = {"position_ids": positions[0]} if positions else {}  # PoSE's skip-wise ids (zoo extend)
+        loss = model(input_ids=x, labels=labels, **kw).loss
+        loss.backward()
+        return loss.detach()
+    parts = range(0, n, micro_batch)
+    total = None
+    for i in parts:
+        rows = slice(i, i + micro_batch)
+        kw = {"position_ids": positions[0][rows]} if positions else {}
+        loss = model(input_ids=x[rows], labels=labels[rows], **kw).loss / len(parts)
+        loss.backward()
+        total = loss.detach() if total is None else total + loss.detach()
+    return total
 
 
 def next_token_labels(labels: torch.Tensor) -> torch.Tensor:
