@@ -89,6 +89,8 @@ _EXPORTS = {
     "ExtendConfig": "posprobe.zoo.extend",
     "extend_zoo": "posprobe.analyses.context_extension",
     "extend_study": "posprobe.analyses.extend_study",
+    "BackcopyConfig": "posprobe.zoo.backcopy",
+    "run_sink_control": "posprobe.analyses.sink_control",
     "extend_study_table": "posprobe.analyses.extend_study",
     # analysis building blocks
     "frequency_usage": "posprobe.analyses.frequency",

@@ -210,6 +210,46 @@ def test_a_real_sliding_window_holds_beside_tree_rows():
         torch.testing.assert_close(lb, plain_logprobs(model, b), rtol=0, atol=1e-9)
 
 
+def test_local_attention_layers_hold_in_tree_rows():
+    """GPT-Neo's local layers (an 8-token window) apply HF's own window over a row's indices on top of the tree mask:
+    a tree row must fit in the narrowest window (planted, rows of 64 tokens: 2e-9 off, past the 1e-9 tolerance on
+    these short rows)."""
+    from transformers import GPTNeoConfig, GPTNeoForCausalLM
+
+    from posprobe.backend.tiny import byte_tokenizer
+
+    torch.manual_seed(0)
+    cfg = GPTNeoConfig(vocab_size=259, hidden_size=32, num_layers=2, num_heads=4, max_position_embeddings=32,
+                       attention_types=[[["global", "local"], 1]], window_size=8, intermediate_size=64)
+    model, tok = _perturb(GPTNeoForCausalLM(cfg).double(), 5), byte_tokenizer()
+    pairs = [tuple(_items(tok, t, k)) for t in (("ab", "ac"), ("abc", "abd"), ("The cat sat on it.", "The cat sat."))
+             for k in (0, 10)]
+    scorer = HFScorer(model, tok)
+    assert scorer.window == 8
+    for (a, b), (la, lb) in zip(pairs, scorer.pair_logprobs(pairs, batch_size=64)):
+        torch.testing.assert_close(la, plain_logprobs(model, a), rtol=0, atol=1e-9)
+        torch.testing.assert_close(lb, plain_logprobs(model, b), rtol=0, atol=1e-9)
+
+
+def test_pads_stay_inside_a_learned_position_table(monkeypatch):
+    """Sequences ending on a learned table's last row, in tree rows of different lengths in one batch: pads once
+    continued the positions past the table (an index error on the zoo's learned member). Planted: that fails."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from posprobe.backend.tiny import byte_tokenizer
+    from posprobe.core import scoring
+
+    torch.manual_seed(0)
+    model = _perturb(GPT2LMHeadModel(GPT2Config(vocab_size=259, n_positions=32, n_embd=32, n_layer=2, n_head=4))
+                     .double(), 6)
+    tok = byte_tokenizer()
+    pairs = [tuple(_items(tok, t, 29)) for t in (("ab", "ac"), ("ad", "x"), ("xy", "ab"))]  # positions 29..31
+    monkeypatch.setattr(scoring, "ROW_TOKENS", 5)  # tree rows [256 a b c d] and [256 x y]: the second gets 2 pads
+    for (a, b), (la, lb) in zip(pairs, HFScorer(model, tok).pair_logprobs(pairs, batch_size=8)):
+        torch.testing.assert_close(la, plain_logprobs(model, a), rtol=0, atol=1e-9)
+        torch.testing.assert_close(lb, plain_logprobs(model, b), rtol=0, atol=1e-9)
+
+
 def test_sliding_window_falls_back_to_separate_rows(tiny_hf):
     model, tok = tiny_hf
     scorer = HFScorer(model, tok)

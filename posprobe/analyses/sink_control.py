@@ -136,9 +136,21 @@ def run_sink_control(config: BackcopyConfig, out: str | os.PathLike, *, fresh: b
 
     Returns:
         The Result (analysis "zoo-sink-control"): tables `sink_share` and `sink_heads` (`backcopy_measures`'), and
-        `residual_norms`, each per model and `step` (0, the looks on the way, the last), `massive_activations` (the
-        trained models), `members` (parameters, training seconds, final loss, the task's loss floor) and `training`
-        (loss every 10 steps); meta["sink_share"]: model -> layer -> Gu et al.'s share at the last step."""
+            `residual_norms`, each per model and `step` (0, the looks on the way, the last), `massive_activations`
+            (the trained models), `members` (parameters, training seconds, final loss, the task's loss floor) and
+            `training` (loss every 10 steps); meta["sink_share"]: model -> layer -> Gu et al.'s share at the last
+            step.
+
+    Example:
+        Ten steps of the learned member (too few for a sink: the command's 600 steps make one in every sequence):
+
+        >>> import posprobe as pp
+        >>> cfg = pp.BackcopyConfig(members=("learned",), d_model=16, length=16, steps=10, batch_size=4,
+        ...                         eval_sequences=4, looks=0, progress=False)
+        >>> result = pp.run_sink_control(cfg, "sink-control")
+        >>> sorted(result.tables["sink_share"].step.unique().tolist())
+        [0, 10]
+    """
     out = Path(out)
     check_out_folder(out)
     tokenizer = backcopy_tokenizer()

@@ -115,9 +115,10 @@ def _pad(rows: Sequence[_Row], idx: list[int], pad_id: int) -> tuple[torch.Tenso
         m = len(rows[i].ids)
         ids[r, :m] = torch.tensor(rows[i].ids)
         pos[r, :m] = torch.tensor(rows[i].pos)
-        # Pads continue the row's positions so the position id stays within a valid range.
+        # Pads repeat the row's last position: always a valid id (a learned table has no row past n_ctx - 1, and a
+        # tree row is longer than its positions reach), and never a larger maximum for a length-dependent rotation.
         if n > m:
-            pos[r, m:] = max(rows[i].pos) + 1 + torch.arange(n - m)
+            pos[r, m:] = rows[i].pos[-1]
         lengths.append(m)
     return ids, pos, lengths
 
@@ -257,8 +258,13 @@ class HFScorer(_Scorer):
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        # A custom mask replaces HF's sliding-window mask, which only equals it while rows fit the window.
-        self.window = hf.sliding_window(model)
+        # A custom mask replaces HF's sliding-window or local mask, which only equals it while a sequence fits the
+        # narrowest window of any layer (Mistral's sliding window, GPT-Neo's local layers).
+        cfg = hf.text_config(model)
+        layers = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "num_layers", None) or 0
+        windows = [w for layer in range(layers) if (w := hf.attention_window(model, layer))]
+        windows += [hf.sliding_window(model)] if hf.sliding_window(model) else []
+        self.window = min(windows) if windows else None
         self.one_row_per_forward = any(hf.length_rule(model, m.layer_idx) for m in hf.attention_modules(model))
 
     def _tree_rows(self, items: list[Positioned]) -> list[_Row] | None:
@@ -269,7 +275,9 @@ class HFScorer(_Scorer):
         # ones keep rows of their own (plain causal, in batches without a tree, so HF builds their mask).
         fits = [(i, it) for i, it in enumerate(items) if not self.window or len(it.ids) <= self.window]
         long = [_single(i, it) for i, it in enumerate(items) if self.window and len(it.ids) > self.window]
-        return _trie_rows(fits, max(ROW_TOKENS, longest)) + long
+        # Under a window a whole row fits in it: HF still applies its own window over the row's indices (GPT-Neo's
+        # local layers), and a branch sits further from the prefix it shares in the row than in its sequence.
+        return _trie_rows(fits, self.window if self.window else max(ROW_TOKENS, longest)) + long
 
     def _hidden_and_head(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None):
         if mask is None:
