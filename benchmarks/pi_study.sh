@@ -6,7 +6,7 @@
 # Run by hand (hours on 2 cores; not in CI). Every step is resumable: rerun the same line after a kill.
 #   D=../shared/data/wikitext-2 OUT=pi-study HEAD_DIMS="16 32 64" LENGTHS="64 128" SEEDS="0 1 2" \
 #       bash benchmarks/pi_study.sh
-# then: posprobe zoo pi-study $OUT (the head-dim x L table: docs/zoo-extend.md).
+# then: posprobe zoo extend-study $OUT/ext-*/ --out $OUT/table (the head-dim x L table: docs/zoo-extend.md).
 set -euo pipefail
 D=${D:-../shared/data/wikitext-2}
 OUT=${OUT:-pi-study}
