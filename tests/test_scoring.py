@@ -250,6 +250,24 @@ def test_pads_stay_inside_a_learned_position_table(monkeypatch):
         torch.testing.assert_close(lb, plain_logprobs(model, b), rtol=0, atol=1e-9)
 
 
+def test_alibi_reads_row_indices_so_it_gets_no_tree_rows():
+    """Bloom's ALiBi is built from the row's indices, not position_ids: in a tree row a branch would sit further from
+    its shared prefix than in its sentence. Planted (trees allowed): fails."""
+    from transformers import BloomConfig, BloomForCausalLM
+
+    from posprobe.backend.tiny import byte_tokenizer
+
+    torch.manual_seed(0)
+    model = _perturb(BloomForCausalLM(BloomConfig(vocab_size=259, hidden_size=32, n_layer=2, n_head=4)).double(), 7)
+    tok = byte_tokenizer()
+    pairs = [tuple(_items(tok, t)) for t in (("The cat sat.", "The cat sits."), ("The dog", "The dogs ran."))]
+    scorer = HFScorer(model, tok)
+    assert not scorer.trees
+    for (a, b), (la, lb) in zip(pairs, scorer.pair_logprobs(pairs, batch_size=64)):
+        torch.testing.assert_close(la, plain_logprobs(model, a), rtol=0, atol=1e-9)
+        torch.testing.assert_close(lb, plain_logprobs(model, b), rtol=0, atol=1e-9)
+
+
 def test_sliding_window_falls_back_to_separate_rows(tiny_hf):
     model, tok = tiny_hf
     scorer = HFScorer(model, tok)

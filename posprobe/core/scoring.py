@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 
 from posprobe.backend import hf
 from posprobe.backend.families import control as position_control
+from posprobe.backend.families import find as find_family
 from posprobe.backend.model import device_of, dtype_of, forward, n_layers, residual_to_logits, tokenizer_of
 
 
@@ -266,9 +267,13 @@ class HFScorer(_Scorer):
         windows += [hf.sliding_window(model)] if hf.sliding_window(model) else []
         self.window = min(windows) if windows else None
         self.one_row_per_forward = any(hf.length_rule(model, m.layer_idx) for m in hf.attention_modules(model))
+        # A tree row puts a branch further from its shared prefix (in row indices) than it is in its sequence: only
+        # positions read from position_ids survive that (ALiBi and T5-style biases read the indices).
+        family = find_family(hf.positional_kind(model))
+        self.trees = family is not None and family.hf_position_ids
 
     def _tree_rows(self, items: list[Positioned]) -> list[_Row] | None:
-        if self.one_row_per_forward:
+        if self.one_row_per_forward or not self.trees:
             return None  # a tree row's rotation table would follow its longest sequence, not each one's own
         longest = max(len(it.ids) for it in items)
         # The tree mask replaces HF's, so a sliding window holds only for sequences that fit in it: longer
