@@ -116,10 +116,11 @@ def _pad(rows: Sequence[_Row], idx: list[int], pad_id: int) -> tuple[torch.Tenso
         m = len(rows[i].ids)
         ids[r, :m] = torch.tensor(rows[i].ids)
         pos[r, :m] = torch.tensor(rows[i].pos)
-        # Pads repeat the row's last position: always a valid id (a learned table has no row past n_ctx - 1, and a
-        # tree row is longer than its positions reach), and never a larger maximum for a length-dependent rotation.
+        # Pads of a plain row continue its positions (valid: the batch's rows share their start and the longest
+        # reaches as far; an unshifted batch stays arange, so TL runs without hooks). A tree row is longer than its
+        # positions reach, so its pads repeat its last position (continuing ran off a learned member's table).
         if n > m:
-            pos[r, m:] = rows[i].pos[-1]
+            pos[r, m:] = rows[i].pos[-1] if rows[i].tree else max(rows[i].pos) + 1 + torch.arange(n - m)
         lengths.append(m)
     return ids, pos, lengths
 
