@@ -56,6 +56,14 @@ def plain_logprobs(model, item: Positioned) -> torch.Tensor:
     return logits.log_softmax(-1)[:-1].gather(-1, ids[0, 1:, None])[:, 0].double()
 
 
+def _match_plain(model, pairs, got) -> None:
+    """Both sequences of every pair equal a plain one-sequence HF forward (float64, 1e-9)."""
+    assert len(got) == len(pairs)
+    for (a, b), (la, lb) in zip(pairs, got):
+        torch.testing.assert_close(la, plain_logprobs(model, a), rtol=0, atol=1e-9)
+        torch.testing.assert_close(lb, plain_logprobs(model, b), rtol=0, atol=1e-9)
+
+
 def _items(tok, texts, k=0, prefix=(256,), prefix_at_zero=False):
     out = []
     for t in texts:
@@ -115,9 +123,7 @@ def test_pair_logprobs_match_plain_forward(tiny_hf, k, at_zero):
     pairs = _pairs(tok, k, at_zero)
     got = HFScorer(model, tok).pair_logprobs(pairs, batch_size=4)
     assert len(got) == len(pairs)
-    for (a, b), (la, lb) in zip(pairs, got):
-        torch.testing.assert_close(la, plain_logprobs(model, a), rtol=0, atol=1e-9)
-        torch.testing.assert_close(lb, plain_logprobs(model, b), rtol=0, atol=1e-9)
+    _match_plain(model, pairs, got)
 
 
 def test_pair_logprobs_compute_shared_prefix_once(tiny_hf, monkeypatch):
@@ -143,9 +149,7 @@ def test_prefixes_shared_across_pairs_are_computed_once(tiny_hf, monkeypatch):
     got = scorer.pair_logprobs(pairs, batch_size=64)  # everything in one row: no padding in the count
     distinct = {(x.ids[:n], x.positions[:n]) for p in pairs for x in p for n in range(1, len(x.ids) + 1)}
     assert seen == [len(distinct)]
-    for (a, b), (la, lb) in zip(pairs, got):
-        torch.testing.assert_close(la, plain_logprobs(model, a), rtol=0, atol=1e-9)
-        torch.testing.assert_close(lb, plain_logprobs(model, b), rtol=0, atol=1e-9)
+    _match_plain(model, pairs, got)
 
 
 def test_many_pairs_in_small_batches_match_plain_forward(tiny_hf):
@@ -163,9 +167,7 @@ def test_many_pairs_in_small_batches_match_plain_forward(tiny_hf):
         got = HFScorer(model, tok).pair_logprobs(pairs, batch_size=5)
     finally:
         scoring.ROW_TOKENS = old
-    for (a, b), (la, lb) in zip(pairs, got):
-        torch.testing.assert_close(la, plain_logprobs(model, a), rtol=0, atol=1e-9)
-        torch.testing.assert_close(lb, plain_logprobs(model, b), rtol=0, atol=1e-9)
+    _match_plain(model, pairs, got)
 
 
 def test_a_length_dependent_rotation_scores_each_sequence_alone():
@@ -205,9 +207,7 @@ def test_a_real_sliding_window_holds_beside_tree_rows():
     pairs = [tuple(_items(tok, t)) for t in (("ab", "ac"), ("abc", "abd"), ("The cat sat on it.", "The cat sat."))]
     scorer = HFScorer(model, tok)
     assert scorer.window == 6
-    for (a, b), (la, lb) in zip(pairs, scorer.pair_logprobs(pairs, batch_size=64)):
-        torch.testing.assert_close(la, plain_logprobs(model, a), rtol=0, atol=1e-9)
-        torch.testing.assert_close(lb, plain_logprobs(model, b), rtol=0, atol=1e-9)
+    _match_plain(model, pairs, scorer.pair_logprobs(pairs, batch_size=64))
 
 
 def test_local_attention_layers_hold_in_tree_rows():
@@ -226,9 +226,7 @@ def test_local_attention_layers_hold_in_tree_rows():
              for k in (0, 10)]
     scorer = HFScorer(model, tok)
     assert scorer.window == 8
-    for (a, b), (la, lb) in zip(pairs, scorer.pair_logprobs(pairs, batch_size=64)):
-        torch.testing.assert_close(la, plain_logprobs(model, a), rtol=0, atol=1e-9)
-        torch.testing.assert_close(lb, plain_logprobs(model, b), rtol=0, atol=1e-9)
+    _match_plain(model, pairs, scorer.pair_logprobs(pairs, batch_size=64))
 
 
 def test_pads_stay_inside_a_learned_position_table(monkeypatch):
@@ -245,9 +243,7 @@ def test_pads_stay_inside_a_learned_position_table(monkeypatch):
     tok = byte_tokenizer()
     pairs = [tuple(_items(tok, t, 29)) for t in (("ab", "ac"), ("ad", "x"), ("xy", "ab"))]  # positions 29..31
     monkeypatch.setattr(scoring, "ROW_TOKENS", 5)  # tree rows [256 a b c d] and [256 x y]: the second gets 2 pads
-    for (a, b), (la, lb) in zip(pairs, HFScorer(model, tok).pair_logprobs(pairs, batch_size=8)):
-        torch.testing.assert_close(la, plain_logprobs(model, a), rtol=0, atol=1e-9)
-        torch.testing.assert_close(lb, plain_logprobs(model, b), rtol=0, atol=1e-9)
+    _match_plain(model, pairs, HFScorer(model, tok).pair_logprobs(pairs, batch_size=8))
 
 
 def test_alibi_reads_row_indices_so_it_gets_no_tree_rows():
@@ -263,9 +259,7 @@ def test_alibi_reads_row_indices_so_it_gets_no_tree_rows():
     pairs = [tuple(_items(tok, t)) for t in (("The cat sat.", "The cat sits."), ("The dog", "The dogs ran."))]
     scorer = HFScorer(model, tok)
     assert not scorer.trees
-    for (a, b), (la, lb) in zip(pairs, scorer.pair_logprobs(pairs, batch_size=64)):
-        torch.testing.assert_close(la, plain_logprobs(model, a), rtol=0, atol=1e-9)
-        torch.testing.assert_close(lb, plain_logprobs(model, b), rtol=0, atol=1e-9)
+    _match_plain(model, pairs, scorer.pair_logprobs(pairs, batch_size=64))
 
 
 def test_sliding_window_falls_back_to_separate_rows(tiny_hf):
@@ -273,9 +267,7 @@ def test_sliding_window_falls_back_to_separate_rows(tiny_hf):
     scorer = HFScorer(model, tok)
     scorer.window = 4  # shorter than any pair row: the tree mask would differ from a window mask
     pairs = _pairs(tok)[:3]
-    for (a, b), (la, lb) in zip(pairs, scorer.pair_logprobs(pairs)):
-        torch.testing.assert_close(la, plain_logprobs(model, a), rtol=0, atol=1e-9)
-        torch.testing.assert_close(lb, plain_logprobs(model, b), rtol=0, atol=1e-9)
+    _match_plain(model, pairs, scorer.pair_logprobs(pairs))
 
 
 def test_bad_input_raises_one_clear_error(tiny_hf):
