@@ -14,6 +14,7 @@ batch, makes no collective call and needs no process group; `torch.distributed` 
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from typing import Any, Sequence, TypeVar
 
 import torch
@@ -47,6 +48,34 @@ def active() -> bool:
     else:
         dist.init_process_group("gloo")
     return dist.get_world_size() > 1
+
+
+class Ranks:
+    """The processes of a job whose ranks work apart and only wait for each other (the zoo: one member per rank),
+    met through torchrun's key-value store. No process group is initialised: transformers' `save_pretrained`
+    writes nothing on a rank other than 0 once one is (transformers 5.24), and each rank here saves its own members.
+    A single process (no `WORLD_SIZE` > 1) is rank 0 of 1 and never waits.
+
+    Args:
+        hours: how long `wait` may wait for the slowest rank (a rank may wait for another's whole training)."""
+
+    def __init__(self, hours: float = 168.0) -> None:
+        self.store, self.rank, self.world = None, 0, 1
+        self._waits = 0
+        if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 and dist.is_available():
+            self.store, self.rank, self.world = next(dist.rendezvous("env://", timeout=timedelta(hours=hours)))
+
+    def wait(self) -> None:
+        """Return once every rank has called `wait` as often as this one (at once in a single process)."""
+        if self.store is None:
+            return
+        import time
+
+        self._waits += 1
+        key = f"posprobe/ranks/wait/{self._waits}"
+        self.store.add(key, 1)
+        while self.store.add(key, 0) < self.world:  # add 0 reads the count without blocking on the store's timeout
+            time.sleep(0.2)
 
 
 def _comm_device() -> torch.device:

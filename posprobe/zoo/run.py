@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +81,7 @@ def train_zoo(cfg: ZooConfig, text: str | CorpusConfig, out: str | os.PathLike, 
     """
     import torch
 
+    from posprobe.core import distributed
     from posprobe.zoo.tokenizer import train_tokenizer
 
     out = Path(out)
@@ -86,15 +89,28 @@ def train_zoo(cfg: ZooConfig, text: str | CorpusConfig, out: str | os.PathLike, 
     check_device(cfg)
     if budget_steps is not None and (budget_steps < 0 or budget_steps == 1):
         raise ValueError(f"budget_steps must be 0 (no warm-up) or >= 2 (the first is not timed), got {budget_steps}")
+    ranks = distributed.Ranks()  # under torchrun: one member per rank (docs/zoo.md#several-processes)
+    rank, world = ranks.rank, ranks.world
+
+    def opened(key: dict) -> tuple:
+        # Rank 0 opens (or discards, with `fresh`) the work folder before the others look into it.
+        if rank == 0:
+            work = open_work(out, key, fresh=fresh)
+        ranks.wait()
+        return work if rank == 0 else open_work(out, key)
+
     if isinstance(text, CorpusConfig):  # a `datasets` corpus, read once into a token cache in the work folder
         from posprobe.zoo.corpus import check_hub, prepare_corpus
 
         check_hub(text)  # one sentence before anything is written
         key = run_key("zoo-train", model={"members": list(cfg.members)}, data={"corpus": text.key()}, config=cfg)
-        ckpt, staging, work = open_work(out, key, fresh=fresh)
         limit = int(text.corpus_tokens or cfg.steps * cfg.tokens_per_step)
-        corpus = prepare_corpus(text, cfg.vocab_size, limit, work / "corpus", eval_text=eval_text,
-                                progress=cfg.progress)
+        for turn in (0, 1):  # rank 0 fills the cache, then the others read it
+            if (rank == 0) == (turn == 0):
+                ckpt, staging, work = open_work(out, key, fresh=fresh and rank == 0)
+                corpus = prepare_corpus(text, cfg.vocab_size, limit, work / "corpus", eval_text=eval_text,
+                                        progress=cfg.progress and rank == 0)
+            ranks.wait()
         tokenizer, ids, held_out, train_sha = corpus.tokenizer, corpus.ids, corpus.eval_text, corpus.sha256
         source = source or text.source
     else:
@@ -110,9 +126,21 @@ def train_zoo(cfg: ZooConfig, text: str | CorpusConfig, out: str | os.PathLike, 
     if not isinstance(text, CorpusConfig):
         key = run_key("zoo-train", model={"members": list(cfg.members)},
                       data={"train_sha256": train_sha, "eval_sha256": text_sha256(held_out)}, config=cfg)
-        ckpt, staging, work = open_work(out, key, fresh=fresh)
-    budget = _budget(cfg, tokenizer, ids, budget_steps)
-    records = run_jobs(zoo_jobs(cfg, tokenizer, ids), ckpt, staging)
+        ckpt, staging, work = opened(key)
+    # The budget's warm-up runs on rank 0 alone (the others wait); each rank trains its share on its own device.
+    budget = _budget(cfg, tokenizer, ids, budget_steps) if rank == 0 else []
+    jobs = zoo_jobs(cfg, tokenizer, ids)
+    if world > 1:
+        mine = zoo_jobs(replace(cfg, device=distributed.local_device(cfg.device)), tokenizer, ids)[rank::world]
+        ranks.wait()  # every rank has opened the work folder (opening it sweeps half-written units)
+        _say_world(ckpt, rank, world, mine)
+        run_jobs(mine, ckpt, staging)
+        ranks.wait()  # every member trained
+        if rank != 0:
+            ranks.wait()  # rank 0 has committed the zoo
+            return Result.load(out / TRAINING_FOLDER)
+        ckpt, staging, work = open_work(out, key)  # sees the units the other ranks wrote
+    records = run_jobs(jobs, ckpt, staging)  # with world > 1: every job done, only their records read
     if source is None:  # a text of the caller's is not the built-in corpus: zoo extend would look for the wrong text
         from posprobe.data import builtin_corpus
 
@@ -121,7 +149,22 @@ def train_zoo(cfg: ZooConfig, text: str | CorpusConfig, out: str | os.PathLike, 
     result.meta["budget"] = budget
     commit_zoo(out, staging, {EVAL_FILE: held_out}, {TRAINING_FOLDER: result})
     discard_work_folder(work)
+    if world > 1:
+        ranks.wait()
     return result
+
+
+def _say_world(ckpt: Any, rank: int, world: int, mine: list[Job]) -> None:
+    # Members are independent, so a run resumed at another world size gives the same weights (each member resumes
+    # from its own state); it is said, as its members now run on other ranks' devices.
+    unit = "world-size"
+    if rank == 0:
+        if ckpt.has(unit) and ckpt.get(unit) != world:
+            print(f"zoo: resumed with {world} processes where the interrupted run had {ckpt.get(unit)}: each member "
+                  "continues from its own saved state, on the device of the rank that now holds it", file=sys.stderr)
+        ckpt.put(unit, world)
+    names = ", ".join(j.folder for j in mine) or "nothing (more ranks than members x seeds)"
+    print(f"zoo: rank {rank} of {world} trains {names}", file=sys.stderr)  # one line, with or without progress
 
 
 def zoo_jobs(cfg: ZooConfig, tokenizer: Any, ids: Any) -> list[Job]:

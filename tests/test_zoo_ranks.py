@@ -1,0 +1,87 @@
+"""The zoo under torchrun (issue 65): one member per rank. Two gloo processes on the CPU train the members of one zoo
+with the same weights, byte for byte, as one process does with the same thread count (each member's training depends
+on its member, seed, schedule and tokens alone), and write one zoo folder, whole, once every rank is done. The
+reference is a plain single-process `posprobe zoo train` run; a planted rank-dependent seed fails it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+_FLAGS = ["--member", "rope-llama", "--member", "nope", "--seed", "0", "--seed", "1", "--d-model", "16",
+          "--n-layers", "1", "--n-heads", "2", "--length", "16", "--vocab-size", "280", "--batch-size", "2",
+          "--steps", "6", "--threads", "1", "--no-progress"]
+
+
+def _env() -> dict:
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
+
+
+def _train(out: Path, ranks: int) -> subprocess.CompletedProcess:
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] \
+        if ranks > 1 else [sys.executable]
+    return subprocess.run([*launcher, "-m", "posprobe", "zoo", "train", *_FLAGS, "--out", str(out)],
+                          capture_output=True, text=True, env=_env(), timeout=600)
+
+
+def _weights(zoo: Path) -> dict[str, bytes]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for folder in sorted(p for p in zoo.iterdir() if (p / "zoo.json").is_file()):
+        tensors = load_file(folder / "model.safetensors")
+        out[folder.name] = b"".join(tensors[k].numpy().tobytes() for k in sorted(tensors))
+    return out
+
+
+@pytest.mark.slow  # three launches of posprobe (each imports torch and transformers): ~20 s on 2 cores
+def test_two_ranks_train_the_members_one_process_trains_byte_for_byte(tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    single = _train(one, 1)
+    assert single.returncode == 0, single.stderr[-3000:]
+    ranked = _train(two, 2)
+    assert ranked.returncode == 0, ranked.stderr[-3000:]
+    a, b = _weights(one), _weights(two)
+    assert sorted(a) == ["nope-s0", "nope-s1", "rope-llama-s0", "rope-llama-s1"] and sorted(b) == sorted(a)
+    for name in a:
+        assert a[name] == b[name], f"{name}: the two-rank zoo's weights differ from the single process's"
+    # Members alternate between the ranks (seed by seed, member by member), each rank saying what it trains.
+    assert "rank 0 of 2 trains" in ranked.stderr and "rank 1 of 2 trains" in ranked.stderr
+    # One zoo: the training tables hold every member, in the single run's order, with the same losses; the work
+    # folder is gone; rank 1 wrote nothing of its own (stdout carries one summary per rank, the same one).
+    from posprobe.report.result import Result
+
+    ra, rb = Result.load(one / "training"), Result.load(two / "training")
+    assert ra.tables["members"]["model"].tolist() == rb.tables["members"]["model"].tolist()
+    assert ra.tables["training"]["loss"].tolist() == rb.tables["training"]["loss"].tolist()
+    assert not (tmp_path / "two.work").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["one", "two"]
+    assert json.loads((two / "nope-s1" / "zoo.json").read_text())["seed"] == 1
+    assert ranked.stdout.count("[zoo] nope-s1:") == 2
+
+
+def test_a_single_process_needs_no_process_group(monkeypatch):
+    from posprobe.core import distributed
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    ranks = distributed.Ranks()
+    assert (ranks.rank, ranks.world, ranks.store) == (0, 1, None)
+    ranks.wait()  # no store, no wait
+    assert not distributed.active()
+
+
+def test_the_world_size_is_said_when_a_resume_changes_it(tmp_path, capsys):
+    from posprobe.report.checkpoint import Checkpoint
+    from posprobe.zoo.run import _say_world
+
+    ckpt = Checkpoint(tmp_path / "w", {"k": 1})
+    _say_world(ckpt, 0, 2, [])
+    assert "changes" not in capsys.readouterr().err
+    _say_world(Checkpoint(tmp_path / "w", {"k": 1}), 0, 3, [])
+    err = capsys.readouterr().err
+    assert "resumed with 3 processes where the interrupted run had 2" in err
+    assert "rank 0 of 3 trains nothing" in err
