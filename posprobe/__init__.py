@@ -92,6 +92,8 @@ _EXPORTS = {
     "BackcopyConfig": "posprobe.zoo.backcopy",
     "run_sink_control": "posprobe.analyses.sink_control",
     "extend_study_table": "posprobe.analyses.extend_study",
+    "EmergenceConfig": "posprobe.analyses.emergence",
+    "run_emergence": "posprobe.analyses.emergence",
     # analysis building blocks
     "frequency_usage": "posprobe.analyses.frequency",
     "FrequencyUsage": "posprobe.analyses.frequency",

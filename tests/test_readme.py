@@ -130,13 +130,14 @@ def _concrete(cmd: str, text: Path, out: Path) -> list[str]:
 
 
 def _stand_in_zoos(argv: list[str], folder: Path) -> None:
-    # `zoo eval` / `zoo atlas` refuse a folder that is not a zoo before loading: the README's zoo (trained by its own
-    # command) is stood in for by one member folder with the record and config `zoo train` writes.
+    # `zoo eval`, `zoo atlas` and `zoo emergence` refuse a folder that is not a zoo before loading: the README's zoo
+    # (trained by its own command) is stood in for by one member folder with the record and config `zoo train` writes,
+    # and its held-out eval.txt.
     import json
 
     from posprobe.zoo.folder import ZOO_FILE
 
-    if argv[:1] != ["zoo"] or argv[1] not in ("eval", "atlas"):
+    if argv[:1] != ["zoo"] or argv[1] not in ("eval", "atlas", "emergence"):
         return
     for spec in argv[2:]:
         if spec.startswith("-"):
@@ -147,6 +148,7 @@ def _stand_in_zoos(argv: list[str], folder: Path) -> None:
             (member / ZOO_FILE).write_text(json.dumps({"member": "rope", "family": "rope", "block": "gpt", "seed": 0,
                                                        "widths": {"length": 128}}))
             (member / "config.json").write_text(json.dumps({"model_type": "gpt_neox"}))
+            (folder / spec / "eval.txt").write_text("The held-out text a zoo keeps. " * 40)
 
 
 def test_readme_names_its_commands():

@@ -4,7 +4,7 @@ raises is an outcome saying why (never dropped), a model that cannot load is ref
 are kept for a cross-model section only when it reads them, and time is counted per section. Seconds.
 
 Plants seen failing (one at a time): `keep` inverted; a raising section's outcome not marked failed; outcomes of an
-unloadable model dropped; the progress line counting from 0; timings charged to the wrong section; `_model_row`
+unloadable model dropped; the progress line counting from 0; timings charged to the wrong section; `model_row`
 marking a refused model "loaded"; `_tag` dropping the member columns; run_zoo_atlas measuring the zoo's text instead
 of the one given, ignoring the device, losing the source, the progress lines, a section's page, the first-line rule
 for failures, empty tables dropped, headlines keyed by model, the ratios table, the extrapolation settings."""
@@ -14,7 +14,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from posprobe.analyses.atlas_many import _model_row, _tag, compare_models
+from posprobe.analyses.atlas_many import _tag, compare_models, model_row
 from posprobe.analyses.configs import ZooAtlasConfig
 from posprobe.analyses.sections import AtlasSection, CompareRun, ModelEntry
 
@@ -82,12 +82,12 @@ def test_time_is_charged_to_the_section_that_spent_it(monkeypatch):
 
 def test_model_rows_and_tags_carry_the_member_and_status():
     loaded = compare_models([("tiny-rope", None)], {}, RUN)[0][0]
-    row = _model_row(loaded)
+    row = model_row(loaded)
     assert (row["model"], row["status"], row["why"], row["member"]) == ("tiny-rope", "loaded", "", "tiny-rope")
     assert row["n_layers"] == loaded.facts.n_layers and row["positional_kind"] == loaded.facts.positional_kind
     gone = ModelEntry("m-s1", "/zoo/m-s1", {"member": "rope", "family": "rotary", "block": "gpt", "seed": 1},
                       why="could not read")
-    row = _model_row(gone)
+    row = model_row(gone)
     assert (row["status"], row["why"], row["member"], row["seed"]) == ("refused", "could not read", "rope", 1)
     assert "n_layers" not in row
     tagged = _tag(pd.DataFrame({"v": [1, 2]}), gone)

@@ -139,3 +139,57 @@ def test_a_state_saved_before_checkpoint_looks_existed_still_loads():
     st.checkpoints = [(1, "stale")]
     st.load_state_dict({**old, "step": 5})
     assert st.step == 5 and st.checkpoints == []
+
+
+def test_weights_every_k_steps_are_the_models_the_loop_held_then(tok, tmp_path):
+    """`save_every`: a Hugging Face folder per K steps (and step 0) under the member's checkpoints/, each holding the
+    weights the loop's model had after that step (read by the loop's own look, not by the saver), with step and
+    tokens in its zoo.json; saving changes nothing in the training (same final weights as without it), and a run
+    resumed past a saved step keeps it."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.tensor(tok(TEXT)["input_ids"])
+    seen = {}
+
+    def look(step, model):
+        seen[step] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    cfg = ZooConfig(**{**CFG, "checkpoint_every": 3}, members=("rope-llama",), save_every=2)
+    states = []
+    job = Job.text("rope-llama", 0, cfg, tok, ids, checkpoints=(0, 2, 4))
+    train_member(job, tmp_path / "m", (lambda: None, lambda st: states.append(copy.deepcopy(st))), on_checkpoint=look)
+    steps = tmp_path / "m" / "checkpoints"
+    assert sorted(p.name for p in steps.iterdir()) == ["step0", "step2", "step4"]  # the final weights: the member
+    assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # nothing staged is left beside it
+    for step in (0, 2, 4):
+        hf = AutoModelForCausalLM.from_pretrained(steps / f"step{step}")
+        for k, v in hf.state_dict().items():
+            assert torch.equal(v, seen[step][k]), (step, k)
+        z = json.loads((steps / f"step{step}" / "zoo.json").read_text())
+        assert (z["step"], z["tokens"], z["member"], z["seed"]) == (step, step * 2 * 16, "rope-llama", 0)
+    plain = Job.text("rope-llama", 0, ZooConfig(**{**CFG, "checkpoint_every": 3}, members=("rope-llama",)), tok, ids)
+    train_member(plain, tmp_path / "plain", NO_STATE)
+    assert load_file(tmp_path / "plain" / "model.safetensors").keys() == load_file(
+        tmp_path / "m" / "model.safetensors").keys()
+    a, b = load_file(tmp_path / "plain" / "model.safetensors"), load_file(tmp_path / "m" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not (tmp_path / "plain" / "checkpoints").exists()
+    # Killed after step 3 and resumed: step 0 and 2 (saved before the kill) stay, step 4 is written by the resume.
+    import shutil
+
+    (tmp_path / "r").mkdir()
+    first = tmp_path / "r" / "m"
+    shutil.copytree(steps, tmp_path / "r" / ".m.checkpoints", ignore=lambda d, names: {"step4"} & set(names))
+    at3 = next(st for st in states if st["step"] == 3)
+    train_member(Job.text("rope-llama", 0, cfg, tok, ids), first, (lambda: at3, lambda st: None))
+    assert sorted(p.name for p in (first / "checkpoints").iterdir()) == ["step0", "step2", "step4"]
+    b4 = load_file(first / "checkpoints" / "step4" / "model.safetensors")
+    a4 = load_file(steps / "step4" / "model.safetensors")
+    assert all(torch.equal(a4[k], b4[k]) for k in a4)
+
+
+def test_save_every_must_not_be_negative():
+    with pytest.raises(ValueError, match="save_every must be >= 0"):
+        ZooConfig(**CFG, save_every=-1)

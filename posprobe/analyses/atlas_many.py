@@ -95,24 +95,12 @@ def run_zoo_atlas(paths: list[str], config: ZooAtlasConfig | None = None, *, tex
     say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if cfg.progress else (lambda msg: None)
     models, outcomes, timings = compare_models(specs, declared, CompareRun(cfg, text, tuple(map(str, paths))),
                                                device=device, say=say)
-    frames: dict[str, list[pd.DataFrame]] = {}
-    refused: list[dict] = []
-    headline: dict[str, dict] = {}
-    for o in outcomes:
-        if o.why is not None:
-            refused.append(dict(model=o.label, section=o.section, why=o.why.splitlines()[0] if o.failed else o.why))
-            continue
-        for tab, df in o.tables.items():
-            if df is not None and len(df):
-                frames.setdefault(tab, []).append(df if o.model is None else _tag(df, o.model))
-        if o.headline:
-            headline.setdefault(o.section, {})[o.label] = o.headline
-    tables = {name: pd.concat(parts, ignore_index=True) for name, parts in frames.items()}
+    tables, refused, headline = collect(outcomes)
     if "perplexity" in tables:  # ppl(xL) / ppl(L) per member over its seeds, as `zoo eval` gives it
         tables["ratios"] = ratio_summary(tables["perplexity"])
-    tables["models"] = pd.DataFrame([_model_row(m) for m in models])
+    tables["models"] = pd.DataFrame([model_row(m) for m in models])
     zoo = "seed" in tables["models"] and bool(tables["models"]["seed"].notna().any())
-    tables["refused"] = pd.DataFrame(refused, columns=["model", "section", "why"])
+    tables["refused"] = refused
     for name, df in tables.items():
         tables[name] = df.reset_index(drop=True)
     # One vocabulary by what was compared: a zoo's members and seeds, or the models a user named.
@@ -198,6 +186,27 @@ def compare_models(specs: list[tuple[str, dict | None]], declared: dict[str, Atl
     return models, outcomes, {n: round(t, 2) for n, t in timings.items()}
 
 
+def collect(outcomes: list[Outcome]) -> tuple[dict[str, pd.DataFrame], pd.DataFrame, dict[str, dict]]:
+    """What the atlas over many models keeps of its outcomes: each table concatenated over the models (a model's
+    rows tagged with its model, member, family, block and seed), the table of what was refused (model, section,
+    why: the first line of an analysis's error, or posprobe's reason it does not apply) and the headlines
+    {section: {model: headline}}."""
+    frames: dict[str, list[pd.DataFrame]] = {}
+    refused: list[dict] = []
+    headline: dict[str, dict] = {}
+    for o in outcomes:
+        if o.why is not None:
+            refused.append(dict(model=o.label, section=o.section, why=o.why.splitlines()[0] if o.failed else o.why))
+            continue
+        for tab, df in o.tables.items():
+            if df is not None and len(df):
+                frames.setdefault(tab, []).append(df if o.model is None else _tag(df, o.model))
+        if o.headline:
+            headline.setdefault(o.section, {})[o.label] = o.headline
+    tables = {name: pd.concat(parts, ignore_index=True) for name, parts in frames.items()}
+    return tables, pd.DataFrame(refused, columns=["model", "section", "why"]), headline
+
+
 def _page_ref(sec: AtlasSection) -> str | None:
     # The section's page function as "module:function", so that a saved result renders without the analyses.
     fn = sec.compare_page
@@ -217,7 +226,9 @@ def collapse_layers(parts: list[str] | tuple[str, ...]) -> str:
     return "; ".join(f"{p} ×{n}" if n > 1 else p for p, n in counts.items())
 
 
-def _model_row(m: ModelEntry) -> dict:
+def model_row(m: ModelEntry) -> dict:
+    """The models table's row of one model: model, spec, member, family, block, seed, and its facts (positional
+    kind, context, layers, heads, positions per layer) with status "loaded", or status "refused" and why."""
     row = {"model": m.label, "spec": m.spec, **member_info(m.label, m.record)}
     if m.facts is not None:
         row.update(positional_kind=m.facts.positional_kind, n_ctx=m.facts.n_ctx, n_layers=m.facts.n_layers,

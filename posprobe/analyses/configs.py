@@ -803,13 +803,14 @@ class ZooAtlasConfig:
     factors: tuple[float, ...] = option((1, 2, 4, 8), "extrapolation lengths as multiples of L", flag="--factor")
     passkey_trials: int = option(10, "passkey section: prompts per distance, distances every L/8 up to prompts of "
                                      "the longest factor x L (members trained with zoo train --passkey)")
+    sink_samples: int = option(8, "sinks section: random-token sequences of 64 tokens per model (Gu et al.: 100)")
     seed: int = option(0, "seed of every sampled piece")
     progress: bool = option(True, "", cli=False)
 
     def __post_init__(self) -> None:
         at_least(self, 2, "window", "shift_window")
         at_least(self, 1, "max_windows", "max_pairs", "probe_tokens", "similarity_windows", "extrapolation_tokens",
-                 "passkey_trials")
+                 "passkey_trials", "sink_samples")
         bad = sorted(set(self.sections or ()) - set(ZOO_ATLAS_SECTIONS))
         if bad:
             raise ValueError(f"unknown zoo atlas sections {bad}; choose from {list(ZOO_ATLAS_SECTIONS)}")

@@ -358,7 +358,8 @@ def _compare(m: ModelEntry, run: CompareRun) -> Any:
     text, cfg = run.text, run.config
     if (why := why_not("sinks", m.facts)) is not None:
         return why
-    got = run_sinks(m.model, text, SinksConfig(length=min(SINK_LENGTH, cfg.window, m.facts.n_ctx), random_samples=8,
+    got = run_sinks(m.model, text, SinksConfig(length=min(SINK_LENGTH, cfg.window, m.facts.n_ctx),
+                                               random_samples=cfg.sink_samples,
                                                max_windows=cfg.max_windows, ablate_heads=0, seed=cfg.seed,
                                                progress=False))
     keep = ("sink_share", "sink_control", "massive_activations", "massive_intervention")

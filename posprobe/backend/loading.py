@@ -14,7 +14,7 @@ from typing import Any, Iterator, Union
 import torch
 
 from posprobe.backend.hf import auto_model, hf_folder
-from posprobe.backend.sources import ModelLoadError, resolve
+from posprobe.backend.sources import ModelLoadError, fetch_revision, resolve
 
 Model = Any  # TransformerBridge | HookedTransformer | HookedEncoder; typed loosely so importing this module stays cheap
 ModelSpec = Union[str, os.PathLike, Model]
@@ -86,7 +86,7 @@ def load_model(
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
     dt = as_dtype(dtype)
-    source = resolve(spec)
+    source = fetch_revision(resolve(spec))  # a hub model at a revision: downloaded as a folder
     if backend == "hooked":
         from posprobe.backend.legacy import require_hooked
 
@@ -158,7 +158,7 @@ def load_hf_model(
     """
     from transformers import AutoTokenizer
 
-    source = resolve(spec)
+    source = fetch_revision(resolve(spec))  # a hub model at a revision: downloaded as a folder
     if source.kind != "hf-dir":
         raise ModelLoadError(f"{spec} has no Hugging Face weights on disk")
     folder = hf_folder(source)

@@ -165,12 +165,12 @@ def gguf_cache_path(gguf: Path) -> Path:
     return cache_dir() / "gguf" / f"{gguf.stem}-{_file_digest(gguf)[:16]}"
 
 
-def _cached_snapshot(name: str) -> Path | None:
+def _cached_snapshot(name: str, revision: str | None = None) -> Path | None:
     try:
         from huggingface_hub import try_to_load_from_cache
     except ImportError:  # pragma: no cover - transformers always brings it
         return None
-    hit = try_to_load_from_cache(name, "config.json")
+    hit = try_to_load_from_cache(name, "config.json", revision=revision)
     return Path(hit).parent if isinstance(hit, str) else None
 
 
@@ -185,8 +185,9 @@ def resolve(spec: str | os.PathLike[str]) -> Source:
     local = resolve_local(text)
     if local is not None:
         return local
-    if not known_model_name(text) and not looks_like_repo_id(text) and tl_model_names()[0]:
-        raise _unknown_name_error(text)
+    base, revision = split_revision(text)
+    if not known_model_name(base) and not looks_like_repo_id(base) and tl_model_names()[0]:
+        raise _unknown_name_error(base)
     if hub_offline():
         raise HubUnreachableError(
             f"Cannot download '{text}': the Hugging Face hub is unreachable (offline) and the model "
@@ -206,6 +207,9 @@ def resolve_local(spec: str | os.PathLike[str], *, assemble: bool = True) -> Sou
     that is not yet written out (gemma3-270m) is not assembled; its Source points at where it would be.
     """
     text = os.fspath(spec)
+    base, revision = split_revision(text)
+    if revision is not None:
+        return _at_revision(base, revision)
     if text in TINY_SPECS:
         return Source("tiny", text, origin="posprobe built-in random spec")
     if text in PACKAGED:
@@ -232,6 +236,68 @@ def resolve_local(spec: str | os.PathLike[str], *, assemble: bool = True) -> Sou
     if snapshot is not None:
         return Source("hf-dir", text, snapshot, origin=f"hf-cache:{text}")
     return None
+
+
+#: Where a zoo member keeps its weights every K steps (`posprobe zoo train --save-every K`): `checkpoints/step<K>/`.
+STEPS_FOLDER = "checkpoints"
+
+
+def split_revision(spec: str) -> tuple[str, str | None]:
+    """(model, revision) of a spec `MODEL@REVISION` (a zoo member's `step<K>`, a hub model's branch, tag or commit,
+    e.g. Pythia's `step1000`); (spec, None) without one, or when the spec is a path that exists as written."""
+    if "@" not in spec or Path(spec).expanduser().exists():
+        return spec, None
+    base, _, revision = spec.rpartition("@")
+    if not base or not revision or "/" in revision:
+        raise ModelLoadError(f"{spec}: MODEL@REVISION needs both parts (e.g. zoo/rope-llama-s0@step200 or "
+                             "EleutherAI/pythia-70m@step1000)")
+    return base, revision
+
+
+def _at_revision(base: str, revision: str) -> Source | None:
+    # A local folder's revision is its saved step (`<folder>/checkpoints/<revision>`); a hub name's is looked up in
+    # the local Hugging Face cache (None when absent: `resolve` decides between a download and the offline error).
+    path = Path(base).expanduser()
+    if path.is_dir():
+        folder = path / STEPS_FOLDER / revision
+        if not (folder / "config.json").is_file():
+            saved = sorted((p.name for p in (path / STEPS_FOLDER).iterdir() if (p / "config.json").is_file()),
+                           key=lambda n: (len(n), n)) if (path / STEPS_FOLDER).is_dir() else []
+            have = f"its saved steps: {', '.join(saved)}" if saved else "it has no saved steps (train with " \
+                "posprobe zoo train --save-every K)"
+            raise ModelLoadError(f"{base}@{revision}: {base} has no checkpoint {revision!r}; {have}")
+        return Source("hf-dir", f"{path.name}@{revision}", folder.resolve(), origin=f"dir:{folder.resolve()}")
+    if len(path.parts) > 1 and path.parent.is_dir():  # 'zoo/not-here@step2': a mistyped path, not a repo id
+        raise ModelLoadError(f"No such file or folder: {base} (the folder {path.parent} exists here, so this names a "
+                             "local path, not a Hugging Face repo id)")
+    if base in TINY_SPECS or base in PACKAGED or path.suffix == ".gguf":
+        raise ModelLoadError(f"{base}@{revision}: {base} has no revisions (only zoo members saved with --save-every "
+                             "and hub models do)")
+    snapshot = _cached_snapshot(official_name(base), revision=revision)
+    if snapshot is not None:
+        return Source("hf-dir", f"{base}@{revision}", snapshot, origin=f"hf-cache:{base}@{revision}")
+    return None
+
+
+def fetch_revision(source: Source) -> Source:
+    """A hub model at a revision (`org/name@step1000`), downloaded into the Hugging Face cache as a local folder
+    (`huggingface_hub.snapshot_download` with that revision); any other source unchanged.
+
+    Args:
+        source: a resolved source.
+
+    Returns:
+        The Source to load: for a hub revision, an "hf-dir" Source at the downloaded snapshot."""
+    base, revision = split_revision(source.name) if source.kind == "hub" else (source.name, None)
+    if revision is None:
+        return source
+    from huggingface_hub import snapshot_download
+
+    try:
+        folder = snapshot_download(official_name(base), revision=revision)
+    except Exception as e:  # noqa: BLE001 - the hub raises many types (no such revision, no network)
+        raise ModelLoadError(f"Could not download {base} at revision {revision!r}: {e}") from e
+    return Source("hf-dir", source.name, Path(folder), origin=f"hub:{source.name}")
 
 
 def _package_dir(module: str, alias: str) -> Path:

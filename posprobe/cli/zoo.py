@@ -61,6 +61,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps or auto (default: cpu)")
     add_config_arguments(a, ZooAtlasConfig)
     add_output_arguments(a)
+    from posprobe.analyses.emergence import EmergenceConfig
+
+    g = sub.add_parser("emergence", help="positional measurements at every saved step of training, against tokens",
+                       description="Sinks, head classes and the shift test on every checkpoint of the zoo members "
+                                   "(zoo train --save-every K) and on models named as MODEL@step<N> (a hub model's "
+                                   "revisions, e.g. Pythia's), one number per metric against training tokens.")
+    g.add_argument("models", nargs="+", metavar="MODEL",
+                   help="zoo folders, member folders (their saved steps, then themselves) or MODEL@REVISION specs")
+    g.add_argument("--text", metavar="PATH", default=None, help="text (default: the zoo's held-out eval.txt)")
+    g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps or auto (default: cpu)")
+    add_config_arguments(g, EmergenceConfig)
+    add_output_arguments(g)
     k = sub.add_parser("tasks", help="train every member on copy, reverse, addition and sorting; accuracy up to 3L",
                        description="Kazemnejad et al.'s length generalisation: every member x seed trained on the "
                                    "synthetic tasks at instance lengths 1..L, exact-answer accuracy measured on "
@@ -141,12 +153,22 @@ def run(args: argparse.Namespace) -> int:
         return _tasks(args)
     if command == "extend":
         return _extend(args)
+    if command == "emergence":
+        return _across_models(args, _config_class("posprobe.analyses.emergence", "EmergenceConfig"),
+                              ("posprobe.analyses.emergence", "run_emergence"),
+                              ("posprobe.analyses.emergence", "printed_emergence"))
     if command == "extend-study":
         return _extend_study(args)
     if command == "sink-control":
         return _sink_control(args)
-    raise ValueError("choose a zoo command: train, eval, atlas, tasks, extend, extend-study, sink-control or list "
-                     "(posprobe zoo --help)")
+    raise ValueError("choose a zoo command: train, eval, atlas, emergence, tasks, extend, extend-study, sink-control "
+                     "or list (posprobe zoo --help)")
+
+
+def _config_class(module: str, name: str) -> type:
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
 
 
 def _list() -> int:

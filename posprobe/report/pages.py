@@ -33,6 +33,7 @@ PAGES = {
     "zoo-atlas": "posprobe.report.zoo_atlas",
     "zoo-tasks": "posprobe.report.zoo_tasks",
     "zoo-extend": "posprobe.report.zoo_extend",
+    "zoo-emergence": "posprobe.report.emergence",
     "conform": "posprobe.report.conform",
 }
 

@@ -71,6 +71,9 @@ class ZooConfig:
     weight_decay: float = option(0.1, "AdamW weight decay on matrices (not on norms, biases)")
     grad_clip: float = option(1.0, "gradient norm clip")
     checkpoint_every: int = option(100, "steps between checkpoints (a killed run resumes from the last)")
+    save_every: int = option(0, "also keep each member's weights every K steps (and at step 0) as Hugging Face "
+                                "folders <member>/checkpoints/step<K>, for emergence over training (posprobe zoo "
+                                "emergence; MODEL@step<K> loads one); 0: the final weights only")
     eval_fraction: float = option(0.1, "share of --text held out for evaluation when --eval-text is not given")
     passkey: float = option(0.0, "share of each batch's sequences replaced by passkey retrieval sequences (the key "
                                  "at every distance within L; 0: the text alone, as before)")
@@ -120,6 +123,8 @@ class ZooConfig:
             if self.d_model % heads or (self.d_model // heads) % 8:
                 raise ValueError(f"d_model {self.d_model} must split into {heads} heads of a multiple of 8 dims "
                                  "(partial rotary and p-RoPE rotate a quarter of each head in pairs)")
+        if self.save_every < 0:
+            raise ValueError(f"save_every must be >= 0 steps (0: the final weights only), got {self.save_every}")
         if self.micro_batch is not None and self.batch_size % self.micro_batch:
             raise ValueError(f"micro_batch {self.micro_batch} must divide batch_size {self.batch_size}")
         if not 0 <= self.min_lr_share <= 1:

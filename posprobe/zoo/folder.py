@@ -5,6 +5,8 @@
 - `<zoo>/eval.txt`: the held-out evaluation text (what `zoo eval` and `zoo atlas` read by default);
 - `<zoo>/training/`: the training Result (tables `members`, `training`; meta, report); a task zoo's `<zoo>/tasks/`
   (accuracy by task and instance length); a sink control's `<zoo>/sink-control/` (Bigram-Backcopy members' sinks);
+- `<zoo>/<member>-s<seed>/checkpoints/step<K>/`: with `zoo train --save-every K`, the member's weights after K, 2K, ...
+  steps (and step 0) as folders of the same kind, their zoo.json adding `step` and `tokens` (`MODEL@step<K>` loads one);
 - `zoo extend` writes `<out>/<member>-s<seed>-<method>/` member folders of the same kind.
 Readers and writers of any of these import the names below; torch-free, below the analyses."""
 
@@ -13,11 +15,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from posprobe.backend.sources import STEPS_FOLDER
 from posprobe.report.result import Result
 
-__all__ = ["EVAL_FILE", "MEMBER_COLUMNS", "SINK_CONTROL_FOLDER", "TASKS_FOLDER", "TRAINING_FOLDER", "ZOO_FILE",
-           "default_text", "extended_folder_name", "member_folder_name", "member_info", "read_zoo", "resolve_text",
-           "training_tables", "zoo_models"]
+__all__ = ["EVAL_FILE", "MEMBER_COLUMNS", "SINK_CONTROL_FOLDER", "STEPS_FOLDER", "TASKS_FOLDER", "TRAINING_FOLDER",
+           "ZOO_FILE", "default_text", "extended_folder_name", "member_folder_name", "member_info", "read_zoo",
+           "resolve_text", "training_tables", "zoo_models"]
 
 #: The file in every member folder that says what it is (family, block, seed, widths, training).
 ZOO_FILE = "zoo.json"

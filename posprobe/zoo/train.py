@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 
 from posprobe.zoo.config import ZooConfig
-from posprobe.zoo.folder import ZOO_FILE
+from posprobe.zoo.folder import STEPS_FOLDER, ZOO_FILE
 from posprobe.zoo.members import Member, Widths, member
 from posprobe.zoo.passkey import with_passkey
 
@@ -195,6 +195,8 @@ def train_member(job: Any, folder: Path, state_io: tuple[Callable[[], dict | Non
     t0 = time.perf_counter()
     if begin == 0 and checkpoint(0):
         st.save(state_io[1], 0)
+    if begin == 0 and cfg.save_every:
+        _save_step(model, job, folder, st.log, 0, tokens_per_step)
     shifts_labels = m.architecture.shifts_labels  # a fact of the HF class (its architecture row), not the member's
     try:
         # Grad on explicitly: loading a model for analysis elsewhere in the process may have turned it off globally.
@@ -216,6 +218,8 @@ def train_member(job: Any, folder: Path, state_io: tuple[Callable[[], dict | Non
                     _postfix(bar, step + 1, cfg.steps, mean, later_steps * tokens_per_step)
                 bar.update(tokens_per_step)
                 looked = checkpoint(step + 1)
+                if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
+                    _save_step(model, job, folder, st.log, step + 1, tokens_per_step)
                 if ((step + 1) % cfg.checkpoint_every == 0 or looked) and step + 1 < cfg.steps:
                     st.save(state_io[1], step + 1)
     finally:
@@ -275,13 +279,31 @@ def used_parameters(model: Any, m: Member) -> int:
     return sum(p.numel() for name, p in model.named_parameters() if not (unused and unused in name))
 
 
-def _save_folder(model: Any, job: Any, folder: Path, log: list) -> None:
+def _steps_staging(folder: Path) -> Path:
+    # Where the weights every K steps wait while the member trains (hidden: a zoo commit copies no hidden folder);
+    # the finished member folder takes them in as its `checkpoints/`.
+    return folder.with_name(f".{folder.name}.{STEPS_FOLDER}")
+
+
+def _save_step(model: Any, job: Any, folder: Path, log: list, step: int, tokens_per_step: int) -> None:
+    # The weights after `step` steps as a Hugging Face folder with its zoo.json (step, tokens), written beside and
+    # renamed into place; a resumed run that passes the step again writes the same bytes.
+    was_training = model.training
+    model.eval()
+    _save_folder(model, job, _steps_staging(folder) / f"step{step}", log,
+                 {"step": step, "tokens": step * tokens_per_step}, keep_steps=False)
+    model.train(was_training)
+
+
+def _save_folder(model: Any, job: Any, folder: Path, log: list, extra: dict | None = None, *,
+                 keep_steps: bool = True) -> None:
     import json
     from dataclasses import asdict
 
     from posprobe.backend.loading import quiet_progress
 
     m, cfg = member(job.member), job.config
+    folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = folder.with_name(f".{folder.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     with quiet_progress():  # its "Writing model shards" bar would break the zoo's progress line
@@ -291,8 +313,15 @@ def _save_folder(model: Any, job: Any, folder: Path, log: list) -> None:
               "positions": m.positions, "differences": m.differences, "seed": job.seed, "widths": asdict(job.widths),
               "steps": cfg.steps, "batch_size": cfg.batch_size, "lr": cfg.lr, "warmup": cfg.warmup,
               "final_loss": log[-1][1] if log else None, **({"passkey": cfg.passkey} if cfg.passkey else {}),
-              **job.record}
+              **job.record, **(extra or {})}
     (tmp / ZOO_FILE).write_text(json.dumps(record, indent=1), encoding="utf-8")
     if folder.exists():
+        if keep_steps and (folder / STEPS_FOLDER).is_dir():  # a run killed after its last move: keep what it saved
+            _steps_staging(folder).mkdir(exist_ok=True)
+            for p in (folder / STEPS_FOLDER).iterdir():
+                if not (_steps_staging(folder) / p.name).exists():
+                    os.replace(p, _steps_staging(folder) / p.name)
         shutil.rmtree(folder)
     os.replace(tmp, folder)
+    if keep_steps and _steps_staging(folder).is_dir():  # after the member: a kill between the two keeps them staged
+        os.replace(_steps_staging(folder), folder / STEPS_FOLDER)
