@@ -12,6 +12,12 @@ Identities (each against an independent computation, never posprobe against itse
 Errors are max |difference| / max |reference| (relative); each row states the tolerance for its device
 and dtype and passes or fails against it.
 
+The zoo's research tier (`--zoo`, on by default): two members (learned, rope-llama) trained a few steps through the
+zoo's own loop at the tier's real widths (d 768, 10 / 12 layers, L 2,048, micro-batches of 8) on the device, in the
+tier's precision (bf16 on CUDA), weights saved every few steps, then the emergence page over those checkpoints;
+per member: its warm-up tokens/s and the hours the full tier's D would take at that rate, the loss finite, the saved
+steps present. `--quick` shrinks it to a CPU smoke run (d 64, 2 layers, L 128).
+
 Speed ratios (median wall time of `--repeats` interleaved rounds, divided by a bare forward of the same
 tokens in the same round): the frequency pass (`--queries 32`) and the scoring path (TLScorer at k=0 and
 k=100) at each `--batches` size. On cuda the clock waits for the device (torch.cuda.synchronize).
@@ -152,6 +158,45 @@ def speed(model, device: str, dtype: str, *, tokens: int, window: int, batches: 
     return out
 
 
+def zoo_smoke(device: str, quick: bool) -> list[dict]:
+    """Rows of the research tier's smoke run: train, save every few steps, emergence (see the module docstring)."""
+    import math
+    import tempfile
+
+    from posprobe import EmergenceConfig, ZooConfig, run_emergence, train_zoo
+    from posprobe.data import builtin_corpus
+    from posprobe.zoo.budget import zoo_budget
+
+    sizes = dict(d_model=64, n_layers=2, n_heads=2, gpt_n_layers=2, gpt_n_heads=2, length=128, vocab_size=1024,
+                 batch_size=8, micro_batch=4) if quick else dict(vocab_size=8192)
+    cfg = ZooConfig(tier="research", members=("learned", "rope-llama"), steps=6, save_every=3, device=device,
+                    progress=False, **sizes)
+    full = ZooConfig(tier="research", members=cfg.members, device=device, progress=False)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        result = train_zoo(cfg, builtin_corpus() * (1 if quick else 8), Path(tmp) / "zoo", budget_steps=3)
+        seconds = time.perf_counter() - t0
+        rates = {b["member"]: b["tokens_per_s"] for b in result.meta["budget"]}
+        hours = {b.member: b.tokens / rates[b.member] / 3600 for b in zoo_budget(full)}
+        for r in result.tables["members"].itertuples():
+            saved = sorted(p.name for p in (Path(tmp) / "zoo" / r.model / "checkpoints").iterdir())
+            ok = math.isfinite(r.loss) and saved == ["step0", "step3"]
+            rows.append(dict(check=f"zoo research {r.member}", device=device, dtype=cfg.precision,
+                             value=round(rates[r.member]), ok="ok" if ok else "FAIL", seconds=round(seconds, 1),
+                             note=("warm-up tokens/s at the smoke run's shrunk sizes; " if quick else
+                                   f"warm-up tokens/s; the full tier's D: {hours[r.member]:,.1f} h per member here; ")
+                             + f"{r.params / 1e6:.1f}M params, loss {r.loss:.2f}, saved {', '.join(saved)}"))
+        t0 = time.perf_counter()
+        em = run_emergence([str(Path(tmp) / "zoo")], EmergenceConfig(sections=("sinks", "heads"), max_windows=4,
+                                                                    sink_samples=4, progress=False), device=device)
+        n = em.tables["emergence"]["model"].nunique()
+        rows.append(dict(check="zoo emergence", device=device, dtype="float32", value=n,
+                         ok="ok" if n == 6 and em.tables["refused"].empty else "FAIL",
+                         seconds=round(time.perf_counter() - t0, 1), note="checkpoints measured (2 members x 3)"))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     from posprobe.cli.args import resolve_device
 
@@ -165,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", type=int, nargs="+", default=[32, 256])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run in seconds on a CPU")
+    p.add_argument("--no-zoo", dest="zoo", action="store_false", help="skip the research tier's smoke run")
     a = p.parse_args(argv)
     if a.quick:
         a.tokens, a.window, a.batches, a.repeats = 256, 32, [4], 1
@@ -183,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
             rows += speed(model, a.device, dtype, tokens=a.tokens, window=a.window, batches=a.batches,
                           repeats=a.repeats)
         del model
+    if a.zoo:
+        rows += zoo_smoke(a.device, a.quick)
     df = pd.DataFrame(rows)
     cols = [c for c in ("check", "device", "dtype", "batch", "value", "tolerance", "ok", "seconds", "bare_seconds",
                         "note") if c in df.columns]

@@ -15,7 +15,8 @@ def test_gpu_check_quick_runs_and_passes(capsys):
     rc = mod.main(["--quick", "--device", "auto", "--dtypes", "float32"])
     out = capsys.readouterr().out
     assert rc == 0, out
-    for check in ("default-plan", "rope-shift", "bands=scores", "frequency pass", "scoring k=100"):
+    for check in ("default-plan", "rope-shift", "bands=scores", "frequency pass", "scoring k=100",
+                  "zoo research learned", "zoo research rope-llama", "zoo emergence"):
         assert check in out
     assert "FAIL" not in out
 

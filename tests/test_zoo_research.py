@@ -122,6 +122,45 @@ def test_micro_batches_give_the_whole_batchs_loss_and_gradient():
     assert all(torch.allclose(a, b, atol=1e-7, rtol=1e-5) for a, b in zip(g1, g2))
 
 
+def test_bf16_runs_the_matmuls_in_bfloat16_and_keeps_fp32_weights_and_gradients():
+    """Mixed precision as the field trains (the same code on CPU as on CUDA, where the research tier turns it on):
+    every Linear computes in bfloat16 under autocast, the weights and their gradients stay float32, and the loss is
+    the fp32 loss within bfloat16's precision. Planted: autocast left off (the Linear outputs stay fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    from posprobe.zoo.members import Widths, member
+    from posprobe.zoo.train import accumulate, init_weights
+
+    hf = member("rope-llama").hf_config(Widths(32, 2, 2, 16, 300), pad_id=1, bos_id=0)
+    model = AutoModelForCausalLM.from_config(hf, attn_implementation="eager", dtype=torch.float32)
+    init_weights(model, 0)
+    x = torch.randint(2, 300, (4, 16), generator=torch.Generator().manual_seed(0))
+    seen = []
+    hooks = [m.register_forward_hook(lambda mod, args, out: seen.append(out.dtype))
+             for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    try:
+        with torch.enable_grad():
+            fp32 = float(accumulate(model, x, x, [], None))
+            assert set(seen) == {torch.float32}
+            model.zero_grad()
+            seen.clear()
+            bf16 = float(accumulate(model, x, x, [], 2, bf16=True))
+    finally:
+        for h in hooks:
+            h.remove()
+    assert seen and set(seen) == {torch.bfloat16}
+    assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in model.parameters())
+    assert abs(bf16 - fp32) < 0.02 * fp32 and bf16 != fp32
+
+
+def test_precision_defaults_to_bf16_only_on_a_gpu_tier_on_cuda():
+    assert ZooConfig(tier="research").precision == "bf16" and ZooConfig(tier="gpu").precision == "bf16"
+    assert ZooConfig(tier="research", device="cpu").precision == "fp32" and ZooConfig().precision == "fp32"
+    assert ZooConfig(precision="bf16").precision == "bf16"
+    with pytest.raises(ValueError, match="precision must be fp32 or bf16"):
+        ZooConfig(precision="fp16")
+
+
 # ---- the budget --------------------------------------------------------------------------------------------------
 
 def _plain_count(name: str, widths) -> int:

@@ -193,3 +193,12 @@ def test_weights_every_k_steps_are_the_models_the_loop_held_then(tok, tmp_path):
 def test_save_every_must_not_be_negative():
     with pytest.raises(ValueError, match="save_every must be >= 0"):
         ZooConfig(**CFG, save_every=-1)
+
+
+def test_a_bf16_member_trains_through_the_loop_and_says_so(tok, tmp_path):
+    ids = torch.tensor(tok(TEXT)["input_ids"])
+    cfg = ZooConfig(**CFG, members=("rope-llama",), precision="bf16")
+    rec = train_member(Job.text("rope-llama", 0, cfg, tok, ids), tmp_path / "m", NO_STATE)
+    assert all(torch.isfinite(torch.tensor(loss)) for _, loss, _ in rec["log"])
+    assert json.loads((tmp_path / "m" / "zoo.json").read_text())["precision"] == "bf16"
+    assert all(t.dtype == torch.float32 for t in load_file(tmp_path / "m" / "model.safetensors").values())

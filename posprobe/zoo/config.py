@@ -77,6 +77,9 @@ class ZooConfig:
     eval_fraction: float = option(0.1, "share of --text held out for evaluation when --eval-text is not given")
     passkey: float = option(0.0, "share of each batch's sequences replaced by passkey retrieval sequences (the key "
                                  "at every distance within L; 0: the text alone, as before)")
+    precision: Literal["fp32", "bf16"] | None = option(
+        None, "fp32, or bf16: forward and backward under torch.autocast in bfloat16 with fp32 weights, gradients and "
+              "AdamW (mixed precision; default: bf16 on the gpu and research tiers on CUDA, else fp32)")
     device: str | None = option(None, "", cli=False)
     progress: bool = option(True, "", cli=False)
 
@@ -100,6 +103,11 @@ class ZooConfig:
         for name in _TIERED:
             if getattr(self, name) is None:
                 object.__setattr__(self, name, tier[name])
+        if self.precision is None:
+            gpu = self.tier != "cpu" and str(self.device).startswith("cuda")
+            object.__setattr__(self, "precision", "bf16" if gpu else "fp32")
+        if self.precision not in ("fp32", "bf16"):
+            raise ValueError(f"precision must be fp32 or bf16, got {self.precision!r}")
         if self.min_lr_share is None:
             object.__setattr__(self, "min_lr_share", tier.get("min_lr_share", 0.0))
         if self.micro_batch is None and "micro_batch" in tier:  # None: the whole batch in one pass

@@ -36,13 +36,17 @@ def split_text(text: str, eval_text: str | None, fraction: float) -> tuple[str, 
 
 
 def check_device(cfg: ZooConfig) -> None:
-    """A tier's device must exist here: the gpu tier on a machine without CUDA is refused with the fix."""
+    """A tier's device must exist here: the gpu tier on a machine without CUDA is refused with the fix, as is bf16 on
+    a GPU without bfloat16."""
     if cfg.device.startswith("cuda"):
         import torch
 
         if not torch.cuda.is_available():
             raise ValueError(f"the {cfg.tier} tier trains on {cfg.device}, which this machine does not have (torch "
                              f"{torch.__version__}); pass --device cpu to run it here (slow), or use --tier cpu")
+        if cfg.precision == "bf16" and not torch.cuda.is_bf16_supported():
+            raise ValueError(f"--precision bf16 needs a GPU with bfloat16 ({torch.cuda.get_device_name()} has none); "
+                             "pass --precision fp32")
 
 
 def train_zoo(cfg: ZooConfig, text: str | CorpusConfig, out: str | os.PathLike, *, eval_text: str | None = None,

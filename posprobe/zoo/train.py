@@ -204,7 +204,7 @@ def train_member(job: Any, folder: Path, state_io: tuple[Callable[[], dict | Non
             for step in range(begin, cfg.steps):
                 x, labels, *positions = (t.to(device) for t in batches(step))
                 loss = accumulate(model, x, labels if shifts_labels else next_token_labels(labels), positions,
-                                  cfg.micro_batch)
+                                  cfg.micro_batch, bf16=cfg.precision == "bf16")
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
                 opt.step()
                 sched.step()
@@ -235,7 +235,8 @@ def train_member(job: Any, folder: Path, state_io: tuple[Callable[[], dict | Non
             "params": used_parameters(model, m), "checkpoints": evals, "checkpoint_seconds": looking[0]}
 
 
-def accumulate(model: Any, x: torch.Tensor, labels: torch.Tensor, positions: list, micro_batch: int | None) -> Any:
+def accumulate(model: Any, x: torch.Tensor, labels: torch.Tensor, positions: list, micro_batch: int | None, *,
+               bf16: bool = False) -> Any:
     """Forward and backward of one step's batch, in micro-batches of `micro_batch` rows (None or the whole batch: one
     pass), each loss divided by their count so that the gradients sum to the batch mean's (exactly the mean when
     every row scores as many tokens: the text zoo's full windows).
@@ -246,13 +247,17 @@ def accumulate(model: Any, x: torch.Tensor, labels: torch.Tensor, positions: lis
         labels: what the model's loss is given (the loop has shifted them for a class that does not).
         positions: [] or [position ids `[batch, pos]`] (zoo extend's PoSE), passed as `position_ids`.
         micro_batch: rows per forward and backward pass (None: all).
+        bf16: each forward under `torch.autocast` in bfloat16 on the batch's device (mixed precision: the weights,
+            their gradients and the optimiser stay fp32; the backward runs outside autocast, as torch recommends).
 
     Returns:
         The step's loss (detached): the batch's, or the mean of the micro-batches'."""
     n = x.shape[0]
+    cast = torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=bf16)
     if micro_batch is None or micro_batch >= n:
         kw = {"position_ids": positions[0]} if positions else {}  # PoSE's skip-wise ids (zoo extend)
-        loss = model(input_ids=x, labels=labels, **kw).loss
+        with cast:
+            loss = model(input_ids=x, labels=labels, **kw).loss
         loss.backward()
         return loss.detach()
     parts = range(0, n, micro_batch)
@@ -260,7 +265,8 @@ def accumulate(model: Any, x: torch.Tensor, labels: torch.Tensor, positions: lis
     for i in parts:
         rows = slice(i, i + micro_batch)
         kw = {"position_ids": positions[0][rows]} if positions else {}
-        loss = model(input_ids=x[rows], labels=labels[rows], **kw).loss / len(parts)
+        with cast:
+            loss = model(input_ids=x[rows], labels=labels[rows], **kw).loss / len(parts)
         loss.backward()
         total = loss.detach() if total is None else total + loss.detach()
     return total
@@ -313,6 +319,7 @@ def _save_folder(model: Any, job: Any, folder: Path, log: list, extra: dict | No
               "positions": m.positions, "differences": m.differences, "seed": job.seed, "widths": asdict(job.widths),
               "steps": cfg.steps, "batch_size": cfg.batch_size, "lr": cfg.lr, "warmup": cfg.warmup,
               "final_loss": log[-1][1] if log else None, **({"passkey": cfg.passkey} if cfg.passkey else {}),
+              **({"precision": cfg.precision} if cfg.precision != "fp32" else {}),
               **job.record, **(extra or {})}
     (tmp / ZOO_FILE).write_text(json.dumps(record, indent=1), encoding="utf-8")
     if folder.exists():
