@@ -85,3 +85,27 @@ def test_the_world_size_is_said_when_a_resume_changes_it(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "resumed with 3 processes where the interrupted run had 2" in err
     assert "rank 0 of 3 trains nothing" in err
+
+
+def test_a_rank_without_its_gpu_is_refused_before_any_work(monkeypatch, tmp_path):
+    """torchrun with more processes than GPUs: the rank whose `cuda:LOCAL_RANK` does not exist says so before the
+    corpus, the work folder or any training (CUDA stood in: this machine has none)."""
+    import types
+
+    import torch
+
+    from posprobe import ZooConfig, train_zoo
+    from posprobe.core import distributed
+    from posprobe.data import BUILTIN_TEXT
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(distributed, "Ranks", lambda: types.SimpleNamespace(rank=1, world=2, wait=lambda: None))
+    cfg = ZooConfig(tier="gpu", members=("nope",), d_model=16, n_layers=1, n_heads=2, length=16, vocab_size=280,
+                    batch_size=2, steps=2, progress=False)
+    with pytest.raises(ValueError, match=r"rank 1 trains on cuda:1, but this machine has 1 GPU\(s\)"):
+        train_zoo(cfg, BUILTIN_TEXT, tmp_path / "zoo")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

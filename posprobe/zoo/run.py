@@ -95,6 +95,10 @@ def train_zoo(cfg: ZooConfig, text: str | CorpusConfig, out: str | os.PathLike, 
         raise ValueError(f"budget_steps must be 0 (no warm-up) or >= 2 (the first is not timed), got {budget_steps}")
     ranks = distributed.Ranks()  # under torchrun: one member per rank (docs/zoo.md#several-processes)
     rank, world = ranks.rank, ranks.world
+    device = distributed.local_device(cfg.device)  # under torchrun a bare "cuda" is this rank's own GPU
+    if device.startswith("cuda:") and int(device[5:]) >= torch.cuda.device_count():
+        raise ValueError(f"rank {rank} trains on {device}, but this machine has {torch.cuda.device_count()} GPU(s): "
+                         "run torchrun with --nproc-per-node at most that many")
 
     def opened(key: dict) -> tuple:
         # Rank 0 opens (or discards, with `fresh`) the work folder before the others look into it.
@@ -135,7 +139,7 @@ def train_zoo(cfg: ZooConfig, text: str | CorpusConfig, out: str | os.PathLike, 
     budget = _budget(cfg, tokenizer, ids, budget_steps) if rank == 0 else []
     jobs = zoo_jobs(cfg, tokenizer, ids)
     if world > 1:
-        mine = zoo_jobs(replace(cfg, device=distributed.local_device(cfg.device)), tokenizer, ids)[rank::world]
+        mine = zoo_jobs(replace(cfg, device=device), tokenizer, ids)[rank::world]
         ranks.wait()  # every rank has opened the work folder (opening it sweeps half-written units)
         _say_world(ckpt, rank, world, mine)
         run_jobs(mine, ckpt, staging)
