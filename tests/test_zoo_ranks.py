@@ -64,6 +64,40 @@ def test_two_ranks_train_the_members_one_process_trains_byte_for_byte(tmp_path):
     assert ranked.stdout.count("[zoo] nope-s1:") == 2
 
 
+@pytest.mark.slow  # two launches of posprobe: ~15 s on 2 cores
+def test_data_parallel_ranks_train_one_member_as_one_process_does(tmp_path):
+    """`--data-parallel`: both ranks train every member together, each on half of each step's batch, DDP averaging the
+    gradients. The same model as one process up to float summation order (the batch mean's gradient taken as the
+    mean of two half-batch means): weights within 1e-5, logged losses within 1e-5 nats. Planted: the gradients not
+    averaged (each rank steps on its half alone) fails it."""
+    import torch
+
+    flags = ["--member", "rope-llama", "--seed", "0", "--d-model", "16", "--n-layers", "1", "--n-heads", "2",
+             "--length", "16", "--vocab-size", "280", "--batch-size", "4", "--steps", "6", "--threads", "1",
+             "--no-progress"]
+    run = lambda out, launcher: subprocess.run([*launcher, "-m", "posprobe", "zoo", "train", *flags, "--out",
+                                                str(out)], capture_output=True, text=True, env=_env(), timeout=600)
+    single = run(tmp_path / "one", [sys.executable])
+    assert single.returncode == 0, single.stderr[-3000:]
+    flags.append("--data-parallel")
+    ddp = run(tmp_path / "dp", [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"])
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    assert "rank 1 of 2 trains rope-llama-s0 with the other 1 (data parallel" in ddp.stderr
+    from safetensors.torch import load_file
+
+    a = load_file(tmp_path / "one" / "rope-llama-s0" / "model.safetensors")
+    b = load_file(tmp_path / "dp" / "rope-llama-s0" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-5, msg=k)
+    from posprobe.report.result import Result
+
+    la = Result.load(tmp_path / "one" / "training").tables["training"]["loss"].to_numpy()
+    lb = Result.load(tmp_path / "dp" / "training").tables["training"]["loss"].to_numpy()
+    assert len(la) == len(lb) and abs(la - lb).max() < 1e-5
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dp", "one"]
+
+
 def test_a_single_process_needs_no_process_group(monkeypatch):
     from posprobe.core import distributed
 
@@ -109,3 +143,19 @@ def test_a_rank_without_its_gpu_is_refused_before_any_work(monkeypatch, tmp_path
     with pytest.raises(ValueError, match=r"rank 1 trains on cuda:1, but this machine has 1 GPU\(s\)"):
         train_zoo(cfg, BUILTIN_TEXT, tmp_path / "zoo")
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_data_parallel_needs_a_batch_that_splits_evenly(monkeypatch, tmp_path):
+    import types
+
+    from posprobe import ZooConfig, train_zoo
+    from posprobe.core import distributed
+    from posprobe.data import BUILTIN_TEXT
+
+    monkeypatch.setattr(distributed, "Ranks", lambda: types.SimpleNamespace(rank=0, world=2, wait=lambda: None))
+    cfg = ZooConfig(members=("nope",), d_model=16, n_layers=1, n_heads=2, length=16, vocab_size=280, batch_size=6,
+                    micro_batch=2, steps=2, data_parallel=True, progress=False)
+    with pytest.raises(ValueError, match="batch of 6 that splits into 2 equal shares, each a whole number of "
+                                         "micro-batches of 2"):
+        train_zoo(cfg, BUILTIN_TEXT, tmp_path / "zoo")
+    assert list(tmp_path.iterdir()) == []

@@ -77,6 +77,8 @@ class ZooConfig:
     eval_fraction: float = option(0.1, "share of --text held out for evaluation when --eval-text is not given")
     passkey: float = option(0.0, "share of each batch's sequences replaced by passkey retrieval sequences (the key "
                                  "at every distance within L; 0: the text alone, as before)")
+    data_parallel: bool = option(False, "under torchrun: every rank trains each member together, on its share of "
+                                        "each step's batch (DDP), instead of one member per rank")
     precision: Literal["fp32", "bf16"] | None = option(
         None, "fp32, or bf16: forward and backward under torch.autocast in bfloat16 with fp32 weights, gradients and "
               "AdamW (mixed precision; default: bf16 on the gpu and research tiers on CUDA, else fp32)")

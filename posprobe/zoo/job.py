@@ -72,11 +72,12 @@ def open_work(out: Path, key: Any, *, fresh: bool = False) -> tuple[Checkpoint, 
 
 def run_jobs(jobs: list[Job], ckpt: Checkpoint, staging: Path, *,
              look: Callable[[Job, int, Any], Any] | None = None,
-             after: Callable[[Job, Path], dict] | None = None) -> list[dict]:
+             after: Callable[[Job, Path], dict] | None = None, writes: bool = True) -> list[dict]:
     """Every job through the zoo's training loop, in order, checkpointed in `ckpt`: a job whose record and folder
     (in `staging`) exist is not run again, an interrupted one resumes from its last saved state. `look(job, step,
     model)` is the caller's look at each job's `checkpoints` (its values kept in the training state); `after(job,
     folder)` adds fields to a finished job's record before it is saved (measured once, not again on a resume).
+    `writes` False: a data-parallel rank other than 0, which trains with rank 0 but stores nothing.
     Returns the records in the jobs' order (`train_member`'s, with `after`'s fields)."""
     from posprobe.zoo import train  # looked up per call: tests stand a dying loop in for it
 
@@ -91,5 +92,5 @@ def run_jobs(jobs: list[Job], ckpt: Checkpoint, staging: Path, *,
                                  later_steps=sum(j.config.steps for j in jobs[i + 1:]))
         if after is not None:
             rec = {**rec, **after(job, folder)}
-        records.append(ckpt.put(done, rec))
+        records.append(ckpt.put(done, rec) if writes else rec)
     return records

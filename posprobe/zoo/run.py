@@ -96,6 +96,11 @@ def train_zoo(cfg: ZooConfig, text: str | CorpusConfig, out: str | os.PathLike, 
     ranks = distributed.Ranks()  # under torchrun: one member per rank (docs/zoo.md#several-processes)
     rank, world = ranks.rank, ranks.world
     device = distributed.local_device(cfg.device)  # under torchrun a bare "cuda" is this rank's own GPU
+    if cfg.data_parallel and world > 1:
+        share = cfg.batch_size // world
+        if cfg.batch_size % world or (cfg.micro_batch and share % min(cfg.micro_batch, share)):
+            raise ValueError(f"--data-parallel over {world} processes needs a batch of {cfg.batch_size} that splits "
+                             f"into {world} equal shares, each a whole number of micro-batches of {cfg.micro_batch}")
     if device.startswith("cuda:") and int(device[5:]) >= torch.cuda.device_count():
         raise ValueError(f"rank {rank} trains on {device}, but this machine has {torch.cuda.device_count()} GPU(s): "
                          "run torchrun with --nproc-per-node at most that many")
@@ -139,10 +144,22 @@ def train_zoo(cfg: ZooConfig, text: str | CorpusConfig, out: str | os.PathLike, 
     budget = _budget(cfg, tokenizer, ids, budget_steps) if rank == 0 else []
     jobs = zoo_jobs(cfg, tokenizer, ids)
     if world > 1:
-        mine = zoo_jobs(replace(cfg, device=device), tokenizer, ids)[rank::world]
+        together = cfg.data_parallel
+        mine = zoo_jobs(replace(cfg, device=device), tokenizer, ids)
+        mine = mine if together else mine[rank::world]
         ranks.wait()  # every rank has opened the work folder (opening it sweeps half-written units)
-        _say_world(ckpt, rank, world, mine)
-        run_jobs(mine, ckpt, staging)
+        _say_world(ckpt, rank, world, mine, together)
+        if together:  # DDP within each member: a process group over the ranks' own store
+            import torch.distributed as dist
+
+            dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
+                                    store=dist.PrefixStore("posprobe/zoo/ddp", ranks.store), rank=rank,
+                                    world_size=world)
+        try:
+            run_jobs(mine, ckpt, staging, writes=rank == 0 or not together)
+        finally:
+            if together:
+                dist.destroy_process_group()
         ranks.wait()  # every member trained
         if rank != 0:
             ranks.wait()  # rank 0 has committed the zoo
@@ -162,7 +179,7 @@ def train_zoo(cfg: ZooConfig, text: str | CorpusConfig, out: str | os.PathLike, 
     return result
 
 
-def _say_world(ckpt: Any, rank: int, world: int, mine: list[Job]) -> None:
+def _say_world(ckpt: Any, rank: int, world: int, mine: list[Job], together: bool = False) -> None:
     # Members are independent, so a run resumed at another world size gives the same weights (each member resumes
     # from its own state); it is said, as its members now run on other ranks' devices.
     unit = "world-size"
@@ -172,7 +189,8 @@ def _say_world(ckpt: Any, rank: int, world: int, mine: list[Job]) -> None:
                   "continues from its own saved state, on the device of the rank that now holds it", file=sys.stderr)
         ckpt.put(unit, world)
     names = ", ".join(j.folder for j in mine) or "nothing (more ranks than members x seeds)"
-    print(f"zoo: rank {rank} of {world} trains {names}", file=sys.stderr)  # one line, with or without progress
+    share = f" with the other {world - 1} (data parallel: its share of each batch)" if together else ""
+    print(f"zoo: rank {rank} of {world} trains {names}{share}", file=sys.stderr)  # one line, with or without progress
 
 
 def zoo_jobs(cfg: ZooConfig, tokenizer: Any, ids: Any) -> list[Job]:

@@ -170,6 +170,16 @@ def train_member(job: Any, folder: Path, state_io: tuple[Callable[[], dict | Non
     cfg, m, seed = job.config, member(job.member), job.seed
     device = torch.device(cfg.device)
     model = (job.start() if job.start is not None else build_model(m, cfg, job.tokenizer, seed, job.widths)).to(device)
+    # Data parallel within the member (`zoo train --data-parallel` under torchrun): every rank starts from the same
+    # weights, takes rows rank, rank + world, ... of each step's batch, and DDP averages the gradients, so every rank
+    # holds the same model after each step; rank 0 alone writes (states, folders).
+    rank, world = _data_parallel(cfg)
+    net = model if world == 1 else torch.nn.parallel.DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None,
+        find_unused_parameters=m.architecture.unused_weights is not None)
+    writes = rank == 0
+    if not writes:
+        state_io = (state_io[0], lambda state: None)
     opt, sched = _optimizer(model, cfg)
     st = TrainState(model, opt, sched, torch.zeros((), device=device))
     st.resume(state_io[0])
@@ -195,15 +205,15 @@ def train_member(job: Any, folder: Path, state_io: tuple[Callable[[], dict | Non
     t0 = time.perf_counter()
     if begin == 0 and checkpoint(0):
         st.save(state_io[1], 0)
-    if begin == 0 and cfg.save_every:
+    if begin == 0 and cfg.save_every and writes:
         _save_step(model, job, folder, st.log, 0, tokens_per_step)
     shifts_labels = m.architecture.shifts_labels  # a fact of the HF class (its architecture row), not the member's
     try:
         # Grad on explicitly: loading a model for analysis elsewhere in the process may have turned it off globally.
         with torch.enable_grad():
             for step in range(begin, cfg.steps):
-                x, labels, *positions = (t.to(device) for t in batches(step))
-                loss = accumulate(model, x, labels if shifts_labels else next_token_labels(labels), positions,
+                x, labels, *positions = (t[rank::world].to(device) for t in batches(step))
+                loss = accumulate(net, x, labels if shifts_labels else next_token_labels(labels), positions,
                                   cfg.micro_batch, bf16=cfg.precision == "bf16")
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
                 opt.step()
@@ -212,13 +222,16 @@ def train_member(job: Any, folder: Path, state_io: tuple[Callable[[], dict | Non
                 st.running += loss
                 if (step + 1) % log_every == 0 or step + 1 == cfg.steps:
                     n = (step % log_every) + 1
+                    if world > 1:  # the batch's mean: every rank scored as many tokens
+                        torch.distributed.all_reduce(st.running)
+                        st.running /= world
                     mean = float(st.running) / n  # one host sync per logged interval, not per step
                     st.running.zero_()
                     st.log.append((step + 1, mean, float(sched.get_last_lr()[0])))
                     _postfix(bar, step + 1, cfg.steps, mean, later_steps * tokens_per_step)
                 bar.update(tokens_per_step)
                 looked = checkpoint(step + 1)
-                if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
+                if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps and writes:
                     _save_step(model, job, folder, st.log, step + 1, tokens_per_step)
                 if ((step + 1) % cfg.checkpoint_every == 0 or looked) and step + 1 < cfg.steps:
                     st.save(state_io[1], step + 1)
@@ -228,11 +241,19 @@ def train_member(job: Any, folder: Path, state_io: tuple[Callable[[], dict | Non
     log, evals = st.log, st.checkpoints
     if not math.isfinite(log[-1][1]):
         raise RuntimeError(f"zoo member {job.member} (seed {seed}) diverged: loss {log[-1][1]}; lower --lr")
-    _save_folder(model.to("cpu").eval(), job, folder, log)
+    if writes:
+        _save_folder(model.to("cpu").eval(), job, folder, log)
     steps_run = cfg.steps - begin
     return {"member": job.member, "seed": seed, "log": log, "seconds": seconds, "steps_run": steps_run,
             "tokens_per_s": steps_run * tokens_per_step / seconds if seconds > 0 else float("nan"),
             "params": used_parameters(model, m), "checkpoints": evals, "checkpoint_seconds": looking[0]}
+
+
+def _data_parallel(cfg: ZooConfig) -> tuple[int, int]:
+    # (rank, world size) of the process group training this member together; (0, 1) without one.
+    if not (cfg.data_parallel and torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return 0, 1
+    return torch.distributed.get_rank(), torch.distributed.get_world_size()
 
 
 def accumulate(model: Any, x: torch.Tensor, labels: torch.Tensor, positions: list, micro_batch: int | None, *,
