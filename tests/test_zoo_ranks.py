@@ -159,3 +159,44 @@ def test_data_parallel_needs_a_batch_that_splits_evenly(monkeypatch, tmp_path):
                                          "micro-batches of 2"):
         train_zoo(cfg, BUILTIN_TEXT, tmp_path / "zoo")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_run_killed_at_two_ranks_resumes_in_one_process_to_the_same_weights(monkeypatch, tmp_path, capsys):
+    """Rank 0 of 2 trains its share (every other member) and is killed while it waits for rank 1; the same command
+    in one process then says the world size changed, trains only the members not yet done, and ends with the
+    weights, byte for byte, of a run that was never split (stood-in ranks, one process: the same thread count)."""
+    import types
+
+    from safetensors.torch import load_file
+
+    from posprobe import ZooConfig, train_zoo
+    from posprobe.core import distributed
+    from posprobe.data import BUILTIN_TEXT
+
+    class Killed(Exception):
+        pass
+
+    waits = []
+
+    def wait():
+        waits.append(1)
+        if len(waits) == 3:  # opened, every rank opened, then: every member trained
+            raise Killed
+
+    cfg = ZooConfig(members=("rope-llama", "nope"), seeds=(0, 1), d_model=16, n_layers=1, n_heads=2, length=16,
+                    vocab_size=280, batch_size=2, steps=4, progress=False)
+    real = distributed.Ranks
+    monkeypatch.setattr(distributed, "Ranks", lambda: types.SimpleNamespace(rank=0, world=2, wait=wait))
+    with pytest.raises(Killed):
+        train_zoo(cfg, BUILTIN_TEXT, tmp_path / "zoo")
+    staged = sorted(p.name for p in (tmp_path / "zoo.work" / "members").iterdir())
+    assert staged == ["rope-llama-s0", "rope-llama-s1"]  # rank 0's share: jobs 0 and 2, seed by seed
+    monkeypatch.setattr(distributed, "Ranks", real)
+    capsys.readouterr()
+    train_zoo(cfg, BUILTIN_TEXT, tmp_path / "zoo")
+    assert "resumed with 1 processes where the interrupted run had 2" in capsys.readouterr().err
+    train_zoo(cfg, BUILTIN_TEXT, tmp_path / "plain")
+    for name in ("nope-s0", "nope-s1", "rope-llama-s0", "rope-llama-s1"):
+        a = load_file(tmp_path / "zoo" / name / "model.safetensors")
+        b = load_file(tmp_path / "plain" / name / "model.safetensors")
+        assert all(a[k].numpy().tobytes() == b[k].numpy().tobytes() for k in a), name
