@@ -200,3 +200,18 @@ def test_a_run_killed_at_two_ranks_resumes_in_one_process_to_the_same_weights(mo
         a = load_file(tmp_path / "zoo" / name / "model.safetensors")
         b = load_file(tmp_path / "plain" / name / "model.safetensors")
         assert all(a[k].numpy().tobytes() == b[k].numpy().tobytes() for k in a), name
+
+
+def test_data_parallel_in_one_process_is_plain_training_and_says_so(tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    from posprobe import ZooConfig, train_zoo
+    from posprobe.data import BUILTIN_TEXT
+
+    kw = dict(members=("nope",), d_model=16, n_layers=1, n_heads=2, length=16, vocab_size=280, batch_size=2, steps=3,
+              progress=False)
+    train_zoo(ZooConfig(**kw, data_parallel=True), BUILTIN_TEXT, tmp_path / "dp")
+    assert "--data-parallel outside torchrun" in capsys.readouterr().err
+    train_zoo(ZooConfig(**kw), BUILTIN_TEXT, tmp_path / "plain")
+    a, b = (load_file(tmp_path / z / "nope-s0" / "model.safetensors") for z in ("dp", "plain"))
+    assert all(a[k].numpy().tobytes() == b[k].numpy().tobytes() for k in a)

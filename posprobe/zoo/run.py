@@ -166,7 +166,7 @@ def train_zoo(cfg: ZooConfig, text: str | CorpusConfig, out: str | os.PathLike, 
             return Result.load(out / TRAINING_FOLDER)
         ckpt, staging, work = open_work(out, key)  # sees the units the other ranks wrote
     else:
-        _say_world(ckpt, rank, world, jobs)
+        _say_world(ckpt, rank, world, jobs, cfg.data_parallel)
     records = run_jobs(jobs, ckpt, staging)  # with world > 1: every job done, only their records read
     if source is None:  # a text of the caller's is not the built-in corpus: zoo extend would look for the wrong text
         from posprobe.data import builtin_corpus
@@ -191,6 +191,9 @@ def _say_world(ckpt: Any, rank: int, world: int, mine: list[Job], together: bool
                   "continues from its own saved state, on the device of the rank that now holds it", file=sys.stderr)
         ckpt.put(unit, world)
     if world == 1:
+        if together:
+            print("zoo: --data-parallel outside torchrun: this one process trains every member on whole batches",
+                  file=sys.stderr)
         return
     names = ", ".join(j.folder for j in mine) or "nothing (more ranks than members x seeds)"
     share = f" with the other {world - 1} (data parallel: its share of each batch)" if together else ""
