@@ -95,7 +95,7 @@ def test_the_page_draws_every_metric_and_the_command_prints_steps_as_columns(zoo
     out = capsys.readouterr().out
     assert "step 0" in out and "step 10" in out and "step 20" in out and "heads_previous_token" in out
     html = (tmp_path / "em" / "report.html").read_text()
-    assert "Positional metrics over training" in html and "heads of class previous-token" in html
+    assert "Positional metrics over training" in html and "previous-token heads" in html
 
 
 def test_revisions_resolve_to_saved_steps_and_bad_ones_are_one_sentence(zoo, monkeypatch):

@@ -8,12 +8,12 @@ from typing import Any
 from posprobe.report.html import Section
 from posprobe.report.style import COLORS, caption, style
 
-#: What each metric of the emergence table is, for the page (units included).
+#: Each metric's panel title (the page's intro and docs/zoo.md say what each is, with units).
 METRICS = {
-    "sink_share_random": "Sink_1^0.3 on random tokens (share of sequence x head pairs)",
-    "sink_share_text": "Sink_1^0.3 on text windows (share of sequence x head pairs)",
-    "massive_ratio": "largest |residual activation| / its layer's median (random tokens)",
-    "shift_accuracy_k0": "minimal-pair accuracy, sentences at position 0",
+    "sink_share_random": "Sink_1^0.3, random tokens",
+    "sink_share_text": "Sink_1^0.3, text",
+    "massive_ratio": "top |activation| / layer median",
+    "shift_accuracy_k0": "pair accuracy at k 0",
 }
 
 
@@ -26,9 +26,9 @@ def _described(metric: str) -> str:
     if metric in METRICS:
         return METRICS[metric]
     if metric.startswith("heads_"):
-        return f"heads of class {metric[6:].replace('_', '-')} (count)"
+        return f"{metric[6:].replace('_', '-')} heads"
     if metric.startswith("shift_drop_k"):
-        return f"accuracy at k 0 minus at k {metric[12:]} (Sinha et al.'s shift)"
+        return f"pair accuracy drop, k 0 to {metric[12:]}"
     return metric
 
 
@@ -47,6 +47,7 @@ def figures(result: Any) -> list:
                   title="Positional metrics over training",
                   labels={"tokens": "training tokens", "step": "training step", "value": ""})
     fig.update_yaxes(matches=None, showticklabels=True)
+    fig.update_xaxes(showticklabels=True)
     fig.for_each_annotation(lambda a: a.update(text=a.text.split("=", 1)[-1]))
     rows = (df["metric"].nunique() + 1) // 2
     return [style(fig, height=max(380, 240 * rows), caption=caption(result.meta, {"sections": ", ".join(
@@ -59,7 +60,11 @@ def sections(result: Any) -> list[Section]:
              "<code>zoo atlas</code>), one number per metric. A zoo member's checkpoints are the folders "
              "<code>zoo train --save-every K</code> saved (step 0 included) and the member itself at its last step; "
              "a hub model's are its revisions (<code>MODEL@step&lt;N&gt;</code>), whose tokens are the step times "
-             "<code>--tokens-per-step</code>.</p>")
+             "<code>--tokens-per-step</code>. Sink_1^0.3: the share of (sequence, layer, head) whose mean attention on "
+             "the first token exceeds 0.3 (Gu et al. 2025); top |activation| / layer median: the largest residual "
+             "activation against its layer's median, on random tokens (Sun et al. 2024 call ~1,000 massive); heads: "
+             "how many heads hold each class of <code>posprobe heads</code>; pair accuracy: minimal pairs at "
+             "position 0, and its drop with the sentences started at the largest k (Sinha et al. 2022).</p>")
     out = [Section("Metrics over training", html=intro, figures=figures(result),
                    table=result.tables["emergence"])]
     out.append(Section("Models", table=result.tables["models"]))
