@@ -104,3 +104,31 @@ def test_the_command_prints_the_table_and_refuses_a_folder_without_trials(run, t
                           str(tmp_path / "again")], capture_output=True, text=True)
     assert bad.returncode == 2 and "not a `zoo extend` output folder" in bad.stderr
     assert not (tmp_path / "again").exists()
+
+
+@pytest.fixture(scope="module")
+def split(run):
+    """The run's two seeds extended again as two runs of one seed each (seeds added later, as separate runs)."""
+    from posprobe.analyses.context_extension import extend_zoo
+    from posprobe.zoo.extend import ExtendConfig
+
+    cfg = dict(methods=("direct", "pi"), length=128, steps=2, checkpoints=(0, 2), eval_tokens=256, sliding="never",
+               passkey_step=16, passkey_trials=3, progress=False)
+    out = []
+    for seed in (0, 1):
+        extend_zoo(run.parent / "zoo", ExtendConfig(**cfg, seeds=(seed,)), run.parent / f"ext-s{seed}")
+        out.append(run.parent / f"ext-s{seed}")
+    return out
+
+
+def test_runs_of_other_seeds_pool_into_one_row_as_one_run_of_both(run, split):
+    """Two runs, seed 0 and seed 1, give the table of one run of both seeds: every count, rate, interval, window and
+    mechanism column (the training is deterministic, so the trials are the same ones); the run column names both."""
+    from posprobe.analyses.extend_study import extend_study_table
+
+    one = extend_study_table([run], steps="all").drop(columns=["run"])
+    two = extend_study_table(split, steps="all")
+    assert set(two["run"]) == {f"{split[0]} {split[1]}"}
+    pd.testing.assert_frame_equal(two.drop(columns=["run"]), one)
+    with pytest.raises(ValueError, match="seed 0 of head dim 16, L = 64, text, .* is in two runs"):
+        extend_study_table([run, split[0]])

@@ -6,8 +6,8 @@ Position Interpolation divides every frequency by s, so inside L only the bands 
 complete a turn: the few fast bands that carry local order (offset 1 against 0) are the ones it slows most.
 
 Each run is a folder written by `posprobe zoo extend` (its `extend/` result and its HF folders). One row per head
-dim, L, fine-tuning (text alone or with the skill mixed in), method and checkpoint step, pooled over the run's
-seeds:
+dim, L, fine-tuning (text alone or with the skill mixed in), method and checkpoint step, pooled over the seeds of
+every run with that key (seeds run later as runs of their own pool with the first; a seed in two runs is an error):
 
 * success within L and beyond L: every trial of every seed and distance pooled (successes / trials), each with its
   95 % Wilson interval (a rate moves in steps of 1 / trials, so a single cell is noisy);
@@ -124,7 +124,7 @@ def extend_study_table(runs: Sequence[str | os.PathLike], *, steps: str = "last"
         raise ValueError(f"steps must be 'last' or 'all'; got {steps!r}")
     if not runs:
         raise ValueError("name at least one `zoo extend` output folder")
-    rows: list[dict] = []
+    cells: dict[tuple, list[dict]] = {}  # one key per row: the runs' parts pooled into it
     for run in map(Path, runs):
         if not (run / "extend" / "meta.json").is_file():
             raise ValueError(f"{run} is not a `zoo extend` output folder (no extend/meta.json)")
@@ -134,47 +134,59 @@ def extend_study_table(runs: Sequence[str | os.PathLike], *, steps: str = "last"
                              "--passkey-trials 0)")
         meta, pk, win = res.meta, res.tables["passkey"], res.tables["effective_window"]
         L, target = int(meta["train_length"]), int(meta["target_length"])
-        scale = target / L
         share = float(meta["config"].get("passkey") or 0)
         tuning = "text" if share == 0 else f"text + passkey {share:g}"
         head_dim, base = _member_rotation(run, pk)
         fast, periods = _bands_within(head_dim, base, L)
-        fast_after_pi = int((periods <= L / scale).sum())
-        usage = _fast_share(res.tables.get("band_usage"), fast)
-        bounds = _largest_bound(res.tables.get("mechanism"))
+        facts = dict(run=str(run), fast=fast, fast_after_pi=int((periods <= L / (target / L)).sum()),
+                     usage=_fast_share(res.tables.get("band_usage"), fast),
+                     bounds=_largest_bound(res.tables.get("mechanism")))
         pk = pk[pk["status"] == "ok"]
         for method, g in pk.groupby("method", sort=False):
             chosen = sorted(g["step"].unique()) if steps == "all" else [int(g["step"].max())]
             for step in chosen:
-                at = g[g["step"] == step]
-                w = win[(win["method"] == method) & (win["step"] == step)].sort_values("seed")
-                row = {"head_dim": head_dim, "L": L, "target": target, "scale": scale, "fine_tuning": tuning,
-                       "method": str(method), "step": int(step), "seeds": int(at["seed"].nunique())}
-                for side, part in (("within", at[at["distance"] <= L]), ("beyond", at[at["distance"] > L])):
-                    hits, n = int(part["successes"].sum()), int(part["trials"].sum())
-                    row[f"trials_{side}_L"] = n
-                    row[f"success_{side}_L"] = hits / n if n else float("nan")
-                    row[f"success_{side}_L_low"], row[f"success_{side}_L_high"] = wilson_ci(hits, n)
-                ew = [int(x) for x in w["effective_window"]]
-                row.update(window_mean=float(np.mean(ew)) if ew else float("nan"),
-                           window_min=min(ew) if ew else None, window_max=max(ew) if ew else None,
-                           window_seeds=" ".join(map(str, ew)), bands=head_dim // 2, bands_within_L=fast,
-                           bands_within_L_over_s=fast_after_pi)
-                seeds = sorted(int(s) for s in at["seed"].unique())
-                mine = [usage[(str(method), s)] for s in seeds if (str(method), s) in usage]
-                base_share = [usage[(UNEXTENDED, s)] for s in seeds if (UNEXTENDED, s) in usage]
                 # The mechanism is measured once, on each run's last checkpoint: earlier steps get none.
-                last = step == int(g["step"].max())
-                row["fast_share"] = float(np.mean(mine)) if mine and last else float("nan")
-                row["fast_share_unextended"] = float(np.mean(base_share)) if base_share else float("nan")
-                mine = [bounds[(str(method), s)] for s in seeds if (str(method), s) in bounds]
-                before = [bounds[(UNEXTENDED, s)] for s in seeds if (UNEXTENDED, s) in bounds]
-                row["interpolation_bound"] = float(np.mean(mine)) if mine and last else float("nan")
-                row["interpolation_bound_unextended"] = float(np.mean(before)) if before else float("nan")
-                row["run"] = str(run)
-                rows.append(row)
+                cells.setdefault((head_dim, L, target, tuning, str(method), int(step)), []).append(
+                    dict(facts, at=g[g["step"] == step], last=step == int(g["step"].max()),
+                         w=win[(win["method"] == method) & (win["step"] == step)]))
+    rows = [_row(key, parts) for key, parts in cells.items()]
     df = pd.DataFrame(rows, columns=STUDY_COLUMNS)
     return df.sort_values(["L", "head_dim", "fine_tuning", "method", "step"], kind="stable").reset_index(drop=True)
+
+
+def _row(key: tuple, parts: list[dict]) -> dict:
+    # One row of the table: the trials, windows and mechanism of every run part with this key, pooled over their
+    # seeds (a seed may come from one run only: two runs of one seed would count its trials twice).
+    head_dim, L, target, tuning, method, step = key
+    seen: dict[int, str] = {}
+    for p in parts:
+        for s in sorted(int(x) for x in p["at"]["seed"].unique()):
+            if s in seen:
+                raise ValueError(f"seed {s} of head dim {head_dim}, L = {L}, {tuning}, {method} is in two runs "
+                                 f"({seen[s]} and {p['run']}): its trials would count twice; leave one out")
+            seen[s] = p["run"]
+    at = pd.concat([p["at"] for p in parts], ignore_index=True)
+    w = pd.concat([p["w"] for p in parts], ignore_index=True).sort_values("seed", kind="stable")
+    row = {"head_dim": head_dim, "L": L, "target": target, "scale": target / L, "fine_tuning": tuning,
+           "method": method, "step": step, "seeds": len(seen)}
+    for side, part in (("within", at[at["distance"] <= L]), ("beyond", at[at["distance"] > L])):
+        hits, n = int(part["successes"].sum()), int(part["trials"].sum())
+        row[f"trials_{side}_L"] = n
+        row[f"success_{side}_L"] = hits / n if n else float("nan")
+        row[f"success_{side}_L_low"], row[f"success_{side}_L_high"] = wilson_ci(hits, n)
+    ew = [int(x) for x in w["effective_window"]]
+    row.update(window_mean=float(np.mean(ew)) if ew else float("nan"), window_min=min(ew) if ew else None,
+               window_max=max(ew) if ew else None, window_seeds=" ".join(map(str, ew)), bands=head_dim // 2,
+               bands_within_L=parts[0]["fast"], bands_within_L_over_s=parts[0]["fast_after_pi"])
+    for column, table in (("fast_share", "usage"), ("interpolation_bound", "bounds")):
+        mine = [p[table][(method, s)] for p in parts if p["last"] for s in map(int, sorted(p["at"]["seed"].unique()))
+                if (method, s) in p[table]]
+        before = [p[table][(UNEXTENDED, s)] for p in parts for s in map(int, sorted(p["at"]["seed"].unique()))
+                  if (UNEXTENDED, s) in p[table]]
+        row[column] = float(np.mean(mine)) if mine else float("nan")
+        row[f"{column}_unextended"] = float(np.mean(before)) if before else float("nan")
+    row["run"] = " ".join(dict.fromkeys(p["run"] for p in parts))
+    return row
 
 
 def extend_study(runs: Sequence[str | os.PathLike], *, steps: str = "last") -> Result:
