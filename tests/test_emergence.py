@@ -123,3 +123,28 @@ def test_only_the_sections_the_table_reads_are_taken():
         _cfg(sections=("probes",))
     with pytest.raises(ValueError, match="tokens_per_step must be > 0"):
         _cfg(tokens_per_step=0)
+
+
+@pytest.mark.parametrize("files, weights", [(["config.json", "model.safetensors", "pytorch_model.bin"],
+                                             "*.safetensors"),
+                                            (["config.json", "pytorch_model.bin"], "*.bin")])
+def test_a_hub_revision_downloads_one_copy_of_the_weights_at_that_revision(monkeypatch, tmp_path, files, weights):
+    """The download path, with the hub stood in (no network here): the revision is passed through, one weight format
+    is asked for, and the snapshot folder becomes a local source."""
+    import huggingface_hub
+
+    from posprobe.backend.sources import Source, fetch_revision
+
+    asked = {}
+    monkeypatch.setattr(huggingface_hub, "list_repo_files", lambda repo, revision=None: files)
+
+    def download(repo, revision=None, allow_patterns=None):
+        asked.update(repo=repo, revision=revision, patterns=allow_patterns)
+        return str(tmp_path)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", download)
+    got = fetch_revision(Source("hub", "EleutherAI/pythia-70m@step1000"))
+    assert (got.kind, got.path, got.name) == ("hf-dir", tmp_path, "EleutherAI/pythia-70m@step1000")
+    assert (asked["repo"], asked["revision"]) == ("EleutherAI/pythia-70m", "step1000")
+    assert weights in asked["patterns"] and ({"*.safetensors", "*.bin"} - {weights}).isdisjoint(asked["patterns"])
+    assert fetch_revision(Source("hub", "EleutherAI/pythia-70m")) == Source("hub", "EleutherAI/pythia-70m")

@@ -291,10 +291,16 @@ def fetch_revision(source: Source) -> Source:
     base, revision = split_revision(source.name) if source.kind == "hub" else (source.name, None)
     if revision is None:
         return source
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import list_repo_files, snapshot_download
 
+    repo = official_name(base)
     try:
-        folder = snapshot_download(official_name(base), revision=revision)
+        # One copy of the weights: safetensors where the revision has them, else the PyTorch pickles (Pythia's
+        # early revisions hold only pytorch_model.bin); configs, tokenizer files and the rest as they are.
+        files = list_repo_files(repo, revision=revision)
+        weights = "*.safetensors" if any(f.endswith(".safetensors") for f in files) else "*.bin"
+        folder = snapshot_download(repo, revision=revision, allow_patterns=[
+            weights, "*.json", "*.txt", "*.model", "*.tiktoken", "*.py"])
     except Exception as e:  # noqa: BLE001 - the hub raises many types (no such revision, no network)
         raise ModelLoadError(f"Could not download {base} at revision {revision!r}: {e}") from e
     return Source("hf-dir", source.name, Path(folder), origin=f"hub:{source.name}")
