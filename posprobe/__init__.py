@@ -92,7 +92,7 @@ _EXPORTS = {
     "BackcopyConfig": "posprobe.zoo.backcopy",
     "run_sink_control": "posprobe.analyses.sink_control",
     "extend_study_table": "posprobe.analyses.extend_study",
-    "EmergenceConfig": "posprobe.analyses.emergence",
+    "EmergenceConfig": "posprobe.analyses.configs",
     "run_emergence": "posprobe.analyses.emergence",
     # analysis building blocks
     "frequency_usage": "posprobe.analyses.frequency",

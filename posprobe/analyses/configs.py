@@ -850,6 +850,34 @@ CONFORM_CHECKS = ("declared", "behaviour", "cache", "precision")
 #: The checks that run the engine (need its package; the scaling under test in the engine's own options).
 ENGINE_RUNS = ("behaviour", "cache")
 
+#: The atlas sections whose numbers the emergence table reads, in report order.
+EMERGENCE_SECTIONS = ("shift", "heads", "sinks")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EmergenceConfig(ZooAtlasConfig):
+    """`posprobe zoo emergence`: the atlas over many models' options (the same windows, shift distances, seeds), its
+    sections limited to those the emergence table reads, with Gu et al.'s 100 sequences of 64 tokens for the sink
+    rate, and the tokens per step of models named as `MODEL@step<N>` (zoo checkpoints carry their own)."""
+
+    sections: tuple[str, ...] | None = option(EMERGENCE_SECTIONS, "sections measured at every checkpoint "
+                                              f"({', '.join(EMERGENCE_SECTIONS)}; default: all)",
+                                              flag="--sections", aliases=("--section",))
+    max_windows: int = option(100, "text windows per section (Gu et al. measure sinks on 100 training-text "
+                                   "sequences of 64 tokens)")
+    sink_samples: int = option(100, "random-token sequences of 64 tokens for the sink rate on random tokens")
+    tokens_per_step: float | None = option(None, "training tokens per optimiser step of the models named as "
+                                                 "MODEL@step<N> (Pythia: 2097152, 1,024 x 2,048); zoo checkpoints "
+                                                 "carry their own")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        bad = sorted(set(self.sections or ()) - set(EMERGENCE_SECTIONS))
+        if bad:
+            raise ValueError(f"the emergence table reads the sections {list(EMERGENCE_SECTIONS)}; not {bad}")
+        if self.tokens_per_step is not None and not self.tokens_per_step > 0:
+            raise ValueError(f"tokens_per_step must be > 0, got {self.tokens_per_step}")
+
 
 @dataclass(frozen=True, kw_only=True)
 class ConformConfig:

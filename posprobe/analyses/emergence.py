@@ -26,17 +26,15 @@ import json
 import math
 import re
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 import pandas as pd
 
 from posprobe.analyses.atlas_many import collect, compare_models, model_row
-from posprobe.analyses.configs import ZooAtlasConfig
+from posprobe.analyses.configs import EMERGENCE_SECTIONS, EmergenceConfig
 from posprobe.analyses.heads import CLASSES
 from posprobe.analyses.sections import CompareRun, section
-from posprobe.core.config import option
 from posprobe.report.result import Result
 from posprobe.report.schema import data_meta, make_meta, text_sha256
 from posprobe.zoo.folder import STEPS_FOLDER, ZOO_FILE, member_info, resolve_text, zoo_models
@@ -44,35 +42,8 @@ from posprobe.zoo.folder import STEPS_FOLDER, ZOO_FILE, member_info, resolve_tex
 __all__ = ["EMERGENCE_COLUMNS", "EMERGENCE_SECTIONS", "EmergenceConfig", "emergence_models", "printed_emergence",
            "run_emergence"]
 
-#: The atlas sections whose numbers the emergence table reads, in report order.
-EMERGENCE_SECTIONS = ("shift", "heads", "sinks")
 #: The columns of table `emergence`.
 EMERGENCE_COLUMNS = ["model", "member", "seed", "step", "tokens", "section", "metric", "value"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class EmergenceConfig(ZooAtlasConfig):
-    """`posprobe zoo emergence`: the atlas over many models' options (the same windows, shift distances, seeds), its
-    sections limited to those the emergence table reads, with Gu et al.'s 100 sequences of 64 tokens for the sink
-    rate, and the tokens per step of models named as `MODEL@step<N>` (zoo checkpoints carry their own)."""
-
-    sections: tuple[str, ...] | None = option(EMERGENCE_SECTIONS, "sections measured at every checkpoint "
-                                              f"({', '.join(EMERGENCE_SECTIONS)}; default: all)",
-                                              flag="--sections", aliases=("--section",))
-    max_windows: int = option(100, "text windows per section (Gu et al. measure sinks on 100 training-text "
-                                   "sequences of 64 tokens)")
-    sink_samples: int = option(100, "random-token sequences of 64 tokens for the sink rate on random tokens")
-    tokens_per_step: float | None = option(None, "training tokens per optimiser step of the models named as "
-                                                 "MODEL@step<N> (Pythia: 2097152, 1,024 x 2,048); zoo checkpoints "
-                                                 "carry their own")
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        bad = sorted(set(self.sections or ()) - set(EMERGENCE_SECTIONS))
-        if bad:
-            raise ValueError(f"the emergence table reads the sections {list(EMERGENCE_SECTIONS)}; not {bad}")
-        if self.tokens_per_step is not None and not self.tokens_per_step > 0:
-            raise ValueError(f"tokens_per_step must be > 0, got {self.tokens_per_step}")
 
 
 _STEP = re.compile(r"^step(\d+)$")

@@ -61,7 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps or auto (default: cpu)")
     add_config_arguments(a, ZooAtlasConfig)
     add_output_arguments(a)
-    from posprobe.analyses.emergence import EmergenceConfig
+    from posprobe.analyses.configs import EmergenceConfig
 
     g = sub.add_parser("emergence", help="positional measurements at every saved step of training, against tokens",
                        description="Sinks, head classes and the shift test on every checkpoint of the zoo members "
@@ -154,7 +154,9 @@ def run(args: argparse.Namespace) -> int:
     if command == "extend":
         return _extend(args)
     if command == "emergence":
-        return _across_models(args, _config_class("posprobe.analyses.emergence", "EmergenceConfig"),
+        from posprobe.analyses.configs import EmergenceConfig
+
+        return _across_models(args, EmergenceConfig,
                               ("posprobe.analyses.emergence", "run_emergence"),
                               ("posprobe.analyses.emergence", "printed_emergence"))
     if command == "extend-study":
@@ -163,12 +165,6 @@ def run(args: argparse.Namespace) -> int:
         return _sink_control(args)
     raise ValueError("choose a zoo command: train, eval, atlas, emergence, tasks, extend, extend-study, sink-control "
                      "or list (posprobe zoo --help)")
-
-
-def _config_class(module: str, name: str) -> type:
-    import importlib
-
-    return getattr(importlib.import_module(module), name)
 
 
 def _list() -> int:
