@@ -105,12 +105,12 @@ def train_zoo(cfg: ZooConfig, text: str | CorpusConfig, out: str | os.PathLike, 
         raise ValueError(f"rank {rank} trains on {device}, but this machine has {torch.cuda.device_count()} GPU(s): "
                          "run torchrun with --nproc-per-node at most that many")
 
-    def opened(key: dict) -> tuple:
-        # Rank 0 opens (or discards, with `fresh`) the work folder before the others look into it.
-        if rank == 0:
-            work = open_work(out, key, fresh=fresh)
+    def rank0_first(fn: Any) -> Any:
+        # `fn(first)` on rank 0, then on the others once it is done: rank 0 opens (or, with `fresh`, discards) the
+        # work folder and fills the corpus cache; the others find them there.
+        got = fn(True) if rank == 0 else None
         ranks.wait()
-        return work if rank == 0 else open_work(out, key)
+        return got if rank == 0 else fn(False)
 
     if isinstance(text, CorpusConfig):  # a `datasets` corpus, read once into a token cache in the work folder
         from posprobe.zoo.corpus import check_hub, prepare_corpus
@@ -118,12 +118,13 @@ def train_zoo(cfg: ZooConfig, text: str | CorpusConfig, out: str | os.PathLike, 
         check_hub(text)  # one sentence before anything is written
         key = run_key("zoo-train", model={"members": list(cfg.members)}, data={"corpus": text.key()}, config=cfg)
         limit = int(text.corpus_tokens or cfg.steps * cfg.tokens_per_step)
-        for turn in (0, 1):  # rank 0 fills the cache, then the others read it
-            if (rank == 0) == (turn == 0):
-                ckpt, staging, work = open_work(out, key, fresh=fresh and rank == 0)
-                corpus = prepare_corpus(text, cfg.vocab_size, limit, work / "corpus", eval_text=eval_text,
-                                        progress=cfg.progress and rank == 0)
-            ranks.wait()
+
+        def read(first: bool) -> tuple:
+            opened = open_work(out, key, fresh=fresh and first)
+            return opened, prepare_corpus(text, cfg.vocab_size, limit, opened[2] / "corpus", eval_text=eval_text,
+                                          progress=cfg.progress and first)
+
+        (ckpt, staging, work), corpus = rank0_first(read)
         tokenizer, ids, held_out, train_sha = corpus.tokenizer, corpus.ids, corpus.eval_text, corpus.sha256
         source = source or text.source
     else:
@@ -139,7 +140,7 @@ def train_zoo(cfg: ZooConfig, text: str | CorpusConfig, out: str | os.PathLike, 
     if not isinstance(text, CorpusConfig):
         key = run_key("zoo-train", model={"members": list(cfg.members)},
                       data={"train_sha256": train_sha, "eval_sha256": text_sha256(held_out)}, config=cfg)
-        ckpt, staging, work = opened(key)
+        ckpt, staging, work = rank0_first(lambda first: open_work(out, key, fresh=fresh and first))
     # The budget's warm-up runs on rank 0 alone (the others wait); each rank trains its share on its own device.
     budget = _budget(cfg, tokenizer, ids, budget_steps) if rank == 0 else []
     jobs = zoo_jobs(cfg, tokenizer, ids)
