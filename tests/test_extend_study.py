@@ -100,6 +100,8 @@ def test_the_command_prints_the_table_and_refuses_a_folder_without_trials(run, t
     assert out.returncode == 0, out.stderr
     assert "bands within L" in out.stdout and "pi" in out.stdout
     assert (tmp_path / "study" / "study.parquet").is_file()
+    assert "Passkey success after extension, by head dim and trained length" in (
+        tmp_path / "study" / "report.html").read_text(encoding="utf-8")
     bad = subprocess.run([sys.executable, "-m", "posprobe", "zoo", "extend-study", str(tmp_path), "--out",
                           str(tmp_path / "again")], capture_output=True, text=True)
     assert bad.returncode == 2 and "not a `zoo extend` output folder" in bad.stderr
@@ -132,3 +134,58 @@ def test_runs_of_other_seeds_pool_into_one_row_as_one_run_of_both(run, split):
     pd.testing.assert_frame_equal(two.drop(columns=["run"]), one)
     with pytest.raises(ValueError, match="seed 0 of head dim 16, L = 64, text, .* is in two runs"):
         extend_study_table([run, split[0]])
+
+
+def _synthetic_study() -> pd.DataFrame:
+    """A study frame written by hand: two cells (head dim 16 and 32 at L = 64), two fine-tunings, steps 0 / 100 / 200
+    for PI and the unextended member at 0 under each fine-tuning; successes / trials chosen per row."""
+    from posprobe.analyses.extend_study import STUDY_COLUMNS
+
+    rows, hits = [], iter(range(3, 1000, 7))
+    for hd in (16, 32):
+        for tuning in ("text", "text + passkey 0.5"):
+            for method, step in (("unextended", 0), ("pi", 0), ("pi", 100), ("pi", 200)):
+                r = dict.fromkeys(STUDY_COLUMNS)
+                r.update(head_dim=hd, L=64, target=256, scale=4.0, fine_tuning=tuning, method=method, step=step,
+                         seeds=3, bands=hd // 2, bands_within_L=3 if hd == 16 else 5, bands_within_L_over_s=1,
+                         window_seeds="64 0 8")
+                for side, n in (("within", 60), ("beyond", 230)):
+                    k = next(hits) % (n + 1)
+                    r[f"trials_{side}_L"], r[f"success_{side}_L"] = n, k / n
+                    r[f"success_{side}_L_low"], r[f"success_{side}_L_high"] = _wilson(k, n)
+                rows.append(r)
+    return pd.DataFrame(rows, columns=STUDY_COLUMNS)
+
+
+def test_the_figure_draws_each_rate_at_its_last_step_with_its_wilson_interval():
+    """Every point of the study figure is a row's pooled rate at that method's last step, its error bar spans scipy's
+    Wilson interval for that row's successes / trials, and the unextended member (one model) is drawn once per panel.
+    Planted, each seen failing: the bar's ends swapped, the first step drawn, the unextended member twice."""
+    from posprobe import Result
+    from posprobe.report.extend_study import figure
+
+    df = _synthetic_study()
+    fig = figure(Result({"study": df}, {"analysis": "zoo-extend-study"}))
+    methods = ["unextended", "pi"]
+    drawn = []
+    for tr in fig.data:
+        col = 1 if tr.xaxis in ("x", "x3") else 2  # row 1: x, x2; row 2: x3, x4
+        side = "within" if tr.xaxis in ("x", "x2") else "beyond"
+        hd = {1: 16, 2: 32}[col]
+        for x, y, up, down in zip(tr.x, tr.y, tr.error_y.array, tr.error_y.arrayminus):
+            method = methods[round(x)]
+            tuning = None if method == "unextended" else tr.name.removeprefix("fine-tuned on ")
+            drawn.append((hd, side, method, tuning))
+            mine = df[(df["head_dim"] == hd) & (df["method"] == method)
+                      & ((df["fine_tuning"] == tuning) if tuning else True)]
+            r = mine[mine["step"] == mine["step"].max()].iloc[0]
+            k, n = round(r[f"success_{side}_L"] * r[f"trials_{side}_L"]), r[f"trials_{side}_L"]
+            lo, hi = _wilson(k, n)
+            assert math.isclose(y, k / n, abs_tol=1e-12)
+            assert math.isclose(y - down, lo, abs_tol=1e-12) and math.isclose(y + up, hi, abs_tol=1e-12)
+    assert sorted(drawn, key=str) == sorted(
+        [(hd, side, "unextended", None) for hd in (16, 32) for side in ("within", "beyond")]
+        + [(hd, side, "pi", t) for hd in (16, 32) for side in ("within", "beyond")
+           for t in ("text", "text + passkey 0.5")], key=str)
+    steps = {int(c[0]) for tr in fig.data if tr.name != "unextended" for c in tr.customdata}
+    assert steps == {200}

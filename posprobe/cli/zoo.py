@@ -120,7 +120,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     st.add_argument("runs", nargs="+", metavar="RUN", help="folders written by posprobe zoo extend")
     st.add_argument("--steps", choices=("last", "all"), default="last",
                     help="each method at its last checkpoint (default) or at every checkpoint")
-    st.add_argument("--out", metavar="DIR", required=True, help="new folder for the table (its parent must exist)")
+    add_output_arguments(st)
     c = sub.add_parser("sink-control", help="a positive control for sinks: members trained on Bigram-Backcopy "
                                             "(Guo et al. 2024), their Sink_1^0.3, value drain and residual peak",
                        description="Members of 1-3 layers trained on the Bigram-Backcopy task (a bigram chain whose "
@@ -406,6 +406,6 @@ def _extend_study(args: argparse.Namespace) -> int:
     checks.check_out(args.out)
     result = extend_study(args.runs, steps=args.steps)  # reads tables only: every refusal before anything is written
     print(printed_study(result.tables["study"]))
-    result.save(args.out)
-    print(f"wrote {args.out}")
+    paths = result.save(args.out, figure_formats=args.figures, csv=args.csv)
+    print(f"wrote {paths['report']}")
     return 0

@@ -34,6 +34,7 @@ PAGES = {
     "zoo-tasks": "posprobe.report.zoo_tasks",
     "zoo-extend": "posprobe.report.zoo_extend",
     "zoo-emergence": "posprobe.report.emergence",
+    "zoo-extend-study": "posprobe.report.extend_study",
     "conform": "posprobe.report.conform",
 }
 
