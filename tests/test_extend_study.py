@@ -1,8 +1,9 @@
 """The extension study's table (`posprobe.analyses.extend_study`) against the raw passkey rows of a real `zoo extend`
 run, recomputed here: pooled successes / trials within and beyond L with scipy's Wilson interval, the windows per
 seed, the bands whose period fits in L and in L / s counted by brute force from the saved config.json, and the
-fast-band share summed by hand from `band_usage`. Planted, each seen failing: `<` for `<=` at L, bands counted
-over L * s, the fast share taken over the slow bands. (The mean of per-distance rates equals the pooled rate here:
+fast-band share summed by hand from `band_usage`, the strongest previous-token head from `previous_token`. Planted,
+each seen failing: `<` for `<=` at L, bands counted over L * s, the fast share taken over the slow bands, the mean
+previous-token attention over heads for the largest. (The mean of per-distance rates equals the pooled rate here:
 every distance has the same trials, so that swap is not a bug this table could show.)"""
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def test_the_study_table_equals_the_raw_rows_recomputed(run):
     ew = pd.read_parquet(run / "extend" / "effective_window.parquet")
     usage = pd.read_parquet(run / "extend" / "band_usage.parquet")
     mech = pd.read_parquet(run / "extend" / "mechanism.parquet")
+    prev = pd.read_parquet(run / "extend" / "previous_token.parquet")
     cfg = json.loads((run / "rope-llama-s0-direct" / "config.json").read_text())
     d = cfg["hidden_size"] // cfg["num_attention_heads"]
     base = (cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta"))
@@ -84,8 +86,14 @@ def test_the_study_table_equals_the_raw_rows_recomputed(run):
             bounds = [mech[(mech["method"] == row["method"]) & (mech["seed"] == s)]["interpolation_bound"].max()
                       for s in (0, 1)]
             assert row["interpolation_bound"] == pytest.approx(sum(bounds) / 2, abs=1e-12)
+            strongest = [prev[(prev["method"] == row["method"]) & (prev["seed"] == s)]["prev_attention"].max()
+                         for s in (0, 1)]
+            assert row["prev_token_attention"] == pytest.approx(sum(strongest) / 2, abs=1e-12)
         else:  # the mechanism is measured on the last checkpoint only
             assert math.isnan(row["fast_share"]) and math.isnan(row["interpolation_bound"])
+            assert math.isnan(row["prev_token_attention"])
+        first = [prev[(prev["method"] == "unextended") & (prev["seed"] == s)]["prev_attention"].max() for s in (0, 1)]
+        assert row["prev_token_attention_unextended"] == pytest.approx(sum(first) / 2, abs=1e-12)
         before = [mech[(mech["method"] == "unextended") & (mech["seed"] == s)]["interpolation_bound"].max()
                   for s in (0, 1)]
         assert row["interpolation_bound_unextended"] == pytest.approx(sum(before) / 2, abs=1e-12)
@@ -148,7 +156,8 @@ def _synthetic_study() -> pd.DataFrame:
                 r = dict.fromkeys(STUDY_COLUMNS)
                 r.update(head_dim=hd, L=64, target=256, scale=4.0, fine_tuning=tuning, method=method, step=step,
                          seeds=3, bands=hd // 2, bands_within_L=3 if hd == 16 else 5, bands_within_L_over_s=1,
-                         window_seeds="64 0 8")
+                         window_seeds="64 0 8", prev_token_attention=0.1 + 0.01 * len(rows) if step != 100 else None,
+                         prev_token_attention_unextended=0.7 if hd == 16 else 0.5)
                 for side, n in (("within", 60), ("beyond", 230)):
                     k = next(hits) % (n + 1)
                     r[f"trials_{side}_L"], r[f"success_{side}_L"] = n, k / n
@@ -189,3 +198,55 @@ def test_the_figure_draws_each_rate_at_its_last_step_with_its_wilson_interval():
            for t in ("text", "text + passkey 0.5")], key=str)
     steps = {int(c[0]) for tr in fig.data if tr.name != "unextended" for c in tr.customdata}
     assert steps == {200}
+
+
+def test_the_backfill_script_adds_the_table_zoo_extend_measures(run, tmp_path):
+    """benchmarks/pi_study_previous.py, on a copy of the run with its `previous_token` table removed (a run made before
+    `zoo extend` measured it), writes back the table `zoo extend` measured, value for value; the other tables are
+    unchanged, and a second call leaves the run alone."""
+    import shutil
+
+    from posprobe import Result
+
+    copy = tmp_path / "old"
+    shutil.copytree(run, copy)
+    res = Result.load(copy / "extend")
+    want = res.tables.pop("previous_token")
+    res.save(copy / "extend")
+    script = [sys.executable, "benchmarks/pi_study_previous.py", "--eval-text", str(run.parent / "zoo" / "eval.txt"),
+              f"{run.parent / 'zoo'}:{copy}"]
+    out = subprocess.run(script, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "added" in out.stdout
+    got = Result.load(copy / "extend")
+    key = ["member", "seed", "method", "layer", "head"]
+    pd.testing.assert_frame_equal(got.tables["previous_token"].sort_values(key).reset_index(drop=True)[want.columns],
+                                  want.sort_values(key).reset_index(drop=True), check_dtype=False, atol=1e-6)
+    pd.testing.assert_frame_equal(got.tables["passkey"], res.tables["passkey"])
+    again = subprocess.run(script, capture_output=True, text=True)
+    assert again.returncode == 0 and "has it already" in again.stdout
+
+
+def test_the_mechanism_figure_puts_each_rows_previous_token_share_against_its_success():
+    """Each point: x = the row's strongest previous-token attention / the unextended member's (computed here), y = its
+    success within L with scipy's Wilson interval, at each method's last step, the unextended member once per cell.
+    Planted, each seen failing: x not divided by the unextended member's, beyond L drawn for within."""
+    from posprobe import Result
+    from posprobe.report.extend_study import mechanism_figure
+
+    df = _synthetic_study()
+    fig = mechanism_figure(Result({"study": df}, {"analysis": "zoo-extend-study"}))
+    seen = []
+    for tr in fig.data:
+        for (hd, L, tuning, prev), x, y, up, down in zip(tr.customdata, tr.x, tr.y, tr.error_y.array,
+                                                         tr.error_y.arrayminus):
+            mine = df[(df["head_dim"] == hd) & (df["method"] == tr.name) & (df["fine_tuning"] == tuning)]
+            r = mine[mine["step"] == mine["step"].max()].iloc[0]
+            assert x == pytest.approx(r["prev_token_attention"] / (0.7 if hd == 16 else 0.5), abs=1e-12)
+            k, n = round(r["success_within_L"] * r["trials_within_L"]), r["trials_within_L"]
+            lo, hi = _wilson(k, n)
+            assert y == pytest.approx(k / n) and y - down == pytest.approx(lo) and y + up == pytest.approx(hi)
+            seen.append((hd, tr.name))
+    assert sorted(seen) == sorted([(hd, "unextended") for hd in (16, 32)] + [(hd, "pi") for hd in (16, 32)] * 2)
+    assert mechanism_figure(Result({"study": df.assign(prev_token_attention=None)},
+                                   {"analysis": "zoo-extend-study"})) is None

@@ -703,7 +703,8 @@ def test_the_mechanism_reads_each_models_own_rotation_at_its_own_lengths(tiny_zo
     at L -> L' and on each extended member at L' -> 2L', each on its own rotation: the band frequencies listed equal
     the papers' theta_j (PI: theta_j / s; NTK: the bloc97 base), written out in this file; DroPE on GPT-NeoX (HF's
     proportional type with no rotated share) has every band at frequency 0, so a(s) is flat and never leaves its
-    range. Catches: the source folder measured in place of the extended one, or the lengths swapped."""
+    range; the previous-token attention of PI's folder and of the member's equals HF's own attention at offset 1 on
+    windows of L. Catches: the source folder measured in place of the extended one, or the lengths swapped."""
     from posprobe.analyses.context_extension import extend_zoo
 
     cfg = ExtendConfig(members=("rope",), methods=("pi", "ntk", "drope"), steps=1, checkpoints=(), eval_tokens=256,
@@ -725,6 +726,60 @@ def test_the_mechanism_reads_each_models_own_rotation_at_its_own_lengths(tiny_zo
     assert mech[mech.method == "unextended"]["excess"].gt(0).any()  # the rotary member's a(s) does leave it
     share = usage[usage.method == "pi"].groupby("layer")["value"].sum()
     assert share.to_numpy() == pytest.approx(1.0, abs=1e-6)  # per layer the bands' shares of |q.k| sum to 1
+    prev = result.tables["previous_token"]  # every model on windows of L, whatever length it was trained at
+    assert set(prev["method"]) == {"unextended", "pi", "ntk", "drope"} and set(prev["length"]) == {L}
+    assert prev.groupby("method").size().to_dict() == {m: 2 * 2 for m in ("unextended", "pi", "ntk", "drope")}
+    assert prev["prev_attention"].between(0, 1).all()
+    for method, folder in (("pi", tmp_path / "out" / "rope-s0-pi"), ("unextended", tiny_zoo / "rope-s0")):
+        mine = prev[prev.method == method].sort_values(["layer", "head"])
+        want = _prev_by_hand(folder, (tiny_zoo / "eval.txt").read_text(), L, int(mine["windows"].iloc[0]))
+        assert mine["prev_attention"].to_numpy() == pytest.approx(want.flatten().numpy(), abs=1e-5), method
+
+
+def _prev_by_hand(folder: Path, text: str, n: int, windows: int) -> torch.Tensor:
+    """[layer, head] mean of HF's own eager attention from i to i - 1 over queries 1..n-1 of `windows` windows."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(folder)(text, add_special_tokens=False)["input_ids"][:windows * n]
+    model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+    with torch.no_grad():
+        att = model(torch.tensor(ids).view(windows, n), output_attentions=True).attentions
+    i = torch.arange(1, n)
+    return torch.stack([a[:, :, i, i - 1].double().mean((0, 2)) for a in att])
+
+
+def test_previous_token_attention_is_hf_attention_at_offset_one(tiny_zoo, tmp_path):
+    """`previous_token_frame` per head = the mean of HF's own eager attention on key i - 1 over queries 1..n-1 and the
+    windows, computed here from `output_attentions`, on the unextended member and on its PI extension (HF applies the
+    linear scaling); with every query weight zeroed attention is uniform over the i + 1 visible keys, so each head
+    gives mean_i 1 / (i + 1), written out. Catches: offset 2 read for offset 1, query 0 counted (its only key is
+    itself)."""
+    from transformers import AutoModelForCausalLM
+
+    from posprobe.analyses.context_extension import extend_zoo
+    from posprobe.analyses.extension_mechanism import previous_token_frame
+    from posprobe.backend.loading import load_model
+
+    text = (tiny_zoo / "eval.txt").read_text()
+    cfg = ExtendConfig(members=("rope-llama",), methods=("pi",), steps=2, checkpoints=(), eval_tokens=256,
+                       sliding="never", mechanism=False, progress=False)
+    extend_zoo(tiny_zoo, cfg, tmp_path / "out")
+    for folder in (tiny_zoo / "rope-llama-s0", tmp_path / "out" / "rope-llama-s0-pi"):
+        got = previous_token_frame(load_model(str(folder)), folder, text, L, max_windows=3)
+        assert set(got["windows"]) == {3} and set(got["length"]) == {L}
+        want = _prev_by_hand(folder, text, L, 3)
+        for _, r in got.iterrows():
+            assert r["prev_attention"] == pytest.approx(want[int(r["layer"]), int(r["head"])].item(), abs=1e-5)
+    flat = AutoModelForCausalLM.from_pretrained(tiny_zoo / "rope-llama-s0")
+    for layer in flat.model.layers:
+        torch.nn.init.zeros_(layer.self_attn.q_proj.weight)
+    flat.save_pretrained(tmp_path / "flat")
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (tiny_zoo / "rope-llama-s0" / f).is_file():
+            (tmp_path / "flat" / f).write_bytes((tiny_zoo / "rope-llama-s0" / f).read_bytes())
+    got = previous_token_frame(load_model(str(tmp_path / "flat")), tmp_path / "flat", text, L, max_windows=2)
+    uniform = sum(1 / (i + 1) for i in range(1, L)) / (L - 1)
+    assert got["prev_attention"].to_numpy() == pytest.approx([uniform] * len(got), rel=1e-6)
 
 
 def test_mechanism_summary_by_hand():

@@ -134,7 +134,7 @@ def extend_zoo(zoo: str | os.PathLike, config: ExtendConfig, out: str | os.PathL
             zoo was trained with `--passkey`) also `passkey` (member x seed x method x checkpoint x distance:
             success rate of the exact greedy answer) and `effective_window` (per checkpoint; the unextended
             members as method "unextended"), and the summary's `ew_*` columns; with `config.mechanism` also
-            `mechanism`, `band_usage`, `mechanism_refused` and `attention_entropy`.
+            `mechanism`, `band_usage`, `previous_token`, `mechanism_refused` and `attention_entropy`.
     """
     import torch
     from transformers import AutoTokenizer
@@ -199,7 +199,8 @@ def extend_zoo(zoo: str | os.PathLike, config: ExtendConfig, out: str | os.PathL
             "their sources")
         with quiet_progress():  # a "Loading weights" bar per model would bury the stage lines
             stored = ckpt.compute("mechanism", lambda: {k: v.to_dict("list") for k, v in mechanism_tables(
-                looked_at(jobs, lambda j: staging / j.folder_name), eval_text, device=config.device).items()})
+                looked_at(jobs, lambda j: staging / j.folder_name), eval_text, device=config.device,
+                previous_length=L).items()})
             result.tables.update({k: pd.DataFrame(v) for k, v in stored.items()})
             say(f"zoo extend: attention entropy at {L}, {target}, {2 * target} tokens on the same models")
             stored = ckpt.compute("entropy", lambda: entropy_table(

@@ -19,7 +19,10 @@ every run with that key (seeds run later as runs of their own pool with the firs
   this model at its last checkpoint (the mechanism is measured there only) and, beside it, `fast_share_unextended`
   for the member before extension; `interpolation_bound` (and `_unextended`), Chen et al.'s bound on how far the
   score can move between integer positions, d max|h_j| / (32 ln b) in logits, at its largest over the model's heads
-  from the measured h_j, mean over seeds.
+  from the measured h_j, mean over seeds; `prev_token_attention` (and `_unextended`), the strongest previous-token
+  head: the largest over the model's heads of the mean attention from i to i - 1 on windows of L tokens (the run's
+  `previous_token` table), mean over seeds. Passkey retrieval is a copy: a head that reads the token before each
+  position feeds the one that finds the key, and PI, which turns offset 1 into 1 / s, blurs that head.
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ STUDY_COLUMNS = ["head_dim", "L", "target", "scale", "fine_tuning", "method", "s
                  "success_within_L", "success_within_L_low", "success_within_L_high", "trials_beyond_L",
                  "success_beyond_L", "success_beyond_L_low", "success_beyond_L_high", "window_mean", "window_min",
                  "window_max", "window_seeds", "bands", "bands_within_L", "bands_within_L_over_s", "fast_share",
-                 "fast_share_unextended", "interpolation_bound", "interpolation_bound_unextended", "run"]
+                 "fast_share_unextended", "interpolation_bound", "interpolation_bound_unextended",
+                 "prev_token_attention", "prev_token_attention_unextended", "run"]
 
 
 def _member_rotation(run: Path, passkey: pd.DataFrame) -> tuple[int, float]:
@@ -88,6 +92,14 @@ def _largest_bound(mechanism: pd.DataFrame | None) -> dict[tuple[str, int], floa
     if mechanism is None or not len(mechanism):
         return {}
     got = mechanism.groupby(["method", "seed"], sort=False)["interpolation_bound"].max()
+    return {(str(m), int(s)): float(v) for (m, s), v in got.items()}
+
+
+def _strongest_previous(previous: pd.DataFrame | None) -> dict[tuple[str, int], float]:
+    """Per (method, seed): the largest mean attention from i to i - 1 over the model's heads."""
+    if previous is None or not len(previous):
+        return {}
+    got = previous.groupby(["method", "seed"], sort=False)["prev_attention"].max()
     return {(str(m), int(s)): float(v) for (m, s), v in got.items()}
 
 
@@ -140,7 +152,8 @@ def extend_study_table(runs: Sequence[str | os.PathLike], *, steps: str = "last"
         fast, periods = _bands_within(head_dim, base, L)
         facts = dict(run=str(run), fast=fast, fast_after_pi=int((periods <= L / (target / L)).sum()),
                      usage=_fast_share(res.tables.get("band_usage"), fast),
-                     bounds=_largest_bound(res.tables.get("mechanism")))
+                     bounds=_largest_bound(res.tables.get("mechanism")),
+                     previous=_strongest_previous(res.tables.get("previous_token")))
         pk = pk[pk["status"] == "ok"]
         for method, g in pk.groupby("method", sort=False):
             chosen = sorted(g["step"].unique()) if steps == "all" else [int(g["step"].max())]
@@ -178,7 +191,8 @@ def _row(key: tuple, parts: list[dict]) -> dict:
     row.update(window_mean=float(np.mean(ew)) if ew else float("nan"), window_min=min(ew) if ew else None,
                window_max=max(ew) if ew else None, window_seeds=" ".join(map(str, ew)), bands=head_dim // 2,
                bands_within_L=parts[0]["fast"], bands_within_L_over_s=parts[0]["fast_after_pi"])
-    for column, table in (("fast_share", "usage"), ("interpolation_bound", "bounds")):
+    for column, table in (("fast_share", "usage"), ("interpolation_bound", "bounds"),
+                          ("prev_token_attention", "previous")):
         mine = [p[table][(method, s)] for p in parts if p["last"] for s in map(int, sorted(p["at"]["seed"].unique()))
                 if (method, s) in p[table]]
         before = [p[table][(UNEXTENDED, s)] for p in parts for s in map(int, sorted(p["at"]["seed"].unique()))
@@ -221,10 +235,12 @@ def printed_study(df: pd.DataFrame) -> str:
 
     lines = [f"{'head dim':>8} {'L':>5} {'fine-tuning':18} {'method':11} {'step':>5} {'seeds':>5} "
              f"{'within L [95% CI]':>18} {'beyond L [95% CI]':>18} {'windows':>14} {'bands within L (L/s)':>21} "
-             f"{'fast share':>10}"]
+             f"{'fast share':>10} {'prev-token':>10}"]
     for _, r in df.iterrows():
         share = "" if pd.isna(r["fast_share"]) else f"{r['fast_share']:.3f}"
+        prev = "" if pd.isna(r["prev_token_attention"]) else f"{r['prev_token_attention']:.2f}"
         lines.append(f"{r['head_dim']:>8} {r['L']:>5} {r['fine_tuning']:18} {r['method']:11} {r['step']:>5} "
                      f"{r['seeds']:>5} {rate(r, 'within'):>18} {rate(r, 'beyond'):>18} {r['window_seeds']:>14} "
-                     f"{r['bands_within_L']:>5} of {r['bands']:<3} ({r['bands_within_L_over_s']}){'':>7} {share:>10}")
+                     f"{r['bands_within_L']:>5} of {r['bands']:<3} ({r['bands_within_L_over_s']}){'':>7} {share:>10} "
+                     f"{prev:>10}")
     return "\n".join(lines)

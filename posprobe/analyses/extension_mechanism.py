@@ -5,9 +5,12 @@ L') and after each method (trained at L', looked at up to 2L'), the frequency pa
 model's own rotation (a PI member's theta_j / s, an NTK or ABF member's new base, YaRN's ramp) and
 `chen_bounds.head_bounds` turns them into a(s)'s range inside the trained length, how far it leaves that range
 beyond it, and Chen's two bounds; the per-band usage (share of |q.k| per band) shows which bands the fine-tune
-re-learned. A member the frequency pass does not apply to (DroPE: no rotation left; the non-rotary controls) is a row
-of `mechanism_refused` with posprobe's reason. Beside it, YaRN's temperature rationale: attention entropy against
-length (`entropy_table`), per layer at L, L' and 2L' for every model, controls included. Units: scores in
+re-learned; `previous_token` holds each head's mean attention from position i to i - 1 on windows of the member's
+trained length L (the heads analysis' `prev_mass`): the copy circuit behind passkey retrieval reads the token
+before the key, and PI, which divides offset 1 by s, blurs it. A member the frequency pass does not apply to
+(DroPE: no rotation left; the non-rotary controls) is a row of `mechanism_refused` with posprobe's reason. Beside
+it, YaRN's temperature rationale: attention entropy against length (`entropy_table`), per layer at L, L' and 2L' for
+every model, controls included. Units: scores in
 pre-softmax logits, entropy in nats, lengths in tokens."""
 
 from __future__ import annotations
@@ -21,8 +24,8 @@ import pandas as pd
 
 from posprobe.analyses.configs import FrequencyConfig
 
-__all__ = ["MECHANISM_COLUMNS", "Looked", "attention_entropy", "entropy_table", "looked_at", "mechanism_tables",
-           "uniform_entropy"]
+__all__ = ["MECHANISM_COLUMNS", "PREVIOUS_TOKEN_WINDOWS", "Looked", "attention_entropy", "entropy_table", "looked_at",
+           "mechanism_tables", "previous_token_frame", "uniform_entropy"]
 
 #: The theory columns kept per head (`chen_bounds.head_bounds`).
 MECHANISM_COLUMNS = ("layer", "head", "attention", "h_max", "h_max_typical", "a_in_min", "a_in_max", "a_out_min",
@@ -30,6 +33,8 @@ MECHANISM_COLUMNS = ("layer", "head", "attention", "h_max", "h_max_typical", "a_
                      "extrapolation_leaves_range", "theory_context", "theory_target")
 #: Windows of the eval text each frequency pass reads (the h_j are means over query-key pairs: a few windows do).
 MECHANISM_WINDOWS = 4
+#: Windows of L tokens the previous-token attention is averaged over (a mean over queries: cheap, so more windows).
+PREVIOUS_TOKEN_WINDOWS = 16
 
 
 @dataclass(frozen=True)
@@ -45,16 +50,19 @@ class Looked:
     target: int
 
 
-def mechanism_tables(looked: list[Looked], text: str, *, device: str = "cpu",
-                     max_windows: int = MECHANISM_WINDOWS) -> dict[str, pd.DataFrame]:
+def mechanism_tables(looked: list[Looked], text: str, *, device: str = "cpu", max_windows: int = MECHANISM_WINDOWS,
+                     previous_length: int | None = None) -> dict[str, pd.DataFrame]:
     """Per model of `looked`: tables `mechanism` (one row per head: MECHANISM_COLUMNS with member, seed, method),
-    `band_usage` (share of |q.k| per band, mean over heads, with the band's angular frequency in radians per token)
-    and `mechanism_refused` (member, seed, method, why). Each model is scored on windows of its own trained length
-    (at most what `text` holds) and released before the next loads."""
+    `band_usage` (share of |q.k| per band, mean over heads, with the band's angular frequency in radians per token),
+    `previous_token` (per head, `prev_attention`: mean attention from i to i - 1 over queries 1..n-1 of
+    PREVIOUS_TOKEN_WINDOWS windows of `previous_length` tokens, the same length for every model so that the members
+    before and after extension are compared on one footing; left out when None) and `mechanism_refused` (member,
+    seed, method, why). Each model is scored on windows of its own trained length (at most what `text` holds) and
+    released before the next loads."""
     from posprobe.analyses.frequency import run_frequency
     from posprobe.backend.loading import load_model
 
-    heads, usage, refused = [], [], []
+    heads, usage, previous, refused = [], [], [], []
     for m in looked:
         tag = dict(member=m.member, seed=m.seed, method=m.method)
         try:
@@ -65,6 +73,8 @@ def mechanism_tables(looked: list[Looked], text: str, *, device: str = "cpu",
         except (ValueError, NotImplementedError) as e:
             refused.append({**tag, "why": str(e).splitlines()[0]})
             continue
+        if previous_length:
+            previous.append(previous_token_frame(model, m.folder, text, previous_length).assign(**tag))
         theory = got.tables["theory"]
         heads.append(theory[[c for c in MECHANISM_COLUMNS if c in theory]].assign(**tag))
         b = got.tables["bands"]
@@ -75,7 +85,32 @@ def mechanism_tables(looked: list[Looked], text: str, *, device: str = "cpu",
     frame = (lambda parts, cols: pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=cols))
     return {"mechanism": frame(heads, [*MECHANISM_COLUMNS, "member", "seed", "method"]),
             "band_usage": frame(usage, ["layer", "band", "value", "frequency", "member", "seed", "method", "metric"]),
+            **({"previous_token": frame(previous, ["layer", "head", "prev_attention", "length", "windows", "member",
+                                                    "seed", "method"])} if previous_length else {}),
             "mechanism_refused": pd.DataFrame(refused, columns=["member", "seed", "method", "why"])}
+
+
+def previous_token_frame(model: Any, folder: str | Path, text: str, length: int, *,
+                         max_windows: int = PREVIOUS_TOKEN_WINDOWS) -> pd.DataFrame:
+    """Per head of a loaded posprobe `model` (saved in `folder`, whose tokenizer cuts `text`): `prev_attention`, the
+    mean attention from query i to key i - 1 over queries 1..length-1 of up to `max_windows` non-overlapping windows
+    of `length` tokens (no special tokens), with the `length` and `windows` used. The heads analysis' `prev_mass`
+    (`head_signatures`, no induction pass)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from posprobe.analyses.configs import HeadsConfig
+    from posprobe.analyses.heads import head_signatures
+
+    ids = AutoTokenizer.from_pretrained(folder)(text, add_special_tokens=False)["input_ids"]
+    k = min(max_windows, len(ids) // length)
+    if k < 1:
+        raise ValueError(f"the text has {len(ids)} tokens, fewer than one window of {length}")
+    rows = torch.tensor(ids[:k * length]).view(k, length)
+    h = head_signatures(model, rows, HeadsConfig(induction_len=0, progress=False)).tables["heads"]
+    prev = h[h["metric"] == "prev_mass"]
+    return pd.DataFrame({"layer": prev["layer"].astype(int).to_numpy(), "head": prev["head"].astype(int).to_numpy(),
+                         "prev_attention": prev["value"].astype(float).to_numpy(), "length": length, "windows": k})
 
 
 def looked_at(jobs: list[Any], folder_of: Any) -> list[Looked]:

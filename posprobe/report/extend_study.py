@@ -93,10 +93,42 @@ def figure(result: Any) -> Any | None:
                                                                 "seeds": int(df["seeds"].max())}, note=note))
 
 
+def mechanism_figure(result: Any) -> Any | None:
+    """Success within L against the strongest previous-token head's attention to i - 1, as a share of the unextended
+    member's: a point per head dim, L, fine-tuning and method at its last step (the unextended member at 1), with the
+    Wilson interval as the error bar; None where no run measured the previous-token attention."""
+    import plotly.graph_objects as go
+
+    df = plotted(result.tables["study"])
+    df = df[df["prev_token_attention"].notna() & df["prev_token_attention_unextended"].gt(0)]
+    if not len(df):
+        return None
+    fig = go.Figure()
+    methods = ["unextended"] + [m for m in dict.fromkeys(df["method"]) if m != "unextended"]
+    for i, method in enumerate(methods):
+        g = df[df["method"] == method]
+        p, lo, hi = (g[f"success_within_L{x}"].to_numpy(float) for x in ("", "_low", "_high"))
+        fig.add_scatter(x=(g["prev_token_attention"] / g["prev_token_attention_unextended"]).to_numpy(float), y=p,
+                        mode="markers", name=method,
+                        marker=dict(size=10, color=_BEFORE if method == "unextended" else COLORS[(i - 1) % len(COLORS)],
+                                    symbol="diamond" if method == "unextended" else "circle"),
+                        error_y=dict(type="data", symmetric=False, array=hi - p, arrayminus=p - lo, thickness=1),
+                        customdata=g[["head_dim", "L", "fine_tuning", "prev_token_attention"]].to_numpy(),
+                        hovertemplate=("%{customdata[0]} dims, L = %{customdata[1]}, %{customdata[2]}<br>attention to "
+                                       "i-1 %{customdata[3]:.2f} (%{x:.2f} of unextended)<br>success within L %{y:.2f}"
+                                       "<extra>" + method + "</extra>"))
+    fig.update_xaxes(title_text="strongest previous-token head, share of the unextended member's", rangemode="tozero")
+    fig.update_yaxes(title_text="success within L", range=[-0.03, 1.03])
+    fig.update_layout(title="The previous-token head against the skill")
+    note = ("Previous-token attention: the largest over a model's heads of the mean attention from i to i - 1 on "
+            "windows of L tokens, mean over seeds, divided by the unextended member's. A point per head dim, L, "
+            "fine-tuning and method at its last checkpoint; error bars: 95 % Wilson intervals.")
+    return style(fig, height=480, caption=caption(result.meta, note=note))
+
+
 def figures(result: Any) -> list:
-    """The success figure, where the study has rows."""
-    fig = figure(result)
-    return [] if fig is None else [fig]
+    """The success figure and the previous-token figure, where the study has what they need."""
+    return [f for f in (figure(result), mechanism_figure(result)) if f is not None]
 
 
 def sections(result: Any) -> list[Section]:
@@ -106,5 +138,12 @@ def sections(result: Any) -> list[Section]:
              "of every seed; Chen et al.'s effective window per seed in <code>window_seeds</code>; the fast-band "
              "share of |q·k| and Chen's interpolation bound where the run measured its mechanism (docs/zoo-extend.md "
              "says what each column is).</p>")
-    return [Section("Success within and beyond L", html=intro, figures=figures(result),
-                    table=result.tables["study"])]
+    out = [Section("Success within and beyond L", html=intro, figures=[f for f in [figure(result)] if f is not None],
+                   table=result.tables["study"])]
+    mech = mechanism_figure(result)
+    if mech is not None:
+        out.append(Section("The previous-token head", html=(
+            "<p>Passkey retrieval is a copy: a head that reads the token before each position feeds the head that "
+            "finds the key. Position Interpolation turns offset 1 into 1 / s, so that head loses its sharpness; "
+            "here, how much of it each method keeps against how much of the skill survives.</p>"), figures=[mech]))
+    return out

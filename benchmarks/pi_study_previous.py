@@ -1,0 +1,68 @@
+"""Add the `previous_token` table to `zoo extend` runs made before `zoo extend` measured it (issue #63's study).
+
+`zoo extend` now measures, beside its mechanism, every head's mean attention from i to i - 1 on windows of L tokens
+(`posprobe.analyses.extension_mechanism.previous_token_frame`). For a run made earlier this measures the same thing on
+its saved folders (each method at its last checkpoint) and on the zoo's unextended members, and writes the run's
+`extend/` result again with the table added (atomically, the other tables unchanged). A run that has the table
+already is left alone. Run by hand, not in CI:
+
+    python benchmarks/pi_study_previous.py --eval-text ../shared/data/wikitext-2/test.txt \
+        pi-study/zoo-hd32-L64:pi-study/ext-hd32-L64-skill0 ...
+
+Each argument is ZOO:RUN, the zoo folder a run was extended from and the run. Progress on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+
+def backfill(zoo: Path, run: Path, text: str) -> bool:
+    """Measure and add `previous_token` to `run`'s extend result; False when it is there already."""
+    from posprobe import Result
+    from posprobe.analyses.extension_mechanism import previous_token_frame
+    from posprobe.backend.loading import load_model
+
+    res = Result.load(run / "extend")
+    if "previous_token" in res.tables:
+        return False
+    L = int(res.meta["train_length"])
+    runs = res.tables["runs"]
+    looked = {(m, int(s), "unextended"): zoo / f"{m}-s{int(s)}" for m, s in zip(runs["member"], runs["seed"])}
+    looked.update({(m, int(s), meth): run / str(model) for model, m, s, meth in
+                   zip(runs["model"], runs["member"], runs["seed"], runs["method"])})
+    parts = []
+    for (member, seed, method), folder in looked.items():
+        if not (folder / "config.json").is_file():
+            raise SystemExit(f"{folder}: no saved model (is {zoo} the zoo {run} was extended from?)")
+        print(f"previous-token attention: {folder}", file=sys.stderr, flush=True)
+        parts.append(previous_token_frame(load_model(str(folder)), folder, text, L).assign(
+            member=member, seed=seed, method=method))
+    res.tables["previous_token"] = pd.concat(parts, ignore_index=True)
+    res.save(run / "extend")
+    return True
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("pairs", nargs="+", metavar="ZOO:RUN")
+    p.add_argument("--eval-text", required=True, metavar="PATH", help="the eval text the runs were scored on")
+    args = p.parse_args()
+    from posprobe.data import read_text
+
+    text = read_text(args.eval_text)
+    pairs = [tuple(map(Path, x.split(":", 1))) for x in args.pairs]
+    bad = [f"{z}:{r}" for z, r in pairs if not (r / "extend" / "meta.json").is_file() or not z.is_dir()]
+    if bad:
+        raise SystemExit(f"not a zoo folder and a `zoo extend` run: {', '.join(bad)}")
+    for zoo, run in pairs:
+        print(f"{run}: {'added' if backfill(zoo, run, text) else 'has it already'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
