@@ -10,6 +10,10 @@ already is left alone. Run by hand, not in CI:
         pi-study/zoo-hd32-L64:pi-study/ext-hd32-L64-skill0 ...
 
 Each argument is ZOO:RUN, the zoo folder a run was extended from and the run. Progress on stderr.
+
+With `--step0` it writes nothing and prints, per run and seed, the strongest previous-token head of each method at
+step 0, before any fine-tuning: the unextended member's weights under the method's saved rotation (its config.json),
+as a share of the unextended member's. This separates what the rotation change does from what fine-tuning restores.
 """
 
 from __future__ import annotations
@@ -47,10 +51,41 @@ def backfill(zoo: Path, run: Path, text: str) -> bool:
     return True
 
 
+def at_step_0(zoo: Path, run: Path, text: str, scratch: Path) -> list[dict]:
+    """Per seed and method of `run`: the strongest head's mean attention from i to i - 1 on windows of L, with the
+    member's weights under the method's config.json, and its share of the unextended member's."""
+    import shutil
+
+    from posprobe import Result
+    from posprobe.analyses.extension_mechanism import previous_token_frame
+    from posprobe.backend.loading import load_model
+
+    res = Result.load(run / "extend")
+    L = int(res.meta["train_length"])
+    rows, base = [], {}
+    for model, member, seed, method in res.tables["runs"][["model", "member", "seed", "method"]].itertuples(
+            index=False):
+        source = zoo / f"{member}-s{int(seed)}"
+        if (member, seed) not in base:
+            base[(member, seed)] = previous_token_frame(load_model(str(source)), source, text, L)[
+                "prev_attention"].max()
+        folder = scratch / f"{member}-s{int(seed)}-{method}"
+        shutil.rmtree(folder, ignore_errors=True)
+        shutil.copytree(source, folder)
+        shutil.copyfile(run / str(model) / "config.json", folder / "config.json")
+        got = previous_token_frame(load_model(str(folder)), folder, text, L)["prev_attention"].max()
+        shutil.rmtree(folder)
+        rows.append({"run": str(run), "member": member, "seed": int(seed), "method": method, "step": 0,
+                     "prev_token_attention": got, "unextended": base[(member, seed)],
+                     "share": got / base[(member, seed)]})
+    return rows
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("pairs", nargs="+", metavar="ZOO:RUN")
     p.add_argument("--eval-text", required=True, metavar="PATH", help="the eval text the runs were scored on")
+    p.add_argument("--step0", action="store_true", help="print each method's previous-token head before fine-tuning")
     args = p.parse_args()
     from posprobe.data import read_text
 
@@ -59,6 +94,13 @@ def main() -> int:
     bad = [f"{z}:{r}" for z, r in pairs if not (r / "extend" / "meta.json").is_file() or not z.is_dir()]
     if bad:
         raise SystemExit(f"not a zoo folder and a `zoo extend` run: {', '.join(bad)}")
+    if args.step0:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as scratch:
+            rows = [r for zoo, run in pairs for r in at_step_0(zoo, run, text, Path(scratch))]
+        print(pd.DataFrame(rows).round(6).to_string(index=False))
+        return 0
     for zoo, run in pairs:
         print(f"{run}: {'added' if backfill(zoo, run, text) else 'has it already'}")
     return 0

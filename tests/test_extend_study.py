@@ -250,3 +250,38 @@ def test_the_mechanism_figure_puts_each_rows_previous_token_share_against_its_su
     assert sorted(seen) == sorted([(hd, "unextended") for hd in (16, 32)] + [(hd, "pi") for hd in (16, 32)] * 2)
     assert mechanism_figure(Result({"study": df.assign(prev_token_attention=None)},
                                    {"analysis": "zoo-extend-study"})) is None
+
+
+def test_the_step_0_mode_puts_each_methods_rotation_on_the_members_weights(run):
+    """`--step0` prints, per seed and method, the strongest head's attention to i - 1 with the member's weights under
+    the method's config: recomputed here from HF's own eager attention with the member's weights loaded under PI's
+    saved config (16 windows of L of the zoo's eval text); direct fine-tuning keeps L's rotation, so its share is
+    exactly 1. Nothing is written. Planted, each seen failing: the method's config left out, the extended weights
+    loaded in place of the member's."""
+    import io
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    zoo = run.parent / "zoo"
+    before = sorted(p.name for p in run.rglob("*"))
+    out = subprocess.run([sys.executable, "benchmarks/pi_study_previous.py", "--step0", "--eval-text",
+                          str(zoo / "eval.txt"), f"{zoo}:{run}"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    got = pd.read_csv(io.StringIO(out.stdout), sep=r"\s+")
+    assert sorted(p.name for p in run.rglob("*")) == before
+    assert set(zip(got["seed"], got["method"])) == {(s, m) for s in (0, 1) for m in ("direct", "pi")}
+    assert (got.loc[got["method"] == "direct", "share"] == 1.0).all()
+    text = (zoo / "eval.txt").read_text()
+    for seed in (0, 1):
+        source = zoo / f"rope-llama-s{seed}"
+        ids = AutoTokenizer.from_pretrained(source)(text, add_special_tokens=False)["input_ids"]
+        k = min(16, len(ids) // 64)
+        model = AutoModelForCausalLM.from_pretrained(
+            source, config=AutoConfig.from_pretrained(run / f"rope-llama-s{seed}-pi"), attn_implementation="eager")
+        with torch.no_grad():
+            att = model.eval()(torch.tensor(ids[:k * 64]).view(k, 64), output_attentions=True).attentions
+        i = torch.arange(1, 64)
+        want = max(a[:, :, i, i - 1].double().mean((0, 2)).max().item() for a in att)
+        row = got[(got["seed"] == seed) & (got["method"] == "pi")].iloc[0]
+        assert row["prev_token_attention"] == pytest.approx(want, abs=2e-6)  # printed to 6 decimals
