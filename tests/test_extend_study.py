@@ -108,8 +108,9 @@ def test_the_command_prints_the_table_and_refuses_a_folder_without_trials(run, t
     assert out.returncode == 0, out.stderr
     assert "bands within L" in out.stdout and "pi" in out.stdout
     assert (tmp_path / "study" / "study.parquet").is_file()
-    assert "Passkey success after extension, by head dim and trained length" in (
-        tmp_path / "study" / "report.html").read_text(encoding="utf-8")
+    page = (tmp_path / "study" / "report.html").read_text(encoding="utf-8")
+    assert "Passkey success after extension, by head dim and trained length" in page
+    assert "The previous-token head against the skill" in page
     bad = subprocess.run([sys.executable, "-m", "posprobe", "zoo", "extend-study", str(tmp_path), "--out",
                           str(tmp_path / "again")], capture_output=True, text=True)
     assert bad.returncode == 2 and "not a `zoo extend` output folder" in bad.stderr

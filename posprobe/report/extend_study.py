@@ -71,13 +71,12 @@ def figure(result: Any) -> Any | None:
                                 symbol="diamond" if i is None else "circle"),
                     error_y=dict(type="data", symmetric=False, array=hi - p, arrayminus=p - lo, thickness=1.5),
                     customdata=g[["step", "seeds", f"trials_{side}_L", "window_seeds"]].to_numpy(),
-                    hovertemplate=(f"%{{y:.2f}} {side} L (95 %% CI error bar)<br>step %{{customdata[0]}}, "
+                    hovertemplate=(f"%{{y:.2f}} {side} L (error bar: 95 % CI)<br>step %{{customdata[0]}}, "
                                    "%{customdata[1]} seeds, %{customdata[2]} trials<br>windows %{customdata[3]}"
                                    "<extra>" + name + "</extra>"))
                 shown.add(name)
             fig.update_xaxes(tickvals=list(range(len(methods))), ticktext=methods, range=[-0.6, len(methods) - 0.4],
-                             tickangle=-30,
-                             row=row, col=col)
+                             tickangle=-30, row=row, col=col)
     fig.update_yaxes(range=[-0.03, 1.03])
     fig.update_yaxes(title_text="success within L", row=1, col=1)
     fig.update_yaxes(title_text="success beyond L", row=2, col=1)
@@ -89,8 +88,10 @@ def figure(result: Any) -> Any | None:
     note = ("Exact greedy answers, every trial of every seed and distance pooled (within L: distances up to L; beyond "
             "L: up to L'); error bars: 95 % Wilson intervals. Each method at its last checkpoint; grey diamonds: the "
             "member before extension. Bands: rotary bands whose period fits in L.")
+    lo, hi = int(df["seeds"].min()), int(df["seeds"].max())
     return style(fig, height=620, caption=caption(result.meta, {"scale s": ", ".join(targets),
-                                                                "seeds": int(df["seeds"].max())}, note=note))
+                                                                "seeds": str(hi) if lo == hi else f"{lo}–{hi}"},
+                                                  note=note))
 
 
 def mechanism_figure(result: Any) -> Any | None:
