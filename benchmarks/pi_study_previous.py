@@ -25,28 +25,39 @@ from pathlib import Path
 import pandas as pd
 
 
-def backfill(zoo: Path, run: Path, text: str) -> bool:
-    """Measure and add `previous_token` to `run`'s extend result; False when it is there already."""
+def _models(zoo: Path, run: Path) -> tuple[object, int, dict[tuple[str, int, str], tuple[Path, str | None]]]:
+    """`run`'s extend result, its L, and per (member, seed, method) the folder measured and, for an extended model,
+    the folder of its saved config ("unextended": the zoo's member, None)."""
     from posprobe import Result
+
+    res = Result.load(run / "extend")
+    runs = res.tables["runs"]
+    looked: dict[tuple[str, int, str], tuple[Path, str | None]] = {}
+    for model, member, seed, method in runs[["model", "member", "seed", "method"]].itertuples(index=False):
+        looked.setdefault((member, int(seed), "unextended"), (zoo / f"{member}-s{int(seed)}", None))
+        looked[(member, int(seed), method)] = (run / str(model), str(model))
+    for folder, _ in looked.values():
+        if not (folder / "config.json").is_file():
+            raise SystemExit(f"{folder}: no saved model (is {zoo} the zoo {run} was extended from?)")
+    return res, int(res.meta["train_length"]), looked
+
+
+def _strongest(folder: Path, text: str, L: int) -> pd.DataFrame:
     from posprobe.analyses.extension_mechanism import previous_token_frame
     from posprobe.backend.loading import load_model
 
-    res = Result.load(run / "extend")
+    print(f"previous-token attention: {folder}", file=sys.stderr, flush=True)
+    return previous_token_frame(load_model(str(folder)), folder, text, L)
+
+
+def backfill(zoo: Path, run: Path, text: str) -> bool:
+    """Measure and add `previous_token` to `run`'s extend result; False when it is there already."""
+    res, L, looked = _models(zoo, run)
     if "previous_token" in res.tables:
         return False
-    L = int(res.meta["train_length"])
-    runs = res.tables["runs"]
-    looked = {(m, int(s), "unextended"): zoo / f"{m}-s{int(s)}" for m, s in zip(runs["member"], runs["seed"])}
-    looked.update({(m, int(s), meth): run / str(model) for model, m, s, meth in
-                   zip(runs["model"], runs["member"], runs["seed"], runs["method"])})
-    parts = []
-    for (member, seed, method), folder in looked.items():
-        if not (folder / "config.json").is_file():
-            raise SystemExit(f"{folder}: no saved model (is {zoo} the zoo {run} was extended from?)")
-        print(f"previous-token attention: {folder}", file=sys.stderr, flush=True)
-        parts.append(previous_token_frame(load_model(str(folder)), folder, text, L).assign(
-            member=member, seed=seed, method=method))
-    res.tables["previous_token"] = pd.concat(parts, ignore_index=True)
+    res.tables["previous_token"] = pd.concat(
+        [_strongest(folder, text, L).assign(member=member, seed=seed, method=method)
+         for (member, seed, method), (folder, _) in looked.items()], ignore_index=True)
     res.save(run / "extend")
     return True
 
@@ -56,28 +67,23 @@ def at_step_0(zoo: Path, run: Path, text: str, scratch: Path) -> list[dict]:
     member's weights under the method's config.json, and its share of the unextended member's."""
     import shutil
 
-    from posprobe import Result
-    from posprobe.analyses.extension_mechanism import previous_token_frame
-    from posprobe.backend.loading import load_model
-
-    res = Result.load(run / "extend")
-    L = int(res.meta["train_length"])
-    rows, base = [], {}
-    for model, member, seed, method in res.tables["runs"][["model", "member", "seed", "method"]].itertuples(
-            index=False):
-        source = zoo / f"{member}-s{int(seed)}"
-        if (member, seed) not in base:
-            base[(member, seed)] = previous_token_frame(load_model(str(source)), source, text, L)[
-                "prev_attention"].max()
-        folder = scratch / f"{member}-s{int(seed)}-{method}"
-        shutil.rmtree(folder, ignore_errors=True)
-        shutil.copytree(source, folder)
-        shutil.copyfile(run / str(model) / "config.json", folder / "config.json")
-        got = previous_token_frame(load_model(str(folder)), folder, text, L)["prev_attention"].max()
-        shutil.rmtree(folder)
-        rows.append({"run": str(run), "member": member, "seed": int(seed), "method": method, "step": 0,
-                     "prev_token_attention": got, "unextended": base[(member, seed)],
-                     "share": got / base[(member, seed)]})
+    _, L, looked = _models(zoo, run)
+    rows, bases = [], {}
+    for (member, seed, method), (folder, model) in looked.items():
+        if model is None:
+            continue
+        source = looked[(member, seed, "unextended")][0]
+        if source not in bases:  # one measurement of each member, shared by its methods
+            bases[source] = _strongest(source, text, L)["prev_attention"].max()
+        base = bases[source]
+        mixed = scratch / f"{member}-s{seed}-{method}"
+        shutil.rmtree(mixed, ignore_errors=True)
+        shutil.copytree(source, mixed)
+        shutil.copyfile(folder / "config.json", mixed / "config.json")
+        got = _strongest(mixed, text, L)["prev_attention"].max()
+        shutil.rmtree(mixed)
+        rows.append({"run": str(run), "member": member, "seed": seed, "method": method, "step": 0,
+                     "prev_token_attention": got, "unextended": base, "share": got / base})
     return rows
 
 

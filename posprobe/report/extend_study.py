@@ -49,7 +49,7 @@ def figure(result: Any) -> Any | None:
     cells = list(dict.fromkeys((int(r["L"]), int(r["head_dim"])) for _, r in df.iterrows()))
     names = {c: _panel(df[(df["L"] == c[0]) & (df["head_dim"] == c[1])].iloc[0]) for c in cells}
     methods = ["unextended"] + [m for m in dict.fromkeys(df["method"]) if m != "unextended"]
-    tunings = [t for t in dict.fromkeys(df["fine_tuning"])]
+    tunings = list(dict.fromkeys(df["fine_tuning"]))
     fig = make_subplots(rows=2, cols=len(cells), shared_yaxes=True, shared_xaxes=True, vertical_spacing=0.08,
                         horizontal_spacing=0.03, subplot_titles=[names[c] for c in cells] + [""] * len(cells))
     shown: set[str] = set()
