@@ -72,6 +72,10 @@ def test_the_study_table_equals_the_raw_rows_recomputed(run):
         w = ew[(ew["method"] == row["method"]) & (ew["step"] == row["step"])].sort_values("seed")
         assert row["window_seeds"] == " ".join(str(int(x)) for x in w["effective_window"])
         assert row["window_mean"] == pytest.approx(w["effective_window"].mean())
+        member = pk[(pk["method"] == "unextended") & (pk["distance"] <= 64)]
+        sums = [member.loc[member["seed"] == s, ["successes", "trials"]].sum() for s in (0, 1)]
+        assert row["member_skill_seeds"] == " ".join(f"{x['successes'] / x['trials']:.3f}" for x in sums)
+        assert row["seeds_left_out"] == 0
         assert row["bands"] == d // 2
         assert row["bands_within_L"] == sum(p <= 64 for p in periods)
         assert row["bands_within_L_over_s"] == sum(p <= 32 for p in periods)
@@ -286,3 +290,60 @@ def test_the_step_0_mode_puts_each_methods_rotation_on_the_members_weights(run):
         want = max(a[:, :, i, i - 1].double().mean((0, 2)).max().item() for a in att)
         row = got[(got["seed"] == seed) & (got["method"] == "pi")].iloc[0]
         assert row["prev_token_attention"] == pytest.approx(want, abs=2e-6)  # printed to 6 decimals
+
+
+def _with_member_skill(run, dest, skill: dict[int, bool]):
+    """A copy of the run whose unextended member succeeds on every trial within L (True) or on none (False), per seed:
+    the other methods' trials are left as they were."""
+    import shutil
+
+    shutil.copytree(run, dest)
+    path = dest / "extend" / "passkey.parquet"
+    pk = pd.read_parquet(path)
+    for seed, good in skill.items():
+        rows = (pk["method"] == "unextended") & (pk["seed"] == seed) & (pk["distance"] <= 64)
+        pk.loc[rows, "successes"] = pk.loc[rows, "trials"] if good else 0
+    pk.to_parquet(path)
+    return dest
+
+
+def test_min_skill_leaves_out_the_seeds_whose_member_never_had_the_skill(run, split, tmp_path):
+    """Seed 0's member made perfect and seed 1's made to fail: with min_skill 0.5 the table is the one of seed 0's run
+    alone (every count, rate, window and mechanism column), says one seed was left out, and the command names it on
+    stderr; min_skill 0 keeps both; a threshold no member reaches is refused before anything is written."""
+    from posprobe.analyses.extend_study import extend_study_table
+
+    both = _with_member_skill(run, tmp_path / "both", {0: True, 1: False})
+    alone = _with_member_skill(split[0], tmp_path / "alone", {0: True})
+    kept = extend_study_table([both], steps="all", min_skill=0.5)
+    expected = extend_study_table([alone], steps="all")
+    assert (kept["seeds_left_out"] == 1).all() and (expected["seeds_left_out"] == 0).all()
+    assert (kept["member_skill_seeds"] == "1.000").all() and (kept["seeds"] == 1).all()
+    pd.testing.assert_frame_equal(kept.drop(columns=["run", "seeds_left_out"]),
+                                  expected.drop(columns=["run", "seeds_left_out"]))
+    everyone = extend_study_table([both], min_skill=0)
+    assert (everyone["member_skill_seeds"] == "1.000 0.000").all() and (everyone["seeds"] == 2).all()
+    assert (everyone["seeds_left_out"] == 0).all()
+    out = subprocess.run([sys.executable, "-m", "posprobe", "zoo", "extend-study", str(both), "--min-skill", "0.5",
+                          "--out", str(tmp_path / "study")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "seed 1 (its member succeeds on 0.000 within L, under --min-skill 0.5)" in out.stderr
+    assert "left out" not in out.stdout.split("\n", 1)[1]  # results on stdout, the note on stderr
+    bad = subprocess.run([sys.executable, "-m", "posprobe", "zoo", "extend-study", str(alone), "--min-skill", "1.5",
+                          "--out", str(tmp_path / "bad")], capture_output=True, text=True)
+    assert bad.returncode == 2 and "min_skill is a share of trials" in bad.stderr
+    # Only the trials at distance L itself succeed: L is within L (a `<` for `<=` would give 0).
+    edge = _with_member_skill(split[0], tmp_path / "edge", {0: False})
+    pk = pd.read_parquet(edge / "extend" / "passkey.parquet")
+    at_l = (pk["method"] == "unextended") & (pk["distance"] == 64)
+    assert at_l.any()
+    pk.loc[at_l, "successes"] = pk.loc[at_l, "trials"]
+    pk.to_parquet(edge / "extend" / "passkey.parquet")
+    within = pk[(pk["method"] == "unextended") & (pk["distance"] <= 64)]
+    expected_skill = pk.loc[at_l, "trials"].sum() / within["trials"].sum()
+    assert 0 < expected_skill < 1
+    assert set(extend_study_table([edge])["member_skill_seeds"]) == {f"{expected_skill:.3f}"}
+    none = _with_member_skill(split[0], tmp_path / "none", {0: False})
+    with pytest.raises(ValueError, match="no seed's member succeeds within L on at least 0.5"):
+        extend_study_table([none], min_skill=0.5)
+    assert not (tmp_path / "bad").exists()

@@ -12,6 +12,9 @@ every run with that key (seeds run later as runs of their own pool with the firs
 * success within L and beyond L: every trial of every seed and distance pooled (successes / trials), each with its
   95 % Wilson interval (a rate moves in steps of 1 / trials, so a single cell is noisy);
 * Chen et al.'s effective window per seed (`window_seeds`, in seed order) with its mean, lowest and highest;
+* `member_skill_seeds`: the unextended member's success within L per seed (in seed order): a method cannot keep a
+  skill its member never learned, so `min_skill` leaves out every seed whose member is below it (in every row, the
+  member's included) and `seeds_left_out` counts them;
 * the prediction, from the member's own rotation: `bands_within_L` (bands whose period 2 pi / theta_j is at most L)
   and `bands_within_L_over_s` (at most L / s: the bands still turning within L once PI divides every frequency by s);
 * the mechanism, where the run measured it (`zoo extend` does unless `--no-mechanism`): `fast_share`, the share of
@@ -48,9 +51,9 @@ _SAME_BASE = ("direct", "pi", "yarn", "pose")
 STUDY_COLUMNS = ["head_dim", "L", "target", "scale", "fine_tuning", "method", "step", "seeds", "trials_within_L",
                  "success_within_L", "success_within_L_low", "success_within_L_high", "trials_beyond_L",
                  "success_beyond_L", "success_beyond_L_low", "success_beyond_L_high", "window_mean", "window_min",
-                 "window_max", "window_seeds", "bands", "bands_within_L", "bands_within_L_over_s", "fast_share",
-                 "fast_share_unextended", "interpolation_bound", "interpolation_bound_unextended",
-                 "prev_token_attention", "prev_token_attention_unextended", "run"]
+                 "window_max", "window_seeds", "member_skill_seeds", "seeds_left_out", "bands", "bands_within_L",
+                 "bands_within_L_over_s", "fast_share", "fast_share_unextended", "interpolation_bound",
+                 "interpolation_bound_unextended", "prev_token_attention", "prev_token_attention_unextended", "run"]
 
 
 def _member_rotation(run: Path, passkey: pd.DataFrame) -> tuple[int, float]:
@@ -103,12 +106,24 @@ def _strongest_previous(previous: pd.DataFrame | None) -> dict[tuple[str, int], 
     return {(str(m), int(s)): float(v) for (m, s), v in got.items()}
 
 
-def extend_study_table(runs: Sequence[str | os.PathLike], *, steps: str = "last") -> pd.DataFrame:
+def _member_skill(pk: pd.DataFrame, L: int, run: Path) -> dict[int, float]:
+    """Per seed: the unextended member's passkey success within L (successes / trials pooled over distances <= L)."""
+    mine = pk[(pk["method"] == UNEXTENDED) & (pk["distance"] <= L)]
+    if mine.empty:
+        raise ValueError(f"{run}: no passkey trials of the unextended member within L = {L}")
+    sums = mine.groupby("seed")[["successes", "trials"]].sum()
+    return {int(seed): float(r["successes"] / r["trials"]) for seed, r in sums.iterrows()}
+
+
+def extend_study_table(runs: Sequence[str | os.PathLike], *, steps: str = "last",
+                       min_skill: float = 0.0) -> pd.DataFrame:
     """The study's table over the `zoo extend` output folders `runs` (see the module docstring for each column).
 
     Args:
         runs: folders written by `posprobe zoo extend` with passkey trials (each holds `extend/` and the HF folders).
         steps: "last" (each method at its last checkpoint, the unextended member at 0) or "all" (every checkpoint).
+        min_skill: leave out every seed whose unextended member succeeds within L on less than this share of its
+            trials (0 keeps every seed; 0.5 reads "did the method keep a skill the member had").
 
     Returns:
         One row per head dim, L, fine-tuning, method and step (columns `STUDY_COLUMNS`; rates in [0, 1], windows
@@ -136,7 +151,11 @@ def extend_study_table(runs: Sequence[str | os.PathLike], *, steps: str = "last"
         raise ValueError(f"steps must be 'last' or 'all'; got {steps!r}")
     if not runs:
         raise ValueError("name at least one `zoo extend` output folder")
+    if not 0.0 <= float(min_skill) <= 1.0:
+        raise ValueError(f"min_skill is a share of trials, in [0, 1]; got {min_skill!r}")
     cells: dict[tuple, list[dict]] = {}  # one key per row: the runs' parts pooled into it
+    # The seeds min_skill leaves out, per member cell (head dim, L, target, fine-tuning), also from runs that keep none.
+    left_out: dict[tuple, list[dict]] = {}
     for run in map(Path, runs):
         if not (run / "extend" / "meta.json").is_file():
             raise ValueError(f"{run} is not a `zoo extend` output folder (no extend/meta.json)")
@@ -155,6 +174,13 @@ def extend_study_table(runs: Sequence[str | os.PathLike], *, steps: str = "last"
                      bounds=_largest_bound(res.tables.get("mechanism")),
                      previous=_strongest_previous(res.tables.get("previous_token")))
         pk = pk[pk["status"] == "ok"]
+        skill = _member_skill(pk, L, run)
+        kept = [s for s in sorted(skill) if skill[s] >= min_skill]
+        facts.update(skill=skill)
+        left_out.setdefault((head_dim, L, target, tuning), []).extend(
+            dict(head_dim=head_dim, L=L, fine_tuning=tuning, seed=s, member_within_L=skill[s], run=str(run))
+            for s in sorted(skill) if s not in kept)
+        pk, win = pk[pk["seed"].isin(kept)], win[win["seed"].isin(kept)]
         for method, g in pk.groupby("method", sort=False):
             chosen = sorted(g["step"].unique()) if steps == "all" else [int(g["step"].max())]
             for step in chosen:
@@ -162,8 +188,13 @@ def extend_study_table(runs: Sequence[str | os.PathLike], *, steps: str = "last"
                 cells.setdefault((head_dim, L, target, tuning, str(method), int(step)), []).append(
                     dict(facts, at=g[g["step"] == step], last=step == int(g["step"].max()),
                          w=win[(win["method"] == method) & (win["step"] == step)]))
-    rows = [_row(key, parts) for key, parts in cells.items()]
+    if not cells:
+        raise ValueError(f"no seed's member succeeds within L on at least {min_skill:g} of its passkey trials: "
+                         "nothing is left to compare (lower --min-skill)")
+    rows = [dict(_row(key, parts), seeds_left_out=len(left_out.get(key[:4], []))) for key, parts in cells.items()]
     df = pd.DataFrame(rows, columns=STUDY_COLUMNS)
+    # Which seeds were left out (a cell whose every seed is out has no row at all): for the command's stderr.
+    df.attrs["left_out"] = [x for group in left_out.values() for x in group]
     return df.sort_values(["L", "head_dim", "fine_tuning", "method", "step"], kind="stable").reset_index(drop=True)
 
 
@@ -188,8 +219,11 @@ def _row(key: tuple, parts: list[dict]) -> dict:
         row[f"success_{side}_L"] = hits / n if n else float("nan")
         row[f"success_{side}_L_low"], row[f"success_{side}_L_high"] = wilson_ci(hits, n)
     ew = [int(x) for x in w["effective_window"]]
+    parts_skill = {s: p["skill"][s] for p in parts for s in map(int, p["at"]["seed"].unique())}
     row.update(window_mean=float(np.mean(ew)) if ew else float("nan"), window_min=min(ew) if ew else None,
-               window_max=max(ew) if ew else None, window_seeds=" ".join(map(str, ew)), bands=head_dim // 2,
+               window_max=max(ew) if ew else None, window_seeds=" ".join(map(str, ew)),
+               member_skill_seeds=" ".join(f"{parts_skill[s]:.3f}" for s in sorted(parts_skill)),
+               bands=head_dim // 2,
                bands_within_L=parts[0]["fast"], bands_within_L_over_s=parts[0]["fast_after_pi"])
     for column, table in (("fast_share", "usage"), ("interpolation_bound", "bounds"),
                           ("prev_token_attention", "previous")):
@@ -203,20 +237,23 @@ def _row(key: tuple, parts: list[dict]) -> dict:
     return row
 
 
-def extend_study(runs: Sequence[str | os.PathLike], *, steps: str = "last") -> Result:
+def extend_study(runs: Sequence[str | os.PathLike], *, steps: str = "last", min_skill: float = 0.0) -> Result:
     """The study over `runs` as a Result (table `study`, see `extend_study_table`), for `posprobe zoo extend-study`.
 
     Args:
         runs: folders written by `posprobe zoo extend` with passkey trials.
         steps: "last" or "all" checkpoints (as in `extend_study_table`).
+        min_skill: leave out seeds whose unextended member succeeds within L below this share (as there).
 
     Returns:
         A Result with the table `study` and meta naming the runs.
     """
-    df = extend_study_table(runs, steps=steps)
+    df = extend_study_table(runs, steps=steps, min_skill=min_skill)
     meta = make_meta("zoo-extend-study", model={"name": "zoo", "positional_kind": "several"},
-                     data={"source": "zoo extend runs", "runs": [str(r) for r in runs]},
-                     config={"steps": steps}, title=f"Context extension across {len(runs)} runs")
+                     data={"source": "zoo extend runs", "runs": [str(r) for r in runs],
+                           "seeds_left_out": df.attrs.get("left_out", [])},
+                     config={"steps": steps, "min_skill": float(min_skill)},
+                     title=f"Context extension across {len(runs)} runs")
     return Result({"study": df}, meta)
 
 
@@ -235,12 +272,13 @@ def printed_study(df: pd.DataFrame) -> str:
 
     lines = [f"{'head dim':>8} {'L':>5} {'fine-tuning':18} {'method':11} {'step':>5} {'seeds':>5} "
              f"{'within L [95% CI]':>18} {'beyond L [95% CI]':>18} {'windows':>14} {'bands within L (L/s)':>21} "
-             f"{'fast share':>10} {'prev-token':>10}"]
+             f"{'fast share':>10} {'prev-token':>10}  member within L (left out)"]
     for _, r in df.iterrows():
         share = "" if pd.isna(r["fast_share"]) else f"{r['fast_share']:.3f}"
         prev = "" if pd.isna(r["prev_token_attention"]) else f"{r['prev_token_attention']:.2f}"
+        out = f" ({r['seeds_left_out']})" if r["seeds_left_out"] else ""
         lines.append(f"{r['head_dim']:>8} {r['L']:>5} {r['fine_tuning']:18} {r['method']:11} {r['step']:>5} "
                      f"{r['seeds']:>5} {rate(r, 'within'):>18} {rate(r, 'beyond'):>18} {r['window_seeds']:>14} "
                      f"{r['bands_within_L']:>5} of {r['bands']:<3} ({r['bands_within_L_over_s']}){'':>7} {share:>10} "
-                     f"{prev:>10}")
+                     f"{prev:>10}  {r['member_skill_seeds']}{out}")
     return "\n".join(lines)

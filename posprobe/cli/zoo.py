@@ -5,6 +5,7 @@ they extrapolate past the training length (`zoo eval`), run every positional ana
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 HELP = ("The positional zoo: small causal LMs that differ only in positions (learned, sinusoidal, ALiBi, rotary, "
@@ -120,6 +121,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     st.add_argument("runs", nargs="+", metavar="RUN", help="folders written by posprobe zoo extend")
     st.add_argument("--steps", choices=("last", "all"), default="last",
                     help="each method at its last checkpoint (default) or at every checkpoint")
+    st.add_argument("--min-skill", metavar="P", type=float, default=0.0,
+                    help="leave out the seeds whose unextended member succeeds within L on less than this share of "
+                         "its passkey trials (default 0: every seed; the table says how many were left out)")
     add_output_arguments(st)
     c = sub.add_parser("sink-control", help="a positive control for sinks: members trained on Bigram-Backcopy "
                                             "(Guo et al. 2024), their Sink_1^0.3, value drain and residual peak",
@@ -404,7 +408,12 @@ def _extend_study(args: argparse.Namespace) -> int:
     from posprobe.cli import checks
 
     checks.check_out(args.out)
-    result = extend_study(args.runs, steps=args.steps)  # reads tables only: every refusal before anything is written
+    # reads tables only: every refusal before anything is written
+    result = extend_study(args.runs, steps=args.steps, min_skill=args.min_skill)
+    for x in result.meta["data"]["seeds_left_out"]:
+        print(f"left out: head dim {x['head_dim']}, L = {x['L']}, {x['fine_tuning']}, seed {x['seed']} (its member "
+              f"succeeds on {x['member_within_L']:.3f} within L, under --min-skill {args.min_skill:g})",
+              file=sys.stderr)
     print(printed_study(result.tables["study"]))
     paths = result.save(args.out, figure_formats=args.figures, csv=args.csv)
     print(f"wrote {paths['report']}")
