@@ -175,12 +175,12 @@ def extend_study_table(runs: Sequence[str | os.PathLike], *, steps: str = "last"
                      previous=_strongest_previous(res.tables.get("previous_token")))
         pk = pk[pk["status"] == "ok"]
         skill = _member_skill(pk, L, run)
-        kept = [s for s in sorted(skill) if skill[s] >= min_skill]
+        out = [s for s in sorted(skill) if skill[s] < min_skill]
         facts.update(skill=skill)
         left_out.setdefault((head_dim, L, target, tuning), []).extend(
             dict(head_dim=head_dim, L=L, fine_tuning=tuning, seed=s, member_within_L=skill[s], run=str(run))
-            for s in sorted(skill) if s not in kept)
-        pk, win = pk[pk["seed"].isin(kept)], win[win["seed"].isin(kept)]
+            for s in out)
+        pk, win = pk[~pk["seed"].isin(out)], win[~win["seed"].isin(out)]
         for method, g in pk.groupby("method", sort=False):
             chosen = sorted(g["step"].unique()) if steps == "all" else [int(g["step"].max())]
             for step in chosen:
